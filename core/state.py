@@ -1,0 +1,42 @@
+"""The train state: one pytree holding everything a step reads and writes.
+
+``TrainState`` is a NamedTuple (a pytree node for optree without registration, like Flax's
+``TrainState`` struct): the step counter, params, optimizer state, the RNG key, the data cursor (index
+of the next batch; the step advances it, the loop reads its host mirror), and the fp16 loss-scale state
+(empty unless fp16). Training is ``state -> state``: a checkpoint of this tuple is a complete resume point.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from core import rng
+from core.loss_scale import init_loss_scale
+
+
+class TrainState(NamedTuple):
+    step: torch.Tensor        # int64, optimizer steps taken
+    params: Any
+    opt_state: Any
+    key: torch.Tensor         # RNG key (core.rng); dropout uses fold_in(key, step)
+    cursor: torch.Tensor      # int64, index of the next batch in the data iterator
+    loss_scale: dict          # {} or {"scale", "growth_tracker"} for fp16
+
+
+def init_state(params, optimizer, seed: int = 0, precision: str = "fp32") -> TrainState:
+    device = next(iter(t.device for t in _tensors(params)), torch.device("cpu"))
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return TrainState(
+        step=zero.clone(),
+        params=params,
+        opt_state=optimizer.init(params),
+        key=rng.key(seed, device),
+        cursor=zero.clone(),
+        loss_scale=init_loss_scale(device) if precision == "fp16" else {},
+    )
+
+
+def _tensors(tree):
+    from core.tree import tree_leaves
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]

@@ -1,0 +1,196 @@
+"""Pure train and eval steps: ``train_step(state, batch) -> (state, metrics)`` (Flax's ``train_step``).
+
+``make_train_step(loss_fn, optimizer)`` builds the step from a loss over a params pytree:
+
+    loss_fn(params, batch[, key=...][, frozen=...]) -> loss  or  (loss, aux: dict of 0-d tensors)
+
+``key`` (if the loss takes it) is a per-step RNG key for dropout; ``frozen`` (if it takes it) is a pytree
+of tensors that are inputs but not trained (a teacher, frozen layers): ``train_step(state, batch, frozen)``
+passes it through as a graph input rather than a baked-in constant.
+
+Two gradient paths give the same numbers (tested):
+
+- ``grad_mode="func"`` (default): ``torch.func.grad_and_value`` inside one function, so forward,
+  backward, clipping, the optimizer and the skip logic compile into a single ``fullgraph`` graph.
+- ``grad_mode="autograd"``: the loss is compiled on its own, ``torch.autograd.grad`` runs outside it,
+  and the update is compiled on its own. This is the path for what ``func.grad`` cannot do today,
+  activation checkpointing above all (pytorch/pytorch#122729).
+
+Inside the step: micro-batches (``grad_accum``; the batch has a leading micro-batch axis) are averaged;
+``bf16``/``fp16`` run the loss under autocast with fp32 master weights; fp16 multiplies the loss by the
+dynamic loss scale and unscales the gradients before anything reads them; a non-finite loss or gradient
+norm leaves params, optimizer state and the data cursor's meaning untouched through ``torch.where``
+(the step counter still advances, ``metrics["skipped"]`` says so). Metrics are 0-d tensors: the host
+pulls them when it logs, never per step.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Callable, Optional
+
+import torch
+
+from core import rng
+from core.compile import maybe_compile
+from core.loss_scale import update_loss_scale
+from core.state import TrainState
+from core.tree import global_norm, tree_flatten, tree_map, tree_unflatten, where
+from optim.base import apply_updates
+from optim.common import current_lr
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+GRAD_MODES = ("func", "autograd")
+
+
+def autocast(precision: str, device_type: str):
+    """The autocast context for ``precision`` (a no-op for fp32)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown dtype {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def _loss_caller(loss_fn: Callable) -> Callable:
+    """Normalize ``loss_fn`` to ``(params, batch, key, frozen) -> (loss, aux)``."""
+    sig = inspect.signature(loss_fn).parameters
+    takes_key, takes_frozen = "key" in sig, "frozen" in sig
+
+    def call(params, batch, key, frozen):
+        kwargs = {}
+        if takes_key:
+            kwargs["key"] = key
+        if takes_frozen:
+            kwargs["frozen"] = frozen
+        out = loss_fn(params, batch, **kwargs)
+        return out if isinstance(out, tuple) else (out, {})
+
+    return call
+
+
+def _micro_batches(batch, grad_accum: int):
+    if grad_accum == 1:
+        return [batch]
+    leaves, spec = tree_flatten(batch)
+    columns = [leaf.unbind(0) for leaf in leaves]
+    if any(len(c) != grad_accum for c in columns):
+        raise ValueError(f"grad_accum={grad_accum} needs every batch leaf to have a leading axis of that size")
+    return [tree_unflatten(spec, [c[i] for c in columns]) for i in range(grad_accum)]
+
+
+def _mean(values: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([v.float() for v in values]).mean()
+
+
+def _mean_aux(auxes: list[dict]) -> dict:
+    return {k: _mean([a[k] for a in auxes]) for k in auxes[0]} if auxes and auxes[0] else {}
+
+
+def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precision: str = "fp32",
+                    device_type: str = "cpu", grad_mode: str = "func", compile: bool = False,
+                    extra_metrics: Optional[Callable] = None) -> Callable:
+    """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
+
+    ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the
+    metrics from inside the step, e.g. gradient health statistics.
+    """
+    if grad_mode not in GRAD_MODES:
+        raise ValueError(f"unknown grad_mode {grad_mode!r}; choose one of {', '.join(GRAD_MODES)}")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    call = _loss_caller(loss_fn)
+
+    def objective(params, batch, key, frozen, scale):
+        with autocast(precision, device_type):
+            loss, aux = call(params, batch, key, frozen)
+        loss = loss.float()
+        return loss * scale / grad_accum, (loss.detach(), aux)
+
+    def func_grads(params, batch, key, frozen, scale):
+        grad_fn = torch.func.grad_and_value(objective, has_aux=True)
+        total, losses, auxes = None, [], []
+        for i, micro in enumerate(_micro_batches(batch, grad_accum)):
+            grads, (_, (loss, aux)) = grad_fn(params, micro, rng.fold_in(key, i), frozen, scale)
+            total = grads if total is None else tree_map(torch.add, total, grads)
+            losses.append(loss)
+            auxes.append(aux)
+        return total, _mean(losses), _mean_aux(auxes)
+
+    compiled_objective = maybe_compile(objective, compile, fullgraph=False)
+
+    def autograd_grads(params, batch, key, frozen, scale):
+        leaves, spec = tree_flatten(params)
+        live = [p.detach().requires_grad_() for p in leaves]
+        live_params = tree_unflatten(spec, live)
+        total, losses, auxes = None, [], []
+        for i, micro in enumerate(_micro_batches(batch, grad_accum)):
+            obj, (loss, aux) = compiled_objective(live_params, micro, rng.fold_in(key, i), frozen, scale)
+            grads = torch.autograd.grad(obj, live, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves)]
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+            losses.append(loss.detach())
+            auxes.append({k: v.detach() for k, v in aux.items()})
+        return tree_unflatten(spec, total), _mean(losses), _mean_aux(auxes)
+
+    def apply_gradients(state: TrainState, grads, loss, aux):
+        scale = state.loss_scale.get("scale") if state.loss_scale else None
+        if scale is not None:
+            grads = tree_map(lambda g: g / scale.to(g.dtype), grads)   # unscale before clipping or stats
+        grad_norm = global_norm(grads)
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_params = apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": current_lr(opt_state).float(),
+                   "skipped": (~finite).float(), **aux}
+        if extra_metrics is not None:
+            metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=new_params))
+        loss_scale = state.loss_scale
+        if scale is not None:
+            loss_scale = update_loss_scale(state.loss_scale, finite)
+            metrics["loss_scale"] = loss_scale["scale"]
+        new_state = TrainState(
+            step=state.step + 1,
+            params=where(finite, new_params, state.params),
+            opt_state=where(finite, opt_state, state.opt_state),
+            key=state.key,
+            cursor=state.cursor + 1,
+            loss_scale=loss_scale,
+        )
+        return new_state, metrics
+
+    def _scale(state):
+        if state.loss_scale:
+            return state.loss_scale["scale"]
+        return torch.ones((), device=state.step.device)
+
+    if grad_mode == "func":
+        def train_step(state: TrainState, batch, frozen=None):
+            key = rng.fold_in(state.key, state.step)
+            grads, loss, aux = func_grads(state.params, batch, key, frozen, _scale(state))
+            return apply_gradients(state, grads, loss, aux)
+
+        return maybe_compile(train_step, compile)
+
+    compiled_apply = maybe_compile(apply_gradients, compile)
+
+    def train_step(state: TrainState, batch, frozen=None):
+        key = rng.fold_in(state.key, state.step)
+        grads, loss, aux = autograd_grads(state.params, batch, key, frozen, _scale(state))
+        return compiled_apply(state, grads, loss, aux)
+
+    return train_step
+
+
+def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: str = "cpu",
+                   compile: bool = False) -> Callable:
+    """``eval_step(params, batch, frozen=None) -> metrics`` (no gradients, no dropout)."""
+    call = _loss_caller(loss_fn)
+
+    def eval_step(params, batch, frozen=None):
+        with torch.no_grad(), autocast(precision, device_type):
+            loss, aux = call(params, batch, None, frozen)
+        return {"loss": loss.float(), **{k: v.float() for k, v in aux.items()}}
+
+    return maybe_compile(eval_step, compile)

@@ -1,0 +1,141 @@
+"""Pytree helpers over nested dicts of tensors keyed by readable names.
+
+Parameters, gradients and optimizer moments are plain nested dicts whose leaves are tensors, e.g.
+``{"embed": T, "layers": {"attn": {"wq": T, ...}}}``. A leaf's *name* is its dotted path
+(``"layers.attn.wq"``). Everything here is out of place and traceable by ``torch.compile`` (optree is
+traced natively by dynamo on torch >= 2.10), in the spirit of ``jax.tree_util`` / ``optax.tree``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import optree
+import torch
+
+Tree = Any
+
+tree_map = optree.tree_map
+tree_leaves = optree.tree_leaves
+tree_structure = optree.tree_structure
+tree_flatten = optree.tree_flatten
+tree_unflatten = optree.tree_unflatten
+
+
+def named_leaves(tree: Tree) -> list[tuple[str, Any]]:
+    """(dotted name, leaf) pairs in optree's deterministic (sorted-key) order."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    return [(".".join(str(k) for k in path), leaf) for path, leaf in zip(paths, leaves)]
+
+
+def names(tree: Tree) -> list[str]:
+    return [n for n, _ in named_leaves(tree)]
+
+
+def tree_map_with_name(fn: Callable[[str, Any], Any], tree: Tree, *rest: Tree) -> Tree:
+    """``tree_map`` whose function also receives the leaf's dotted name as its first argument."""
+    return optree.tree_map_with_path(lambda path, *xs: fn(".".join(str(k) for k in path), *xs), tree, *rest)
+
+
+def flatten_dict(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> flat ``{"a.b.c": leaf}`` (insertion order kept)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_dict(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def unflatten_dict(flat: dict[str, Any]) -> dict:
+    """Flat ``{"a.b.c": leaf}`` -> nested dict. The inverse of :func:`flatten_dict`."""
+    tree: dict = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, last = name.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return tree
+
+
+def zeros_like(tree: Tree, dtype: torch.dtype | None = None) -> Tree:
+    return tree_map(lambda t: torch.zeros_like(t, dtype=dtype), tree)
+
+
+def clone(tree: Tree) -> Tree:
+    """A deep copy of every tensor leaf (a branch of a state is a clone of its pytree)."""
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def cast(tree: Tree, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Tree:
+    """Move floating-point leaves to ``dtype`` and every tensor leaf to ``device``."""
+
+    def move(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        target = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        return t.to(device=device if device is not None else t.device, dtype=target)
+
+    return tree_map(move, tree)
+
+
+def detach(tree: Tree) -> Tree:
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def squared_norms(tree: Tree) -> list[torch.Tensor]:
+    """Per-leaf squared L2 norms in float32 (one fused multi-tensor kernel where available)."""
+    leaves = tree_leaves(tree)
+    if not leaves:
+        return []
+    return [torch.linalg.vector_norm(t, dtype=torch.float32).square() for t in leaves]
+
+
+def global_norm(tree: Tree) -> torch.Tensor:
+    """L2 norm over every element of every leaf, computed in float32 (no host sync)."""
+    sq = squared_norms(tree)
+    if not sq:
+        return torch.zeros(())
+    return torch.stack(sq).sum().sqrt()
+
+
+def size(tree: Tree) -> int:
+    """Total number of elements over all tensor leaves."""
+    return sum(t.numel() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def where(cond: torch.Tensor, on_true: Tree, on_false: Tree) -> Tree:
+    """Leafwise ``torch.where``: pick a whole pytree without a host branch."""
+    return tree_map(lambda a, b: torch.where(cond, a, b), on_true, on_false)
+
+
+def allclose(a: Tree, b: Tree, rtol: float = 1e-5, atol: float = 1e-8) -> bool:
+    la, lb = tree_leaves(a), tree_leaves(b)
+    return len(la) == len(lb) and all(torch.allclose(x, y, rtol=rtol, atol=atol) for x, y in zip(la, lb))
+
+
+def max_abs_diff(a: Tree, b: Tree) -> float:
+    """Largest absolute difference between two pytrees of the same structure (for tests and reports)."""
+    diffs = [(x.double() - y.double()).abs().max().item() for x, y in zip(tree_leaves(a), tree_leaves(b))]
+    return max(diffs) if diffs else 0.0
+
+
+def stack(trees: Iterable[Tree]) -> Tree:
+    """Stack a sequence of same-structured pytrees along a new leading axis (the layer axis)."""
+    trees = list(trees)
+    return tree_map(lambda *xs: torch.stack(xs), *trees)
+
+
+def unstack(tree: Tree) -> list[Tree]:
+    """The inverse of :func:`stack`: unbind every leaf once along axis 0 into a list of pytrees.
+
+    ``torch.unbind`` gives views whose gradients are gathered by one ``stack`` in backward; indexing
+    ``w[i]`` in a loop would make autograd scatter into a full-size zero tensor per layer.
+    """
+    leaves, spec = tree_flatten(tree)
+    if not leaves:
+        return []
+    columns = [leaf.unbind(0) for leaf in leaves]
+    return [tree_unflatten(spec, [col[i] for col in columns]) for i in range(len(columns[0]))]

@@ -1,0 +1,258 @@
+"""A Llama-family decoder as plain functions over a params pytree.
+
+Follows Meta's Llama / Hugging Face ``LlamaForCausalLM`` numerics: RMSNorm (Zhang & Sennrich 2019),
+rotary position embeddings in the "rotate half" layout with optional llama3 frequency scaling
+(Su et al. 2021; Llama 3.1 ``rope_scaling``), grouped-query attention (Ainslie et al. 2023), SwiGLU MLP
+(Shazeer 2020), tied or untied embeddings. It reads top to bottom like nanoGPT's ``model.py``, except that
+nothing here owns state: ``init(cfg, seed) -> params`` and ``apply(params, tokens, cfg) -> logits``.
+
+Params (weights in torch's ``(out, in)`` layout, so Hugging Face tensors map one to one)::
+
+    embed                [vocab, d]
+    layers.attn_norm     [L, d]
+    layers.attn.wq       [L, n_heads * head_dim, d]
+    layers.attn.wk       [L, n_kv_heads * head_dim, d]
+    layers.attn.wv       [L, n_kv_heads * head_dim, d]
+    layers.attn.wo       [L, d, n_heads * head_dim]
+    layers.mlp_norm      [L, d]
+    layers.mlp.w_gate    [L, ffn, d]
+    layers.mlp.w_up      [L, ffn, d]
+    layers.mlp.w_down    [L, d, ffn]
+    norm                 [d]
+    lm_head              [vocab, d]   (absent when tie_embeddings)
+
+Blocks are stacked along a leading layer axis (Flax ``nn.scan``, Levanter ``Stacked``) and unbound once
+per forward with ``torch.unbind``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from core import rng
+from core.tree import unstack
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0          # 0 means n_heads (plain multi-head attention)
+    head_dim: int = 0            # 0 means d_model // n_heads
+    ffn_dim: int = 0             # 0 means the Llama rule: 8/3 * d rounded up to a multiple of 64
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)  # {} or llama3: factor, low_freq_factor, ...
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.n_kv_heads == 0:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim == 0:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+            self.head_dim = self.d_model // self.n_heads
+        if self.ffn_dim == 0:
+            self.ffn_dim = 64 * math.ceil(8 * self.d_model / 3 / 64)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# parameters
+
+def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+         device: torch.device | str | None = None) -> dict:
+    """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2 * n_layers) (GPT-2), ones for norms."""
+    g = torch.Generator().manual_seed(seed)
+    L, d, hd = cfg.n_layers, cfg.d_model, cfg.head_dim
+    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+    def normal(*shape, s=std):
+        return (torch.randn(*shape, generator=g) * s).to(dtype=dtype, device=device)
+
+    def ones(*shape):
+        return torch.ones(*shape, dtype=dtype, device=device)
+
+    params = {
+        "embed": normal(cfg.vocab_size, d),
+        "layers": {
+            "attn_norm": ones(L, d),
+            "attn": {
+                "wq": normal(L, cfg.n_heads * hd, d),
+                "wk": normal(L, cfg.n_kv_heads * hd, d),
+                "wv": normal(L, cfg.n_kv_heads * hd, d),
+                "wo": normal(L, d, cfg.n_heads * hd, s=out_std),
+            },
+            "mlp_norm": ones(L, d),
+            "mlp": {
+                "w_gate": normal(L, cfg.ffn_dim, d),
+                "w_up": normal(L, cfg.ffn_dim, d),
+                "w_down": normal(L, d, cfg.ffn_dim, s=out_std),
+            },
+        },
+        "norm": ones(d),
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = normal(cfg.vocab_size, d)
+    return params
+
+
+def lm_head(params: dict) -> torch.Tensor:
+    return params["lm_head"] if "lm_head" in params else params["embed"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building blocks
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as Hugging Face's ``LlamaRMSNorm``."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies of the head_dim / 2 rotary pairs, with llama3 scaling when configured."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", ""))
+    if kind in ("", "default"):
+        return inv_freq.float()
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin of shape [T, 2 * len(inv_freq)] for the rotate-half layout (pair i is dims i, i + n/2)."""
+    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, H, T, D] by position; ``cos``/``sin`` are [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def causal_attention(q, k, v, past_len: int = 0) -> torch.Tensor:
+    """Causal SDPA over [B, H, T, D] queries and [B, Hkv, S, D] keys/values (GQA via ``enable_gqa``).
+
+    With a KV cache the queries sit at positions ``past_len .. past_len + T - 1`` of the ``S`` keys.
+    """
+    T, S = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
+    if past_len == 0 and T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if T == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    qpos = torch.arange(past_len, past_len + T, device=q.device)[:, None]
+    mask = torch.arange(S, device=q.device)[None, :] <= qpos
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def attention(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, cache: Optional[dict] = None,
+              past_len: int = 0) -> torch.Tensor:
+    B, T, _ = x.shape
+    q = F.linear(x, p["wq"]).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+    k = F.linear(x, p["wk"]).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+    v = F.linear(x, p["wv"]).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cache is not None:
+        k, v = cache_append(cache, k, v, past_len)
+    y = causal_attention(q, k, v, past_len)
+    return F.linear(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim), p["wo"])
+
+
+def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, p["w_gate"])) * F.linear(x, p["w_up"]), p["w_down"])
+
+
+def block(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, key=None, cache=None, past_len: int = 0):
+    h = attention(p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, cache, past_len)
+    if key is not None:
+        h = rng.dropout(rng.fold_in(key, 1), h, cfg.dropout)
+    x = x + h
+    h = mlp(p["mlp"], rms_norm(x, p["mlp_norm"], cfg.norm_eps))
+    if key is not None:
+        h = rng.dropout(rng.fold_in(key, 2), h, cfg.dropout)
+    return x + h
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the model
+
+def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional[torch.Tensor] = None,
+          return_hidden: bool = False, cache: Optional[list] = None, past_len: int = 0):
+    """Logits [B, T, vocab] for ``tokens`` [B, T].
+
+    ``key`` turns on dropout (training); ``return_hidden`` also returns the residual stream entering every
+    block plus the final block output (``L + 1`` tensors, before the final norm); ``cache`` (from
+    :func:`new_cache`) makes this an incremental decode step at ``past_len``.
+    """
+    T = tokens.shape[1]
+    x = F.embedding(tokens, params["embed"])
+    positions = torch.arange(past_len, past_len + T, device=tokens.device)
+    cos, sin = rope_tables(rope_frequencies(cfg), positions, x.dtype)
+    if key is not None:
+        x = rng.dropout(rng.fold_in(key, 0), x, cfg.dropout)
+    hidden = []
+    for i, lp in enumerate(unstack(params["layers"])):
+        hidden.append(x)
+        layer_key = None if key is None else rng.fold_in(key, 1000 + i)
+        x = block(lp, x, cos, sin, cfg, layer_key, None if cache is None else cache[i], past_len)
+    hidden.append(x)
+    logits = F.linear(rms_norm(x, params["norm"], cfg.norm_eps), lm_head(params))
+    return (logits, hidden) if return_hidden else logits
+
+
+def loss(params: dict, batch: dict, cfg: LlamaConfig, key: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored)."""
+    logits = apply(params, batch["x"], cfg, key=key)
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten(), ignore_index=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# KV cache for generation
+
+def new_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=torch.float32, device=None) -> list:
+    """One ``{"k", "v"}`` buffer pair per layer, [B, n_kv_heads, max_len, head_dim]."""
+    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+    return [{"k": torch.zeros(shape, dtype=dtype, device=device), "v": torch.zeros(shape, dtype=dtype, device=device)}
+            for _ in range(cfg.n_layers)]
+
+
+def cache_append(cache: dict, k: torch.Tensor, v: torch.Tensor, past_len: int):
+    """Write this step's keys/values at ``past_len`` and return the filled prefix (the one mutable buffer)."""
+    end = past_len + k.shape[-2]
+    cache["k"][:, :, past_len:end] = k
+    cache["v"][:, :, past_len:end] = v
+    return cache["k"][:, :, :end], cache["v"][:, :, :end]
+
+
+def kv_bytes_per_token(cfg: LlamaConfig, dtype_bytes: int = 2) -> int:
+    """Cached bytes per token over all layers: 2 * n_kv_heads * head_dim per layer."""
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes

@@ -1,0 +1,17 @@
+"""optim: optax-shaped gradient transformations for PyTorch pytrees (see ``optim.base``)."""
+from optim.adamw import adamw, scale_by_adam
+from optim.base import (EmptyState, GradientTransformation, apply_updates, chain, find_state, identity,
+                        replace_states)
+from optim.clip import clip_by_global_norm
+from optim.common import (add_decayed_weights, base_lr, current_lr, decay_mask, scale_by_learning_rate,
+                          scale_lr)
+from optim.lion import lion, scale_by_lion
+from optim.sgd import sgd, trace
+from optim import schedules
+
+__all__ = [
+    "GradientTransformation", "EmptyState", "identity", "chain", "apply_updates", "find_state",
+    "replace_states", "adamw", "scale_by_adam", "sgd", "trace", "lion", "scale_by_lion",
+    "clip_by_global_norm", "add_decayed_weights", "scale_by_learning_rate", "current_lr", "base_lr",
+    "scale_lr", "decay_mask", "schedules",
+]

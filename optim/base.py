@@ -1,0 +1,114 @@
+"""The optax interface in PyTorch: gradient transformations as ``(init, update)`` pairs.
+
+``init(params) -> state`` and ``update(updates, state, params) -> (updates, state)``, both out of place,
+composed with :func:`chain` (optax ``base.py`` / ``combine.py``). Hyperparameters that a run may change
+(learning rate, betas, weight decay) live in the state as 0-d tensors, as in optax's
+``inject_hyperparams``, so a schedule or an edit never recompiles a compiled step. Their dtype follows
+the params' widest float dtype (float64 params give float64 hyperparameters, as ``torch.optim`` computes
+its bias corrections in double precision).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from core.tree import Tree, tree_leaves, tree_map
+
+
+class GradientTransformation(NamedTuple):
+    init: Callable[[Tree], Any]
+    update: Callable[..., tuple[Tree, Any]]
+
+
+class EmptyState(NamedTuple):
+    pass
+
+
+def identity() -> GradientTransformation:
+    return GradientTransformation(lambda params: EmptyState(), lambda updates, state, params=None: (updates, state))
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply transforms in order; the state is the tuple of their states."""
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Tree, updates: Tree) -> Tree:
+    """``params + updates``, cast back to each param's dtype (optax ``apply_updates``)."""
+    return tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+
+
+def hparam_dtype(params: Tree) -> torch.dtype:
+    floats = [t.dtype for t in tree_leaves(params) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return torch.float64 if torch.float64 in floats else torch.float32
+
+
+def hparam_device(params: Tree) -> torch.device:
+    leaves = [t for t in tree_leaves(params) if isinstance(t, torch.Tensor)]
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def hparams(params: Tree, **values: float) -> dict[str, torch.Tensor]:
+    """0-d tensors on the params' device, in :func:`hparam_dtype`."""
+    dtype, device = hparam_dtype(params), hparam_device(params)
+    return {k: torch.tensor(float(v), dtype=dtype, device=device) for k, v in values.items()}
+
+
+def counter(params: Tree) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device=hparam_device(params))
+
+
+def resolve_mask(mask: Tree | Callable[[Tree], Tree] | None, params: Tree) -> Tree | None:
+    """A mask is a pytree of Python bools shaped like params, or a function of params giving one."""
+    if mask is None:
+        return None
+    return mask(params) if callable(mask) else mask
+
+
+def iter_states(state: Any):
+    """Depth-first walk over the (nested tuple) state of a chain, yielding every NamedTuple state."""
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        yield state
+        for value in state:
+            yield from iter_states(value)
+    elif isinstance(state, (tuple, list)):
+        for value in state:
+            yield from iter_states(value)
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from iter_states(value)
+
+
+def find_state(state: Any, cls: type) -> Any | None:
+    """The first sub-state of type ``cls`` in a chain's state (or None)."""
+    for s in iter_states(state):
+        if isinstance(s, cls):
+            return s
+    return None
+
+
+def replace_states(state: Any, cls: type, fn: Callable[[Any], Any]) -> Any:
+    """A copy of ``state`` where every sub-state of type ``cls`` is replaced by ``fn(sub_state)``."""
+    if isinstance(state, cls):
+        return fn(state)
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return type(state)(*(replace_states(v, cls, fn) for v in state))
+    if isinstance(state, tuple):
+        return tuple(replace_states(v, cls, fn) for v in state)
+    if isinstance(state, list):
+        return [replace_states(v, cls, fn) for v in state]
+    if isinstance(state, dict):
+        return {k: replace_states(v, cls, fn) for k, v in state.items()}
+    return state

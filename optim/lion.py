@@ -1,0 +1,40 @@
+"""Lion, EvoLved Sign Momentum (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Alg. 2).
+
+``c = b1 * m + (1 - b1) * g``; the update is ``sign(c)``; then ``m <- b2 * m + (1 - b2) * g``;
+decoupled weight decay ``p <- p - lr * (sign(c) + wd * p)``. Note the stored momentum is interpolated
+with ``b2`` only once per step (the seed framework updated it twice, caramba-notes W15).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from core.tree import tree_map, zeros_like
+from optim.base import GradientTransformation, chain, hparams
+from optim.common import add_decayed_weights, decay_mask, scale_by_learning_rate
+from optim.schedules import Schedule
+
+
+class ScaleByLionState(NamedTuple):
+    mu: dict
+    hparams: dict   # b1, b2
+
+
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
+    def init(params):
+        return ScaleByLionState(zeros_like(params), hparams(params, b1=b1, b2=b2))
+
+    def update(updates, state, params=None):
+        beta1, beta2 = state.hparams["b1"], state.hparams["b2"]
+        direction = tree_map(lambda m, g: torch.sign(beta1 * m + (1 - beta1) * g), state.mu, updates)
+        mu = tree_map(lambda m, g: beta2 * m + (1 - beta2) * g, state.mu, updates)
+        return direction, ScaleByLionState(mu, state.hparams)
+
+    return GradientTransformation(init, update)
+
+
+def lion(lr: float = 1e-4, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0, mask=decay_mask,
+         schedule: Schedule | None = None) -> GradientTransformation:
+    return chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask),
+                 scale_by_learning_rate(lr, schedule))

@@ -1,0 +1,1 @@
+"""recipes: the training loops (a config dataclass plus ``run(cfg)`` each)."""
