@@ -81,7 +81,7 @@ def _micro_batches(batch, grad_accum: int):
 
 
 def _mean(values: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([v.float() for v in values]).mean()
+    return values[0] if len(values) == 1 else torch.stack(values).mean()
 
 
 def _mean_aux(auxes: list[dict]) -> dict:
@@ -105,7 +105,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     def objective(params, batch, key, frozen, scale):
         with autocast(precision, device_type):
             loss, aux = call(params, batch, key, frozen)
-        loss = loss.float()
+        loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         return loss * scale / grad_accum, (loss.detach(), aux)
 
     def func_grads(params, batch, key, frozen, scale):
@@ -191,6 +191,6 @@ def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: s
     def eval_step(params, batch, frozen=None):
         with torch.no_grad(), autocast(precision, device_type):
             loss, aux = call(params, batch, None, frozen)
-        return {"loss": loss.float(), **{k: v.float() for k, v in aux.items()}}
+        return {"loss": loss, **aux}
 
     return maybe_compile(eval_step, compile)

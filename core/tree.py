@@ -86,19 +86,18 @@ def detach(tree: Tree) -> Tree:
 
 
 def squared_norms(tree: Tree) -> list[torch.Tensor]:
-    """Per-leaf squared L2 norms in float32 (one fused multi-tensor kernel where available)."""
-    leaves = tree_leaves(tree)
-    if not leaves:
-        return []
-    return [torch.linalg.vector_norm(t, dtype=torch.float32).square() for t in leaves]
+    """Per-leaf squared L2 norms, accumulated in at least float32 (so fp16/bf16 cannot overflow)."""
+    return [torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)).square()
+            for t in tree_leaves(tree)]
 
 
 def global_norm(tree: Tree) -> torch.Tensor:
-    """L2 norm over every element of every leaf, computed in float32 (no host sync)."""
+    """L2 norm over every element of every leaf, in at least float32 (no host sync)."""
     sq = squared_norms(tree)
     if not sq:
         return torch.zeros(())
-    return torch.stack(sq).sum().sqrt()
+    wide = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
+    return torch.stack([s.to(wide) for s in sq]).sum().sqrt()
 
 
 def size(tree: Tree) -> int:

@@ -117,19 +117,24 @@ def lm_head(params: dict) -> torch.Tensor:
 # building blocks
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, as Hugging Face's ``LlamaRMSNorm``."""
-    xf = x.float()
+    """RMSNorm computed in (at least) float32 and cast back, as Hugging Face's ``LlamaRMSNorm``."""
+    xf = x.to(upcast(x.dtype))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
+def upcast(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half types, the dtype itself for float32/float64 (norms and losses never go below fp32)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies of the head_dim / 2 rotary pairs, with llama3 scaling when configured."""
+    """Inverse frequencies (float64) of the head_dim / 2 rotary pairs, with llama3 scaling when configured."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", ""))
     if kind in ("", "default"):
-        return inv_freq.float()
+        return inv_freq
     if kind != "llama3":
         raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
     factor = scaling["factor"]
@@ -141,12 +146,16 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
     smooth = (old_ctx / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled).float()
+    return torch.where(medium, smoothed, scaled)
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin of shape [T, 2 * len(inv_freq)] for the rotate-half layout (pair i is dims i, i + n/2)."""
-    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    """cos, sin of shape [T, 2 * len(inv_freq)] for the rotate-half layout (pair i is dims i, i + n/2).
+
+    Angles are computed in float64 (float32 on MPS, which has no float64) and then cast to ``dtype``.
+    """
+    wide = torch.float32 if positions.device.type == "mps" else torch.float64
+    angles = positions.to(wide)[:, None] * inv_freq.to(device=positions.device, dtype=wide)[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -232,7 +241,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional
 def loss(params: dict, batch: dict, cfg: LlamaConfig, key: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored)."""
     logits = apply(params, batch["x"], cfg, key=key)
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten(), ignore_index=-1)
+    return F.cross_entropy(logits.flatten(0, 1).to(upcast(logits.dtype)), batch["y"].flatten(), ignore_index=-1)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rotate_half(x):
@@ -94,12 +94,12 @@ class LlamaModule(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, tokens):
         T = tokens.shape[1]
-        t = torch.arange(T, device=tokens.device).float()
+        t = torch.arange(T, device=tokens.device, dtype=torch.float64)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         x = self.embed_tokens(tokens)

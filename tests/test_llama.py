@@ -1,0 +1,114 @@
+"""The functional Llama against the ordinary nn.Module Llama (same weights), and its own invariants."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core import rng
+from core.tree import max_abs_diff, names
+from models import llama
+from models.llama_module import LlamaModule, grads_as_params, load_params
+
+CONFIGS = {
+    "gqa_tied": llama.LlamaConfig(vocab_size=97, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2, tie_embeddings=True),
+    "mha_untied": llama.LlamaConfig(vocab_size=80, d_model=32, n_layers=2, n_heads=4, tie_embeddings=False),
+    "mqa": llama.LlamaConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, rope_theta=500.0),
+}
+
+
+def tokens(cfg, b=3, t=24, seed=0):
+    return torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_forward_matches_module(name):
+    cfg = CONFIGS[name]
+    params = llama.init(cfg, seed=1)
+    # scale weights up so attention is far from uniform and a wrong head mapping would show
+    params["layers"]["attn"]["wq"] = params["layers"]["attn"]["wq"] * 8
+    module = load_params(LlamaModule(cfg), params)
+    tok = tokens(cfg)
+    assert max_abs_diff(llama.apply(params, tok, cfg), module(tok)) < 1e-5
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_func_grad_matches_backward(name):
+    cfg = CONFIGS[name]
+    params = llama.init(cfg, seed=2)
+    module = load_params(LlamaModule(cfg), params)
+    tok = tokens(cfg, seed=5)
+    batch = {"x": tok[:, :-1], "y": tok[:, 1:]}
+    grads = torch.func.grad(lambda p: llama.loss(p, batch, cfg))(params)
+    F.cross_entropy(module(batch["x"]).flatten(0, 1), batch["y"].flatten()).backward()
+    assert max_abs_diff(grads, grads_as_params(module)) < 1e-6
+    # a tied embedding receives both the input and the output use
+    if cfg.tie_embeddings:
+        assert "lm_head" not in params and grads["embed"].abs().sum() > 0
+
+
+def test_param_names_are_readable():
+    assert "layers.attn.wq" in names(llama.init(CONFIGS["gqa_tied"]))
+
+
+def test_kv_cache_decode_equals_full_forward():
+    cfg = CONFIGS["gqa_tied"]
+    params = llama.init(cfg, seed=4)
+    tok = tokens(cfg, b=2, t=12)
+    full = llama.apply(params, tok, cfg)
+    cache = llama.new_cache(cfg, batch=2, max_len=16)
+    prefill = llama.apply(params, tok[:, :7], cfg, cache=cache, past_len=0)
+    steps = [prefill] + [llama.apply(params, tok[:, t:t + 1], cfg, cache=cache, past_len=t) for t in range(7, 12)]
+    assert max_abs_diff(torch.cat(steps, dim=1), full) < 1e-5
+    # a chunk of several new tokens after a prefix (explicit mask path)
+    cache = llama.new_cache(cfg, batch=2, max_len=16)
+    a = llama.apply(params, tok[:, :5], cfg, cache=cache, past_len=0)
+    b = llama.apply(params, tok[:, 5:], cfg, cache=cache, past_len=5)
+    assert max_abs_diff(torch.cat([a, b], dim=1), full) < 1e-5
+
+
+def test_llama3_rope_scaling_follows_the_reference_formula():
+    """Meta's ``apply_scaling`` (llama-models, Llama 3.1) computed independently per frequency."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    cfg = llama.LlamaConfig(d_model=64, n_heads=2, rope_theta=500000.0, rope_scaling=scaling)
+    ours = llama.rope_frequencies(cfg)
+    base = 1.0 / (500000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32))
+    expect = []
+    for f in base.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < 64 / 4.0:
+            expect.append(f)
+        elif wavelen > 64 / 1.0:
+            expect.append(f / 8.0)
+        else:
+            smooth = (64 / wavelen - 1.0) / (4.0 - 1.0)
+            expect.append((1 - smooth) * f / 8.0 + smooth * f)
+    assert torch.allclose(ours, torch.tensor(expect, dtype=torch.float64), rtol=1e-12)
+    assert not torch.allclose(ours, base)  # the scaling really changed some frequencies
+
+
+def test_dropout_is_a_function_of_the_key():
+    cfg = llama.LlamaConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4, dropout=0.3)
+    params = llama.init(cfg)
+    tok = tokens(cfg)
+    k = rng.key(7)
+    a, b = llama.apply(params, tok, cfg, key=k), llama.apply(params, tok, cfg, key=k)
+    c = llama.apply(params, tok, cfg, key=rng.fold_in(k, 1))
+    assert torch.equal(a, b) and not torch.allclose(a, c)
+    assert not torch.allclose(a, llama.apply(params, tok, cfg))  # no key: no dropout
+
+
+def test_rng_uniform_is_uniform_and_keyed():
+    u = rng.uniform(rng.key(0), (100_000,))
+    assert 0.0 <= u.min() and u.max() < 1.0
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    assert not torch.equal(u, rng.uniform(rng.key(1), (100_000,)))
+    assert torch.equal(rng.uniform(rng.key(3), (5,)), rng.uniform(rng.key(3), (5,)))
+
+
+def test_initial_loss_is_near_log_vocab():
+    cfg = CONFIGS["gqa_tied"]
+    tok = tokens(cfg, b=8, t=33)
+    loss = llama.loss(llama.init(cfg), {"x": tok[:, :-1], "y": tok[:, 1:]}, cfg)
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1 * math.log(cfg.vocab_size)

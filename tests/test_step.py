@@ -1,0 +1,145 @@
+"""The pure train step: overfitting, the nn.Module bridge, both gradient paths, accumulation, skipping."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import optim
+from core.module import from_module
+from core.state import init_state
+from core.step import make_eval_step, make_train_step
+from core.tree import flatten_dict, max_abs_diff, tree_map
+from models import llama
+
+TINY = llama.LlamaConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
+
+
+def batch_of(cfg, b, t, seed=0):
+    tok = torch.randint(0, cfg.vocab_size, (b, t + 1), generator=torch.Generator().manual_seed(seed))
+    return {"x": tok[:, :-1], "y": tok[:, 1:]}
+
+
+def test_overfits_one_batch():
+    batch = batch_of(TINY, 16, 32)
+    opt = optim.adamw(lr=1e-2, weight_decay=0.0)
+    step = make_train_step(lambda p, b: llama.loss(p, b, TINY), opt)
+    state = init_state(llama.init(TINY, seed=0), opt)
+    losses = []
+    for _ in range(200):
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+        if losses[-1] < 0.1:
+            break
+    first, last = losses[0].item(), losses[-1].item()
+    assert abs(first - math.log(TINY.vocab_size)) < 0.1 * math.log(TINY.vocab_size)
+    assert last < 0.1, f"loss {last:.3f} after {len(losses)} steps"
+    assert state.step.item() == len(losses) and state.cursor.item() == len(losses)
+
+
+class UserGPT(nn.Module):
+    """Somebody's own model: learned positions, LayerNorm with bias, a tied output head, GELU MLP."""
+
+    def __init__(self, vocab=40, d=32, t=16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(t, d)
+        self.ln = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x):
+        h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        h = h + self.scale * self.mlp(self.ln(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-6)])
+def test_from_module_matches_backward_and_torch_adamw(dtype, tol):
+    """Same trajectory as ``.backward()`` + ``torch.optim.AdamW``; fp32 tolerance relative to |w|."""
+    torch.manual_seed(0)
+    module = UserGPT().to(dtype)
+    params, apply = from_module(module)
+    assert "head" not in params and "wte" in params  # the tie is listed once
+
+    def loss_fn(p, b):
+        return F.cross_entropy(apply(p, b["x"]).flatten(0, 1), b["y"].flatten())
+
+    opt = optim.adamw(lr=1e-2, weight_decay=0.1, mask=None)
+    step = make_train_step(loss_fn, opt)
+    state = init_state(params, opt)
+    ref = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(15):
+        tok = torch.randint(0, 40, (4, 17), generator=g)
+        batch = {"x": tok[:, :-1], "y": tok[:, 1:]}
+        state, metrics = step(state, batch)
+        ref.zero_grad()
+        ref_loss = F.cross_entropy(module(batch["x"]).flatten(0, 1), batch["y"].flatten())
+        ref_loss.backward()
+        ref.step()
+        assert abs(metrics["loss"].item() - ref_loss.item()) <= tol * max(1.0, ref_loss.item())
+    trained = {n: p.detach() for n, p in module.named_parameters()}
+    for name, value in flatten_dict(state.params).items():
+        err = ((value - trained[name]).abs() / trained[name].abs().clamp(min=1.0)).max().item()
+        assert err <= tol, (name, err)
+
+
+def loss_fn(p, b):
+    return llama.loss(p, b, TINY)
+
+
+def test_autograd_path_equals_func_path():
+    """SGD (linear in the gradients) so the comparison measures gradients, not Adam's sign-like amplification."""
+    batch = batch_of(TINY, 4, 16)
+    opt = optim.sgd(lr=0.5, momentum=0.9)
+    params = llama.init(TINY, seed=3)
+    a = make_train_step(loss_fn, opt, grad_mode="func")
+    b = make_train_step(loss_fn, opt, grad_mode="autograd")
+    sa, sb = init_state(params, opt), init_state(params, opt)
+    for _ in range(3):
+        sa, ma = a(sa, batch)
+        sb, mb = b(sb, batch)
+    assert max_abs_diff(sa.params, sb.params) < 1e-6
+    assert abs(ma["grad_norm"].item() - mb["grad_norm"].item()) < 1e-5
+
+
+def test_grad_accum_equals_big_batch():
+    big = batch_of(TINY, 16, 16, seed=9)
+    micro = tree_map(lambda t: t.reshape(4, 4, *t.shape[1:]), big)
+    opt = optim.sgd(lr=0.5, momentum=0.9)
+    params = llama.init(TINY, seed=5)
+    one = make_train_step(loss_fn, opt)
+    acc = make_train_step(loss_fn, opt, grad_accum=4)
+    s1, m1 = one(init_state(params, opt), big)
+    s4, m4 = acc(init_state(params, opt), micro)
+    assert abs(m1["loss"].item() - m4["loss"].item()) < 1e-6
+    assert max_abs_diff(s1.params, s4.params) < 1e-6
+
+
+def test_nonfinite_loss_never_reaches_params():
+    opt = optim.adamw(lr=1e-2)
+    state = init_state(llama.init(TINY), opt)
+
+    def poisoned(p, b):
+        return llama.loss(p, b, TINY) * b["poison"]
+
+    step = make_train_step(poisoned, opt)
+    batch = batch_of(TINY, 2, 8)
+    good, m = step(state, {**batch, "poison": torch.tensor(1.0)})
+    assert m["skipped"].item() == 0.0 and max_abs_diff(good.params, state.params) > 0
+    bad, m = step(good, {**batch, "poison": torch.tensor(float("nan"))})
+    assert m["skipped"].item() == 1.0
+    assert max_abs_diff(bad.params, good.params) == 0.0
+    assert max_abs_diff(bad.opt_state, good.opt_state) == 0.0
+    assert bad.step.item() == good.step.item() + 1  # the batch was consumed
+
+
+def test_eval_step_equals_loss():
+    params = llama.init(TINY)
+    batch = batch_of(TINY, 2, 8)
+    metrics = make_eval_step(loss_fn)(params, batch)
+    assert torch.equal(metrics["loss"], llama.loss(params, batch, TINY))
