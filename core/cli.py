@@ -1,0 +1,168 @@
+"""The ``bin/run`` program: ``bin/run recipe=NAME [config=FILE.toml] [preset=NAME] [key=value ...]``.
+
+nanoGPT's ``python train.py config/x.py --key=value``, made strict (see ``core.config``): the recipe's
+config dataclass is built from its defaults < preset < config file < ``key=value`` arguments, and an
+unknown key or a badly typed value stops the run before anything starts.
+
+A recipe is a module listed in ``RECIPES`` (imported only when chosen) that exposes:
+
+- ``Config``: the config dataclass (fields declared with ``core.config.option`` for help and choices);
+- ``PRESETS``: optional ``dict[str, dict]`` of named settings (nested or dotted keys);
+- ``DESCRIPTION``: one line for ``bin/run --help``;
+- ``run(cfg)``: the loop.
+
+Exit codes: 0 done; 2 a user error (``core.config.UserError`` and its subclasses, ``FileNotFoundError``,
+and any exception class named ``DataError`` or ``CheckpointError``), reported as one ``error:`` line on
+stderr; 130 interrupted; 1 anything else, which is a bug and prints its traceback. ``bin/run`` is a thin
+click wrapper around ``main``, which tests also call in-process.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import traceback
+from types import ModuleType
+from typing import Sequence
+
+import click
+
+from core.config import ConfigError, UserError, format_help, load_toml, resolve
+
+PROG = "bin/run"
+RECIPES = {
+    "standard": "recipes.standard",
+    "generate": "recipes.generate",
+    "lr_find": "recipes.lr_find",
+    "distill": "recipes.distill",
+    "upcycle": "recipes.upcycle",
+    "compress": "recipes.compress",
+}
+RESERVED = ("recipe", "config", "preset")        # arguments of bin/run itself, not recipe keys
+USER_ERROR_NAMES = ("DataError", "CheckpointError")
+SYNOPSIS = f"{PROG} recipe=NAME [config=FILE.toml] [preset=NAME] [key=value ...]"
+USAGE = f"usage: {SYNOPSIS}\n       {PROG} [recipe=NAME] --help"
+
+
+def is_user_error(e: BaseException) -> bool:
+    """True for errors the user fixes (bad config, missing file, bad data): no traceback for these."""
+    return isinstance(e, (UserError, FileNotFoundError)) or any(
+        c.__name__ in USER_ERROR_NAMES for c in type(e).__mro__)
+
+
+def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], bool]:
+    """``key=value`` tokens as a dict (a later repeat wins) and whether ``--help``/``-h`` was given."""
+    pairs: dict[str, str] = {}
+    want_help = False
+    for token in argv:
+        if token in ("--help", "-h"):
+            want_help = True
+        elif token.startswith("-"):
+            raise UserError(f"unexpected option {token!r}; arguments are key=value without dashes "
+                            f"(see {PROG} --help)")
+        elif "=" not in token:
+            raise UserError(f"argument {token!r} is not key=value")
+        else:
+            key, _, value = token.partition("=")
+            if not key.strip():
+                raise UserError(f"argument {token!r} has an empty key")
+            pairs.pop(key.strip(), None)
+            pairs[key.strip()] = value
+    return pairs, want_help
+
+
+def load_recipe(name: str) -> ModuleType:
+    """The recipe registered as ``name``, or the module at dotted path ``name`` (your own recipe).
+
+    An unknown name, a missing module or a module without ``Config`` and ``run`` is a UserError.
+    """
+    if name not in RECIPES and "." not in name:
+        close = difflib.get_close_matches(name, list(RECIPES), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ";"
+        raise UserError(f"unknown recipe {name!r}{hint} recipes: {', '.join(RECIPES)} "
+                        "(or a module path such as mylab.my_recipe)")
+    path = RECIPES.get(name, name)
+    try:
+        module = importlib.import_module(path)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (path == e.name or path.startswith(e.name + ".")):
+            raise UserError(f"recipe {name!r} is not available: no module {path}") from None
+        raise                                       # a missing import inside the recipe is a bug
+    missing = [a for a in ("Config", "run") if not hasattr(module, a)]
+    if missing:
+        raise UserError(f"module {path} is not a recipe: it has no {' or '.join(missing)}")
+    return module
+
+
+def _describe_recipe(name: str) -> str:
+    """One line for the recipe list; never raises (help must work while a recipe is broken)."""
+    try:
+        if importlib.util.find_spec(RECIPES[name]) is None:
+            return f"(not available yet: no module {RECIPES[name]})"
+        return getattr(load_recipe(name), "DESCRIPTION", "")
+    except UserError as e:
+        return f"({e})"
+    except Exception as e:  # noqa: BLE001 - shown, not hidden: the run itself will raise it
+        return f"(fails to import: {type(e).__name__}: {e})"
+
+
+def top_help() -> str:
+    width = max(len(n) for n in RECIPES)
+    recipes = "\n".join(f"  {n.ljust(width)}  {_describe_recipe(n)}" for n in RECIPES)
+    return (f"{USAGE}\n\n"
+            "Train and run language models with purestep. A recipe's settings come from its defaults,\n"
+            "then preset=NAME, then the config=FILE.toml file (which may set recipe and preset too), then\n"
+            "key=value arguments; nested settings use dotted keys (model.n_layers=4).\n\n"
+            f"recipes:\n{recipes}\n\n"
+            f"'{PROG} recipe=NAME --help' lists a recipe's keys, types, defaults and presets.")
+
+
+def recipe_help(name: str, module: ModuleType, cfg=None, sources: str = "") -> str:
+    """Usage, description, keys and presets of a recipe; with ``cfg``, its values instead of defaults."""
+    head = f"usage: {PROG} recipe={name} [config=FILE.toml] [preset=NAME] [key=value ...]"
+    description = getattr(module, "DESCRIPTION", "")
+    table = format_help(cfg if cfg is not None else module.Config, getattr(module, "PRESETS", None))
+    if cfg is not None:
+        table += f"\n\n(values after {sources})"
+    return "\n\n".join(part for part in (head, description, table) if part)
+
+
+def _run(argv: Sequence[str]) -> int:
+    pairs, want_help = parse_args(argv)
+    toml = load_toml(pairs.pop("config")) if "config" in pairs else {}
+    file_recipe = toml.pop("recipe", None)
+    name = pairs.pop("recipe", None) or file_recipe
+    if name is None:
+        if want_help:
+            click.echo(top_help())
+            return 0
+        raise UserError(f"no recipe given; usage: {SYNOPSIS} (recipes: {', '.join(RECIPES)})")
+    if not isinstance(name, str):
+        raise ConfigError(f"bad value for 'recipe': {name!r} is not a str")
+    module = load_recipe(name)
+    preset = pairs.pop("preset", None)
+    cfg = resolve(module.Config, presets=getattr(module, "PRESETS", None), preset=preset, toml=toml,
+                  overrides=pairs, context=f"recipe {name}")
+    if want_help:
+        given = [s for s, on in (("preset", preset or "preset" in toml), ("config file", toml),
+                                 ("key=value arguments", pairs)) if on]
+        click.echo(recipe_help(name, module, cfg if given else None, ", ".join(given)))
+        return 0
+    module.run(cfg)
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``bin/run`` with the given arguments; returns the exit code (0, 1, 2 or 130)."""
+    try:
+        return _run(list(argv))
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - sorted into user errors and bugs right here
+        if not is_user_error(e):
+            traceback.print_exc()
+            return 1
+        message = " ".join(str(e).split()) or type(e).__name__
+        click.echo(f"error: {message}", err=True)
+        return 2
