@@ -37,6 +37,7 @@ RECIPES = {
     "distill": "recipes.distill",
     "upcycle": "recipes.upcycle",
     "compress": "recipes.compress",
+    "bench_step": "recipes.bench_step",
 }
 RESERVED = ("recipe", "config", "preset")        # arguments of bin/run itself, not recipe keys
 USER_ERROR_NAMES = ("DataError", "CheckpointError")

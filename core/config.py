@@ -30,7 +30,7 @@ import types
 import typing
 from typing import Any, Literal, Mapping, Union
 
-__all__ = ["UserError", "ConfigError", "option", "apply_overrides", "resolve", "load_toml", "describe",
+__all__ = ["UserError", "ConfigError", "option", "same_as", "apply_overrides", "resolve", "load_toml", "describe",
            "format_help", "to_dict", "from_dict", "type_str", "show_value"]
 
 
@@ -61,6 +61,16 @@ def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | 
     if choices is not None and default is not dataclasses.MISSING and default not in metadata["choices"]:
         raise ValueError(f"default {default!r} is not one of the choices {choices!r}")
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def same_as(cls, name: str):
+    """The option ``name`` of config class ``cls`` again (same default, help and choices), for a config
+    that takes some of another's keys without inheriting all of them: defaults stay in one place."""
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if f is None:
+        raise AttributeError(f"{cls.__name__} has no option {name!r}")
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return option(default, f.metadata.get("help", ""), f.metadata.get("choices"))
 
 
 # ----------------------------------------------------------------------------------------------------------

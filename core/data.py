@@ -307,14 +307,19 @@ class Corpus:
         return eval_batches(self.val, batch_size, block_size, n, source=self.describe("val"), **kw)
 
 
-def prepare(data: str, tokenizer_spec: str = "byte", cache_dir: str | None = None) -> Corpus:
+def prepare(data: str, tokenizer_spec="byte", cache_dir: str | None = None) -> Corpus:
     """Tokenize ``data`` once (cached, see the module docstring) and open its train/val memmaps.
 
+    ``tokenizer_spec`` is a spec for ``make_tokenizer`` (``byte``, ``char``, a tokenizer.json path) or a
+    tokenizer object, e.g. the one stored in a checkpoint being fine-tuned (its exact vocab is kept).
     ``cache_dir`` replaces the cache root (``$PURESTEP_CACHE/tokens``): the cache goes to
     ``cache_dir/<name>-<key>/``.
     """
     source = find_source(data)
-    tok = None if tokenizer_spec == "char" else make_tokenizer(tokenizer_spec)
+    if isinstance(tokenizer_spec, str):
+        tok = None if tokenizer_spec == "char" else make_tokenizer(tokenizer_spec)
+    else:
+        tok, tokenizer_spec = tokenizer_spec, tokenizer_spec.name
     identity = {"type": "char"} if tok is None else tok.to_dict()
     root = cache_dir or cache_root()
     folder = os.path.join(root, f"{_slug(source, data, tokenizer_spec)}-{_cache_key(source, identity)}")

@@ -21,8 +21,10 @@ import os
 
 import numpy as np
 
+from core.config import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """Input data or a tokenizer file that cannot be used; the message names the path."""
 
 

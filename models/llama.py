@@ -39,14 +39,13 @@ from core.tree import unstack
 
 @dataclass
 class LlamaConfig:
-    vocab_size: int = 256
+    vocab_size: int = 0          # 0: a recipe sets it from the tokenizer
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int = 0          # 0 means n_heads (plain multi-head attention)
     head_dim: int = 0            # 0 means d_model // n_heads
     ffn_dim: int = 0             # 0 means the Llama rule: 8/3 * d rounded up to a multiple of 64
-    max_seq_len: int = 2048
     rope_theta: float = 10000.0
     rope_scaling: dict = field(default_factory=dict)  # {} or llama3: factor, low_freq_factor, ...
     norm_eps: float = 1e-5
@@ -75,6 +74,8 @@ class LlamaConfig:
 def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
          device: torch.device | str | None = None) -> dict:
     """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2 * n_layers) (GPT-2), ones for norms."""
+    if cfg.vocab_size <= 0:
+        raise ValueError("LlamaConfig.vocab_size is 0: set it (recipes take it from the tokenizer)")
     g = torch.Generator().manual_seed(seed)
     L, d, hd = cfg.n_layers, cfg.d_model, cfg.head_dim
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -260,6 +261,13 @@ def cache_append(cache: dict, k: torch.Tensor, v: torch.Tensor, past_len: int):
     cache["k"][:, :, past_len:end] = k
     cache["v"][:, :, past_len:end] = v
     return cache["k"][:, :, :end], cache["v"][:, :, :end]
+
+
+def decoder(params: dict, cfg: LlamaConfig, batch: int, max_len: int):
+    """``forward(tokens, past_len) -> logits`` over a fresh KV cache, for ``models.sampling.generate``."""
+    leaf = params["embed"]
+    cache = new_cache(cfg, batch, max_len, dtype=leaf.dtype, device=leaf.device)
+    return lambda tokens, past_len: apply(params, tokens, cfg, cache=cache, past_len=past_len)
 
 
 def kv_bytes_per_token(cfg: LlamaConfig, dtype_bytes: int = 2) -> int:

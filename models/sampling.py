@@ -1,0 +1,62 @@
+"""Autoregressive sampling: temperature, top-k (Fan et al. 2018) and nucleus/top-p (Holtzman et al. 2020).
+
+``generate(forward, prompt, ...)`` is model-agnostic: ``forward(tokens, past_len) -> logits`` owns its KV
+cache, so the prompt is processed once (prefill) and every new token costs one position (decode). Any
+model that offers such a decoder (``models.llama.decoder``, the DBA student) generates through it.
+Randomness comes from an explicit ``torch.Generator``: the same seed, the same text.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set logits outside the top-k and outside the smallest set with probability >= top_p to -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= top_p   # keep the token that crosses top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+           generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Next token ids [B] from logits [B, V]; ``temperature=0`` is greedy."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(forward: Callable[[torch.Tensor, int], torch.Tensor], prompt: torch.Tensor, max_new_tokens: int, *,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             generator: Optional[torch.Generator] = None, eos_id: Optional[int] = None,
+             on_token: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+    """Continue ``prompt`` [B, T]; returns the new tokens [B, <= max_new_tokens].
+
+    ``on_token(id)`` streams batch row 0 as it is produced; generation stops early when every row has
+    produced ``eos_id``.
+    """
+    logits = forward(prompt, 0)[:, -1]
+    past, out = prompt.shape[1], []
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for _ in range(max_new_tokens):
+        token = sample(logits, temperature, top_k, top_p, generator)
+        out.append(token)
+        if on_token is not None:
+            on_token(int(token[0]))
+        if eos_id is not None:
+            done |= token == eos_id
+            if bool(done.all()):
+                break
+        logits = forward(token[:, None], past)[:, -1]
+        past += 1
+    return torch.stack(out, dim=1) if out else prompt[:, :0]

@@ -1,0 +1,69 @@
+"""Generate text from a trained model: ``bin/run recipe=generate init=PATH prompt="..."``.
+
+The prompt is processed once (prefill) and every new token costs one position of the KV cache
+(``models.sampling.generate``). Sampling is temperature / top-k / top-p with an explicit seed, and the
+text streams to stdout as it is produced.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from core.config import UserError, option
+from core.device import resolve_device
+from core.step import autocast
+from models import llama
+from models.loading import load_model
+from models.sampling import generate
+
+DESCRIPTION = "generate text from a checkpoint with a KV cache (temperature, top_k, top_p)"
+
+
+@dataclass
+class Config:
+    init: str = option("", "checkpoint (file or run folder) to generate from")
+    prompt: str = option("", "text to continue (empty: start from the tokenizer's BOS/newline)")
+    max_new_tokens: int = option(200, "tokens to generate")
+    temperature: float = option(0.8, "softmax temperature (0: greedy)")
+    top_k: int = option(0, "sample among the k most likely tokens (0: all)")
+    top_p: float = option(1.0, "nucleus sampling: smallest set with this much probability (1: all)")
+    seed: int = option(1337, "sampling seed: same seed, same text")
+    device: str = option("auto", "where to run", choices=("auto", "cpu", "cuda", "mps"))
+    dtype: str = option("fp32", "compute precision", choices=("fp32", "bf16", "fp16"))
+
+
+def run(cfg: Config) -> str:
+    if not cfg.init:
+        raise UserError("recipe=generate needs init=PATH (a checkpoint or a run folder)")
+    if not 0.0 < cfg.top_p <= 1.0:
+        raise UserError(f"bad value for 'top_p': {cfg.top_p}; it must be in (0, 1]")
+    device = resolve_device(cfg.device)
+    model = load_model(cfg.init, device=device)
+    tok = model.tokenizer
+    if tok is None:
+        raise UserError(f"{model.source}: no tokenizer stored with this model")
+    ids = tok.encode(cfg.prompt) if cfg.prompt else [tok.bos_id if tok.bos_id is not None else tok.encode("\n")[0]]
+    print(f"[{model.format}: {model.source}]", file=sys.stderr)
+    printed = tok.decode(ids)
+    sys.stdout.write(printed if cfg.prompt else "")
+    generated = list(ids)
+
+    def stream(token: int):
+        nonlocal printed
+        generated.append(token)
+        text = tok.decode(generated)
+        if not text.endswith("\ufffd"):          # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+
+    decode = llama.decoder(model.params, model.config, 1, len(ids) + cfg.max_new_tokens)
+    with autocast(cfg.dtype, device.type):
+        generate(decode, torch.tensor([ids], device=device), cfg.max_new_tokens, temperature=cfg.temperature,
+                 top_k=cfg.top_k, top_p=cfg.top_p, generator=torch.Generator(device).manual_seed(cfg.seed),
+                 eos_id=tok.eos_id, on_token=stream)
+    text = tok.decode(generated)
+    sys.stdout.write(text[len(printed):] + "\n")
+    return text

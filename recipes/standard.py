@@ -1,0 +1,132 @@
+"""The standard recipe: train a Llama language model on text, from scratch or from a checkpoint.
+
+``bin/run recipe=standard`` with no keys trains a small byte-level model on this Python's own standard
+library source (a real corpus on every machine) and finishes in minutes on a laptop CPU. Presets follow
+FundamentaLLM's sizes (small 128d/4h/2L, medium 512/8/6, large 768/12/12) plus ``tiny`` for a quick
+look. nanoGPT's char-level shakespeare CPU configuration is::
+
+    bin/run recipe=standard data=shakespeare.txt tokenizer=char model.n_layers=4 model.n_heads=4 \\
+        model.d_model=128 block_size=64 batch_size=12 lr=1e-3 beta2=0.99 warmup_steps=100 \\
+        steps=2000 min_lr=1e-4
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from core import checkpoint as ckpt
+from core.config import UserError, option, to_dict
+from core.data import prepare
+from core.device import resolve_device
+from core.logging import Logger
+from core.state import init_state
+from core.step import make_eval_step, make_train_step
+from core.tree import cast, size
+from models import llama
+from models.loading import load_model, model_entry
+from models.sampling import generate
+from recipes.loop import LoopState, evaluate, fit, make_optimizer, run_folder
+from recipes.train_config import TrainConfig
+
+DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
+
+
+@dataclass
+class Config(TrainConfig):
+    model: llama.LlamaConfig = option(llama.LlamaConfig, "model shape (vocab_size 0: the tokenizer's)")
+    sample_tokens: int = option(200, "tokens generated as a sample at each evaluation (0: no samples)")
+    sample_prompt: str = option("", "prompt for samples (default: the start of the validation text)")
+    sample_temperature: float = option(0.8, "sampling temperature for the samples")
+
+
+PRESETS = {
+    "tiny": {"model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "block_size": 64, "batch_size": 16,
+             "steps": 300, "warmup_steps": 30, "eval_every": 100, "save_every": 100, "eval_batches": 10},
+    "small": {"model.d_model": 128, "model.n_layers": 2, "model.n_heads": 4, "block_size": 128,
+              "batch_size": 16, "steps": 2000},
+    "medium": {"model.d_model": 512, "model.n_layers": 6, "model.n_heads": 8, "block_size": 256,
+               "batch_size": 16, "steps": 5000, "lr": 6e-4, "min_lr": 6e-5},
+    "large": {"model.d_model": 768, "model.n_layers": 12, "model.n_heads": 12, "block_size": 512,
+              "batch_size": 16, "steps": 10000, "lr": 6e-4, "min_lr": 6e-5},
+}
+
+
+def run(cfg: Config):
+    device = resolve_device(cfg.device)
+    folder = run_folder(cfg, "standard")
+
+    # everything that can fail on bad input happens before the run folder is touched
+    start = load_model(cfg.init, device=device) if cfg.init else None
+    corpus = prepare(cfg.data, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
+    tok = corpus.tokenizer
+    model_cfg = start.config if start else _model_config(cfg.model, tok.vocab_size)
+    if start and model_cfg.vocab_size < tok.vocab_size:
+        raise UserError(f"init={cfg.init}: its vocabulary ({model_cfg.vocab_size}) is smaller than the "
+                        f"tokenizer's ({tok.vocab_size})")
+    resume = ckpt.resolve_resume(cfg.resume, folder) if (folder.exists() or cfg.resume not in ("auto", "never")) \
+        else None
+    batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device)
+    val_batches = corpus.eval_batches(cfg.batch_size, cfg.block_size, cfg.eval_batches, device=device)
+
+    optimizer = make_optimizer(cfg)
+    params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
+    state = init_state(params, optimizer, cfg.seed, cfg.dtype)
+    loop = LoopState()
+    if resume is not None:
+        loaded = ckpt.load(resume, template=state, device=device)
+        if loaded.get("tokenizer") and loaded["tokenizer"] != tok.to_dict():
+            raise UserError(f"{resume}: its tokenizer differs from this run's ({tok.name}); use another out=")
+        state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
+
+    def loss_fn(params, batch, key):
+        return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None)
+
+    train_step = make_train_step(loss_fn, optimizer, grad_accum=cfg.grad_accum, precision=cfg.dtype,
+                                 device_type=device.type, compile=cfg.compile)
+    eval_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile)
+    prompt = tok.encode(cfg.sample_prompt) if cfg.sample_prompt else corpus.val[:32].tolist()
+
+    def sample(params) -> str:
+        decode = llama.decoder(params, model_cfg, 1, len(prompt) + cfg.sample_tokens)
+        out = generate(decode, torch.tensor([prompt], device=device), cfg.sample_tokens,
+                       temperature=cfg.sample_temperature, generator=torch.Generator(device).manual_seed(cfg.seed))
+        return tok.decode(prompt + out[0].tolist())
+
+    checkpoints = ckpt.CheckpointManager(folder, keep_last=cfg.keep_last, save_every=cfg.save_every)
+    extra = {"config": to_dict(cfg), "model": model_entry(model_cfg), "tokenizer": tok.to_dict(),
+             "recipe": "standard"}
+    with Logger(folder) as logger:
+        logger.hparams(to_dict(cfg), {"val/loss": None})
+        logger.print(f"standard: {size(params) / 1e6:.2f}M params, {model_cfg.n_layers} layers, d={model_cfg.d_model}, "
+                     f"vocab {tok.vocab_size} ({tok.name}); data {corpus.meta['source']}: "
+                     f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens; device {device}, "
+                     f"{cfg.dtype}, compile={cfg.compile}; run folder {folder}")
+        if start:
+            logger.print(f"init from {start.source} ({start.format})")
+        if resume is not None:
+            logger.print(f"resuming from {resume} at step {int(state.step)}")
+        result = fit(cfg, state, train_step, batches, logger=logger, checkpoints=checkpoints,
+                     checkpoint_extra=lambda: extra, loop=loop,
+                     evaluate_fn=lambda p: evaluate(eval_step, p, val_batches),
+                     sample_fn=sample if cfg.sample_tokens > 0 else None,
+                     tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum,
+                     expected_initial_loss=None if (start or resume) else math.log(model_cfg.vocab_size))
+        if result.val_loss is not None:
+            logger.print(f"done: step {int(result.state.step)}, val loss {result.val_loss:.4f}, perplexity "
+                         f"{math.exp(min(result.val_loss, 50.0)):.2f} (best {result.loop.best_val:.4f}); "
+                         f"tensorboard --logdir {folder}")
+        else:
+            logger.print(f"nothing to do: {folder} is already trained to step {int(result.state.step)} "
+                         f"(raise steps= to continue)")
+    return result
+
+
+def _model_config(model: llama.LlamaConfig, vocab_size: int) -> llama.LlamaConfig:
+    if model.vocab_size == 0:
+        return replace(model, vocab_size=vocab_size)
+    if model.vocab_size < vocab_size:
+        raise UserError(f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's vocabulary "
+                        f"({vocab_size}); leave it at 0 to use the tokenizer's")
+    return model

@@ -1,0 +1,46 @@
+"""The keys every training recipe takes (names fixed so scripts and docs can rely on them).
+
+Recipe configs subclass ``TrainConfig`` and add their own keys. Defaults live here, once; the README's
+key table is generated from these declarations (``bin/run recipe=standard --help`` prints the same).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.config import option
+from core.step import PRECISIONS
+from optim.schedules import KINDS
+
+
+@dataclass
+class TrainConfig:
+    steps: int = option(1000, "optimizer steps to train for (the run's length)")
+    out: str = option("", "run folder (default runs/<recipe>-<name or timestamp>)")
+    name: str = option("", "run name; names the default run folder")
+    seed: int = option(1337, "seed for init, data order and dropout: same seed, same run")
+    device: str = option("auto", "where to train", choices=("auto", "cpu", "cuda", "mps"))
+    dtype: str = option("fp32", "compute precision (bf16/fp16 autocast, fp32 master weights)",
+                        choices=tuple(PRECISIONS))
+    batch_size: int = option(16, "sequences per micro-batch")
+    block_size: int = option(128, "tokens per sequence (context length)")
+    grad_accum: int = option(1, "micro-batches averaged per optimizer step")
+    lr: float = option(1e-3, "peak learning rate")
+    warmup_steps: int = option(100, "linear warmup steps")
+    lr_schedule: str = option("cosine", "decay after warmup", choices=KINDS)
+    decay_steps: int = option(0, "step at which the decay reaches min_lr (0: steps)")
+    min_lr: float = option(1e-4, "learning-rate floor of the cosine/linear decay")
+    weight_decay: float = option(0.1, "AdamW decoupled weight decay (not on norms, biases, embeddings)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.99, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
+    log_every: int = option(10, "steps between metric pulls to TensorBoard/JSONL/console")
+    eval_every: int = option(250, "steps between validation runs (0: only at the end)")
+    eval_batches: int = option(20, "validation batches per evaluation (fixed windows)")
+    patience: int = option(0, "stop after this many evaluations without a better val loss (0: off)")
+    save_every: int = option(500, "steps between checkpoints (0: only final/best)")
+    keep_last: int = option(3, "step checkpoints to keep (best and final are kept besides)")
+    resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
+    compile: bool = option(True, "compile the train step with torch.compile(fullgraph=True)")
+    data: str = option("stdlib", "text: a file, folder, glob, or 'stdlib' (this Python's own source)")
+    tokenizer: str = option("byte", "byte, char, or a tokenizer.json PATH")
+    init: str = option("", "start from this checkpoint's weights (fine-tuning) instead of random init")

@@ -1,0 +1,58 @@
+"""The train step compiles into one graph, and a learning-rate schedule never recompiles it.
+
+The one test in the suite that pays for a real inductor compile (cached on disk by inductor's FX graph
+cache, so a second run is fast).
+"""
+import torch
+
+import optim
+from core.compile import compile_count
+from core.state import init_state
+from core.step import make_train_step
+from core.tree import max_abs_diff
+from models import llama
+
+CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def loss_fn(p, b):
+    return llama.loss(p, b, CFG)
+
+
+def batches(n):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        tok = torch.randint(0, CFG.vocab_size, (4, 17), generator=g)
+        out.append({"x": tok[:, :-1], "y": tok[:, 1:]})
+    return out
+
+
+def optimizer():
+    sched = optim.schedules.cosine(warmup=3, total=10, floor=0.1)
+    return optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-2, schedule=sched))
+
+
+def test_train_step_has_no_graph_breaks():
+    opt = optimizer()
+    step = make_train_step(loss_fn, opt)
+    explanation = torch._dynamo.explain(step)(init_state(llama.init(CFG), opt), batches(1)[0])
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_schedule_does_not_recompile_and_matches_eager():
+    opt = optimizer()
+    params = llama.init(CFG, seed=1)
+    eager = make_train_step(loss_fn, opt)
+    compiled = make_train_step(loss_fn, opt, compile=True)
+    s_eager, s_comp = init_state(params, opt), init_state(params, opt)
+    before = compile_count()
+    lrs = []
+    for batch in batches(10):
+        s_eager, _ = eager(s_eager, batch)
+        s_comp, metrics = compiled(s_comp, batch)
+        lrs.append(metrics["lr"].item())
+    assert compile_count() - before == 1, "the LR schedule caused a recompile"
+    assert len(set(round(lr, 8) for lr in lrs)) == 10  # the LR really changed every step
+    assert max_abs_diff(s_eager.params, s_comp.params) < 1e-5
