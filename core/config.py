@@ -30,7 +30,7 @@ import types
 import typing
 from typing import Any, Literal, Mapping, Union
 
-__all__ = ["UserError", "ConfigError", "option", "same_as", "apply_overrides", "resolve", "load_toml", "describe",
+__all__ = ["UserError", "ConfigError", "option", "same_as", "markdown_table", "apply_overrides", "resolve", "load_toml", "describe",
            "format_help", "to_dict", "from_dict", "type_str", "show_value"]
 
 
@@ -61,6 +61,15 @@ def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | 
     if choices is not None and default is not dataclasses.MISSING and default not in metadata["choices"]:
         raise ValueError(f"default {default!r} is not one of the choices {choices!r}")
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def markdown_table(cls) -> str:
+    """The key table of a config class as Markdown (the README's tables are checked against this)."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for key, tp, default, help_ in describe(cls):
+        tp = tp.replace("|", " \\| ")  # a choice list like auto|cpu must not split the Markdown cell
+        rows.append(f"| `{key}` | {tp} | `{default}` | {help_} |")
+    return "\n".join(rows)
 
 
 def same_as(cls, name: str):
