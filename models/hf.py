@@ -1,0 +1,293 @@
+"""Hugging Face Llama folders (``config.json`` + safetensors) to and from purestep params.
+
+Follows transformers' ``models/llama/modeling_llama.py`` / ``configuration_llama.py`` (tensor names
+``model.layers.N.self_attn.q_proj.weight`` ..., config fields ``hidden_size``, ``num_key_value_heads``,
+``rope_theta``/``rope_scaling`` or, since transformers 5, ``rope_parameters``) and the folder layout
+``save_pretrained`` writes (``model.safetensors``, or ``model-0000N-of-0000M.safetensors`` listed in
+``model.safetensors.index.json``). Weights are already in torch's ``(out, in)`` layout and in the
+"rotate half" RoPE order (``convert_llama_weights_to_hf.py`` permuted Meta's Q/K once, for good), so a
+tensor maps one to one onto a slice of our stacked ``layers.*`` leaves.
+
+Anything ``models.llama`` does not compute (another architecture, attention or MLP biases, an activation
+other than SiLU, RoPE scaling other than llama3) is refused with a ``UserError`` naming the field.
+Needs the optional ``safetensors`` (and, for ``tokenizer.json``, ``tokenizers``) package.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from core.config import UserError
+from core.tokenizers import BPETokenizer
+from core.tree import flatten_dict, unflatten_dict
+from models.llama import LlamaConfig
+
+# purestep leaf under "layers" -> Hugging Face name inside "model.layers.N."
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "attn.wq": "self_attn.q_proj.weight",
+    "attn.wk": "self_attn.k_proj.weight",
+    "attn.wv": "self_attn.v_proj.weight",
+    "attn.wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "mlp.w_gate": "mlp.gate_proj.weight",
+    "mlp.w_up": "mlp.up_proj.weight",
+    "mlp.w_down": "mlp.down_proj.weight",
+}
+TOP_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
+ROPE_TYPES = ("default", "llama3")
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise UserError("Hugging Face folders need the optional 'safetensors' package: pip install purestep[hf]") \
+            from None
+    return safetensors.torch
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot read JSON ({e})") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# config
+
+def config_from_hf(hf: dict, source="config.json") -> LlamaConfig:
+    """``LlamaConfig`` from a transformers ``LlamaConfig`` dict (transformers 4 or 5 spelling)."""
+    archs = hf.get("architectures") or ["LlamaForCausalLM"]
+    if hf.get("model_type", "llama") != "llama" or "LlamaForCausalLM" not in archs:
+        raise UserError(f"{source}: model_type={hf.get('model_type')!r}, architectures={archs}; only "
+                        f"'llama' / LlamaForCausalLM is supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise UserError(f"{source}: {flag}=true is not supported (models.llama has no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+    rope = dict(hf.get("rope_parameters") or {})                 # transformers 5
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = rope or dict(hf.get("rope_scaling") or {})         # transformers 4
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise UserError(f"{source}: {field}.rope_type={kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    try:
+        n_heads = int(hf["num_attention_heads"])
+        d_model = int(hf["hidden_size"])
+        return LlamaConfig(
+            vocab_size=int(hf["vocab_size"]),
+            d_model=d_model,
+            n_layers=int(hf["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            head_dim=int(hf.get("head_dim") or d_model // n_heads),
+            ffn_dim=int(hf["intermediate_size"]),
+            rope_theta=float(theta),
+            rope_scaling=_llama3(scaling) if kind == "llama3" else {},
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+    except KeyError as e:
+        raise UserError(f"{source}: missing field {e.args[0]!r}") from None
+    except ValueError as e:
+        raise UserError(f"{source}: {e}") from None
+
+
+def _llama3(scaling: dict) -> dict:
+    return {"rope_type": "llama3", "factor": float(scaling["factor"]),
+            "low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
+            "high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
+            "original_max_position_embeddings": int(scaling.get("original_max_position_embeddings", 8192))}
+
+
+def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype, max_position_embeddings: int,
+                 bos_id: int | None = None, eos_id: int | None = None) -> dict:
+    """A ``config.json`` transformers 4 and 5 both read as ``LlamaForCausalLM``."""
+    scaling = cfg.rope_scaling or {}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": _llama3(scaling) if scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# weights
+
+def state_dict(params: dict, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face tensor names -> tensors (views of the stacked leaves); no ``lm_head`` when tied."""
+    flat = flatten_dict(params["layers"])
+    out = {TOP_NAMES["embed"]: params["embed"]}
+    for i in range(cfg.n_layers):
+        for ours, theirs in LAYER_NAMES.items():
+            out[f"model.layers.{i}.{theirs}"] = flat[ours][i]
+    out[TOP_NAMES["norm"]] = params["norm"]
+    if "lm_head" in params:
+        out[TOP_NAMES["lm_head"]] = params["lm_head"]
+    return out
+
+
+def params_from_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig, source="safetensors") -> dict:
+    """Stack ``model.layers.N.*`` along a leading layer axis; check every shape against ``cfg``."""
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}  # a recomputed buffer
+    expected = _shapes(cfg, untied=TOP_NAMES["lm_head"] in sd)
+    unknown = sorted(set(sd) - set(expected))
+    if unknown:
+        hint = " (biases are not supported)" if any(k.endswith(".bias") for k in unknown) else ""
+        raise UserError(f"{source}: unexpected tensor(s) {', '.join(unknown[:3])}{hint}")
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        raise UserError(f"{source}: missing tensor(s) {', '.join(missing[:3])}")
+    for name, shape in expected.items():
+        if tuple(sd[name].shape) != shape:
+            raise UserError(f"{source}: {name} has shape {tuple(sd[name].shape)}, config.json implies {shape}")
+    flat = {f"layers.{ours}": torch.stack([sd[f"model.layers.{i}.{theirs}"] for i in range(cfg.n_layers)])
+            for ours, theirs in LAYER_NAMES.items()}
+    flat.update({ours: sd[theirs] for ours, theirs in TOP_NAMES.items() if theirs in sd})
+    params = unflatten_dict(flat)
+    return {k: params[k] for k in ("embed", "layers", "norm", "lm_head") if k in params}
+
+
+def _shapes(cfg: LlamaConfig, untied: bool) -> dict[str, tuple]:
+    d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    per_layer = {"attn_norm": (d,), "attn.wq": (q, d), "attn.wk": (kv, d), "attn.wv": (kv, d), "attn.wo": (d, q),
+                 "mlp_norm": (d,), "mlp.w_gate": (f, d), "mlp.w_up": (f, d), "mlp.w_down": (d, f)}
+    out = {TOP_NAMES["embed"]: (cfg.vocab_size, d), TOP_NAMES["norm"]: (d,)}
+    for i in range(cfg.n_layers):
+        out.update({f"model.layers.{i}.{LAYER_NAMES[k]}": s for k, s in per_layer.items()})
+    if untied:
+        out[TOP_NAMES["lm_head"]] = (cfg.vocab_size, d)
+    return out
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's weight files: the shards its index lists, or its single ``model.safetensors``."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise UserError(f"{index}: no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    elif (folder / SINGLE_FILE).is_file():
+        files = [folder / SINGLE_FILE]
+    else:
+        raise UserError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are supported)")
+    for f in files:
+        if not f.is_file():
+            raise UserError(f"{f}: listed in {INDEX_FILE} but missing")
+    return files
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tokenizer
+
+def load_tokenizer(folder: Path) -> BPETokenizer | None:
+    """``tokenizer.json`` with BOS/EOS from ``tokenizer_config.json`` when given, else None without one."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    tok = BPETokenizer.from_file(str(path))
+    conf_path = folder / "tokenizer_config.json"
+    conf = _read_json(conf_path) if conf_path.is_file() else {}
+    for attr, key in (("bos_id", "bos_token"), ("eos_id", "eos_token")):
+        name = conf.get(key)
+        name = name.get("content") if isinstance(name, dict) else name
+        ids = tok.encode(name) if name else []
+        if len(ids) == 1:
+            setattr(tok, attr, ids[0])
+    return tok
+
+
+def _token_name(tok, token_id: int | None) -> str | None:
+    return None if token_id is None else tok.decode([token_id])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the two directions
+
+def load_hf(folder, device=None, dtype: torch.dtype | None = None):
+    """``(params, config, tokenizer or None, description)`` of a Hugging Face Llama folder.
+
+    Tensors keep the dtype they are stored in unless ``dtype`` is given; they are placed on ``device``.
+    """
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    cfg = config_from_hf(_read_json(cfg_path), cfg_path)
+    st = _safetensors()
+    files = safetensors_files(folder)
+    sd: dict = {}
+    for f in files:
+        sd.update(st.load_file(str(f)))
+    if TOP_NAMES["lm_head"] not in sd:
+        cfg.tie_embeddings = True
+    elif cfg.tie_embeddings:  # tied, but the file also stores the (identical) head: keep one copy
+        del sd[TOP_NAMES["lm_head"]]
+    params = params_from_state_dict(sd, cfg, str(folder))
+    params = {k: _place(v, device, dtype) for k, v in params.items()}
+    stored = sorted({str(v.dtype).removeprefix("torch.") for v in sd.values()})
+    what = f"{len(files)} safetensors shards" if len(files) > 1 else "1 safetensors file"
+    return params, cfg, load_tokenizer(folder), f"Hugging Face folder ({what}, {'/'.join(stored)})"
+
+
+def _place(tree, device, dtype):
+    if isinstance(tree, dict):
+        return {k: _place(v, device, dtype) for k, v in tree.items()}
+    return tree.to(device=device, dtype=dtype or tree.dtype)
+
+
+def export_hf(params: dict, cfg: LlamaConfig, folder, tokenizer=None, dtype: torch.dtype | None = None,
+              max_position_embeddings: int = 2048) -> Path:
+    """Write ``config.json``, ``generation_config.json``, ``model.safetensors`` (in ``dtype``, default the
+    params' own) and, for a BPE tokenizer, ``tokenizer.json`` + ``tokenizer_config.json`` into ``folder``."""
+    st = _safetensors()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = dtype or params["embed"].dtype
+    bos = getattr(tokenizer, "bos_id", None)
+    eos = getattr(tokenizer, "eos_id", None)
+    tensors = {k: v.detach().to(device="cpu", dtype=dtype, copy=True) for k, v in state_dict(params, cfg).items()}
+    st.save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    _write_json(folder / "config.json", config_to_hf(cfg, dtype, max_position_embeddings, bos, eos))
+    _write_json(folder / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
+    if isinstance(tokenizer, BPETokenizer):
+        (folder / "tokenizer.json").write_text(tokenizer.json, encoding="utf-8")
+        _write_json(folder / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": _token_name(tokenizer, bos),
+            "eos_token": _token_name(tokenizer, eos),
+            "model_max_length": max_position_embeddings,
+            "clean_up_tokenization_spaces": False,
+        })
+    return folder
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
