@@ -2,8 +2,9 @@
 
 ``TrainState`` is a NamedTuple (a pytree node for optree without registration, like Flax's
 ``TrainState`` struct): the step counter, params, optimizer state, the RNG key, the data cursor (index
-of the next batch; the step advances it, the loop reads its host mirror), and the fp16 loss-scale state
-(empty unless fp16). Training is ``state -> state``: a checkpoint of this tuple is a complete resume point.
+of the next batch; the step advances it, the loop reads its host mirror), the fp16 loss-scale state
+(empty unless fp16) and the spike detector's statistics (empty unless enabled; ``core.spike``).
+Training is ``state -> state``: a checkpoint of this tuple is a complete resume point.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from core import rng
 from core.loss_scale import init_loss_scale
+from core.spike import init_monitor
 
 
 class TrainState(NamedTuple):
@@ -22,9 +24,10 @@ class TrainState(NamedTuple):
     key: torch.Tensor         # RNG key (core.rng); dropout uses fold_in(key, step)
     cursor: torch.Tensor      # int64, index of the next batch in the data iterator
     loss_scale: dict          # {} or {"scale", "growth_tracker"} for fp16
+    monitor: dict = {}        # {} or the spike detector's state (core.spike.init_monitor)
 
 
-def init_state(params, optimizer, seed: int = 0, precision: str = "fp32") -> TrainState:
+def init_state(params, optimizer, seed: int = 0, precision: str = "fp32", spike: bool = False) -> TrainState:
     device = next(iter(t.device for t in _tensors(params)), torch.device("cpu"))
     zero = torch.zeros((), dtype=torch.int64, device=device)
     return TrainState(
@@ -34,6 +37,7 @@ def init_state(params, optimizer, seed: int = 0, precision: str = "fp32") -> Tra
         key=rng.key(seed, device),
         cursor=zero.clone(),
         loss_scale=init_loss_scale(device) if precision == "fp16" else {},
+        monitor=init_monitor(device) if spike else {},
     )
 
 

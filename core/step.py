@@ -34,6 +34,7 @@ import torch
 from core import rng
 from core.compile import maybe_compile
 from core.loss_scale import update_loss_scale
+from core.spike import SpikeConfig, update_monitor
 from core.state import TrainState
 from core.tree import global_norm, tree_flatten, tree_map, tree_unflatten, where
 from optim.base import apply_updates
@@ -90,12 +91,18 @@ def _mean_aux(auxes: list[dict]) -> dict:
 
 def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precision: str = "fp32",
                     device_type: str = "cpu", grad_mode: str = "func", compile: bool = False,
-                    extra_metrics: Optional[Callable] = None) -> Callable:
+                    extra_metrics: Optional[Callable] = None, spike: Optional[SpikeConfig] = None,
+                    remat: bool = False) -> Callable:
     """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
 
     ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the
-    metrics from inside the step, e.g. gradient health statistics.
+    metrics from inside the step, e.g. gradient health statistics. ``spike`` runs the spike detector
+    (``core.spike``) on the step's loss and gradient norm; its state must exist in ``state.monitor``
+    (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation checkpointing, which
+    ``torch.func`` cannot differentiate: it selects the autograd path.
     """
+    if remat:
+        grad_mode = "autograd"
     if grad_mode not in GRAD_MODES:
         raise ValueError(f"unknown grad_mode {grad_mode!r}; choose one of {', '.join(GRAD_MODES)}")
     if grad_accum < 1:
@@ -146,6 +153,11 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
                    "skipped": (~finite).float(), **aux}
         if extra_metrics is not None:
             metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=new_params))
+        monitor = state.monitor
+        if spike is not None and spike.enabled:
+            monitor = update_monitor(state.monitor, loss, grad_norm, state.step + 1, spike)
+            metrics.update({"spike": monitor["hard"].float(), "z_loss": monitor["z_loss"],
+                            "z_grad": monitor["z_grad"]})
         loss_scale = state.loss_scale
         if scale is not None:
             loss_scale = update_loss_scale(state.loss_scale, finite)
@@ -157,6 +169,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
             key=state.key,
             cursor=state.cursor + 1,
             loss_scale=loss_scale,
+            monitor=monitor,
         )
         return new_state, metrics
 

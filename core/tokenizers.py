@@ -120,13 +120,15 @@ BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "<|endofte
 class BPETokenizer(_Tokenizer):
     """A Hugging Face ``tokenizer.json`` (any model the ``tokenizers`` library runs; usually byte-level BPE).
 
-    ``encode`` adds no special tokens. ``eos_id``/``bos_id`` are the first of the conventional special
-    tokens (``EOS_TOKENS``/``BOS_TOKENS``) present in the vocabulary, else None.
+    ``encode`` adds no special tokens. ``eos_id``/``bos_id`` are given by the model's own metadata (GGUF
+    ids, ``tokenizer_config.json``) when known, else the first of the conventional special tokens
+    (``EOS_TOKENS``/``BOS_TOKENS``) present in the vocabulary, else None; ``to_dict`` keeps them.
     """
 
     name = "bpe"
 
-    def __init__(self, json_str: str, source: str = "tokenizer.json"):
+    def __init__(self, json_str: str, source: str = "tokenizer.json", bos_id: int | None = None,
+                 eos_id: int | None = None):
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -138,8 +140,8 @@ class BPETokenizer(_Tokenizer):
             raise DataError(f"{source}: not a valid Hugging Face tokenizer.json ({e})") from None
         self.json = json_str
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id = self._first_id(EOS_TOKENS)
-        self.bos_id = self._first_id(BOS_TOKENS)
+        self.eos_id = eos_id if eos_id is not None else self._first_id(EOS_TOKENS)
+        self.bos_id = bos_id if bos_id is not None else self._first_id(BOS_TOKENS)
 
     @classmethod
     def from_file(cls, path: str) -> BPETokenizer:
@@ -163,7 +165,7 @@ class BPETokenizer(_Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def to_dict(self) -> dict:
-        return {"type": "bpe", "json": self.json}
+        return {"type": "bpe", "json": self.json, "bos_id": self.bos_id, "eos_id": self.eos_id}
 
 
 def tokenizer_from_dict(d: dict) -> _Tokenizer:
@@ -174,7 +176,7 @@ def tokenizer_from_dict(d: dict) -> _Tokenizer:
     if kind == "char":
         return CharTokenizer(d["chars"])
     if kind == "bpe":
-        return BPETokenizer(d["json"], source="saved tokenizer")
+        return BPETokenizer(d["json"], source="saved tokenizer", bos_id=d.get("bos_id"), eos_id=d.get("eos_id"))
     raise ValueError(f"unknown tokenizer type {kind!r}; expected one of byte, char, bpe")
 
 

@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from core import rng
 from core.tree import unstack
@@ -216,12 +217,15 @@ def block(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, key=None, cache=
 # the model
 
 def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional[torch.Tensor] = None,
-          return_hidden: bool = False, cache: Optional[list] = None, past_len: int = 0):
+          return_hidden: bool = False, cache: Optional[list] = None, past_len: int = 0, remat: bool = False):
     """Logits [B, T, vocab] for ``tokens`` [B, T].
 
     ``key`` turns on dropout (training); ``return_hidden`` also returns the residual stream entering every
     block plus the final block output (``L + 1`` tensors, before the final norm); ``cache`` (from
-    :func:`new_cache`) makes this an incremental decode step at ``past_len``.
+    :func:`new_cache`) makes this an incremental decode step at ``past_len``; ``remat`` recomputes each
+    block's activations in the backward pass (activation checkpointing; dropout masks come from the
+    counter-based key, so the recomputation is identical). ``remat`` needs ``torch.autograd``, not
+    ``torch.func`` (``make_train_step(..., remat=True)``).
     """
     T = tokens.shape[1]
     x = F.embedding(tokens, params["embed"])
@@ -233,15 +237,19 @@ def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional
     for i, lp in enumerate(unstack(params["layers"])):
         hidden.append(x)
         layer_key = None if key is None else rng.fold_in(key, 1000 + i)
-        x = block(lp, x, cos, sin, cfg, layer_key, None if cache is None else cache[i], past_len)
+        if remat and cache is None:
+            x = checkpoint(block, lp, x, cos, sin, cfg, layer_key, use_reentrant=False)
+        else:
+            x = block(lp, x, cos, sin, cfg, layer_key, None if cache is None else cache[i], past_len)
     hidden.append(x)
     logits = F.linear(rms_norm(x, params["norm"], cfg.norm_eps), lm_head(params))
     return (logits, hidden) if return_hidden else logits
 
 
-def loss(params: dict, batch: dict, cfg: LlamaConfig, key: Optional[torch.Tensor] = None) -> torch.Tensor:
+def loss(params: dict, batch: dict, cfg: LlamaConfig, key: Optional[torch.Tensor] = None,
+         remat: bool = False) -> torch.Tensor:
     """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored)."""
-    logits = apply(params, batch["x"], cfg, key=key)
+    logits = apply(params, batch["x"], cfg, key=key, remat=remat)
     return F.cross_entropy(logits.flatten(0, 1).to(upcast(logits.dtype)), batch["y"].flatten(), ignore_index=-1)
 
 

@@ -20,9 +20,15 @@ import torch
 
 import optim
 from core import checkpoint as ckpt
+from core.config import UserError
 from core.logging import Logger, memory_mb
+from core.spike import clear as clear_monitor
 from core.state import TrainState
+from core.step import make_eval_step, make_train_step
+from core.tree import cast, tree_map
 from optim import schedules
+from optim.health import GradientHealth
+from recipes.faults import FaultyBatches, with_faults
 from recipes.train_config import TrainConfig
 
 
@@ -33,13 +39,37 @@ def run_folder(cfg: TrainConfig, recipe: str) -> Path:
     return Path("runs") / f"{recipe}-{cfg.name or datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+def resolve_run_folder(cfg: TrainConfig, folder: Path) -> Optional[Path]:
+    """The checkpoint to resume from (``cfg.resume``), refusing to start a new run over an old one."""
+    existing = folder.exists() and any(folder.glob("*.msgpack"))
+    if cfg.resume == "never" and existing:
+        raise UserError(f"out={folder} already holds a run's checkpoints and resume=never would mix a new run "
+                        f"into it; choose another out= (or name=), or delete that folder")
+    if cfg.resume == "auto" and not existing:
+        return None
+    return ckpt.resolve_resume(cfg.resume, folder)
+
+
+def clip_transform(cfg):
+    """The gradient clipping ``cfg.clipping`` names (global | adagc | agc | none), or None."""
+    if cfg.clipping == "global":
+        return optim.clip_by_global_norm(cfg.grad_clip)
+    if cfg.clipping == "adagc":
+        return optim.adagc(lambda_rel=cfg.adagc.lambda_rel, beta=cfg.adagc.beta, t_start=cfg.adagc.warmup,
+                           lambda_abs=cfg.grad_clip)
+    if cfg.clipping == "agc":
+        return optim.agc(cfg.agc_clip)
+    return None
+
+
 def make_optimizer(cfg: TrainConfig):
-    """Global-norm clipping, then AdamW with the configured schedule (norms/biases/embeddings not decayed)."""
+    """Clipping (``cfg.clipping``), then AdamW with the configured schedule (no decay on norms/embeddings)."""
     total = cfg.decay_steps or cfg.steps
     schedule = schedules.make(cfg.lr_schedule, warmup=cfg.warmup_steps, total=total,
                               floor=cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0, every=max(total // 3, 1))
     adamw = optim.adamw(lr=cfg.lr, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, schedule=schedule)
-    return optim.chain(optim.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw
+    clip = clip_transform(cfg)
+    return adamw if clip is None else optim.chain(clip, adamw)
 
 
 def evaluate(eval_step: Callable, params, batches, frozen=None) -> float:
@@ -55,17 +85,20 @@ class LoopState:
     bad_evals: int = 0
     tokens: int = 0
     train_seconds: float = 0.0
+    ticks: int = 0                                     # steps executed, rollbacks included (never rewinds)
+    rollbacks: list = field(default_factory=list)      # ticks at which rollbacks happened
 
     def to_dict(self) -> dict:
         return {"best_val": self.best_val if math.isfinite(self.best_val) else None, "bad_evals": self.bad_evals,
-                "tokens": self.tokens, "train_seconds": self.train_seconds}
+                "tokens": self.tokens, "train_seconds": self.train_seconds, "ticks": self.ticks,
+                "rollbacks": list(self.rollbacks)}
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "LoopState":
         d = d or {}
         best = d.get("best_val")
         return cls(math.inf if best is None else best, d.get("bad_evals", 0), d.get("tokens", 0),
-                   d.get("train_seconds", 0.0))
+                   d.get("train_seconds", 0.0), d.get("ticks", 0), list(d.get("rollbacks", [])))
 
 
 @dataclass
@@ -74,10 +107,63 @@ class FitResult:
     loop: LoopState
     val_loss: Optional[float] = None
     stopped_early: bool = False
+    stop_reason: str = ""
     history: list = field(default_factory=list)   # (step, val_loss) of every evaluation
 
 
-def fit(cfg: TrainConfig, state: TrainState, train_step: Callable, batches, *, logger: Logger,
+@dataclass
+class Steps:
+    """What ``build_steps`` wires for a recipe."""
+    train: Callable
+    eval: Callable
+    health: Optional[GradientHealth]
+    batches: object      # the batch source the loop reads (with faults when configured)
+
+
+def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches, device: torch.device,
+                vocab_size: int) -> Steps:
+    """The train and eval steps every training recipe uses, configured from the common keys.
+
+    ``loss_fn(params, batch, key[, frozen])``: precision, accumulation, remat, the spike detector,
+    gradient health and fault injection all come from ``cfg``.
+    """
+    health = GradientHealth(params, clip_norm=cfg.grad_clip if cfg.clipping == "global" else None) \
+        if cfg.health else None
+    train_loss = loss_fn
+    if cfg.fault.active:
+        train_loss = with_faults(loss_fn)
+        batches = FaultyBatches(batches, cfg.fault, vocab_size, cfg.seed)
+    train = make_train_step(train_loss, optimizer, grad_accum=cfg.grad_accum, precision=cfg.dtype,
+                            device_type=device.type, compile=cfg.compile, remat=cfg.remat,
+                            extra_metrics=health.metrics if health else None,
+                            spike=cfg.spike if cfg.spike.enabled else None)
+    evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile)
+    return Steps(train, evaluate_step, health, batches)
+
+
+class SnapshotRing:
+    """Recent copies of the train state in host memory, for rolling back past a loss spike."""
+
+    def __init__(self, every: int, keep: int):
+        self.every, self.keep = max(every, 1), max(keep, 1)
+        self.snaps: list[tuple[int, TrainState]] = []   # (step, state on the CPU)
+
+    def offer(self, step: int, state: TrainState) -> None:
+        if step % self.every == 0 and (not self.snaps or self.snaps[-1][0] != step):
+            self.snaps.append((step, tree_map(lambda t: t.detach().to("cpu", copy=True), state)))
+            del self.snaps[:-self.keep]
+
+    def before(self, step: int) -> Optional[tuple[int, TrainState]]:
+        """The newest snapshot at or before ``step`` (else the oldest one), dropping everything newer."""
+        if not self.snaps:
+            return None
+        older = [i for i, (s, _) in enumerate(self.snaps) if s <= step]
+        i = older[-1] if older else 0
+        del self.snaps[i + 1:]
+        return self.snaps[i]
+
+
+def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
         checkpoints: ckpt.CheckpointManager, checkpoint_extra: Callable[[], dict],
         evaluate_fn: Optional[Callable[[object], float]] = None, sample_fn: Optional[Callable[[object], str]] = None,
         loop: Optional[LoopState] = None, frozen=None, tokens_per_step: int = 0,
@@ -87,6 +173,8 @@ def fit(cfg: TrainConfig, state: TrainState, train_step: Callable, batches, *, l
     step, cursor = int(state.step), int(state.cursor)
     result = FitResult(state, loop)
     device = state.step.device
+    spike = cfg.spike if cfg.spike.enabled else None
+    ring = SnapshotRing(spike.snapshot_every, spike.rollback_back // spike.snapshot_every + 2) if spike else None
     pending: list[dict] = []
     last_log_time, last_log_tokens = time.perf_counter(), loop.tokens
     excluded = 0.0   # seconds spent evaluating/saving since the last log (not training throughput)
@@ -116,28 +204,52 @@ def fit(cfg: TrainConfig, state: TrainState, train_step: Callable, batches, *, l
             logger.text(step, "samples", "```\n" + text + "\n```")
             logger.print(f"sample at step {step}:\n{text}\n")
         excluded += time.perf_counter() - t0
-        return val
 
+    def roll_back() -> bool:
+        """Restore a snapshot from before the spike's onset, skip the batches since, maybe lower the LR.
+        Returns False when the rollback cap is reached (the run then stops)."""
+        nonlocal step, cursor
+        onset = int(result.state.monitor["onset"])
+        recent = [t for t in loop.rollbacks if loop.ticks - t < spike.window]
+        target = ring.before(onset - spike.rollback_back)
+        if target is None:
+            return False
+        to_step, snap = target
+        cursor += spike.skip_ahead
+        skipped = cursor - int(snap.cursor)
+        restored = cast(snap, device=device)
+        restored = restored._replace(cursor=torch.tensor(cursor, dtype=torch.int64, device=device),
+                                     monitor=clear_monitor(restored.monitor),
+                                     opt_state=optim.scale_lr(restored.opt_state, spike.lr_factor))
+        logger.event(step, "rollback", onset=onset, to_step=to_step, skipped_batches=skipped,
+                     lr_factor=spike.lr_factor, number=len(recent) + 1)
+        logger.print(f"loss spike (onset step {onset}) detected at step {step}: rolled back to step {to_step}, "
+                     f"skipping {skipped} batches" + (f", lr x{spike.lr_factor}" if spike.lr_factor != 1 else ""))
+        result.state, step = restored, to_step
+        loop.rollbacks.append(loop.ticks)
+        return len(recent) + 1 < spike.max_rollbacks
+
+    if ring is not None:
+        ring.offer(step - step % ring.every, result.state)   # a starting point to roll back to
     while step < cfg.steps:
         t0 = time.perf_counter()
-        batch = batches.get(cursor)
-        new_state, metrics = train_step(result.state, batch, frozen) if frozen is not None \
-            else train_step(result.state, batch)
+        batch = steps.batches.get(cursor)
+        new_state, metrics = steps.train(result.state, batch, frozen) if frozen is not None \
+            else steps.train(result.state, batch)
         result.state = new_state
         step, cursor = step + 1, cursor + 1
         loop.tokens += tokens_per_step
+        loop.ticks += 1
         pending.append(metrics)
         loop.train_seconds += time.perf_counter() - t0
 
-        if step == 1 and expected_initial_loss is not None:
-            first = metrics["loss"].item()
-            if abs(first - expected_initial_loss) > 0.25 * expected_initial_loss:
-                logger.print(f"warning: initial loss {first:.3f} is far from ln(vocab) = "
-                             f"{expected_initial_loss:.3f}; check the init and the data")
+        if loop.ticks == 1:
+            _first_step_checks(metrics, steps.health, logger, expected_initial_loss)
 
         last = step == cfg.steps
         if step % cfg.log_every == 0 or last:
-            values = _pull(pending)
+            values, health = _pull(pending)
+            interval = len(pending)
             pending.clear()
             now = time.perf_counter()
             seconds = max(now - last_log_time - excluded, 1e-9)
@@ -145,11 +257,27 @@ def fit(cfg: TrainConfig, state: TrainState, train_step: Callable, batches, *, l
             values.update({"tokens_per_sec": tps, "memory_mb": memory_mb(device)})
             logged = logger.scalars(step, {f"train/{k}" if k in ("loss", "grad_norm") else k: v
                                            for k, v in values.items()})
+            if health is not None and steps.health is not None:
+                logger.scalars(step, steps.health.to_scalars(health))
+                for tag, hist in steps.health.histograms(health).items():
+                    logger.histogram(step, tag, hist)
             logger.progress(step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
                             extra={"lr": logged["lr"]})
             last_log_time, last_log_tokens, excluded = now, loop.tokens, 0.0
-            if not math.isfinite(logged["train/loss"]):
-                logger.print(f"warning: non-finite training loss at step {step} (the update was skipped)")
+            if values.get("spike", 0.0) > 0:
+                if not roll_back():
+                    result.stop_reason = (f"{spike.max_rollbacks} rollbacks within {spike.window} steps: stopping "
+                                          f"(the state is the last rollback's; lower lr or inspect the data)")
+                    logger.event(step, "rollback_cap", max_rollbacks=spike.max_rollbacks, window=spike.window)
+                    logger.print(result.stop_reason)
+                    save(final=True)
+                    break
+                continue
+            if values.get("skipped", 0.0) > 0:
+                logger.print(f"warning: {round(values['skipped'] * interval)} non-finite step(s) up to step {step} "
+                             f"were skipped (parameters untouched)")
+        if ring is not None:
+            ring.offer(step, result.state)
 
         evaluated = False
         if evaluate_fn is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
@@ -171,9 +299,31 @@ def fit(cfg: TrainConfig, state: TrainState, train_step: Callable, batches, *, l
     return result
 
 
-def _pull(pending: list[dict]) -> dict:
-    """Means of the buffered step metrics (the loss, clip activity, ...) and the last value of the rest."""
-    keys = pending[-1].keys()
-    stacked = torch.stack([torch.stack([m[k].float().reshape(()) for k in keys]) for m in pending]).cpu()
+def _first_step_checks(metrics: dict, health: Optional[GradientHealth], logger: Logger,
+                       expected_initial_loss: Optional[float]) -> None:
+    """After the first step: is the loss near ln(vocab), and which parameters got no or a bad gradient."""
+    if expected_initial_loss is not None:
+        first = metrics["loss"].item()
+        if abs(first - expected_initial_loss) > 0.25 * expected_initial_loss:
+            logger.print(f"warning: initial loss {first:.3f} is far from ln(vocab) = {expected_initial_loss:.3f}; "
+                         f"check the init and the data")
+    if health is not None and "health" in metrics:
+        problems = health.report(metrics["health"].cpu())
+        for name, problem in problems:
+            logger.print(f"gradient check after step 1: {name}: {problem}")
+        if problems:
+            logger.event(1, "gradient_report", problems=[f"{n}: {p}" for n, p in problems])
+
+
+def _pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor]]:
+    """Means of the buffered 0-d step metrics (the loss, clip activity, ...), the last value of the rest,
+    and the last packed health tensor: one host transfer for the whole interval."""
+    keys = [k for k, v in pending[-1].items() if v.dim() == 0]
+    stacked = torch.stack([torch.stack([m[k].float() for k in keys]) for m in pending]).cpu()
     means, lasts = stacked.mean(0).tolist(), stacked[-1].tolist()
-    return {k: (lasts[i] if k in ("lr", "loss_scale") else means[i]) for i, k in enumerate(keys)}
+    values = {k: (lasts[i] if k in LAST_VALUE else means[i]) for i, k in enumerate(keys)}
+    health = pending[-1].get("health")
+    return values, None if health is None else health.cpu()
+
+
+LAST_VALUE = ("lr", "loss_scale", "spike", "z_loss", "z_grad")

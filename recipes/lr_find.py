@@ -24,9 +24,9 @@ from core.step import make_train_step
 from core.tree import cast, clone
 from models import llama
 from models.loading import load_model
-from recipes.loop import run_folder
+from recipes.loop import clip_transform, run_folder
 from recipes.standard import _model_config
-from recipes.train_config import TrainConfig
+from recipes.train_config import AdaGCConfig, TrainConfig
 
 DESCRIPTION = "exponential learning-rate range test on a copy of the state; suggests an LR"
 
@@ -46,7 +46,10 @@ class Config:
     weight_decay: float = same_as(TrainConfig, "weight_decay")
     beta1: float = same_as(TrainConfig, "beta1")
     beta2: float = same_as(TrainConfig, "beta2")
+    clipping: str = same_as(TrainConfig, "clipping")
     grad_clip: float = same_as(TrainConfig, "grad_clip")
+    adagc: AdaGCConfig = same_as(TrainConfig, "adagc")
+    agc_clip: float = same_as(TrainConfig, "agc_clip")
     seed: int = same_as(TrainConfig, "seed")
     device: str = same_as(TrainConfig, "device")
     dtype: str = same_as(TrainConfig, "dtype")
@@ -95,8 +98,8 @@ def run(cfg: Config) -> dict:
     model_cfg = start.config if start else _model_config(cfg.model, corpus.tokenizer.vocab_size)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device)
     opt = optim.adamw(lr=1.0, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay)
-    if cfg.grad_clip > 0:
-        opt = optim.chain(optim.clip_by_global_norm(cfg.grad_clip), opt)
+    clip = clip_transform(cfg)
+    opt = opt if clip is None else optim.chain(clip, opt)
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     state = init_state(params, opt, cfg.seed, cfg.dtype)
     step = make_train_step(lambda p, b: llama.loss(p, b, model_cfg), opt, grad_accum=cfg.grad_accum,

@@ -22,12 +22,11 @@ from core.data import prepare
 from core.device import resolve_device
 from core.logging import Logger
 from core.state import init_state
-from core.step import make_eval_step, make_train_step
 from core.tree import cast, size
 from models import llama
 from models.loading import load_model, model_entry
 from models.sampling import generate
-from recipes.loop import LoopState, evaluate, fit, make_optimizer, run_folder
+from recipes.loop import LoopState, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
 from recipes.train_config import TrainConfig
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
@@ -65,14 +64,13 @@ def run(cfg: Config):
     if start and model_cfg.vocab_size < tok.vocab_size:
         raise UserError(f"init={cfg.init}: its vocabulary ({model_cfg.vocab_size}) is smaller than the "
                         f"tokenizer's ({tok.vocab_size})")
-    resume = ckpt.resolve_resume(cfg.resume, folder) if (folder.exists() or cfg.resume not in ("auto", "never")) \
-        else None
+    resume = resolve_run_folder(cfg, folder)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device)
     val_batches = corpus.eval_batches(cfg.batch_size, cfg.block_size, cfg.eval_batches, device=device)
 
     optimizer = make_optimizer(cfg)
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
-    state = init_state(params, optimizer, cfg.seed, cfg.dtype)
+    state = init_state(params, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled)
     loop = LoopState()
     if resume is not None:
         loaded = ckpt.load(resume, template=state, device=device)
@@ -81,11 +79,9 @@ def run(cfg: Config):
         state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
 
     def loss_fn(params, batch, key):
-        return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None)
+        return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
 
-    train_step = make_train_step(loss_fn, optimizer, grad_accum=cfg.grad_accum, precision=cfg.dtype,
-                                 device_type=device.type, compile=cfg.compile)
-    eval_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile)
+    steps = build_steps(cfg, loss_fn, optimizer, params, batches, device, tok.vocab_size)
     prompt = tok.encode(cfg.sample_prompt) if cfg.sample_prompt else corpus.val[:32].tolist()
 
     def sample(params) -> str:
@@ -107,9 +103,9 @@ def run(cfg: Config):
             logger.print(f"init from {start.source} ({start.format})")
         if resume is not None:
             logger.print(f"resuming from {resume} at step {int(state.step)}")
-        result = fit(cfg, state, train_step, batches, logger=logger, checkpoints=checkpoints,
+        result = fit(cfg, state, steps, logger=logger, checkpoints=checkpoints,
                      checkpoint_extra=lambda: extra, loop=loop,
-                     evaluate_fn=lambda p: evaluate(eval_step, p, val_batches),
+                     evaluate_fn=lambda p: evaluate(steps.eval, p, val_batches),
                      sample_fn=sample if cfg.sample_tokens > 0 else None,
                      tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum,
                      expected_initial_loss=None if (start or resume) else math.log(model_cfg.vocab_size))

@@ -7,9 +7,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.config import option
+from core.config import ConfigError, option
+from core.spike import SpikeConfig
 from core.step import PRECISIONS
 from optim.schedules import KINDS
+from recipes.faults import FaultConfig
+
+CLIPPING = ("global", "adagc", "agc", "none")
+
+
+@dataclass
+class AdaGCConfig:
+    lambda_rel: float = option(1.04, "clip each tensor (each layer slice) at lambda_rel x its gamma")
+    beta: float = option(0.99, "EMA decay of gamma, the clipped-norm history")
+    warmup: int = option(100, "warm-up steps of global clipping at grad_clip while gamma is a running min")
 
 
 @dataclass
@@ -32,7 +43,15 @@ class TrainConfig:
     weight_decay: float = option(0.1, "AdamW decoupled weight decay (not on norms, biases, embeddings)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.99, "AdamW beta2")
-    grad_clip: float = option(1.0, "clip the global gradient norm to this (0: off)")
+    clipping: str = option("global", "gradient clipping: global norm, AdaGC (per tensor and layer), AGC "
+                           "(unit-wise), none", choices=CLIPPING)
+    grad_clip: float = option(1.0, "global-norm clip threshold (clipping=global; AdaGC's warm-up lambda_abs)")
+    adagc: AdaGCConfig = option(AdaGCConfig, "AdaGC settings (clipping=adagc; Wang et al. 2025)")
+    agc_clip: float = option(0.01, "AGC threshold on |grad| / |weight| per unit (clipping=agc; NFNets)")
+    health: bool = option(True, "gradient health statistics per tensor and layer, logged every log_every")
+    remat: bool = option(False, "activation checkpointing: recompute block activations in backward")
+    spike: SpikeConfig = option(SpikeConfig, "loss-spike detection and rollback (PaLM/OPT practice)")
+    fault: FaultConfig = option(FaultConfig, "deliberate faults, for testing the stability machinery")
     log_every: int = option(10, "steps between metric pulls to TensorBoard/JSONL/console")
     eval_every: int = option(250, "steps between validation runs (0: only at the end)")
     eval_batches: int = option(20, "validation batches per evaluation (fixed windows)")
@@ -44,3 +63,10 @@ class TrainConfig:
     data: str = option("stdlib", "text: a file, folder, glob, or 'stdlib' (this Python's own source)")
     tokenizer: str = option("byte", "byte, char, or a tokenizer.json PATH")
     init: str = option("", "start from this checkpoint's weights (fine-tuning) instead of random init")
+
+    def __post_init__(self):
+        if self.clipping in ("global", "adagc") and self.grad_clip <= 0:
+            raise ConfigError(f"grad_clip={self.grad_clip} must be > 0 with clipping={self.clipping} "
+                              f"(use clipping=none to turn clipping off)")
+        if self.grad_accum < 1:
+            raise ConfigError(f"grad_accum={self.grad_accum} must be >= 1")

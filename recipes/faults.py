@@ -1,0 +1,55 @@
+"""Deliberate faults for testing stability machinery: bad batches and a NaN loss, tied to the data.
+
+``fault.inject_spike_at=S`` replaces the batches read at steps S .. S+spike_length-1 of an
+uninterrupted run with uniformly random tokens (garbage data: a loss spike and large gradients);
+``fault.inject_nan_at=S`` makes the loss of the batch read at step S NaN. Faults are keyed by the data
+cursor, like real bad data: a rollback that skips past those batches never sees them again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.config import option
+
+
+@dataclass
+class FaultConfig:
+    inject_spike_at: int = option(0, "replace the batches of steps S.. with random tokens (0: off)")
+    spike_length: int = option(5, "how many consecutive batches inject_spike_at corrupts")
+    inject_nan_at: int = option(0, "make the loss of the batch of step S NaN (0: off)")
+
+    @property
+    def active(self) -> bool:
+        return self.inject_spike_at > 0 or self.inject_nan_at > 0
+
+
+class FaultyBatches:
+    """Wraps a batch source (``get(cursor)``); every batch gains a ``loss_multiplier`` (1 or NaN)."""
+
+    def __init__(self, batches, fault: FaultConfig, vocab_size: int, seed: int = 0):
+        self.batches, self.fault, self.vocab_size, self.seed = batches, fault, vocab_size, seed
+
+    def get(self, cursor: int) -> dict:
+        batch = dict(self.batches.get(cursor))
+        f = self.fault
+        step = cursor + 1
+        if f.inject_spike_at and f.inject_spike_at <= step < f.inject_spike_at + f.spike_length:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + cursor)
+            batch = {k: torch.randint(0, self.vocab_size, v.shape, generator=g).to(v.device) for k, v in batch.items()}
+        nan = f.inject_nan_at == step
+        batch["loss_multiplier"] = torch.tensor(float("nan") if nan else 1.0, device=batch["x"].device)
+        return batch
+
+
+def with_faults(loss_fn):
+    """A loss that honours ``batch["loss_multiplier"]`` (present only when faults are configured)."""
+
+    def faulty(params, batch, key):
+        out = loss_fn(params, batch, key)
+        if isinstance(out, tuple):
+            return out[0] * batch["loss_multiplier"], out[1]
+        return out * batch["loss_multiplier"]
+
+    return faulty
