@@ -328,10 +328,16 @@ class _Reader:
             return self.map(n, skip)
         return self.ext(n, skip)
 
+    def key(self):
+        key = self.value()
+        if isinstance(key, (list, dict, torch.Tensor)):
+            raise _Corrupt(f"a map key before offset {self.pos} is not a scalar")
+        return key
+
     def map(self, n: int, skip: bool):
         out = {}
         for i in range(n):
-            key = self.value()
+            key = self.key()
             if i == 0 and key == CHUNKED and not skip:
                 return self.chunked(n - 1)
             out[key] = self.value(skip)
@@ -381,33 +387,51 @@ class _Reader:
         self.pos += done
 
     def chunked(self, rest: int) -> torch.Tensor:
-        """Flax's chunked array, read chunk by chunk into one tensor (no concatenation copy)."""
+        """Flax's chunked array ``{flag, shape, chunks}``. With the shape first (as we and Flax write it)
+        the chunks are read straight into one tensor; a key-sorted map (chunks first) is concatenated."""
         at = self.pos
-        if rest != 2 or self.value() is not True or self.value() != "shape":
+        flag, parts = self.value(), {}
+        for _ in range(rest):
+            key = self.key()
+            shape = parts.get("shape")
+            if key == "chunks" and isinstance(shape, dict) and all(isinstance(d, int) for d in shape.values()):
+                parts[key] = self.chunks_into(math.prod(shape.values()), at)
+            else:
+                parts[key] = self.value()
+        shape, chunks = parts.get("shape"), parts.get("chunks")
+        if flag is not True or set(parts) != {"shape", "chunks"} or not isinstance(shape, dict) or \
+                not all(isinstance(d, int) and d >= 0 for d in shape.values()):
             raise _Corrupt(f"chunked array at offset {at} is not {{flag, shape, chunks}}")
-        shape = self.value()
-        shape = list(shape.values()) if isinstance(shape, dict) else None
-        if shape is None or not all(isinstance(d, int) and d >= 0 for d in shape) or self.value() != "chunks":
-            raise _Corrupt(f"chunked array at offset {at} has no valid shape and chunks")
+        if isinstance(chunks, dict):
+            pieces = [chunks.get(str(i)) for i in range(len(chunks))]
+            if not pieces or not all(isinstance(p, torch.Tensor) and p.dim() == 1 for p in pieces):
+                raise _Corrupt(f"chunks of the array at offset {at} are not flat arrays")
+            chunks = torch.cat(pieces)
+        if not isinstance(chunks, torch.Tensor) or chunks.numel() != math.prod(shape.values()):
+            raise _Corrupt(f"chunks of the array at offset {at} do not fill shape {list(shape.values())}")
+        t = chunks.reshape(list(shape.values()))
+        return t if self.device is None else t.to(self.device)
+
+    def chunks_into(self, total: int, at: int) -> torch.Tensor:
+        """Read a chunk map ``{"0": flat, "1": flat, ..}`` into one flat tensor of ``total`` elements."""
         kind, n = self.header()
         if kind != "map":
             raise _Corrupt(f"chunked array at offset {at} has no chunk map")
-        flat, offset, total = None, 0, math.prod(shape)
-        for _ in range(n):
-            self.value()
+        flat, offset = None, 0
+        for i in range(n):
+            key = self.key()
             kind, length = self.header()
-            if kind != "ext" or self.unpack(">b") != 1:
-                raise _Corrupt(f"chunk of the array at offset {at} is not an array")
+            if key != str(i) or kind != "ext" or self.unpack(">b") != 1:
+                raise _Corrupt(f"chunk {key!r} of the array at offset {at} is not array number {i}")
             piece, dtype, _ = self.array_header(length)
             flat = torch.empty(total, dtype=dtype) if flat is None else flat
             if dtype != flat.dtype or len(piece) != 1 or offset + piece[0] > total:
-                raise _Corrupt(f"chunks of the array at offset {at} do not fit shape {shape}")
+                raise _Corrupt(f"chunks of the array at offset {at} do not fit its shape")
             self.read_into(flat[offset:offset + piece[0]])
             offset += piece[0]
         if flat is None or offset != total:
-            raise _Corrupt(f"chunks of the array at offset {at} do not fill shape {shape}")
-        t = flat.reshape(shape)
-        return t if self.device is None else t.to(self.device)
+            raise _Corrupt(f"chunks of the array at offset {at} do not fill its shape")
+        return flat
 
 
 def _read(path, device=None, skip_state: bool = False) -> dict:
@@ -424,14 +448,11 @@ def _read(path, device=None, skip_state: bool = False) -> dict:
             if size == 0:
                 raise _Truncated
             kind, n = reader.header()
-            if kind != "map" or n == 0 or reader.value() != "format":
-                raise CheckpointError(f"{path}: not a purestep checkpoint (no 'format' entry at the start)")
-            fmt = reader.value()
-            if fmt != FORMAT:
-                raise CheckpointError(f"{path}: not a purestep checkpoint (format {fmt!r}, expected {FORMAT!r})")
-            top = {"format": fmt}
-            for _ in range(n - 1):
-                key = reader.value()
+            if kind != "map":
+                raise CheckpointError(f"{path}: not a purestep checkpoint (it does not hold a msgpack map)")
+            top = {}
+            for _ in range(n):  # ours writes "format" first; Flax's msgpack_serialize may sort the keys
+                key = reader.key()
                 top[key] = reader.value(skip=skip_state and key == "state")
             if reader.pos != size:
                 raise _Corrupt(f"{size - reader.pos} unexpected bytes after the end of the checkpoint")
@@ -440,6 +461,8 @@ def _read(path, device=None, skip_state: bool = False) -> dict:
             raise CheckpointError(f"{path}: {why} (an interrupted write or copy?)") from None
         except _Corrupt as e:
             raise CheckpointError(f"{path}: corrupt ({e})") from None
+    if top.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a purestep checkpoint (format {top.get('format')!r}, expected {FORMAT!r})")
     if not isinstance(top.get("step"), int) or "state" not in top:
         raise CheckpointError(f"{path}: corrupt (no integer 'step' or no 'state' entry)")
     return top

@@ -78,6 +78,11 @@ def assert_same_tree(a, b, path="state"):
         assert a == b, path
 
 
+def contiguous(state: TrainState) -> TrainState:
+    """What a load gives back: the one non-contiguous leaf comes back contiguous."""
+    return state._replace(params={**state.params, "t": state.params["t"].contiguous()})
+
+
 def flax_ext_hook(code, data):
     """Flax's ext-type-1 rule (flax.serialization._msgpack_ext_unpack), with torch instead of numpy."""
     assert code == 1
@@ -105,7 +110,7 @@ def test_round_trip_with_template_is_bitwise_and_restores_structure(tmp_path):
     assert out["format"] == ckpt.FORMAT and out["step"] == 7
     assert out["config"] == extra["config"] and out["meta"] == extra["meta"]
     restored = out["state"]
-    assert_same_tree(restored, state._replace(params={**state.params, "t": state.params["t"].contiguous()}))
+    assert_same_tree(restored, contiguous(state))
     assert isinstance(restored, TrainState) and isinstance(restored.opt_state, tuple)
     assert isinstance(restored.opt_state[0], AdamLike) and restored.opt_state[1] == Empty()
     assert restored.params["layers"]["attn"]["wq"].dtype == torch.bfloat16
@@ -141,21 +146,41 @@ def test_plain_msgpack_reader_with_flax_ext_rule_sees_the_same_arrays(tmp_path):
     ckpt.save(tmp_path / "a.msgpack", state, step=7)
     decoded = plain_decode(tmp_path / "a.msgpack")
     assert decoded["format"] == ckpt.FORMAT and decoded["step"] == 7
-    expected = ckpt.to_state_dict(state._replace(params={**state.params, "t": state.params["t"].contiguous()}))
+    expected = ckpt.to_state_dict(contiguous(state))
     assert_same_tree(decoded["state"], expected)
     assert decoded["state"]["params"]["layers"]["attn"]["wq"].dtype == torch.bfloat16
 
 
-def test_flax_msgpack_restore_reads_our_file(tmp_path):
+@pytest.mark.parametrize("chunk", [2**30, 64])
+def test_flax_reads_our_file_and_writes_the_same_bytes(tmp_path, monkeypatch, chunk):
     serialization = pytest.importorskip("flax.serialization")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    monkeypatch.setattr(ckpt, "MAX_CHUNK_SIZE", chunk)
+    monkeypatch.setattr(serialization, "MAX_CHUNK_SIZE", chunk)
     state = make_state()
-    ckpt.save(tmp_path / "a.msgpack", state, step=7)
-    restored = serialization.msgpack_restore((tmp_path / "a.msgpack").read_bytes())
+    ckpt.save(tmp_path / "a.msgpack", state, step=7, extra={"config": {"lr": 0.1}})
+    ours = (tmp_path / "a.msgpack").read_bytes()
+
+    restored = serialization.msgpack_restore(ours)
     wq = restored["state"]["params"]["layers"]["attn"]["wq"]
     assert str(wq.dtype) == "bfloat16" and wq.shape == (2, 8, 4)
     assert bitwise_equal(torch.from_numpy(np.asarray(wq).view(np.int16).copy()),
                          state.params["layers"]["attn"]["wq"].view(torch.int16))
     assert np.array_equal(restored["state"]["params"]["f64"], state.params["f64"].numpy())
+
+    def to_numpy(x):
+        if isinstance(x, dict):
+            return {k: to_numpy(v) for k, v in x.items()}
+        if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
+            return x.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return x.contiguous().numpy() if isinstance(x, torch.Tensor) else x
+
+    # in_place=True keeps our key order (the copying path re-sorts dict keys through jax.tree_util).
+    tree = {"format": ckpt.FORMAT, "step": 7, "state": to_numpy(ckpt.to_state_dict(state)), "config": {"lr": 0.1}}
+    assert serialization.msgpack_serialize(tree, in_place=True) == ours
+    # Flax's default path sorts the keys ("config" before "format"); we still read it back.
+    (tmp_path / "flax.msgpack").write_bytes(serialization.msgpack_serialize(tree))
+    assert_same_tree(ckpt.load(tmp_path / "flax.msgpack", template=state)["state"], contiguous(state))
 
 
 def test_save_writes_tensor_memory_without_copying_it(tmp_path, monkeypatch):
@@ -190,6 +215,22 @@ def test_chunked_arrays_follow_flax_layout(tmp_path, monkeypatch):
 
     restored = ckpt.load(tmp_path / "a.msgpack", template=tree)["state"]
     assert_same_tree(restored, tree)
+
+
+def test_key_sorted_chunk_maps_read_back(tmp_path):
+    """Flax's default (copying) msgpack_serialize sorts keys: "chunks" before "shape", "10" before "2"."""
+    big = torch.arange(100, dtype=torch.float32).reshape(10, 10)
+    chunks = {str(i): big.reshape(-1)[4 * i:4 * i + 4] for i in range(25)}
+    top = {"format": ckpt.FORMAT, "state": {"big": {"__msgpack_chunked_array__": True,
+                                                    "chunks": dict(sorted(chunks.items())),
+                                                    "shape": {"0": 10, "1": 10}}}, "step": 3}
+
+    def flax_ext_default(t):
+        return msgpack.ExtType(1, msgpack.packb((list(t.shape), "float32", t.numpy().tobytes()), use_bin_type=True))
+
+    (tmp_path / "sorted.msgpack").write_bytes(msgpack.packb(top, default=flax_ext_default, use_bin_type=True))
+    assert list(top["state"]["big"]["chunks"])[:3] == ["0", "1", "10"]
+    assert torch.equal(ckpt.load(tmp_path / "sorted.msgpack")["state"]["big"], big)
 
 
 # ----------------------------------------------------------------------------- atomicity
