@@ -9,7 +9,8 @@ tuples and lists as ``{"0": .., "1": ..}``) and every tensor is a msgpack ext of
 bf16 stays bf16 (name ``"bfloat16"``), 0-d tensors stay arrays of shape ``[]`` so their dtype survives,
 and an array above ``MAX_CHUNK_SIZE`` bytes becomes ``{"__msgpack_chunked_array__": True, "shape":
 {"0": d0, ..}, "chunks": {"0": flat_chunk, ..}}``. So a checkpoint also opens with
-``flax.serialization.msgpack_restore``, and Flax output opens here.
+``flax.serialization.msgpack_restore`` (``msgpack_serialize(.., in_place=True)`` of the same state dict
+gives the same bytes), and one written back by Flax, even key-sorted, opens here.
 
 Writing streams: headers go through a small buffer and each tensor's own memory goes straight to the
 file (no bytes object of the whole file, no second copy of a CPU tensor; a device tensor is copied to the
@@ -215,10 +216,13 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _file_mode() -> int:
-    umask = os.umask(0)
+def _umask() -> int:
+    umask = os.umask(0)  # the only way to read it; done once, at import
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+_FILE_MODE = 0o666 & ~_umask()  # what open() would give; mkstemp's 0600 would hide checkpoints from a group
 
 
 def save(path, tree: Any, *, step: int, extra: dict | None = None) -> int:
@@ -236,7 +240,7 @@ def save(path, tree: Any, *, step: int, extra: dict | None = None) -> int:
     folder = path.parent
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=f"-{path.name}")
     try:
-        os.fchmod(fd, _file_mode())  # mkstemp makes 0600; a checkpoint gets the usual permissions
+        os.fchmod(fd, _FILE_MODE)
         with open(fd, "wb", buffering=_BUFFER) as f:
             _Writer(f).value(top, "")
             f.flush()

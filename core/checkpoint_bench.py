@@ -1,0 +1,163 @@
+"""Checkpoint throughput and memory: :mod:`core.checkpoint` against ``torch.save`` / ``torch.load``.
+
+Run ``python -m core.checkpoint_bench [n_params] [repeats]``. Both formats write the same float32 state
+dict (a Llama-shaped model, one tensor per weight) to the same folder; each measurement is repeated, the
+order of the contenders rotating, and the median kept (these machines are noisy and shared, so only
+ratios measured in one process mean anything). Our save fsyncs before its rename, so the baseline is
+``torch.save`` plus an fsync of its file (``torch.save`` alone is reported too). Loads are timed cold
+(the file's pages dropped from the page cache with ``posix_fadvise(DONTNEED)`` after an ``os.sync``)
+and warm. Peak extra memory during a save is the resident set size (sampled from ``/proc/self/statm``
+by a thread) above its value before the call; tracemalloc does not see tensors.
+
+Both loaders do the same work per tensor (allocate, one ``read`` into it), and that work is mostly the
+kernel faulting in and zeroing fresh pages, so expect load ratios near 1 that move with the machine.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from core import checkpoint
+
+MB = 1e6
+
+
+def make_state(n_params: int, d: int = 768, ffn: int = 2048, vocab: int = 50304) -> dict[str, torch.Tensor]:
+    """A float32 Llama-shaped state dict of about ``n_params`` elements (untied embedding and head)."""
+    vocab = max(256, min(vocab, n_params // (4 * d)))
+    per_layer = 4 * d * d + 3 * d * ffn + 2 * d
+    n_layers = max(1, round((n_params - 2 * vocab * d) / per_layer))
+    g = torch.Generator().manual_seed(0)
+    shapes = {"embed": (vocab, d), "head": (vocab, d), "norm": (d,)}
+    for i in range(n_layers):
+        shapes |= {f"layers.{i}.attn.{w}": (d, d) for w in ("wq", "wk", "wv", "wo")}
+        shapes |= {f"layers.{i}.mlp.w1": (ffn, d), f"layers.{i}.mlp.w3": (ffn, d), f"layers.{i}.mlp.w2": (d, ffn)}
+        shapes |= {f"layers.{i}.attn_norm": (d,), f"layers.{i}.mlp_norm": (d,)}
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_extra_rss(fn) -> tuple[float, int]:
+    """(seconds, peak RSS above the starting RSS in bytes) of ``fn()``, sampling RSS every 0.2 ms."""
+    base, peak, done = _rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    t0 = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
+    done.set()
+    thread.join()
+    return seconds, max(peak[0], _rss()) - base
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _evict(path: Path) -> None:
+    """Drop ``path``'s (clean) pages from the page cache so the next read comes from the disk."""
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _warm_up_memory(nbytes: int) -> None:
+    """Touch and free ``nbytes`` of RAM first: on a VM a guest page's first touch can cost a host fault,
+    which would penalize whichever format happens to write or allocate into never-used memory first."""
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    torch.ones(min(nbytes, available // 2), dtype=torch.uint8)
+
+
+def benchmark(n_params: int = 100_000_000, folder=None, repeats: int = 3) -> dict:
+    """Measure and print save/load MB/s of ours against torch's and our peak extra memory during save."""
+    state = make_state(n_params)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    largest = max(t.numel() * t.element_size() for t in state.values())
+    _warm_up_memory(8 * nbytes)
+    runs: dict[str, list[float]] = {}
+    peaks: dict[str, list[int]] = {}
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        ours, theirs = Path(tmp) / "state.msgpack", Path(tmp) / "state.pt"
+        saves = {"save": (ours, lambda: checkpoint.save(ours, state, step=0)),
+                 "torch_save": (theirs, lambda: torch.save(state, theirs)),
+                 "torch_save_fsync": (theirs, lambda: (torch.save(state, theirs), _fsync(theirs)))}
+        loads = {"load": (ours, lambda: checkpoint.load(ours)["state"]), "torch_load": (theirs, lambda: torch.load(theirs))}
+        for rep in range(repeats):  # the order rotates so neither format always goes first
+            for key in _rotate(list(saves), rep):
+                path, fn = saves[key]
+                path.unlink(missing_ok=True)
+                os.sync()
+                seconds, peak = _peak_extra_rss(fn)
+                runs.setdefault(key, []).append(seconds)
+                peaks.setdefault(key, []).append(peak)
+            for key in _rotate(list(loads), rep):
+                path, fn = loads[key]
+                for cache in ("cold", "warm"):
+                    if cache == "cold":
+                        _evict(path)
+                    t0 = time.perf_counter()
+                    loaded = fn()
+                    runs.setdefault(f"{key}_{cache}", []).append(time.perf_counter() - t0)
+                    assert all(torch.equal(loaded[k], v) for k, v in state.items()), f"{key} does not round-trip"
+                    del loaded
+    mbps = {k: nbytes / MB / statistics.median(v) for k, v in runs.items()}
+    result = {
+        "n_params": sum(t.numel() for t in state.values()), "n_tensors": len(state), "state_mb": nbytes / MB,
+        "largest_tensor_mb": largest / MB, **{f"{k}_mbps": v for k, v in mbps.items()},
+        "save_ratio": mbps["save"] / mbps["torch_save_fsync"], "save_ratio_no_fsync": mbps["save"] / mbps["torch_save"],
+        "load_cold_ratio": mbps["load_cold"] / mbps["torch_load_cold"],
+        "load_warm_ratio": mbps["load_warm"] / mbps["torch_load_warm"],
+        "save_peak_extra_mb": max(peaks["save"]) / MB,
+        "torch_save_peak_extra_mb": max(peaks["torch_save"]) / MB,
+    }
+    _print(result, repeats)
+    return result
+
+
+def _rotate(keys: list, n: int) -> list:
+    n %= len(keys)
+    return keys[n:] + keys[:n]
+
+
+def _print(r: dict, repeats: int) -> None:
+    print(f"{r['n_params'] / 1e6:.1f}M float32 params in {r['n_tensors']} tensors ({r['state_mb']:.0f} MB), "
+          f"largest tensor {r['largest_tensor_mb']:.0f} MB; median of {repeats}")
+    print(f"{'MB/s':<28}{'purestep':>10}{'torch':>10}{'ratio':>8}")
+    rows = (("save (fsync'd, durable)", "save", "torch_save_fsync", "save_ratio"),
+            ("save vs torch.save no fsync", "save", "torch_save", "save_ratio_no_fsync"),
+            ("load, cold page cache", "load_cold", "torch_load_cold", "load_cold_ratio"),
+            ("load, warm page cache", "load_warm", "torch_load_warm", "load_warm_ratio"))
+    for label, ours, theirs, ratio in rows:
+        print(f"{label:<28}{r[ours + '_mbps']:>10.0f}{r[theirs + '_mbps']:>10.0f}{r[ratio]:>8.2f}")
+    print(f"peak extra RSS during save (max over runs): purestep {r['save_peak_extra_mb']:.1f} MB, "
+          f"torch.save {r['torch_save_peak_extra_mb']:.1f} MB; largest tensor {r['largest_tensor_mb']:.0f} MB")
+
+
+if __name__ == "__main__":
+    benchmark(int(float(sys.argv[1])) if len(sys.argv) > 1 else 100_000_000,
+              repeats=int(sys.argv[2]) if len(sys.argv) > 2 else 3)
