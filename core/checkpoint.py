@@ -74,7 +74,7 @@ def to_state_dict(tree: Any, path: str = "state") -> Any:
         if len(out) != len(tree):
             raise ValueError(f"{path}: keys {list(tree)} collide once turned into strings")
         return out
-    raise TypeError(f"{path}: cannot checkpoint a {type(tree).__name__}")
+    raise TypeError(f"{path}: cannot checkpoint a value of type {type(tree).__name__}")
 
 
 def from_state_dict(template: Any, state_dict: Any, *, device=None, path: str = "state") -> Any:
@@ -99,7 +99,7 @@ def from_state_dict(template: Any, state_dict: Any, *, device=None, path: str = 
             raise CheckpointError(f"{path}: {_describe(state_dict)} in file, {type(template).__name__} expected")
         return state_dict
     if not isinstance(template, (tuple, list, dict)):
-        raise TypeError(f"{path}: cannot restore into a {type(template).__name__}")
+        raise TypeError(f"{path}: cannot restore into a value of type {type(template).__name__}")
     if not isinstance(state_dict, dict):
         raise CheckpointError(f"{path}: {_describe(state_dict)} in file, a container expected")
     if _is_namedtuple(template):
@@ -182,7 +182,7 @@ class _Writer:
         elif x is None or isinstance(x, (bool, int, float, str, bytes)):
             self.f.write(self.pack.pack(x))
         else:
-            raise TypeError(f"{path}: cannot checkpoint a {type(x).__name__}")
+            raise TypeError(f"{path}: cannot checkpoint a value of type {type(x).__name__}")
 
     def tensor(self, t: torch.Tensor, path: str) -> None:
         if t.dtype not in _NAMES:

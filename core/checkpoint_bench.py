@@ -6,7 +6,9 @@ order of the contenders rotating, and the median kept (these machines are noisy 
 ratios measured in one process mean anything). Our save fsyncs before its rename, so the baseline is
 ``torch.save`` plus an fsync of its file (``torch.save`` alone is reported too). Loads are timed cold
 (the file's pages dropped from the page cache with ``posix_fadvise(DONTNEED)`` after an ``os.sync``)
-and warm. Peak extra memory during a save is the resident set size (sampled from ``/proc/self/statm``
+and warm. Ratios are ours over torch's (above 1: ours is faster); the CPU-time ratio compares the
+calling thread's CPU seconds, which other processes on a shared machine do not inflate. Peak extra
+memory during a save is the resident set size (sampled from ``/proc/self/statm``
 by a thread) above its value before the call; tracemalloc does not see tensors.
 
 Both loaders do the same work per tensor (allocate, one ``read`` into it), and that work is mostly the
@@ -48,8 +50,15 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_extra_rss(fn) -> tuple[float, int]:
-    """(seconds, peak RSS above the starting RSS in bytes) of ``fn()``, sampling RSS every 0.2 ms."""
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this thread) of ``fn()``; the CPU time ignores other processes."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    fn()
+    return time.perf_counter() - t0, time.thread_time() - c0
+
+
+def _peak_extra_rss(fn) -> tuple[tuple[float, float], int]:
+    """(``_timed(fn)``, peak RSS above the starting RSS in bytes), sampling RSS every 0.2 ms."""
     base, peak, done = _rss(), [0], threading.Event()
 
     def sample():
@@ -59,12 +68,10 @@ def _peak_extra_rss(fn) -> tuple[float, int]:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    t0 = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - t0
+    times = _timed(fn)
     done.set()
     thread.join()
-    return seconds, max(peak[0], _rss()) - base
+    return times, max(peak[0], _rss()) - base
 
 
 def _fsync(path: Path) -> None:
@@ -99,7 +106,7 @@ def benchmark(n_params: int = 100_000_000, folder=None, repeats: int = 3) -> dic
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     largest = max(t.numel() * t.element_size() for t in state.values())
     _warm_up_memory(8 * nbytes)
-    runs: dict[str, list[float]] = {}
+    runs: dict[str, list[tuple[float, float]]] = {}
     peaks: dict[str, list[int]] = {}
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         ours, theirs = Path(tmp) / "state.msgpack", Path(tmp) / "state.pt"
@@ -112,31 +119,35 @@ def benchmark(n_params: int = 100_000_000, folder=None, repeats: int = 3) -> dic
                 path, fn = saves[key]
                 path.unlink(missing_ok=True)
                 os.sync()
-                seconds, peak = _peak_extra_rss(fn)
-                runs.setdefault(key, []).append(seconds)
+                times, peak = _peak_extra_rss(fn)
+                runs.setdefault(key, []).append(times)
                 peaks.setdefault(key, []).append(peak)
             for key in _rotate(list(loads), rep):
                 path, fn = loads[key]
                 for cache in ("cold", "warm"):
                     if cache == "cold":
                         _evict(path)
-                    t0 = time.perf_counter()
-                    loaded = fn()
-                    runs.setdefault(f"{key}_{cache}", []).append(time.perf_counter() - t0)
-                    assert all(torch.equal(loaded[k], v) for k, v in state.items()), f"{key} does not round-trip"
-                    del loaded
-    mbps = {k: nbytes / MB / statistics.median(v) for k, v in runs.items()}
+                    out = []
+                    runs.setdefault(f"{key}_{cache}", []).append(_timed(lambda: out.append(fn())))
+                    assert all(torch.equal(out[0][k], v) for k, v in state.items()), f"{key} does not round-trip"
+                    del out
+    mbps = {k: nbytes / MB / statistics.median(wall for wall, _ in v) for k, v in runs.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in runs.items()}
     result = {
         "n_params": sum(t.numel() for t in state.values()), "n_tensors": len(state), "state_mb": nbytes / MB,
         "largest_tensor_mb": largest / MB, **{f"{k}_mbps": v for k, v in mbps.items()},
         "save_ratio": mbps["save"] / mbps["torch_save_fsync"], "save_ratio_no_fsync": mbps["save"] / mbps["torch_save"],
         "load_cold_ratio": mbps["load_cold"] / mbps["torch_load_cold"],
         "load_warm_ratio": mbps["load_warm"] / mbps["torch_load_warm"],
+        **{f"{ours}_cpu_ratio": cpu[theirs] / cpu[ours] for ours, theirs in _PAIRS},
         "save_peak_extra_mb": max(peaks["save"]) / MB,
         "torch_save_peak_extra_mb": max(peaks["torch_save"]) / MB,
     }
     _print(result, repeats)
     return result
+
+
+_PAIRS = (("save", "torch_save_fsync"), ("load_cold", "torch_load_cold"), ("load_warm", "torch_load_warm"))
 
 
 def _rotate(keys: list, n: int) -> list:
@@ -147,13 +158,14 @@ def _rotate(keys: list, n: int) -> list:
 def _print(r: dict, repeats: int) -> None:
     print(f"{r['n_params'] / 1e6:.1f}M float32 params in {r['n_tensors']} tensors ({r['state_mb']:.0f} MB), "
           f"largest tensor {r['largest_tensor_mb']:.0f} MB; median of {repeats}")
-    print(f"{'MB/s':<28}{'purestep':>10}{'torch':>10}{'ratio':>8}")
-    rows = (("save (fsync'd, durable)", "save", "torch_save_fsync", "save_ratio"),
-            ("save vs torch.save no fsync", "save", "torch_save", "save_ratio_no_fsync"),
-            ("load, cold page cache", "load_cold", "torch_load_cold", "load_cold_ratio"),
-            ("load, warm page cache", "load_warm", "torch_load_warm", "load_warm_ratio"))
-    for label, ours, theirs, ratio in rows:
-        print(f"{label:<28}{r[ours + '_mbps']:>10.0f}{r[theirs + '_mbps']:>10.0f}{r[ratio]:>8.2f}")
+    print(f"{'MB/s (wall clock)':<30}{'purestep':>9}{'torch':>8}{'ratio':>7}{'CPU-time ratio':>16}")
+    rows = (("save (fsync'd, durable)", "save", "torch_save_fsync", "save_ratio", "save_cpu_ratio"),
+            ("save vs torch.save, no fsync", "save", "torch_save", "save_ratio_no_fsync", None),
+            ("load, cold page cache", "load_cold", "torch_load_cold", "load_cold_ratio", "load_cold_cpu_ratio"),
+            ("load, warm page cache", "load_warm", "torch_load_warm", "load_warm_ratio", "load_warm_cpu_ratio"))
+    for label, ours, theirs, ratio, cpu in rows:
+        print(f"{label:<30}{r[ours + '_mbps']:>9.0f}{r[theirs + '_mbps']:>8.0f}{r[ratio]:>7.2f}"
+              + (f"{r[cpu]:>16.2f}" if cpu else ""))
     print(f"peak extra RSS during save (max over runs): purestep {r['save_peak_extra_mb']:.1f} MB, "
           f"torch.save {r['torch_save_peak_extra_mb']:.1f} MB; largest tensor {r['largest_tensor_mb']:.0f} MB")
 
