@@ -465,6 +465,8 @@ def _read(path, device=None, skip_state: bool = False) -> dict:
             raise CheckpointError(f"{path}: {why} (an interrupted write or copy?)") from None
         except _Corrupt as e:
             raise CheckpointError(f"{path}: corrupt ({e})") from None
+        except RecursionError:
+            raise CheckpointError(f"{path}: corrupt (containers nested too deeply)") from None
     if top.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a purestep checkpoint (format {top.get('format')!r}, expected {FORMAT!r})")
     if not isinstance(top.get("step"), int) or "state" not in top:

@@ -319,7 +319,8 @@ def test_truncated_or_corrupt_newest_falls_back_to_previous(tmp_path):
     assert "\n" not in str(err.value)
 
     for bad, reason in ((b"", "empty file"), (b"\x00 garbage", "not a purestep checkpoint"),
-                        (data + b"\x00", "corrupt"), (torch_bytes(tmp_path), "not a purestep checkpoint")):
+                        (data + b"\x00", "corrupt"), (torch_bytes(tmp_path), "not a purestep checkpoint"),
+                        (b"\x81\xa1a" + b"\x91" * 100_000, "corrupt .*nested too deeply")):
         newest.write_bytes(bad)
         with pytest.raises(CheckpointError, match=reason):
             ckpt.load(newest)
