@@ -18,6 +18,7 @@ click wrapper around ``main``, which tests also call in-process.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import importlib.util
@@ -27,7 +28,8 @@ from typing import Sequence
 
 import click
 
-from core.config import ConfigError, UserError, format_help, load_toml, resolve
+from core.config import ConfigError, UserError, flatten_keys, format_help, load_toml, resolve
+from core.runs import run_folder
 
 PROG = "bin/run"
 RECIPES = {
@@ -35,6 +37,7 @@ RECIPES = {
     "generate": "recipes.generate",
     "lr_find": "recipes.lr_find",
     "distill": "recipes.distill",
+    "distill_cache": "recipes.distill_cache",
     "upcycle": "recipes.upcycle",
     "compress": "recipes.compress",
     "bench_step": "recipes.bench_step",
@@ -131,6 +134,7 @@ def recipe_help(name: str, module: ModuleType, cfg=None, sources: str = "") -> s
 def _run(argv: Sequence[str]) -> int:
     pairs, want_help = parse_args(argv)
     toml = load_toml(pairs.pop("config")) if "config" in pairs else {}
+    stages = toml.pop("stages", None)
     file_recipe = toml.pop("recipe", None)
     name = pairs.pop("recipe", None) or file_recipe
     if name is None:
@@ -149,7 +153,36 @@ def _run(argv: Sequence[str]) -> int:
                                  ("key=value arguments", pairs)) if on]
         click.echo(recipe_help(name, module, cfg if given else None, ", ".join(given)))
         return 0
+    if stages is not None:
+        return _run_stages(name, module, preset, toml, pairs, stages, cfg)
     module.run(cfg)
+    return 0
+
+
+def _run_stages(name: str, module: ModuleType, preset, toml: dict, pairs: dict, stages, base) -> int:
+    """Run the config file's ``[[stages]]`` in order, each in ``<run folder>/<i>-<stage name>``.
+
+    A stage's keys sit between the file's and the command line's (defaults < preset < file < stage <
+    key=value). Unless a stage sets ``init`` itself, it starts from the previous stage's final weights.
+    Each stage resumes on its own: rerunning the command skips finished stages and continues the rest.
+    """
+    if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
+        raise ConfigError("'stages' must be a list of tables ([[stages]] in the config file)")
+    root = run_folder(getattr(base, "out", ""), getattr(base, "name", ""), name)
+    takes_init = "init" in {f.name for f in dataclasses.fields(module.Config)}
+    previous = None
+    for i, stage in enumerate(stages, 1):
+        stage = flatten_keys(stage)
+        label = str(stage.pop("name", f"stage{i}"))
+        folder = root / f"{i}-{label}"
+        extra = {"out": str(folder)}
+        if takes_init and previous is not None and "init" not in stage and "init" not in pairs:
+            extra["init"] = str(previous)
+        cfg = resolve(module.Config, presets=getattr(module, "PRESETS", None), preset=preset,
+                      toml={**toml, **stage}, overrides={**pairs, **extra}, context=f"recipe {name}, stage {label}")
+        click.echo(f"stage {i}/{len(stages)}: {label} -> {folder}", err=True)
+        module.run(cfg)
+        previous = folder / "final.msgpack"
     return 0
 
 

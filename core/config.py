@@ -354,12 +354,12 @@ def apply_overrides(cfg, overrides: Mapping[str, Any], *, context: str | None = 
     return _apply(cfg, dict(overrides), "", type(cfg), _context(cfg, context))
 
 
-def _flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
+def flatten_keys(d: Mapping, prefix: str = "") -> dict[str, Any]:
     """Nested tables to dotted keys; an empty table stays a value (``{}``)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, Mapping) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_keys(v, f"{prefix}{k}."))
         else:
             out[prefix + k] = v
     return out
@@ -382,7 +382,7 @@ def resolve(cls, *, presets: Mapping[str, Mapping] | None = None, preset: str | 
         if not isinstance(name, str) or name not in (presets or {}):
             valid = f"valid presets: {', '.join(presets)}" if presets else "it has no presets"
             raise ConfigError(f"unknown preset {name!r} for {context}; {valid}")
-        layers.append(_flatten(presets[name]))
+        layers.append(flatten_keys(presets[name]))
     layers += [toml, dict(overrides or {})]
     merged: dict[str, Any] = {}
     for layer in layers:
@@ -406,7 +406,7 @@ def load_toml(path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"bad config file {path}: {e}") from None
-    return _flatten(data)
+    return flatten_keys(data)
 
 
 def describe(cfg_cls_or_instance) -> list[tuple[str, str, str, str]]:
@@ -450,7 +450,7 @@ def format_help(cfg_cls_or_instance, presets: Mapping[str, Mapping] | None = Non
         lines += ["", "presets (applied before the config file and key=value):"]
         width = max(len(p) for p in presets)
         for name, values in presets.items():
-            settings = " ".join(f"{k}={show_value(v)}" for k, v in _flatten(values).items())
+            settings = " ".join(f"{k}={show_value(v)}" for k, v in flatten_keys(values).items())
             lines.append(f"  {name.ljust(width)}  {settings}")
     return "\n".join(lines)
 

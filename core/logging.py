@@ -44,16 +44,19 @@ def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def memory_mb(device: torch.device | str | None = None) -> float:
-    """Peak CUDA memory allocated on ``device`` in MiB; for other devices, this process's resident memory."""
+    """Peak memory in MiB: the CUDA allocator's peak on ``device``, else this process's peak resident set."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:                                 # no /proc (macOS): peak RSS, bytes there, KiB on Linux
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+    try:                                            # Linux: the kernel's exact high-water mark
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss   # bytes on macOS, KiB elsewhere
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
 def format_duration(seconds: float) -> str:

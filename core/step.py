@@ -150,7 +150,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         new_params = apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": current_lr(opt_state).float(),
-                   "skipped": (~finite).float(), **aux}
+                   "skipped": (~finite).float(), "param_norm": global_norm(state.params), **aux}
         if extra_metrics is not None:
             metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=new_params))
         monitor = state.monitor

@@ -278,6 +278,12 @@ def decoder(params: dict, cfg: LlamaConfig, batch: int, max_len: int):
     return lambda tokens, past_len: apply(params, tokens, cfg, cache=cache, past_len=past_len)
 
 
+def matmul_params(params: dict) -> int:
+    """Parameters used in matrix products per token (for FLOPs/MFU): all but an untied input embedding."""
+    from core.tree import size
+    return size(params) - (params["embed"].numel() if "lm_head" in params else 0)
+
+
 def kv_bytes_per_token(cfg: LlamaConfig, dtype_bytes: int = 2) -> int:
     """Cached bytes per token over all layers: 2 * n_kv_heads * head_dim per layer."""
     return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes

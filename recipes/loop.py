@@ -10,20 +10,21 @@ state (with its data cursor) and the loop's own counters.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 import optim
-from core import checkpoint as ckpt
+from core import checkpoint as ckpt, runs
 from core.config import UserError
 from core.logging import Logger, memory_mb
 from core.spike import clear as clear_monitor
 from core.state import TrainState
+from core.telemetry import Preemption, peak_flops
 from core.step import make_eval_step, make_train_step
 from core.tree import cast, tree_map
 from optim import schedules
@@ -34,9 +35,7 @@ from recipes.train_config import TrainConfig
 
 def run_folder(cfg: TrainConfig, recipe: str) -> Path:
     """``out``, or ``runs/<recipe>-<name>``, or ``runs/<recipe>-<timestamp>``."""
-    if cfg.out:
-        return Path(cfg.out)
-    return Path("runs") / f"{recipe}-{cfg.name or datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    return runs.run_folder(cfg.out, cfg.name, recipe)
 
 
 def resolve_run_folder(cfg: TrainConfig, folder: Path) -> Optional[Path]:
@@ -87,18 +86,20 @@ class LoopState:
     train_seconds: float = 0.0
     ticks: int = 0                                     # steps executed, rollbacks included (never rewinds)
     rollbacks: list = field(default_factory=list)      # ticks at which rollbacks happened
+    wall_seconds: float = 0.0                          # wall time of all sessions of this run (cost meter)
 
     def to_dict(self) -> dict:
         return {"best_val": self.best_val if math.isfinite(self.best_val) else None, "bad_evals": self.bad_evals,
                 "tokens": self.tokens, "train_seconds": self.train_seconds, "ticks": self.ticks,
-                "rollbacks": list(self.rollbacks)}
+                "rollbacks": list(self.rollbacks), "wall_seconds": self.wall_seconds}
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "LoopState":
         d = d or {}
         best = d.get("best_val")
         return cls(math.inf if best is None else best, d.get("bad_evals", 0), d.get("tokens", 0),
-                   d.get("train_seconds", 0.0), d.get("ticks", 0), list(d.get("rollbacks", [])))
+                   d.get("train_seconds", 0.0), d.get("ticks", 0), list(d.get("rollbacks", [])),
+                   d.get("wall_seconds", 0.0))
 
 
 @dataclass
@@ -166,10 +167,17 @@ class SnapshotRing:
 def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
         checkpoints: ckpt.CheckpointManager, checkpoint_extra: Callable[[], dict],
         evaluate_fn: Optional[Callable[[object], float]] = None, sample_fn: Optional[Callable[[object], str]] = None,
-        loop: Optional[LoopState] = None, frozen=None, tokens_per_step: int = 0,
+        loop: Optional[LoopState] = None, frozen=None, tokens_per_step: int = 0, flops_per_token: float = 0.0,
         expected_initial_loss: Optional[float] = None) -> FitResult:
-    """Train ``state`` until ``cfg.steps``; returns the final state and what happened."""
+    """Train ``state`` until ``cfg.steps``; returns the final state and what happened.
+
+    Stops early, always with a checkpoint, on: ``patience`` evaluations without improvement, SIGTERM or
+    SIGINT (preemption: finish the step, save, return so the program exits 0), the cost ``budget``, or
+    too many rollbacks.
+    """
     loop = loop or LoopState()
+    session_start, wall_before = time.perf_counter(), loop.wall_seconds
+    peak = peak_flops(state.step.device, cfg.peak_flops)
     step, cursor = int(state.step), int(state.cursor)
     result = FitResult(state, loop)
     device = state.step.device
@@ -182,6 +190,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
     def save(val_loss=None, final=False):
         nonlocal excluded
         t0 = time.perf_counter()
+        loop.wall_seconds = wall_before + (t0 - session_start)
         extra = {**checkpoint_extra(), "loop": loop.to_dict()}
         path = checkpoints.save(step, result.state, extra=extra, val_loss=val_loss, final=final)
         excluded += time.perf_counter() - t0
@@ -231,72 +240,97 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
 
     if ring is not None:
         ring.offer(step - step % ring.every, result.state)   # a starting point to roll back to
-    while step < cfg.steps:
-        t0 = time.perf_counter()
-        batch = steps.batches.get(cursor)
-        new_state, metrics = steps.train(result.state, batch, frozen) if frozen is not None \
-            else steps.train(result.state, batch)
-        result.state = new_state
-        step, cursor = step + 1, cursor + 1
-        loop.tokens += tokens_per_step
-        loop.ticks += 1
-        pending.append(metrics)
-        loop.train_seconds += time.perf_counter() - t0
+    with Preemption() as preemption:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            batch = steps.batches.get(cursor)
+            new_state, metrics = steps.train(result.state, batch, frozen) if frozen is not None \
+                else steps.train(result.state, batch)
+            result.state = new_state
+            step, cursor = step + 1, cursor + 1
+            loop.tokens += tokens_per_step
+            loop.ticks += 1
+            pending.append(metrics)
+            loop.train_seconds += time.perf_counter() - t0
 
-        if loop.ticks == 1:
-            _first_step_checks(metrics, steps.health, logger, expected_initial_loss)
+            if loop.ticks == 1:
+                _first_step_checks(metrics, steps.health, logger, expected_initial_loss)
 
-        last = step == cfg.steps
-        if step % cfg.log_every == 0 or last:
-            values, health = _pull(pending)
-            interval = len(pending)
-            pending.clear()
-            now = time.perf_counter()
-            seconds = max(now - last_log_time - excluded, 1e-9)
-            tps = (loop.tokens - last_log_tokens) / seconds
-            values.update({"tokens_per_sec": tps, "memory_mb": memory_mb(device)})
-            logged = logger.scalars(step, {f"train/{k}" if k in ("loss", "grad_norm") else k: v
-                                           for k, v in values.items()})
-            if health is not None and steps.health is not None:
-                logger.scalars(step, steps.health.to_scalars(health))
-                for tag, hist in steps.health.histograms(health).items():
-                    logger.histogram(step, tag, hist)
-            logger.progress(step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
-                            extra={"lr": logged["lr"]})
-            last_log_time, last_log_tokens, excluded = now, loop.tokens, 0.0
-            if values.get("spike", 0.0) > 0:
-                if not roll_back():
-                    result.stop_reason = (f"{spike.max_rollbacks} rollbacks within {spike.window} steps: stopping "
-                                          f"(the state is the last rollback's; lower lr or inspect the data)")
-                    logger.event(step, "rollback_cap", max_rollbacks=spike.max_rollbacks, window=spike.window)
-                    logger.print(result.stop_reason)
-                    save(final=True)
+            last = step == cfg.steps
+            if step % cfg.log_every == 0 or last:
+                values, health = _pull(pending)
+                interval = len(pending)
+                pending.clear()
+                now = time.perf_counter()
+                seconds = max(now - last_log_time - excluded, 1e-9)
+                tps = (loop.tokens - last_log_tokens) / seconds
+                wall = wall_before + (now - session_start)
+                values.update({"tokens_per_sec": tps, "memory_mb": memory_mb(device), "wall_hours": wall / 3600})
+                if peak and flops_per_token:
+                    values["mfu"] = tps * flops_per_token / peak
+                if cfg.cost_per_hour:
+                    values["cost"] = wall / 3600 * cfg.cost_per_hour
+                logged = logger.scalars(step, {f"train/{k}" if k in ("loss", "grad_norm") else k: v
+                                               for k, v in values.items()})
+                if health is not None and steps.health is not None:
+                    logger.scalars(step, steps.health.to_scalars(health))
+                    for tag, hist in steps.health.histograms(health).items():
+                        logger.histogram(step, tag, hist)
+                logger.progress(step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
+                                extra={"lr": logged["lr"]})
+                last_log_time, last_log_tokens, excluded = now, loop.tokens, 0.0
+                if values.get("spike", 0.0) > 0:
+                    if not roll_back():
+                        result.stop_reason = (f"{spike.max_rollbacks} rollbacks within {spike.window} steps: stopping "
+                                              f"(the state is the last rollback's; lower lr or inspect the data)")
+                        logger.event(step, "rollback_cap", max_rollbacks=spike.max_rollbacks, window=spike.window)
+                        logger.print(result.stop_reason)
+                        save(final=True)
+                        break
+                    continue
+                if values.get("skipped", 0.0) > 0:
+                    logger.print(f"warning: {round(values['skipped'] * interval)} non-finite step(s) up to step {step} "
+                                 f"were skipped (parameters untouched)")
+            if ring is not None:
+                ring.offer(step, result.state)
+
+            evaluated = False
+            if evaluate_fn is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
+                run_eval()
+                evaluated = True
+                if cfg.patience and loop.bad_evals >= cfg.patience:
+                    logger.print(f"early stopping at step {step}: no better validation loss in "
+                                 f"{cfg.patience} evaluations (best {loop.best_val:.4f})")
+                    logger.event(step, "early_stop", best_val=loop.best_val, patience=cfg.patience)
+                    result.stopped_early = True
+                    save(val_loss=result.val_loss, final=True)
                     break
-                continue
-            if values.get("skipped", 0.0) > 0:
-                logger.print(f"warning: {round(values['skipped'] * interval)} non-finite step(s) up to step {step} "
-                             f"were skipped (parameters untouched)")
-        if ring is not None:
-            ring.offer(step, result.state)
-
-        evaluated = False
-        if evaluate_fn is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
-            run_eval()
-            evaluated = True
-            if cfg.patience and loop.bad_evals >= cfg.patience:
-                logger.print(f"early stopping at step {step}: no better validation loss in "
-                             f"{cfg.patience} evaluations (best {loop.best_val:.4f})")
-                logger.event(step, "early_stop", best_val=loop.best_val, patience=cfg.patience)
-                result.stopped_early = True
-                save(val_loss=result.val_loss, final=True)
+            if last:
+                path = save(val_loss=result.val_loss if evaluated else None, final=True)
+                logger.print(f"saved final checkpoint {path}")
+            elif evaluated or checkpoints.should_save(step):
+                save(val_loss=result.val_loss if evaluated else None)
+            if last:
                 break
-        if last:
-            path = save(val_loss=result.val_loss if evaluated else None, final=True)
-            logger.print(f"saved final checkpoint {path}")
-        elif evaluated or checkpoints.should_save(step):
-            save(val_loss=result.val_loss if evaluated else None)
+            cost = (wall_before + time.perf_counter() - session_start) / 3600 * cfg.cost_per_hour
+            if preemption.requested or (cfg.budget and cost >= cfg.budget):
+                path = save()
+                if preemption.requested:
+                    result.stop_reason = f"{preemption.signal} at step {step}"
+                    logger.event(step, "preempted", signal=preemption.signal)
+                else:
+                    result.stop_reason = f"budget {cfg.budget:g} reached (cost {cost:.4g}) at step {step}"
+                    logger.event(step, "budget", budget=cfg.budget, cost=cost)
+                logger.print(f"{result.stop_reason}: checkpoint {path}; to resume, run again: {resume_command(checkpoints.folder)}")
+                break
     logger.flush()
     return result
+
+
+def resume_command(folder: Path) -> str:
+    """This process's own command line, pointed at ``folder`` (what to run to continue this run)."""
+    args = [a for a in sys.argv[1:] if not a.startswith(("out=", "resume="))]
+    return " ".join(["bin/run", *args, f"out={folder}"])
 
 
 def _first_step_checks(metrics: dict, health: Optional[GradientHealth], logger: Logger,

@@ -22,6 +22,7 @@ from core.data import prepare
 from core.device import resolve_device
 from core.logging import Logger
 from core.state import init_state
+from core.telemetry import flops_per_token
 from core.tree import cast, size
 from models import llama
 from models.loading import load_model, model_entry
@@ -108,8 +109,12 @@ def run(cfg: Config):
                      evaluate_fn=lambda p: evaluate(steps.eval, p, val_batches),
                      sample_fn=sample if cfg.sample_tokens > 0 else None,
                      tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum,
+                     flops_per_token=flops_per_token(llama.matmul_params(params), model_cfg.n_layers,
+                                                     cfg.block_size, model_cfg.d_model),
                      expected_initial_loss=None if (start or resume) else math.log(model_cfg.vocab_size))
-        if result.val_loss is not None:
+        if result.stop_reason:
+            pass  # fit said why it stopped and how to resume
+        elif result.val_loss is not None:
             logger.print(f"done: step {int(result.state.step)}, val loss {result.val_loss:.4f}, perplexity "
                          f"{math.exp(min(result.val_loss, 50.0)):.2f} (best {result.loop.best_val:.4f}); "
                          f"tensorboard --logdir {folder}")

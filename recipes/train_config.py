@@ -51,6 +51,9 @@ class TrainConfig:
     health: bool = option(True, "gradient health statistics per tensor and layer, logged every log_every")
     remat: bool = option(False, "activation checkpointing: recompute block activations in backward")
     spike: SpikeConfig = option(SpikeConfig, "loss-spike detection and rollback (PaLM/OPT practice)")
+    peak_flops: float = option(0.0, "device peak FLOP/s for MFU (0: known GPUs by name; none on CPU)")
+    cost_per_hour: float = option(0.0, "price of the machine per hour, for the cost meter (0: off)")
+    budget: float = option(0.0, "stop cleanly with a checkpoint once the cost reaches this (0: no limit)")
     fault: FaultConfig = option(FaultConfig, "deliberate faults, for testing the stability machinery")
     log_every: int = option(10, "steps between metric pulls to TensorBoard/JSONL/console")
     eval_every: int = option(250, "steps between validation runs (0: only at the end)")
@@ -68,5 +71,7 @@ class TrainConfig:
         if self.clipping in ("global", "adagc") and self.grad_clip <= 0:
             raise ConfigError(f"grad_clip={self.grad_clip} must be > 0 with clipping={self.clipping} "
                               f"(use clipping=none to turn clipping off)")
+        if self.budget > 0 and self.cost_per_hour <= 0:
+            raise ConfigError(f"budget={self.budget} needs cost_per_hour > 0 to meter the cost")
         if self.grad_accum < 1:
             raise ConfigError(f"grad_accum={self.grad_accum} must be >= 1")
