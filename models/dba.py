@@ -1,0 +1,242 @@
+"""Decoupled bottleneck attention (DBA): a Llama whose attention keys are split into a small semantic part
+without RoPE and a small geometric part with RoPE, so the KV cache shrinks while the teacher's weights still fit.
+
+This is the student architecture of the upcycle recipe (``models/surgery.py`` builds one from a Llama). It
+follows DeepSeek-V2's MLA with decoupled RoPE (a no-RoPE "content" score plus a small rotary score, because a
+rotation R_m does not commute with a low-rank factor) and MHA2MLA's partial RoPE (Ji et al. 2025, arXiv
+2502.14837: keep RoPE only on the frequency pairs that matter, per head, at the *teacher's* frequencies). Unlike
+MLA the key and value bottlenecks are per KV head, which keeps the teacher's grouped-query layout (Ainslie et al.
+2023): query head h reads KV head ``h // (n_heads / n_kv_heads)``, as in ``models/llama.py``.
+
+Per layer, for a block input x (after the attention RMSNorm), query head h and its KV head g::
+
+    q_s = W_qs,h x   [sem_dim]      k_s = W_ks,g x   [sem_dim]      (no RoPE)
+    q_g = W_qg,h x   [geo_dim]      k_g = W_kg,g x   [geo_dim]      (RoPE, pairs of KV head g)
+    v   = W_v,g  x   [v_dim]
+    score_ij = q_s,i . k_s,j + R_i q_g,i . R_j k_g,j          (no 1/sqrt(d): the scale lives in W_qs, W_qg)
+    y = W_o [softmax(score) v  for every head]                  W_o: [d, n_heads * v_dim]
+
+The teacher's 1/sqrt(head_dim) is folded into the query weights, so surgery can copy the teacher's score
+exactly; SDPA is called with ``scale=1``. A freshly initialised model folds 1/sqrt(sem_dim + geo_dim) into
+its query init instead.
+
+RoPE on the geometric path: the rotate-half layout inside the geo_dim slice (pair j = dims j, j + geo_dim/2),
+where pair j of KV head g in layer l rotates at the teacher's inverse frequency of the teacher pair
+``cfg.rope_pairs[l][g][j]`` (``llama.rope_frequencies(cfg)`` indexed, so llama3 scaling carries over). The pair
+indices live in the **config**, not in params: they are structural integers chosen once by surgery, must never
+receive gradients or weight decay, and travel with the config into checkpoints. Query heads use their KV head's
+pairs. The default (no surgery) spreads the kept pairs evenly over the teacher's spectrum (MHA2MLA "uniform").
+
+Params (torch ``(out, in)`` layout, stacked along a leading layer axis; everything outside ``layers.attn`` has
+exactly the teacher's names and shapes, so surgery copies it)::
+
+    layers.attn.wq_s   [L, n_heads * sem_dim, d]
+    layers.attn.wq_g   [L, n_heads * geo_dim, d]
+    layers.attn.wk_s   [L, n_kv_heads * sem_dim, d]
+    layers.attn.wk_g   [L, n_kv_heads * geo_dim, d]
+    layers.attn.wv     [L, n_kv_heads * v_dim, d]
+    layers.attn.wo     [L, d, n_heads * v_dim]
+
+KV cache per layer: ``k`` = [k_s | k_g (rotated)] of shape [B, n_kv_heads, max_len, sem_dim + geo_dim] and
+``v`` [B, n_kv_heads, max_len, v_dim]: n_kv_heads * (sem_dim + geo_dim + v_dim) values per token and layer,
+against the teacher's 2 * n_kv_heads * head_dim (``kv_bytes_per_token``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from core import rng
+from core.tree import unstack
+from models import llama
+from models.llama import LlamaConfig, apply_rope, lm_head, mlp, rms_norm, rope_frequencies, upcast
+
+
+@dataclass
+class DBAConfig(LlamaConfig):
+    """A LlamaConfig (the teacher's numbers) plus the per-head bottleneck widths and the kept RoPE pairs."""
+    sem_dim: int = 16            # per head, no RoPE; 0 = pure geometric attention
+    geo_dim: int = 16            # per head, RoPE; even, <= head_dim; 0 = pure semantic attention
+    v_dim: int = 32              # per KV head
+    rope_pairs: list = field(default_factory=list)  # [L][n_kv_heads][geo_dim/2] teacher pair indices; [] = uniform
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sem_dim < 0 or self.geo_dim < 0 or self.v_dim < 1:
+            raise ValueError(f"need sem_dim >= 0, geo_dim >= 0, v_dim >= 1 (got {self.sem_dim}, {self.geo_dim}, "
+                             f"{self.v_dim})")
+        if self.sem_dim + self.geo_dim == 0:
+            raise ValueError("sem_dim + geo_dim is 0: attention would have no keys")
+        if self.geo_dim % 2 or self.geo_dim > self.head_dim:
+            raise ValueError(f"geo_dim={self.geo_dim} must be even and <= head_dim={self.head_dim} (it keeps "
+                             f"geo_dim/2 of the teacher's {self.head_dim // 2} rotary pairs)")
+        n_pairs, n_keep = self.head_dim // 2, self.geo_dim // 2
+        if not self.rope_pairs:
+            uniform = [i * n_pairs // n_keep for i in range(n_keep)]
+            self.rope_pairs = [[list(uniform) for _ in range(self.n_kv_heads)] for _ in range(self.n_layers)]
+        shape = (len(self.rope_pairs), {len(h) for h in self.rope_pairs},
+                 {len(p) for h in self.rope_pairs for p in h})
+        if shape[0] != self.n_layers or shape[1] != {self.n_kv_heads} or shape[2] - {n_keep}:
+            raise ValueError(f"rope_pairs must be [n_layers={self.n_layers}][n_kv_heads={self.n_kv_heads}]"
+                             f"[geo_dim/2={n_keep}] pair indices")
+        for layer in self.rope_pairs:
+            for pairs in layer:
+                if len(set(pairs)) != len(pairs) or any(not 0 <= int(f) < n_pairs for f in pairs):
+                    raise ValueError(f"rope_pairs entry {pairs}: need distinct pair indices in [0, {n_pairs})")
+
+    @classmethod
+    def from_teacher(cls, teacher: LlamaConfig, *, sem_dim: int, geo_dim: int, v_dim: int,
+                     rope_pairs: Optional[list] = None) -> "DBAConfig":
+        base = {k: v for k, v in asdict(teacher).items() if k in LlamaConfig.__dataclass_fields__}
+        return cls(**base, sem_dim=sem_dim, geo_dim=geo_dim, v_dim=v_dim, rope_pairs=rope_pairs or [])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# parameters
+
+def init(cfg: DBAConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+         device: torch.device | str | None = None) -> dict:
+    """The teacher's init (``llama.init``) with the attention replaced; queries carry 1/sqrt(sem_dim + geo_dim)."""
+    params = llama.init(cfg, seed, dtype, device)
+    g = torch.Generator().manual_seed(seed + 1)
+    L, d, H, G = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads
+    q_std = cfg.init_std / math.sqrt(cfg.sem_dim + cfg.geo_dim)
+
+    def normal(*shape, s=cfg.init_std):
+        return (torch.randn(*shape, generator=g) * s).to(dtype=dtype, device=device)
+
+    params["layers"]["attn"] = {
+        "wq_s": normal(L, H * cfg.sem_dim, d, s=q_std),
+        "wq_g": normal(L, H * cfg.geo_dim, d, s=q_std),
+        "wk_s": normal(L, G * cfg.sem_dim, d),
+        "wk_g": normal(L, G * cfg.geo_dim, d),
+        "wv": normal(L, G * cfg.v_dim, d),
+        "wo": normal(L, d, H * cfg.v_dim, s=cfg.init_std / math.sqrt(2 * L)),
+    }
+    return params
+
+
+# ----------------------------------------------------------------------------------------------------------
+# attention
+
+def pair_frequencies(cfg: DBAConfig, device=None) -> torch.Tensor:
+    """Inverse frequencies (float64) [L, n_kv_heads, geo_dim/2]: the teacher's, at the kept pairs."""
+    index = torch.tensor(cfg.rope_pairs, dtype=torch.long).view(cfg.n_layers, cfg.n_kv_heads, cfg.geo_dim // 2)
+    return rope_frequencies(cfg)[index].to(device)
+
+
+def rope_tables(cfg: DBAConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [L, n_kv_heads, T, geo_dim] (rotate-half within the geo slice), angles in float64 as llama's."""
+    wide = torch.float32 if positions.device.type == "mps" else torch.float64
+    inv_freq = pair_frequencies(cfg, positions.device).to(wide)
+    angles = positions.to(wide)[None, None, :, None] * inv_freq[:, :, None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def causal_attention(q, k, v, past_len: int = 0) -> torch.Tensor:
+    """``llama.causal_attention`` with ``scale=1`` (the scale is folded into the query weights) and a value
+    width that may differ from the key width."""
+    T, S = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
+    if past_len == 0 and T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=1.0)
+    if T == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=1.0)
+    qpos = torch.arange(past_len, past_len + T, device=q.device)[:, None]
+    mask = torch.arange(S, device=q.device)[None, :] <= qpos
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=1.0)
+
+
+def attention(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, cache: Optional[dict] = None,
+              past_len: int = 0) -> torch.Tensor:
+    """DBA for ``x`` [B, T, d]; ``cos``/``sin`` [n_kv_heads, T, geo_dim] are this layer's tables."""
+    B, T, _ = x.shape
+    H, G = cfg.n_heads, cfg.n_kv_heads
+
+    def heads(w, n, width):
+        return F.linear(x, w).view(B, T, n, width).transpose(1, 2)
+
+    q_s, q_g = heads(p["wq_s"], H, cfg.sem_dim), heads(p["wq_g"], H, cfg.geo_dim)
+    k_s, k_g = heads(p["wk_s"], G, cfg.sem_dim), heads(p["wk_g"], G, cfg.geo_dim)
+    v = heads(p["wv"], G, cfg.v_dim)
+    q_g = apply_rope(q_g.unflatten(1, (G, H // G)), cos[:, None], sin[:, None]).flatten(1, 2)  # group's pairs
+    k_g = apply_rope(k_g, cos, sin)
+    q, k = torch.cat([q_s, q_g], dim=-1), torch.cat([k_s, k_g], dim=-1)
+    if cache is not None:
+        k, v = llama.cache_append(cache, k, v, past_len)
+    y = causal_attention(q, k, v, past_len)
+    return F.linear(y.transpose(1, 2).reshape(B, T, H * cfg.v_dim), p["wo"])
+
+
+def block(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, key=None, cache=None, past_len: int = 0):
+    h = attention(p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, cache, past_len)
+    if key is not None:
+        h = rng.dropout(rng.fold_in(key, 1), h, cfg.dropout)
+    x = x + h
+    h = mlp(p["mlp"], rms_norm(x, p["mlp_norm"], cfg.norm_eps))
+    if key is not None:
+        h = rng.dropout(rng.fold_in(key, 2), h, cfg.dropout)
+    return x + h
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the model
+
+def apply(params: dict, tokens: torch.Tensor, cfg: DBAConfig, *, key: Optional[torch.Tensor] = None,
+          return_hidden: bool = False, cache: Optional[list] = None, past_len: int = 0):
+    """Logits [B, T, vocab]; the keyword arguments mean what they mean in ``llama.apply`` (``return_hidden``:
+    the residual stream entering every block plus the last block's output, as the teacher's, for blockwise
+    distillation)."""
+    T = tokens.shape[1]
+    x = F.embedding(tokens, params["embed"])
+    positions = torch.arange(past_len, past_len + T, device=tokens.device)
+    cos, sin = rope_tables(cfg, positions, x.dtype)
+    if key is not None:
+        x = rng.dropout(rng.fold_in(key, 0), x, cfg.dropout)
+    hidden = []
+    for i, (lp, c, s) in enumerate(zip(unstack(params["layers"]), cos.unbind(0), sin.unbind(0))):
+        hidden.append(x)
+        layer_key = None if key is None else rng.fold_in(key, 1000 + i)
+        x = block(lp, x, c, s, cfg, layer_key, None if cache is None else cache[i], past_len)
+    hidden.append(x)
+    logits = F.linear(rms_norm(x, params["norm"], cfg.norm_eps), lm_head(params))
+    return (logits, hidden) if return_hidden else logits
+
+
+def loss(params: dict, batch: dict, cfg: DBAConfig, key: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored)."""
+    logits = apply(params, batch["x"], cfg, key=key)
+    return F.cross_entropy(logits.flatten(0, 1).to(upcast(logits.dtype)), batch["y"].flatten(), ignore_index=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# KV cache for generation
+
+def new_cache(cfg: DBAConfig, batch: int, max_len: int, dtype=torch.float32, device=None) -> list:
+    """Per layer ``k`` = [k_s | rotated k_g] [B, n_kv_heads, max_len, sem_dim + geo_dim] and ``v`` [..., v_dim]."""
+    def zeros(width):
+        return torch.zeros(batch, cfg.n_kv_heads, max_len, width, dtype=dtype, device=device)
+    return [{"k": zeros(cfg.sem_dim + cfg.geo_dim), "v": zeros(cfg.v_dim)} for _ in range(cfg.n_layers)]
+
+
+def decoder(params: dict, cfg: DBAConfig, batch: int, max_len: int):
+    """``forward(tokens, past_len) -> logits`` over a fresh KV cache, for ``models.sampling.generate``;
+    ``forward.cache`` is that cache (to measure it)."""
+    leaf = params["embed"]
+    cache = new_cache(cfg, batch, max_len, dtype=leaf.dtype, device=leaf.device)
+
+    def forward(tokens, past_len):
+        return apply(params, tokens, cfg, cache=cache, past_len=past_len)
+    forward.cache = cache
+    return forward
+
+
+def kv_bytes_per_token(cfg: DBAConfig, dtype_bytes: int = 2) -> int:
+    """Cached bytes per token over all layers: n_kv_heads * (sem_dim + geo_dim + v_dim) per layer (the teacher:
+    ``llama.kv_bytes_per_token``, 2 * n_kv_heads * head_dim)."""
+    return cfg.n_layers * cfg.n_kv_heads * (cfg.sem_dim + cfg.geo_dim + cfg.v_dim) * dtype_bytes
