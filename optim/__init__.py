@@ -1,8 +1,11 @@
 """optim: optax-shaped gradient transformations for PyTorch pytrees (see ``optim.base``)."""
+from optim.adagc import AdaGCState, adagc, adagc_metrics
 from optim.adamw import adamw, scale_by_adam
+from optim.agc import agc
 from optim.base import (EmptyState, GradientTransformation, apply_updates, chain, find_state, identity,
                         replace_states)
 from optim.clip import clip_by_global_norm
+from optim.health import GradientHealth
 from optim.common import (add_decayed_weights, base_lr, current_lr, decay_mask, scale_by_learning_rate,
                           scale_lr)
 from optim.lion import lion, scale_by_lion
@@ -15,3 +18,4 @@ __all__ = [
     "clip_by_global_norm", "add_decayed_weights", "scale_by_learning_rate", "current_lr", "base_lr",
     "scale_lr", "decay_mask", "schedules",
 ]
+__all__ += ["adagc", "AdaGCState", "adagc_metrics", "agc", "GradientHealth"]

@@ -1,0 +1,213 @@
+"""Gradient health statistics, vectorized, packed into one tensor per step.
+
+The checks of the stability notes (non-finite values, dead gradients, gradient and update magnitudes
+relative to the weights, clip activity: OPT logbook, Karpathy's update/weight ratio of ~1e-3, AGC's
+||g||/||w|| of Brock et al. 2021) computed inside the (compiled) train step, for every tensor and, for
+weights stacked along a leading layer axis, for every layer slice: one reduction over the flattened
+slices (``vector_norm(x.reshape(L, -1), dim=1)``) gives the statistic of all L layers at once. Nothing
+calls ``.item()``: the step returns one float32 tensor ``[rows, 5]`` and the loop moves it to the host
+once per log interval, where :class:`GradientHealth` turns it into a report, TensorBoard scalars and
+histograms.
+
+Columns (``COLUMNS``)::
+
+    nonfinite         number of NaN/Inf gradient elements (float32: exact below 2**24)
+    zero              1.0 if the gradient norm is exactly 0 (unused parameter, dead layer), else 0.0
+    grad_norm         ||g|| in (at least) float32
+    grad_to_weight    ||g|| / ||w||          (inf if the weight is all zeros; nan if both are)
+    update_to_weight  ||w_new - w|| / ||w||  the change actually applied, after the cast to the param dtype
+
+Rows: one per unstacked leaf (``embed``), one per layer of a stacked leaf (``layers.attn.wq[3]``), and a
+last row ``global`` holding the same statistics over all parameters together.
+
+Per-leaf ``vector_norm`` over flattened slices was measured against ``torch._foreach_norm`` over the
+leaves and their ``unbind(0)`` slices (tiny Llama d=64 L=2, the statistics alone, CPU, one thread, 2000
+interleaved calls on a loaded machine, 10th percentile): compiled, ``vector_norm`` 0.79 ms against 0.96 ms,
+since inductor fuses a leaf's norm and non-finite count into one pass (``_foreach_norm`` cannot count
+non-finite values, so it needs that pass anyway); eager, ``_foreach_norm`` wins, 1.35 ms against 1.85 ms
+(fewer kernel launches). The step is meant to run compiled, so this file uses ``vector_norm``. The
+per-leaf work is four reductions; everything after them runs once on the concatenated ``[rows, 4]``.
+
+The stacked-leaf convention (``stacked_predicate``, ``slice_norms``) lives here and is shared by
+:mod:`optim.adagc` and :mod:`optim.agc`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Union
+
+import torch
+
+from core.tree import Tree, named_leaves, tree_leaves
+
+COLUMNS = ("nonfinite", "zero", "grad_norm", "grad_to_weight", "update_to_weight")
+GLOBAL = "global"
+
+Stacked = Union[None, Callable[[str, torch.Tensor], bool], str, Iterable[str]]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# stacked leaves
+
+def layer_stacked(name: str, leaf: torch.Tensor) -> bool:
+    """The default for purestep models: every leaf under ``layers.`` carries a leading layer axis."""
+    return name.split(".")[0] == "layers" and leaf.ndim >= 1
+
+
+def stacked_predicate(stacked: Stacked = None) -> Callable[[str, torch.Tensor], bool]:
+    """``(name, leaf) -> bool``: is this leaf stacked along a leading layer axis?
+
+    ``None`` is :func:`layer_stacked`; a callable is used as is; a name or a collection of names marks
+    those leaves and everything below them (``"layers"`` covers ``layers.attn.wq``); ``()`` marks none.
+    """
+    if stacked is None:
+        return layer_stacked
+    if callable(stacked):
+        return stacked
+    prefixes = (stacked,) if isinstance(stacked, str) else tuple(stacked)
+
+    def predicate(name: str, leaf: torch.Tensor) -> bool:
+        return leaf.ndim >= 1 and any(name == p or name.startswith(p + ".") for p in prefixes)
+
+    return predicate
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half types, the dtype itself for float32/float64: norms never accumulate below fp32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def slices(t: torch.Tensor, stacked: bool) -> torch.Tensor:
+    """``t`` as ``[L, -1]`` when stacked (a view when contiguous), else flat."""
+    return t.reshape(t.shape[0], -1) if stacked else t.reshape(-1)
+
+
+def slice_norms(t: torch.Tensor, stacked: bool) -> torch.Tensor:
+    """L2 norm of each layer slice (``[L]``) of a stacked leaf, of the whole leaf (0-d) otherwise."""
+    return torch.linalg.vector_norm(slices(t, stacked), dim=-1, dtype=wide(t.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the statistics
+
+class GradientHealth:
+    """Per-tensor and per-layer gradient statistics for ``make_train_step(extra_metrics=...)``.
+
+    ``health = GradientHealth(params, clip_norm=1.0)``; ``make_train_step(..., extra_metrics=health.metrics)``
+    adds ``metrics["health"]``, a float32 ``[len(health.layout), 5]`` tensor; the loop pulls it to the host
+    every log interval and calls :meth:`report`, :meth:`to_scalars` and :meth:`histograms` on it.
+    ``clip_norm`` (the global clipping threshold, if any) adds ``health/clip/*`` to the scalars.
+    """
+
+    def __init__(self, params: Tree, *, stacked: Stacked = None, clip_norm: float | None = None):
+        is_stacked = stacked_predicate(stacked)
+        self.clip_norm = clip_norm
+        self.leaves: list[tuple[str, bool, int]] = []      # (name, stacked, number of rows)
+        self.rows: list[tuple[str, int | None]] = []        # (leaf name, layer index or None)
+        for name, leaf in named_leaves(params):
+            s = bool(is_stacked(name, leaf))
+            n = leaf.shape[0] if s else 1
+            self.leaves.append((name, s, n))
+            self.rows += [(name, i) for i in range(n)] if s else [(name, None)]
+        self.rows.append((GLOBAL, None))
+        self.layout = [name if i is None else f"{name}[{i}]" for name, i in self.rows]
+
+    # ---------------------------------------------------------------------------------- inside the step
+
+    def metrics(self, *, grads: Tree, params: Tree, new_params: Tree | None = None,
+                updates: Tree | None = None) -> dict[str, torch.Tensor]:
+        """``{"health": packed}``; traceable, no host sync. The update ratio uses ``new_params - params``
+        (what the step applied), or ``updates`` when ``new_params`` is not given."""
+        g_leaves = tree_leaves(grads)
+        w_leaves = tree_leaves(params)
+        if new_params is not None:
+            d_leaves = [nw.to(wide(w.dtype)) - w.to(wide(w.dtype)) for nw, w in zip(tree_leaves(new_params), w_leaves)]
+        elif updates is not None:
+            d_leaves = tree_leaves(updates)
+        else:
+            raise ValueError("GradientHealth.metrics needs new_params= or updates=")
+        if not (len(g_leaves) == len(w_leaves) == len(d_leaves) == len(self.leaves)):
+            raise ValueError(f"GradientHealth was built for {len(self.leaves)} leaves, got "
+                             f"{len(g_leaves)} grads / {len(w_leaves)} params / {len(d_leaves)} updates")
+        raw = []                                            # per row: nonfinite, ||g||, ||w||, ||d||
+        for (_, s, _), g, w, d in zip(self.leaves, g_leaves, w_leaves, d_leaves):
+            nonfinite = (~torch.isfinite(slices(g, s))).sum(-1, dtype=torch.float32)
+            norms = [slice_norms(x, s).float() for x in (g, w, d)]
+            raw.append(torch.stack([nonfinite] + norms, dim=-1).reshape(-1, 4))
+        raw = torch.cat(raw)
+        nonfinite, gn, wn, dn = raw.unbind(-1)
+        _, g_all, w_all, d_all = raw.square().sum(0).sqrt().unbind()
+        rows = torch.stack([nonfinite, (gn == 0).float(), gn, gn / wn, dn / wn], dim=-1)
+        total = torch.stack([nonfinite.sum(), (g_all == 0).float(), g_all, g_all / w_all, d_all / w_all])
+        return {"health": torch.cat([rows, total.reshape(1, 5)])}
+
+    # ---------------------------------------------------------------------------------- on the host
+
+    def _check(self, packed) -> torch.Tensor:
+        packed = torch.as_tensor(packed).detach().cpu().double()
+        if tuple(packed.shape) != (len(self.rows), len(COLUMNS)):
+            raise ValueError(f"packed health tensor has shape {tuple(packed.shape)}, "
+                             f"expected {(len(self.rows), len(COLUMNS))}")
+        return packed
+
+    def report(self, packed) -> list[tuple[str, str]]:
+        """``(name, problem)`` for every tensor or layer slice whose gradient is non-finite or exactly zero.
+
+        A stacked leaf with the same problem in every layer is named once, without an index. Meant for the
+        first step (unused parameters, broken graphs) and for steps the loop saw skipped.
+        """
+        packed = self._check(packed)
+        problems, row = [], 0
+        for name, s, n in self.leaves:
+            block = packed[row:row + n]
+            row += n
+            bad = [i for i in range(n) if block[i, 0] > 0]
+            zero = [i for i in range(n) if block[i, 1] > 0]
+            if bad:
+                text = f"{int(block[bad, 0].sum())} non-finite gradient values"
+                problems += _name_rows(name, s, n, bad, text, [f"{int(block[i, 0])} non-finite gradient values"
+                                                               for i in bad])
+            if zero:
+                problems += _name_rows(name, s, n, zero, "gradient is exactly zero",
+                                       ["gradient is exactly zero"] * len(zero))
+        return problems
+
+    def tag(self, column: str, row: int) -> str:
+        name, i = self.rows[row]
+        return f"health/{column}/{name}" + ("" if i is None else f"/{i}")
+
+    def to_scalars(self, packed, columns: Iterable[str] = COLUMNS) -> dict[str, float]:
+        """``{"health/grad_norm/layers.attn.wq/3": value, ...}`` for TensorBoard, plus ``health/clip/ratio``
+        (global grad norm / ``clip_norm``) and ``health/clip/clipped`` (1.0 when the global clip scaled
+        the gradients: ``norm + 1e-6 > clip_norm``, torch's rule) when ``clip_norm`` was given."""
+        packed = self._check(packed)
+        cols = [COLUMNS.index(c) for c in columns]
+        out = {self.tag(COLUMNS[c], r): float(packed[r, c]) for r in range(len(self.rows)) for c in cols}
+        if self.clip_norm is not None:
+            norm = float(packed[-1, 2])
+            out["health/clip/ratio"] = norm / self.clip_norm
+            out["health/clip/clipped"] = float(norm + 1e-6 > self.clip_norm)
+        return out
+
+    def histograms(self, packed) -> dict[str, torch.Tensor]:
+        """``{"health/<column>": values over all tensors and layer slices}`` (the global row and
+        non-finite values left out, since histograms cannot bin them; the ``nonfinite`` column counts them)."""
+        packed = self._check(packed)[:-1]
+        out = {}
+        for c, column in enumerate(COLUMNS):
+            values = packed[:, c]
+            out[f"health/{column}"] = values[torch.isfinite(values)].float()
+        return out
+
+    def global_stats(self, packed) -> dict[str, float]:
+        """The ``global`` row as ``{column: value}``."""
+        packed = self._check(packed)
+        return {c: float(packed[-1, i]) for i, c in enumerate(COLUMNS)}
+
+
+def _name_rows(name: str, stacked: bool, n: int, hit: list[int], whole: str, each: list[str]):
+    """One entry for an unstacked leaf or a stacked leaf hit in every layer, else one per layer."""
+    if not stacked:
+        return [(name, whole)]
+    if len(hit) == n:
+        return [(name, f"{whole} in all {n} layers")]
+    return [(f"{name}[{i}]", text) for i, text in zip(hit, each)]

@@ -1,0 +1,153 @@
+"""Benchmark: what AdaGC and the gradient health statistics add to the compiled train step.
+
+Variants, all on the same tiny Llama and the same batch, in one process:
+
+- ``compiled, global clip``      ``make_train_step`` under ``torch.compile``: ``chain(clip_by_global_norm(1),
+                                 adamw)``, the baseline
+- ``compiled, AdaGC + health``   the same step with ``chain(adagc(), adamw)`` and
+                                 ``extra_metrics=GradientHealth(params).metrics`` (per-tensor and per-layer
+                                 statistics packed into one tensor inside the graph); the goal is at most 5%
+                                 over the baseline
+- ``compiled, AdaGC`` and ``compiled, global clip + health`` (``breakdown=true``): each half alone
+- ``plain eager``                ``nn.Module`` + ``clip_grad_norm_`` + ``torch.optim.AdamW``
+- ``plain eager + .item() stats`` the same loop computing the same per-parameter statistics the naive way
+                                 (caramba W9): grad norm, weight norm, non-finite count and update norm of
+                                 every parameter, each pulled with ``.item()``, every step
+
+Each variant is warmed up (compiles happen there), then timed one step at a time, interleaved (A B C A B C
+..., ``rounds * steps`` steps each, each step waited for with ``.item()``), so a burst of load from other
+processes hits every variant alike; the median step time of each and the ratios are printed, with the
+10th..90th percentile as a noise gauge. Ratios are the result, not the times.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import optim
+from core.config import option
+from core.state import init_state
+from core.step import make_train_step
+from models import llama
+from models.llama_module import LlamaModule, load_params
+
+DESCRIPTION = "time AdaGC + gradient health statistics in the compiled step against global clipping (ratios)"
+
+
+@dataclass
+class Config:
+    d_model: int = option(64, "model width")
+    n_layers: int = option(2, "transformer blocks")
+    n_heads: int = option(4, "attention heads")
+    vocab_size: int = option(256, "vocabulary size (byte-level)")
+    batch_size: int = option(16, "sequences per step")
+    block_size: int = option(64, "tokens per sequence")
+    warmup: int = option(3, "untimed steps per variant (compilation happens here)")
+    steps: int = option(20, "timed steps per variant per round")
+    rounds: int = option(10, "rounds; each variant takes rounds * steps single timed steps, interleaved")
+    breakdown: bool = option(False, "also time AdaGC alone and health alone (two more compiled graphs)")
+    threads: int = option(0, "torch.set_num_threads (0 keeps the default)")
+    seed: int = option(0, "seed for weights and the batch")
+
+
+def _functional(cfg: llama.LlamaConfig, params, batch, *, adagc: bool, health: bool):
+    clip = optim.adagc() if adagc else optim.clip_by_global_norm(1.0)
+    opt = optim.chain(clip, optim.adamw(lr=1e-3, weight_decay=0.1))
+    extra = optim.GradientHealth(params, clip_norm=None if adagc else 1.0).metrics if health else None
+    train_step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=True, extra_metrics=extra)
+    holder = {"state": init_state(params, opt)}
+
+    def step():
+        holder["state"], metrics = train_step(holder["state"], batch)
+        return metrics["loss"]
+
+    return step
+
+
+def _plain(cfg: llama.LlamaConfig, params, batch, *, item_stats: bool):
+    module = load_params(LlamaModule(cfg), params)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+    named = list(module.named_parameters())
+    log: dict[str, list[float]] = {}
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(module(batch["x"]).flatten(0, 1), batch["y"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0, foreach=True)
+        if item_stats:
+            before = {name: p.detach().clone() for name, p in named}
+            for name, p in named:
+                log[name] = [p.grad.norm().item(), p.norm().item(), (~torch.isfinite(p.grad)).sum().item()]
+        opt.step()
+        if item_stats:
+            for name, p in named:
+                log[name].append((p.detach() - before[name]).norm().item())
+        return loss.detach()
+
+    return step
+
+
+def _time_one(step) -> float:
+    start = time.perf_counter()
+    step().item()  # wait for the step (a no-op on CPU, a sync on CUDA), the same for every variant
+    return time.perf_counter() - start
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(cfg: Config) -> dict:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model_cfg = llama.LlamaConfig(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                                  n_heads=cfg.n_heads)
+    params = llama.init(model_cfg, seed=cfg.seed)
+    tok = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size + 1),
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    batch = {"x": tok[:, :-1].contiguous(), "y": tok[:, 1:].contiguous()}
+    variants = {
+        "compiled, global clip": _functional(model_cfg, params, batch, adagc=False, health=False),
+        "compiled, AdaGC + health": _functional(model_cfg, params, batch, adagc=True, health=True),
+    }
+    if cfg.breakdown:
+        variants["compiled, AdaGC"] = _functional(model_cfg, params, batch, adagc=True, health=False)
+        variants["compiled, global clip + health"] = _functional(model_cfg, params, batch, adagc=False, health=True)
+    variants["plain eager"] = _plain(model_cfg, params, batch, item_stats=False)
+    variants["plain eager + .item() stats"] = _plain(model_cfg, params, batch, item_stats=True)
+
+    n_params = sum(t.numel() for t in optim.base.tree_leaves(params))
+    print(f"bench_health: Llama d={cfg.d_model} L={cfg.n_layers} H={cfg.n_heads} ({n_params / 1e6:.2f}M params), "
+          f"batch {cfg.batch_size}x{cfg.block_size}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for name, step in variants.items():
+        start = time.perf_counter()
+        for _ in range(cfg.warmup):
+            step().item()
+        print(f"  warmed up {name:<32} in {time.perf_counter() - start:6.1f}s", flush=True)
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(cfg.rounds * cfg.steps):
+        for name, step in variants.items():
+            times[name].append(_time_one(step))
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+
+    base, plain = medians["compiled, global clip"], medians["plain eager"]
+    print()
+    print("| variant | ms/step (median) | p10..p90 | vs compiled global clip | vs plain eager |")
+    print("|---|---:|---:|---:|---:|")
+    for name, t in medians.items():
+        lo, hi = _percentile(times[name], 0.1) * 1e3, _percentile(times[name], 0.9) * 1e3
+        print(f"| {name} | {t * 1e3:.2f} | {lo:.2f}..{hi:.2f} | {t / base:.3f} | {t / plain:.3f} |")
+    overhead = medians["compiled, AdaGC + health"] / base - 1
+    naive = medians["plain eager + .item() stats"] / plain - 1
+    print(f"\nAdaGC + health in the compiled step: {overhead * 100:+.1f}% (goal: at most +5%)")
+    print(f"per-parameter .item() statistics in the plain loop: {naive * 100:+.1f}%")
+    spread = {name: (_percentile(ts, 0.1) * 1e3, _percentile(ts, 0.9) * 1e3) for name, ts in times.items()}
+    return {"ms_per_step": {k: v * 1e3 for k, v in medians.items()}, "p10_p90_ms": spread,
+            "adagc_health_overhead": overhead, "item_stats_overhead": naive}

@@ -1,0 +1,124 @@
+"""Gradient health statistics: packed values against per-tensor loops, NaN localization, zero-gradient report."""
+import math
+
+import pytest
+import torch
+
+import optim
+from core.compile import compile_count
+from core.state import init_state
+from core.step import make_train_step
+from core.tree import named_leaves, tree_map
+from models import llama
+from optim.health import COLUMNS, GradientHealth
+
+CFG = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, ffn_dim=32)
+
+
+def setup(seed=0):
+    params = llama.init(CFG, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    grads = tree_map(lambda p: torch.randn(p.shape, generator=g) * 1e-2, params)
+    new_params = tree_map(lambda p, d: p - 0.1 * d, params, grads)
+    return params, grads, new_params
+
+
+def loop_reference(params, grads, new_params):
+    """The naive way: one slice at a time, one statistic at a time."""
+    rows, names = [], []
+    for (name, g), (_, w), (_, nw) in zip(named_leaves(grads), named_leaves(params), named_leaves(new_params)):
+        parts = [(f"{name}[{i}]", g[i], w[i], nw[i]) for i in range(g.shape[0])] \
+            if name.startswith("layers.") else [(name, g, w, nw)]
+        for label, gs, ws, nws in parts:
+            gn, wn = torch.linalg.norm(gs.flatten()), torch.linalg.norm(ws.flatten())
+            rows.append([float((~torch.isfinite(gs)).sum()), float(gn == 0), float(gn), float(gn / wn),
+                         float(torch.linalg.norm((nws - ws).flatten()) / wn)])
+            names.append(label)
+    return names, torch.tensor(rows, dtype=torch.float64)
+
+
+def test_packed_matches_per_tensor_loops():
+    params, grads, new_params = setup()
+    health = GradientHealth(params, clip_norm=1.0)
+    packed = health.metrics(grads=grads, updates=None, params=params, new_params=new_params)["health"]
+    names, want = loop_reference(params, grads, new_params)
+    assert packed.dtype == torch.float32 and packed.shape == (len(names) + 1, len(COLUMNS))
+    assert health.layout == names + ["global"]
+    assert "layers.attn.wq[2]" in health.layout and "embed" in health.layout
+    torch.testing.assert_close(packed[:-1].double(), want, rtol=1e-5, atol=0)
+    g_all = torch.cat([g.flatten() for g in optim.base.tree_leaves(grads)])
+    w_all = torch.cat([w.flatten() for w in optim.base.tree_leaves(params)])
+    d_all = torch.cat([(n - w).flatten() for n, w in zip(optim.base.tree_leaves(new_params),
+                                                          optim.base.tree_leaves(params))])
+    glob = health.global_stats(packed)
+    assert glob["grad_norm"] == pytest.approx(float(g_all.norm()), rel=1e-5)
+    assert glob["grad_to_weight"] == pytest.approx(float(g_all.norm() / w_all.norm()), rel=1e-5)
+    assert glob["update_to_weight"] == pytest.approx(float(d_all.norm() / w_all.norm()), rel=1e-5)
+    assert glob["nonfinite"] == 0 and glob["zero"] == 0
+
+    scalars = health.to_scalars(packed)
+    assert scalars["health/grad_norm/layers.attn.wq/2"] == pytest.approx(float(grads["layers"]["attn"]["wq"][2].norm()),
+                                                                         rel=1e-5)
+    assert scalars["health/grad_norm/embed"] == pytest.approx(float(grads["embed"].norm()), rel=1e-5)
+    assert scalars["health/clip/ratio"] == pytest.approx(glob["grad_norm"])
+    assert scalars["health/clip/clipped"] == 0.0
+    assert len(scalars) == len(health.layout) * len(COLUMNS) + 2
+    hist = health.histograms(packed)
+    assert set(hist) == {f"health/{c}" for c in COLUMNS}
+    assert hist["health/grad_norm"].shape == (len(names),)
+    assert health.report(packed) == []
+
+
+def test_nan_in_one_layer_slice_is_found_by_name():
+    params, grads, new_params = setup()
+    grads["layers"]["mlp"]["w_up"][1, 3, 2] = float("nan")
+    grads["layers"]["mlp"]["w_up"][1, 0, 0] = float("inf")
+    health = GradientHealth(params)
+    packed = health.metrics(grads=grads, params=params, new_params=new_params)["health"]
+    nonfinite = packed[:, 0]
+    row = health.layout.index("layers.mlp.w_up[1]")
+    assert nonfinite[row] == 2 and nonfinite.sum() == 2 + 2       # the slice, and the global row
+    assert nonfinite[-1] == 2
+    assert math.isnan(float(packed[row, 2])) and math.isfinite(float(packed[row + 1, 2]))
+    assert health.report(packed) == [("layers.mlp.w_up[1]", "2 non-finite gradient values")]
+    hist = health.histograms(packed)                              # the NaN row is left out of the norms
+    assert hist["health/grad_norm"].shape == (len(health.layout) - 2,)
+
+
+def test_first_step_report_names_an_unused_parameter():
+    params = llama.init(CFG, seed=0)
+    params["unused"] = torch.ones(4)                               # the loss never reads it
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3))
+    health = GradientHealth(params, clip_norm=1.0)
+    step = make_train_step(lambda p, b: llama.loss(p, b, CFG), opt, extra_metrics=health.metrics)
+    tok = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    state, metrics = step(init_state(params, opt), {"x": tok[:, :-1], "y": tok[:, 1:]})
+    packed = metrics["health"]
+    assert packed.shape == (len(health.layout), len(COLUMNS))
+    assert health.report(packed) == [("unused", "gradient is exactly zero")]
+
+
+def test_a_stacked_leaf_zero_in_every_layer_is_named_once():
+    params, grads, new_params = setup()
+    grads["layers"]["attn"]["wk"].zero_()
+    grads["layers"]["attn"]["wv"][0].zero_()
+    health = GradientHealth(params)
+    packed = health.metrics(grads=grads, params=params, new_params=new_params)["health"]
+    assert health.report(packed) == [("layers.attn.wk", "gradient is exactly zero in all 3 layers"),
+                                     ("layers.attn.wv[0]", "gradient is exactly zero")]
+
+
+def test_health_traces_into_one_graph():
+    torch._dynamo.reset()
+    params, grads, new_params = setup()
+    health = GradientHealth(params)
+    fn = torch.compile(health.metrics, backend="eager", fullgraph=True, dynamic=False)
+    packed = fn(grads=grads, params=params, new_params=new_params)["health"]
+    assert compile_count() >= 1
+    torch.testing.assert_close(packed, health.metrics(grads=grads, params=params, new_params=new_params)["health"])
+
+
+def test_bad_packed_shape_is_an_error():
+    params, _, _ = setup()
+    with pytest.raises(ValueError, match="expected"):
+        GradientHealth(params).report(torch.zeros(3, 5))
