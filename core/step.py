@@ -36,9 +36,7 @@ from core.compile import maybe_compile
 from core.loss_scale import update_loss_scale
 from core.spike import SpikeConfig, update_monitor
 from core.state import TrainState
-from core.tree import global_norm, tree_flatten, tree_map, tree_unflatten, where
-from optim.base import apply_updates
-from optim.common import current_lr
+from core.tree import apply_updates, global_norm, tree_flatten, tree_map, tree_unflatten, where
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_MODES = ("func", "autograd")
@@ -149,8 +147,10 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         new_params = apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": current_lr(opt_state).float(),
-                   "skipped": (~finite).float(), "param_norm": global_norm(state.params), **aux}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(),
+                   "param_norm": global_norm(state.params), **aux}
+        if getattr(optimizer, "metrics", None) is not None:   # what the transforms report: lr, clip activity
+            metrics.update(optimizer.metrics(opt_state))
         if extra_metrics is not None:
             metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=new_params))
         monitor = state.monitor

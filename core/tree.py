@@ -105,6 +105,11 @@ def size(tree: Tree) -> int:
     return sum(t.numel() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
+def apply_updates(params: Tree, updates: Tree) -> Tree:
+    """``params + updates``, cast back to each param's dtype (optax ``apply_updates``)."""
+    return tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+
+
 def where(cond: torch.Tensor, on_true: Tree, on_false: Tree) -> Tree:
     """Leafwise ``torch.where``: pick a whole pytree without a host branch."""
     return tree_map(lambda a, b: torch.where(cond, a, b), on_true, on_false)

@@ -1,7 +1,9 @@
 """The optax interface in PyTorch: gradient transformations as ``(init, update)`` pairs.
 
 ``init(params) -> state`` and ``update(updates, state, params) -> (updates, state)``, both out of place,
-composed with :func:`chain` (optax ``base.py`` / ``combine.py``). Hyperparameters that a run may change
+composed with :func:`chain` (optax ``base.py`` / ``combine.py``). A transform may also say what it wants
+logged: ``metrics(state) -> dict`` of 0-d tensors (the learning rate, clip activity), which the train
+step adds to its metrics without knowing any optimizer. Hyperparameters that a run may change
 (learning rate, betas, weight decay) live in the state as 0-d tensors, as in optax's
 ``inject_hyperparams``, so a schedule or an edit never recompiles a compiled step. Their dtype follows
 the params' widest float dtype (float64 params give float64 hyperparameters, as ``torch.optim`` computes
@@ -9,16 +11,18 @@ its bias corrections in double precision).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from core.tree import Tree, tree_leaves, tree_map
+from core import tree
+from core.tree import Tree, tree_leaves
 
 
 class GradientTransformation(NamedTuple):
     init: Callable[[Tree], Any]
     update: Callable[..., tuple[Tree, Any]]
+    metrics: Optional[Callable[[Any], dict]] = None
 
 
 class EmptyState(NamedTuple):
@@ -42,12 +46,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    def metrics(state):
+        out = {}
+        for t, s in zip(transforms, state):
+            if t.metrics is not None:
+                out.update(t.metrics(s))
+        return out
+
+    return GradientTransformation(init, update, metrics)
 
 
-def apply_updates(params: Tree, updates: Tree) -> Tree:
-    """``params + updates``, cast back to each param's dtype (optax ``apply_updates``)."""
-    return tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+apply_updates = tree.apply_updates
 
 
 def hparam_dtype(params: Tree) -> torch.dtype:

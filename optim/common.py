@@ -68,7 +68,7 @@ def scale_by_learning_rate(lr: float, schedule: Schedule | None = None) -> Gradi
         current = state.lr * schedule(count).to(state.lr.dtype)
         return tree_map(lambda u: -current * u, updates), LearningRateState(count, state.lr, current)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, lambda state: {"lr": state.current.float()})
 
 
 def current_lr(opt_state) -> torch.Tensor:

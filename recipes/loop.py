@@ -277,7 +277,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
                     for tag, hist in steps.health.histograms(health).items():
                         logger.histogram(step, tag, hist)
                 logger.progress(step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
-                                extra={"lr": logged["lr"]})
+                                extra={"lr": logged["lr"]} if "lr" in logged else None)
                 last_log_time, last_log_tokens, excluded = now, loop.tokens, 0.0
                 if values.get("spike", 0.0) > 0:
                     if not roll_back():
