@@ -382,7 +382,7 @@ class Batches:
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int, grad_accum: int = 1,
                  rank: int = 0, world_size: int = 1, device=None, pin_memory: bool | None = None,
-                 source: str | None = None):
+                 source: str | None = None, fim=None):
         for name, v in (("batch_size", batch_size), ("block_size", block_size), ("grad_accum", grad_accum),
                         ("world_size", world_size)):
             if v < 1:
@@ -396,6 +396,7 @@ class Batches:
         self.grad_accum, self.rank, self.world_size = grad_accum, rank, world_size
         self.device, self.pin_memory = _placement(device, pin_memory)
         self._span = np.arange(block_size + 1)
+        self.fim = fim   # core.fim.FIM or None: fill-in-the-middle on a fraction of the windows
 
     def offsets(self, cursor: int) -> np.ndarray:
         """Window starts of the global batch: ``[grad_accum, world_size * batch_size]``."""
@@ -408,8 +409,13 @@ class Batches:
 
     def get(self, cursor: int) -> dict:
         b = self.batch_size
-        starts = self.offsets(cursor)[:, self.rank * b:(self.rank + 1) * b]
-        windows = torch.from_numpy(np.asarray(self.tokens[starts[..., None] + self._span], dtype=np.int64))
+        starts = self.offsets(cursor)
+        if self.fim is None:
+            starts = starts[:, self.rank * b:(self.rank + 1) * b]
+        windows = np.asarray(self.tokens[starts[..., None] + self._span], dtype=np.int64)
+        if self.fim is not None:   # transform the global batch, then take this rank's rows
+            windows = self.fim.apply(windows, self.seed, cursor)[:, self.rank * b:(self.rank + 1) * b]
+        windows = torch.from_numpy(windows)
         if self.grad_accum == 1:
             windows = windows[0]
         return {"x": _to_device(windows[..., :-1], self.device, self.pin_memory),

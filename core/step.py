@@ -90,14 +90,16 @@ def _mean_aux(auxes: list[dict]) -> dict:
 def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precision: str = "fp32",
                     device_type: str = "cpu", grad_mode: str = "func", compile: bool = False,
                     extra_metrics: Optional[Callable] = None, spike: Optional[SpikeConfig] = None,
-                    remat: bool = False) -> Callable:
+                    remat: bool = False, reduce: Optional[Callable] = None) -> Callable:
     """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
 
     ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the
     metrics from inside the step, e.g. gradient health statistics. ``spike`` runs the spike detector
     (``core.spike``) on the step's loss and gradient norm; its state must exist in ``state.monitor``
     (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation checkpointing, which
-    ``torch.func`` cannot differentiate: it selects the autograd path.
+    ``torch.func`` cannot differentiate: it selects the autograd path. ``reduce(list of tensors) -> list``
+    averages the gradients, loss and aux across data-parallel ranks before the update
+    (``core.distributed.Dist.all_reduce_mean``).
     """
     if remat:
         grad_mode = "autograd"
@@ -173,6 +175,12 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         )
         return new_state, metrics
 
+    def reduced(grads, loss, aux):
+        if reduce is None:
+            return grads, loss, aux
+        leaves, spec = tree_flatten((grads, loss, aux))
+        return tree_unflatten(spec, reduce(leaves))
+
     def _scale(state):
         if state.loss_scale:
             return state.loss_scale["scale"]
@@ -182,7 +190,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         def train_step(state: TrainState, batch, frozen=None):
             key = rng.fold_in(state.key, state.step)
             grads, loss, aux = func_grads(state.params, batch, key, frozen, _scale(state))
-            return apply_gradients(state, grads, loss, aux)
+            return apply_gradients(state, *reduced(grads, loss, aux))
 
         return maybe_compile(train_step, compile)
 
@@ -191,7 +199,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     def train_step(state: TrainState, batch, frozen=None):
         key = rng.fold_in(state.key, state.step)
         grads, loss, aux = autograd_grads(state.params, batch, key, frozen, _scale(state))
-        return compiled_apply(state, grads, loss, aux)
+        return compiled_apply(state, *reduced(grads, loss, aux))
 
     return train_step
 

@@ -64,7 +64,7 @@ class ByteTokenizer(_Tokenizer):
         return np.frombuffer(data, dtype=np.uint8)
 
     def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        return _with_sentinels(ids, self.vocab_size, lambda run: bytes(run).decode("utf-8", errors="replace"))
 
     def to_dict(self) -> dict:
         return {"type": "byte"}
@@ -107,10 +107,31 @@ class CharTokenizer(_Tokenizer):
         return ids.astype(np.int64)
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[int(i)] for i in ids)
+        return _with_sentinels(ids, self.vocab_size, lambda run: "".join(self.chars[i] for i in run))
 
     def to_dict(self) -> dict:
         return {"type": "char", "chars": self.chars}
+
+
+SENTINELS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")  # ids vocab_size.. (core.fim) for byte/char
+
+
+def _with_sentinels(ids, vocab_size: int, decode_run) -> str:
+    """Decode runs of in-vocabulary ids with ``decode_run``; ids just past the vocabulary are the FIM
+    sentinels appended by ``core.fim`` and render by name; anything else renders as U+FFFD."""
+    parts, run = [], []
+    for i in (int(i) for i in ids):
+        if i < vocab_size:
+            run.append(i)
+            continue
+        if run:
+            parts.append(decode_run(run))
+            run = []
+        k = i - vocab_size
+        parts.append(SENTINELS[k] if k < len(SENTINELS) else "\ufffd")
+    if run:
+        parts.append(decode_run(run))
+    return "".join(parts)
 
 
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
@@ -147,6 +168,10 @@ class BPETokenizer(_Tokenizer):
     def from_file(cls, path: str) -> BPETokenizer:
         with open(path, encoding="utf-8") as f:
             return cls(f.read(), source=path)
+
+    def token_id(self, name: str) -> int | None:
+        """The id of a token given by name (special tokens included), or None."""
+        return self._tok.token_to_id(name)
 
     def _first_id(self, names) -> int | None:
         for n in names:

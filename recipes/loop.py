@@ -21,6 +21,7 @@ import torch
 import optim
 from core import checkpoint as ckpt, runs
 from core.config import UserError
+from core.distributed import Dist
 from core.logging import Logger, memory_mb
 from core.spike import clear as clear_monitor
 from core.state import TrainState
@@ -71,10 +72,19 @@ def make_optimizer(cfg: TrainConfig):
     return adamw if clip is None else optim.chain(clip, adamw)
 
 
-def evaluate(eval_step: Callable, params, batches, frozen=None) -> float:
-    """Mean validation loss over fixed batches (one host transfer at the end)."""
-    losses = [eval_step(params, batch, frozen)["loss"] for batch in batches]
-    return torch.stack(losses).mean().item()
+def evaluate(eval_step: Callable, params, batches, frozen=None, dist: Dist = Dist()) -> float:
+    """Mean validation loss over fixed batches (one host transfer at the end).
+
+    With several ranks each evaluates its own rows of every (global) batch and the means are averaged,
+    so the validation set and the result do not depend on the number of ranks.
+    """
+    losses = []
+    for batch in batches:
+        if dist.enabled:
+            rows = batch["x"].shape[0] // dist.world_size
+            batch = {k: v[dist.rank * rows:(dist.rank + 1) * rows] for k, v in batch.items()}
+        losses.append(eval_step(params, batch, frozen)["loss"])
+    return dist.all_reduce_mean([torch.stack(losses).mean()])[0].item()
 
 
 @dataclass
@@ -122,11 +132,12 @@ class Steps:
 
 
 def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches, device: torch.device,
-                vocab_size: int) -> Steps:
+                vocab_size: int, dist: Dist = Dist()) -> Steps:
     """The train and eval steps every training recipe uses, configured from the common keys.
 
     ``loss_fn(params, batch, key[, frozen])``: precision, accumulation, remat, the spike detector,
-    gradient health and fault injection all come from ``cfg``.
+    gradient health and fault injection all come from ``cfg``; with several ranks the step averages
+    gradients across them (``dist``).
     """
     health = GradientHealth(params, clip_norm=cfg.grad_clip if cfg.clipping == "global" else None) \
         if cfg.health else None
@@ -137,7 +148,8 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     train = make_train_step(train_loss, optimizer, grad_accum=cfg.grad_accum, precision=cfg.dtype,
                             device_type=device.type, compile=cfg.compile, remat=cfg.remat,
                             extra_metrics=health.metrics if health else None,
-                            spike=cfg.spike if cfg.spike.enabled else None)
+                            spike=cfg.spike if cfg.spike.enabled else None,
+                            reduce=dist.all_reduce_mean if dist.enabled else None)
     evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile)
     return Steps(train, evaluate_step, health, batches)
 
@@ -165,11 +177,14 @@ class SnapshotRing:
 
 
 def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
-        checkpoints: ckpt.CheckpointManager, checkpoint_extra: Callable[[], dict],
+        checkpoints: Optional[ckpt.CheckpointManager], checkpoint_extra: Callable[[], dict],
         evaluate_fn: Optional[Callable[[object], float]] = None, sample_fn: Optional[Callable[[object], str]] = None,
         loop: Optional[LoopState] = None, frozen=None, tokens_per_step: int = 0, flops_per_token: float = 0.0,
-        expected_initial_loss: Optional[float] = None) -> FitResult:
+        expected_initial_loss: Optional[float] = None, dist: Dist = Dist()) -> FitResult:
     """Train ``state`` until ``cfg.steps``; returns the final state and what happened.
+
+    ``checkpoints`` is None on data-parallel ranks other than 0 (rank 0 alone writes); ``dist`` makes
+    the ranks agree on host-side stops (preemption, budget) at log steps.
 
     Stops early, always with a checkpoint, on: ``patience`` evaluations without improvement, SIGTERM or
     SIGINT (preemption: finish the step, save, return so the program exits 0), the cost ``budget``, or
@@ -191,6 +206,8 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
         nonlocal excluded
         t0 = time.perf_counter()
         loop.wall_seconds = wall_before + (t0 - session_start)
+        if checkpoints is None:
+            return None
         extra = {**checkpoint_extra(), "loop": loop.to_dict()}
         path = checkpoints.save(step, result.state, extra=extra, val_loss=val_loss, final=final)
         excluded += time.perf_counter() - t0
@@ -308,20 +325,27 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
             if last:
                 path = save(val_loss=result.val_loss if evaluated else None, final=True)
                 logger.print(f"saved final checkpoint {path}")
-            elif evaluated or checkpoints.should_save(step):
+            elif evaluated or (checkpoints is not None and checkpoints.should_save(step)):
                 save(val_loss=result.val_loss if evaluated else None)
             if last:
                 break
             cost = (wall_before + time.perf_counter() - session_start) / 3600 * cfg.cost_per_hour
-            if preemption.requested or (cfg.budget and cost >= cfg.budget):
+            stop = preemption.requested or bool(cfg.budget and cost >= cfg.budget)
+            if dist.enabled:   # every rank must stop at the same step: decide together at log steps
+                stop = dist.agree(stop) if step % cfg.log_every == 0 else False
+            if stop:
                 path = save()
                 if preemption.requested:
                     result.stop_reason = f"{preemption.signal} at step {step}"
                     logger.event(step, "preempted", signal=preemption.signal)
-                else:
+                elif cfg.budget and cost >= cfg.budget:
                     result.stop_reason = f"budget {cfg.budget:g} reached (cost {cost:.4g}) at step {step}"
                     logger.event(step, "budget", budget=cfg.budget, cost=cost)
-                logger.print(f"{result.stop_reason}: checkpoint {path}; to resume, run again: {resume_command(checkpoints.folder)}")
+                else:
+                    result.stop_reason = f"another rank stopped (preemption or budget) at step {step}"
+                if checkpoints is not None:
+                    logger.print(f"{result.stop_reason}: checkpoint {path}; to resume, run again: "
+                                 f"{resume_command(checkpoints.folder)}")
                 break
     logger.flush()
     return result

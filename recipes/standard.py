@@ -16,10 +16,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from core import checkpoint as ckpt
+from core import checkpoint as ckpt, distributed
 from core.config import UserError, option, to_dict
 from core.data import prepare
 from core.device import resolve_device
+from core.fim import FIM, fim_ids
 from core.logging import Logger
 from core.state import init_state
 from core.telemetry import flops_per_token
@@ -54,20 +55,26 @@ PRESETS = {
 
 
 def run(cfg: Config):
-    device = resolve_device(cfg.device)
+    dist, device = distributed.init(resolve_device(cfg.device))
     folder = run_folder(cfg, "standard")
 
     # everything that can fail on bad input happens before the run folder is touched
     start = load_model(cfg.init, device=device) if cfg.init else None
-    corpus = prepare(cfg.data, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
+    with dist.main_first():   # rank 0 tokenizes into the cache, the others then read it
+        corpus = prepare(cfg.data, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
     tok = corpus.tokenizer
-    model_cfg = start.config if start else _model_config(cfg.model, tok.vocab_size)
-    if start and model_cfg.vocab_size < tok.vocab_size:
+    (fim_pre, fim_suf, fim_mid), fim_extra = fim_ids(tok) if cfg.fim_rate > 0 else ((0, 0, 0), 0)
+    vocab = tok.vocab_size + fim_extra
+    model_cfg = start.config if start else _model_config(cfg.model, vocab)
+    if start and model_cfg.vocab_size < vocab:
         raise UserError(f"init={cfg.init}: its vocabulary ({model_cfg.vocab_size}) is smaller than the "
-                        f"tokenizer's ({tok.vocab_size})")
+                        f"{vocab} ids this run needs (tokenizer {tok.vocab_size} + {fim_extra} FIM sentinels)")
     resume = resolve_run_folder(cfg, folder)
-    batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device)
-    val_batches = corpus.eval_batches(cfg.batch_size, cfg.block_size, cfg.eval_batches, device=device)
+    batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device,
+                             rank=dist.rank, world_size=dist.world_size,
+                             fim=FIM(cfg.fim_rate, fim_pre, fim_suf, fim_mid) if cfg.fim_rate > 0 else None)
+    val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
+                                      device=device)
 
     optimizer = make_optimizer(cfg)
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
@@ -82,7 +89,7 @@ def run(cfg: Config):
     def loss_fn(params, batch, key):
         return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
 
-    steps = build_steps(cfg, loss_fn, optimizer, params, batches, device, tok.vocab_size)
+    steps = build_steps(cfg, loss_fn, optimizer, params, batches, device, vocab, dist)
     prompt = tok.encode(cfg.sample_prompt) if cfg.sample_prompt else corpus.val[:32].tolist()
 
     def sample(params) -> str:
@@ -91,10 +98,11 @@ def run(cfg: Config):
                        temperature=cfg.sample_temperature, generator=torch.Generator(device).manual_seed(cfg.seed))
         return tok.decode(prompt + out[0].tolist())
 
-    checkpoints = ckpt.CheckpointManager(folder, keep_last=cfg.keep_last, save_every=cfg.save_every)
+    checkpoints = ckpt.CheckpointManager(folder, keep_last=cfg.keep_last, save_every=cfg.save_every) \
+        if dist.is_main else None
     extra = {"config": to_dict(cfg), "model": model_entry(model_cfg), "tokenizer": tok.to_dict(),
              "recipe": "standard"}
-    with Logger(folder) as logger:
+    with Logger(folder, enabled=dist.is_main) as logger:
         logger.hparams(to_dict(cfg), {"val/loss": None})
         logger.print(f"standard: {size(params) / 1e6:.2f}M params, {model_cfg.n_layers} layers, d={model_cfg.d_model}, "
                      f"vocab {tok.vocab_size} ({tok.name}); data {corpus.meta['source']}: "
@@ -106,9 +114,9 @@ def run(cfg: Config):
             logger.print(f"resuming from {resume} at step {int(state.step)}")
         result = fit(cfg, state, steps, logger=logger, checkpoints=checkpoints,
                      checkpoint_extra=lambda: extra, loop=loop,
-                     evaluate_fn=lambda p: evaluate(steps.eval, p, val_batches),
-                     sample_fn=sample if cfg.sample_tokens > 0 else None,
-                     tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum,
+                     evaluate_fn=lambda p: evaluate(steps.eval, p, val_batches, dist=dist),
+                     sample_fn=sample if cfg.sample_tokens > 0 and dist.is_main else None,
+                     tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size, dist=dist,
                      flops_per_token=flops_per_token(llama.matmul_params(params), model_cfg.n_layers,
                                                      cfg.block_size, model_cfg.d_model),
                      expected_initial_loss=None if (start or resume) else math.log(model_cfg.vocab_size))
@@ -121,6 +129,7 @@ def run(cfg: Config):
         else:
             logger.print(f"nothing to do: {folder} is already trained to step {int(result.state.step)} "
                          f"(raise steps= to continue)")
+    distributed.shutdown()
     return result
 
 

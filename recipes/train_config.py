@@ -65,6 +65,8 @@ class TrainConfig:
     compile: bool = option(True, "compile the train step with torch.compile(fullgraph=True)")
     data: str = option("stdlib", "text: a file, folder, glob, or 'stdlib' (this Python's own source)")
     tokenizer: str = option("byte", "byte, char, or a tokenizer.json PATH")
+    fim_rate: float = option(0.0, "fill-in-the-middle: fraction of windows rearranged prefix/suffix/middle "
+                                  "(code corpora; Bavarian et al. 2022); 0: off")
     init: str = option("", "start from this checkpoint's weights (fine-tuning) instead of random init")
 
     def __post_init__(self):
@@ -73,5 +75,7 @@ class TrainConfig:
                               f"(use clipping=none to turn clipping off)")
         if self.budget > 0 and self.cost_per_hour <= 0:
             raise ConfigError(f"budget={self.budget} needs cost_per_hour > 0 to meter the cost")
+        if not 0.0 <= self.fim_rate <= 1.0:
+            raise ConfigError(f"fim_rate={self.fim_rate} must be in [0, 1]")
         if self.grad_accum < 1:
             raise ConfigError(f"grad_accum={self.grad_accum} must be >= 1")

@@ -1,0 +1,104 @@
+"""Data parallel on ``torch.distributed`` for the pure step (launch with ``torchrun``).
+
+Each rank reads its own rows of the same global batch (``core.data.Batches(rank=, world_size=)``), and
+the step averages gradients, the loss and its aux metrics across ranks *inside* the step with one
+bucketed all-reduce: every leaf is flattened into one float32 buffer, reduced with a functional
+collective (``torch.distributed._functional_collectives.all_reduce``, which dynamo traces, so the
+compiled step stays one graph), and split back. Since every rank then sees the same gradients and loss,
+every rank takes the same non-finite skip and the same spike decision; host-side decisions that come
+from local signals (preemption, the cost budget) are agreed with :meth:`Dist.agree`. Rank 0 alone writes
+checkpoints and logs. NCCL on GPUs, gloo on CPU.
+
+Next step, not built here: FSDP2 (``torch.distributed.fsdp.fully_shard``) shards params, gradients and
+optimizer state. It works on ``nn.Module``s whose parameters become ``DTensor``s; for this functional
+step it needs (1) the params pytree held as DTensors (e.g. by ``fully_shard`` on a module built with
+``core.module.from_module`` and its parameters fed to ``functional_call``), (2) the optimizer's
+``tree_map`` math to run on DTensor leaves (elementwise ops do; the global-norm clip needs a full
+reduction of squared norms across the shard group), and (3) checkpoints gathered per leaf or written
+per shard. Until then, models must fit on one device.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce_mean(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Average tensors across ranks with one collective (traceable inside a compiled step)."""
+        if not self.enabled or not leaves:
+            return leaves
+        import torch.distributed._functional_collectives as funcol
+        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in leaves])
+        flat = funcol.all_reduce(flat, "sum", dist.group.WORLD) / self.world_size
+        out, offset = [], 0
+        for t in leaves:
+            out.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
+            offset += t.numel()
+        return out
+
+    def agree(self, flag: bool) -> bool:
+        """True on every rank if it is true on any rank (a host-side decision all ranks must share)."""
+        if not self.enabled:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    @contextmanager
+    def main_first(self):
+        """Run the block on rank 0 first, then on the others (e.g. building a shared cache)."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def init(device: torch.device) -> tuple[Dist, torch.device]:
+    """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1), else a single-process ``Dist``.
+
+    On CUDA each rank takes ``cuda:LOCAL_RANK`` and NCCL; elsewhere gloo on the given device.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist(), device
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend)
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+    return Dist(rank, world, local), device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
