@@ -208,7 +208,8 @@ class _Writer:
         _write_bytes(self.f, _raw(t))
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_path(folder) -> None:
+    """fsync a file or a folder by path (a folder's fsync makes a rename in it durable)."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -251,7 +252,7 @@ def save(path, tree: Any, *, step: int, extra: dict | None = None) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(folder)
+    fsync_path(folder)
     return nbytes
 
 
@@ -541,7 +542,7 @@ def _publish(src: Path, dst: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(dst.parent)
+    fsync_path(dst.parent)
 
 
 class CheckpointManager:

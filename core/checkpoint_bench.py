@@ -74,14 +74,6 @@ def _peak_extra_rss(fn) -> tuple[tuple[float, float], int]:
     return times, max(peak[0], _rss()) - base
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _evict(path: Path) -> None:
     """Drop ``path``'s (clean) pages from the page cache so the next read comes from the disk."""
     os.sync()
@@ -112,7 +104,7 @@ def benchmark(n_params: int = 100_000_000, folder=None, repeats: int = 3) -> dic
         ours, theirs = Path(tmp) / "state.msgpack", Path(tmp) / "state.pt"
         saves = {"save": (ours, lambda: checkpoint.save(ours, state, step=0)),
                  "torch_save": (theirs, lambda: torch.save(state, theirs)),
-                 "torch_save_fsync": (theirs, lambda: (torch.save(state, theirs), _fsync(theirs)))}
+                 "torch_save_fsync": (theirs, lambda: (torch.save(state, theirs), checkpoint.fsync_path(theirs)))}
         loads = {"load": (ours, lambda: checkpoint.load(ours)["state"]), "torch_load": (theirs, lambda: torch.load(theirs))}
         for rep in range(repeats):  # the order rotates so neither format always goes first
             for key in _rotate(list(saves), rep):

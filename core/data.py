@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from core.checkpoint import fsync_path
 from core.tokenizers import CharTokenizer, DataError, decode_utf8, make_tokenizer, tokenizer_from_dict
 
 __all__ = ["DataError", "Source", "find_source", "Corpus", "prepare", "Batches", "EvalBatches",
@@ -276,14 +277,6 @@ def _build(source: Source, tok, folder: str) -> dict:
     return meta
 
 
-def _fsync_dir(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ----------------------------------------------------------------------------------------------- corpus
 
 @dataclass
@@ -334,7 +327,7 @@ def prepare(data: str, tokenizer_spec="byte", cache_dir: str | None = None) -> C
                     shutil.rmtree(folder)
             if not os.path.exists(folder):
                 os.replace(tmp, folder)
-                _fsync_dir(root)
+                fsync_path(root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         loaded = _load(folder)

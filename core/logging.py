@@ -26,6 +26,8 @@ from typing import Any, Mapping
 import click
 import torch
 
+from core.config import flatten_keys
+
 __all__ = ["Logger", "to_floats", "memory_mb", "format_duration"]
 
 
@@ -160,7 +162,7 @@ class Logger:
         if self._tb is None:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summaries
-        flat = _flatten(config)
+        flat = flatten_keys(config)
         values = {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v, default=str)
                   for k, v in flat.items()}
         metrics = dict(metrics or {})
@@ -239,12 +241,3 @@ class Logger:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
