@@ -1,15 +1,15 @@
 """Checkpoint throughput and memory: :mod:`core.checkpoint` against ``torch.save`` / ``torch.load``.
 
 Run ``python -m core.checkpoint_bench [n_params] [repeats]``. Both formats write the same float32 state
-dict (a Llama-shaped model, one tensor per weight) to the same folder; each measurement is repeated, the
-order of the contenders rotating, and the median kept (these machines are noisy and shared, so only
-ratios measured in one process mean anything). Our save fsyncs before its rename, so the baseline is
-``torch.save`` plus an fsync of its file (``torch.save`` alone is reported too). Loads are timed cold
-(the file's pages dropped from the page cache with ``posix_fadvise(DONTNEED)`` after an ``os.sync``)
-and warm. Ratios are ours over torch's (above 1: ours is faster); the CPU-time ratio compares the
-calling thread's CPU seconds, which other processes on a shared machine do not inflate. Peak extra
-memory during a save is the resident set size (sampled from ``/proc/self/statm``
-by a thread) above its value before the call; tracemalloc does not see tensors.
+dict (a Llama-shaped model, one tensor per weight) to the same folder; after an untimed warm-up round,
+each measurement is repeated, the order of the contenders rotating, and the median kept (these machines
+are noisy and shared, so only ratios measured in one process mean anything). Our save fsyncs before its
+rename, so the baseline is ``torch.save`` plus an fsync of its file (``torch.save`` alone is reported
+too). Loads are timed cold (the file's pages dropped from the page cache with ``posix_fadvise(DONTNEED)``
+after an ``os.sync``) and warm. Ratios are ours over torch's (above 1: ours is faster); the CPU-time
+ratio compares the calling thread's CPU seconds, which other processes on a shared machine inflate less
+than wall time. Peak extra memory during a save is the resident set size (sampled from
+``/proc/self/statm`` by a thread) above its value before the call; tracemalloc does not see tensors.
 
 Both loaders do the same work per tensor (allocate, one ``read`` into it), and that work is mostly the
 kernel faulting in and zeroing fresh pages, so expect load ratios near 1 that move with the machine.
@@ -84,20 +84,11 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
-def _warm_up_memory(nbytes: int) -> None:
-    """Touch and free ``nbytes`` of RAM first: on a VM a guest page's first touch can cost a host fault,
-    which would penalize whichever format happens to write or allocate into never-used memory first."""
-    with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
-    torch.ones(min(nbytes, available // 2), dtype=torch.uint8)
-
-
 def benchmark(n_params: int = 100_000_000, folder=None, repeats: int = 3) -> dict:
     """Measure and print save/load MB/s of ours against torch's and our peak extra memory during save."""
     state = make_state(n_params)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     largest = max(t.numel() * t.element_size() for t in state.values())
-    _warm_up_memory(8 * nbytes)
     runs: dict[str, list[tuple[float, float]]] = {}
     peaks: dict[str, list[int]] = {}
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
@@ -106,13 +97,17 @@ def benchmark(n_params: int = 100_000_000, folder=None, repeats: int = 3) -> dic
                  "torch_save": (theirs, lambda: torch.save(state, theirs)),
                  "torch_save_fsync": (theirs, lambda: (torch.save(state, theirs), checkpoint.fsync_path(theirs)))}
         loads = {"load": (ours, lambda: checkpoint.load(ours)["state"]), "torch_load": (theirs, lambda: torch.load(theirs))}
-        for rep in range(repeats):  # the order rotates so neither format always goes first
+        # Round -1 is a warm-up that is not counted: a process's first save and load pay for imports, first
+        # use of the allocator and, on a VM, host faults for guest pages never touched before. The order
+        # of the contenders rotates so neither always goes first.
+        for rep in range(-1, repeats):
+            keep = runs if rep >= 0 else {}
             for key in _rotate(list(saves), rep):
                 path, fn = saves[key]
                 path.unlink(missing_ok=True)
                 os.sync()
                 times, peak = _peak_extra_rss(fn)
-                runs.setdefault(key, []).append(times)
+                keep.setdefault(key, []).append(times)
                 peaks.setdefault(key, []).append(peak)
             for key in _rotate(list(loads), rep):
                 path, fn = loads[key]
@@ -120,7 +115,7 @@ def benchmark(n_params: int = 100_000_000, folder=None, repeats: int = 3) -> dic
                     if cache == "cold":
                         _evict(path)
                     out = []
-                    runs.setdefault(f"{key}_{cache}", []).append(_timed(lambda: out.append(fn())))
+                    keep.setdefault(f"{key}_{cache}", []).append(_timed(lambda: out.append(fn())))
                     assert all(torch.equal(out[0][k], v) for k, v in state.items()), f"{key} does not round-trip"
                     del out
     mbps = {k: nbytes / MB / statistics.median(wall for wall, _ in v) for k, v in runs.items()}
