@@ -138,20 +138,6 @@ def rope_tables(cfg: DBAConfig, positions: torch.Tensor, dtype: torch.dtype):
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def causal_attention(q, k, v, past_len: int = 0) -> torch.Tensor:
-    """``llama.causal_attention`` with ``scale=1`` (the scale is folded into the query weights) and a value
-    width that may differ from the key width."""
-    T, S = q.shape[-2], k.shape[-2]
-    gqa = q.shape[1] != k.shape[1]
-    if past_len == 0 and T == S:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=1.0)
-    if T == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=1.0)
-    qpos = torch.arange(past_len, past_len + T, device=q.device)[:, None]
-    mask = torch.arange(S, device=q.device)[None, :] <= qpos
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=1.0)
-
-
 def attention(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, cache: Optional[dict] = None,
               past_len: int = 0) -> torch.Tensor:
     """DBA for ``x`` [B, T, d]; ``cos``/``sin`` [n_kv_heads, T, geo_dim] are this layer's tables."""
@@ -169,7 +155,7 @@ def attention(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, cache: Optiona
     q, k = torch.cat([q_s, q_g], dim=-1), torch.cat([k_s, k_g], dim=-1)
     if cache is not None:
         k, v = llama.cache_append(cache, k, v, past_len)
-    y = causal_attention(q, k, v, past_len)
+    y = llama.causal_attention(q, k, v, past_len, scale=1.0)     # the scale is folded into the query weights
     return F.linear(y.transpose(1, 2).reshape(B, T, H * cfg.v_dim), p["wo"])
 
 
@@ -188,7 +174,7 @@ def block(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, key=None, cache=No
 # the model
 
 def apply(params: dict, tokens: torch.Tensor, cfg: DBAConfig, *, key: Optional[torch.Tensor] = None,
-          return_hidden: bool = False, cache: Optional[list] = None, past_len: int = 0):
+          return_hidden: bool | str = False, cache: Optional[list] = None, past_len: int = 0):
     """Logits [B, T, vocab]; the keyword arguments mean what they mean in ``llama.apply`` (``return_hidden``:
     the residual stream entering every block plus the last block's output, as the teacher's, for blockwise
     distillation)."""
@@ -204,6 +190,8 @@ def apply(params: dict, tokens: torch.Tensor, cfg: DBAConfig, *, key: Optional[t
         layer_key = None if key is None else rng.fold_in(key, 1000 + i)
         x = block(lp, x, c, s, cfg, layer_key, None if cache is None else cache[i], past_len)
     hidden.append(x)
+    if return_hidden == "only":
+        return hidden
     logits = F.linear(rms_norm(x, params["norm"], cfg.norm_eps), lm_head(params))
     return (logits, hidden) if return_hidden else logits
 

@@ -169,20 +169,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def causal_attention(q, k, v, past_len: int = 0) -> torch.Tensor:
+def causal_attention(q, k, v, past_len: int = 0, scale: Optional[float] = None) -> torch.Tensor:
     """Causal SDPA over [B, H, T, D] queries and [B, Hkv, S, D] keys/values (GQA via ``enable_gqa``).
 
     With a KV cache the queries sit at positions ``past_len .. past_len + T - 1`` of the ``S`` keys.
+    ``scale`` multiplies the scores (None: SDPA's 1/sqrt(D)); values may be narrower or wider than keys.
     """
     T, S = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if past_len == 0 and T == S:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     if T == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
     qpos = torch.arange(past_len, past_len + T, device=q.device)[:, None]
     mask = torch.arange(S, device=q.device)[None, :] <= qpos
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 def attention(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, cache: Optional[dict] = None,
@@ -217,11 +218,13 @@ def block(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, key=None, cache=
 # the model
 
 def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional[torch.Tensor] = None,
-          return_hidden: bool = False, cache: Optional[list] = None, past_len: int = 0, remat: bool = False):
+          return_hidden: bool | str = False, cache: Optional[list] = None, past_len: int = 0,
+          remat: bool = False):
     """Logits [B, T, vocab] for ``tokens`` [B, T].
 
-    ``key`` turns on dropout (training); ``return_hidden`` also returns the residual stream entering every
-    block plus the final block output (``L + 1`` tensors, before the final norm); ``cache`` (from
+    ``key`` turns on dropout (training); ``return_hidden=True`` also returns the residual stream entering every
+    block plus the final block output (``L + 1`` tensors, before the final norm), ``return_hidden="only"``
+    returns just that list and skips the head (calibration, blockwise distillation); ``cache`` (from
     :func:`new_cache`) makes this an incremental decode step at ``past_len``; ``remat`` recomputes each
     block's activations in the backward pass (activation checkpointing; dropout masks come from the
     counter-based key, so the recomputation is identical). ``remat`` needs ``torch.autograd``, not
@@ -242,6 +245,8 @@ def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional
         else:
             x = block(lp, x, cos, sin, cfg, layer_key, None if cache is None else cache[i], past_len)
     hidden.append(x)
+    if return_hidden == "only":
+        return hidden
     logits = F.linear(rms_norm(x, params["norm"], cfg.norm_eps), lm_head(params))
     return (logits, hidden) if return_hidden else logits
 

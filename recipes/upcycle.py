@@ -1,0 +1,206 @@
+"""Upcycling: ``bin/run recipe=upcycle teacher=PATH``: a Llama teacher becomes a student with a smaller KV cache.
+
+Pipeline: load the teacher -> build the student by **surgery** (decoupled bottleneck attention, GQA-aware,
+partial RoPE at the teacher's own frequencies, exact at full rank: ``models/dba.py``, ``models/surgery.py``;
+DeepSeek-V2's MLA with decoupled RoPE, MHA2MLA, SVD-LLM) -> **blockwise** distillation of every block against the
+teacher's (LoLCATs' attention transfer, MOHAWK's hidden-state alignment: ``recipes/upcycle_blockwise.py``) ->
+**global** fine-tune of the whole student (next-token CE + Hinton KD on the teacher's logits, through
+``recipes.loop.fit``) -> **verify** against thresholds on held-out windows -> **benchmark** (perplexity, latency,
+KV bytes, parameters). ``phases=`` picks the phases after the surgery (always run: it builds the student).
+
+Each phase lives in its own subfolder of the run folder (``surgery/``, ``blockwise/``, ``global/``,
+``verify/``, ``benchmark/``) with its own checkpoints and TensorBoard events. Rerunning the same command skips
+the finished phases and resumes the unfinished one from its newest good checkpoint (by the step stored in the
+file, not by mtime). The teacher's tokenizer tokenizes ``data=``; every held-out number comes from the test half
+of its validation split, which no phase trains or selects on. Everything that can fail on bad input is checked
+before the run folder is touched, and a rerun that would change the student (other dims, teacher, data) is
+refused instead of mixing two students in one folder.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from core import checkpoint as ckpt
+from core.config import UserError
+from core.data import EvalBatches, prepare
+from core.device import resolve_device
+from core.logging import Logger, format_duration
+from core.runs import run_folder
+from core.tree import size
+from models import dba
+from models.loading import load_model
+from recipes import upcycle_bench, upcycle_blockwise as bw_loop
+from recipes.upcycle_config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
+from recipes.upcycle_phases import (FINAL, Context, load_student, phase_summary, run_global, run_surgery,
+                                    run_verify, surgery_settings, write_json)
+
+DESCRIPTION = "teacher -> DBA student (small KV cache): surgery, blockwise, global, verify, benchmark"
+
+PRESETS = {
+    "ci": {"block_size": 32, "eval_windows": 4, "calib_tokens": 512, "blockwise.steps": 40,
+           "blockwise.batch_size": 4, "blockwise.warmup_steps": 5, "blockwise.log_every": 10, "global.steps": 10,
+           "global.batch_size": 4, "global.warmup_steps": 2, "global.eval_every": 5, "global.eval_batches": 2,
+           "global.log_every": 5, "verify.windows": 2,
+           "benchmark.prompt_tokens": 16, "benchmark.new_tokens": 8, "benchmark.repeats": 3},
+}
+
+
+def say(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def _validate(cfg: Config, teacher, corpus) -> tuple:
+    """Every check on the inputs, before the run folder is touched. Returns (dev tokens, test tokens)."""
+    if teacher.arch != "llama":
+        raise UserError(f"teacher={cfg.teacher} is a {teacher.arch} model; the teacher must be a Llama")
+    tcfg = teacher.config
+    if tcfg.vocab_size < corpus.tokenizer.vocab_size:
+        raise UserError(f"teacher={cfg.teacher}: its vocabulary ({tcfg.vocab_size}) is smaller than its "
+                        f"tokenizer's ({corpus.tokenizer.vocab_size})")
+    try:
+        dba.DBAConfig.from_teacher(tcfg, sem_dim=cfg.sem_dim, geo_dim=cfg.geo_dim, v_dim=cfg.v_dim)
+    except ValueError as e:
+        raise UserError(f"sem_dim/geo_dim/v_dim for this teacher (head_dim {tcfg.head_dim}): {e}") from None
+    if cfg.sem_dim > tcfg.head_dim - cfg.geo_dim:
+        raise UserError(f"sem_dim={cfg.sem_dim} > head_dim - geo_dim = {tcfg.head_dim - cfg.geo_dim}: the no-RoPE "
+                        f"score has no more rank than that")
+    if cfg.v_dim > tcfg.head_dim:
+        raise UserError(f"v_dim={cfg.v_dim} > the teacher's head_dim={tcfg.head_dim}")
+    half = len(corpus.val) // 2
+    dev, test = corpus.val[:half], corpus.val[half:]
+    need = max(cfg.block_size + 1, cfg.benchmark.prompt_tokens)
+    if min(len(dev), len(test)) < need:
+        raise UserError(f"data={cfg.data}: the validation split ({len(corpus.val):,} tokens) is too small to halve "
+                        f"into dev and test windows of {need} tokens; give more text or a smaller block_size")
+    return dev, test
+
+
+def _check_existing(cfg: Config, folder) -> None:
+    """resume=never refuses any existing phase; a finished surgery with other settings is refused always."""
+    phases = [folder / p for p in ("surgery", *PHASES)]
+    if cfg.resume == "never" and any(p.exists() and any(p.iterdir()) for p in phases):
+        raise UserError(f"out={folder} already holds an upcycle run and resume=never would mix a new run into it; "
+                        f"choose another out= (or name=), or delete that folder")
+    path = folder / "surgery" / FINAL
+    if path.exists():
+        old = ckpt.read_meta(path).get("settings", {})
+        new = surgery_settings(cfg)
+        changed = [f"{k}={old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
+        if changed:
+            raise UserError(f"out={folder} holds a student built with other settings ({', '.join(changed)}); use "
+                            f"another out= (or name=), or delete that folder to start over")
+
+
+def _record_time(folder, phase: str, seconds: float) -> dict:
+    """``timings.json``: wall seconds per phase, summed over the sessions of this run."""
+    path = folder / "timings.json"
+    timings = json.loads(path.read_text()) if path.exists() else {}
+    timings[phase] = timings.get(phase, 0.0) + seconds
+    write_json(path, timings)
+    return timings
+
+
+def run(cfg: Config):
+    if not cfg.teacher:
+        raise UserError("recipe=upcycle needs teacher=PATH (a purestep checkpoint or run folder, a Hugging Face "
+                        "folder, a .gguf file, or smollm2)")
+    device = resolve_device(cfg.device)
+    folder = run_folder(cfg.out, cfg.name, "upcycle")
+    start = time.perf_counter()
+    teacher = load_model(cfg.teacher, device=device)
+    if teacher.tokenizer is None:
+        raise UserError(f"teacher={cfg.teacher} ({teacher.format}) has no tokenizer; upcycle tokenizes data= "
+                        f"with the teacher's own")
+    corpus = prepare(cfg.data, teacher.tokenizer)
+    dev, test = _validate(cfg, teacher, corpus)
+    _check_existing(cfg, folder)
+    per = 4 if cfg.eval_windows % 4 == 0 else 2 if cfg.eval_windows % 2 == 0 else 1
+    heldout = EvalBatches(test, per, cfg.block_size, cfg.eval_windows // per, device=device)
+    ctx = Context(cfg, folder, device, teacher, corpus, dev, heldout, say)
+    folder.mkdir(parents=True, exist_ok=True)
+    _record_time(folder, "load", time.perf_counter() - start)
+    say(f"upcycle: teacher {teacher.source} ({teacher.format}), {size(teacher.params) / 1e6:.1f}M params, "
+        f"{teacher.config.n_layers} layers, {teacher.config.n_heads} heads / {teacher.config.n_kv_heads} KV heads "
+        f"x {teacher.config.head_dim}; data {corpus.meta['source']}: {len(corpus.train):,} train / "
+        f"{len(dev):,} dev / {len(test):,} test tokens; phases surgery,{','.join(cfg.phases)}; run folder {folder}")
+
+    def timed(phase, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        _record_time(folder, phase, time.perf_counter() - t0)
+        return out
+
+    student, scfg = timed("surgery", run_surgery, ctx)
+    surgery_report = ckpt.read_meta(folder / "surgery" / FINAL)["report"]
+    stages = {"teacher": surgery_report["teacher_loss"],
+              "surgery": timed("surgery", phase_summary, ctx, "surgery", student, scfg)["loss"]}
+    label = "surgery"
+    if "blockwise" in cfg.phases:
+        student, stopped = timed("blockwise", run_blockwise, ctx, student, scfg)
+        if stopped:
+            say(f"{stopped}; rerun the same command to continue")
+            return None
+        stages["blockwise"] = timed("blockwise", phase_summary, ctx, "blockwise", student, scfg)["loss"]
+        label = "blockwise"
+    if "global" in cfg.phases:
+        student, stopped = timed("global", run_global, ctx, student, scfg)
+        if stopped:
+            say(f"global: {stopped}; rerun the same command to continue")
+            return None
+        stages["global"] = timed("global", phase_summary, ctx, "global", student, scfg)["loss"]
+        label = "global"
+    results = {"stages": stages}
+    if "verify" in cfg.phases:
+        results["verify"] = timed("verify", run_verify, ctx, student, scfg, f"{label}/{FINAL}")
+    if "benchmark" in cfg.phases:
+        path = folder / "benchmark" / "results.json"
+        if path.exists() and json.loads(path.read_text()).get("stages") == stages:
+            say(f"benchmark: done ({path})")
+            results["benchmark"] = json.loads(path.read_text())
+        else:
+            results["benchmark"] = timed("benchmark", upcycle_bench.run_benchmark, ctx, student, scfg, stages)
+    timings = json.loads((folder / "timings.json").read_text())
+    total = sum(timings.values())
+    say("upcycle: done in " + format_duration(total) + " (" + ", ".join(
+        f"{k} {format_duration(v)}" for k, v in timings.items()) + "); held-out perplexity " + ", ".join(
+        f"{k} {upcycle_bench.ppl(v):.3f}" for k, v in stages.items())
+        + f"; student: recipe=generate init={folder / label}")
+    results["timings"] = timings
+    return results
+
+
+def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
+    """Set up and run the blockwise phase (resuming from its newest checkpoint). Returns (params, stop reason)."""
+    cfg, bw, t = ctx.cfg, ctx.cfg.blockwise, ctx.teacher
+    folder = ctx.folder / "blockwise"
+    if (folder / FINAL).exists():
+        say(f"blockwise: done ({folder / FINAL})")
+        return load_student(folder / FINAL, ctx.device)[0], ""
+    optimizer = bw_loop.make_optimizer(bw.lr, bw.warmup_steps, bw.steps)
+    state = bw_loop.init_state(student, optimizer, bw.train, scfg.n_layers)
+    resume = ckpt.latest(folder)
+    if resume is not None:
+        state = ckpt.load(resume, template=state, device=ctx.device)["state"]
+    batches = ctx.corpus.batches(bw.batch_size, cfg.block_size, cfg.seed, device=ctx.device)
+    source = bw_loop.TeacherSource(t.params, t.config, batches, match=bw.match)
+    if bw.cache_teacher:
+        n = bw.cache_batches or bw.steps
+        identity = {"teacher": bw_loop.params_digest(t.params), "data": ctx.corpus.path, "seed": cfg.seed,
+                    "batch_size": bw.batch_size, "block_size": cfg.block_size}
+        source.cache = bw_loop.TeacherCache.open_or_build(source, n, identity, say=say)
+    step_fn = bw_loop.make_step(scfg, optimizer, loss=bw.loss, mode=bw.mode, train=bw.train, ema=bw.ema,
+                                target=bw.convergence_target, patience=bw.patience, min_delta=bw.min_delta,
+                                match=bw.match, precision=cfg.dtype, device_type=ctx.device.type, compile=cfg.compile)
+    trainable = size(bw_loop.split(student, bw.train)[0])
+    say(f"blockwise: {bw.mode}, {bw.loss} on {bw.match} outputs, training {bw.train} "
+        f"({trainable / 1e6:.2f}M params) of all {scfg.n_layers} blocks at once, up to {bw.steps} steps of {bw.batch_size} x {cfg.block_size} tokens"
+        + (f"; resuming from {resume} at step {int(state.step)}" if resume is not None else ""))
+    with Logger(folder) as logger:
+        if resume is None:
+            logger.hparams({"blockwise": vars(bw)})
+        state, stopped = bw_loop.run(bw, state, step_fn, source, folder, lambda: ctx.extra("blockwise", scfg), logger)
+    return state.params, stopped
+

@@ -1,0 +1,339 @@
+"""The upcycle recipe's blockwise phase: every student block trained to reproduce its teacher block, all at once.
+
+Block-wise distillation as in algorithms.md 4.6: LoLCATs' attention transfer (Zhang et al., ICLR 2025) and
+MOHAWK's hidden-state alignment (Bick et al. 2024), on MHA2MLA-style partial-RoPE students (Ji et al. 2025). The
+math (teacher block I/O, student blocks, per-block losses) is ``models/blockwise.py``; this file is the loop:
+
+- **One step trains every block.** The per-block losses are independent (teacher-forced inputs, or the student's
+  own stream detached), so one backward of their sum gives each block its own gradient.
+- **Per-block convergence** on a smoothed criterion, never a single noisy batch (caramba's W24): each block keeps
+  a bias-corrected EMA of its training loss; it stops when the EMA reaches ``convergence_target`` or has not
+  improved by ``min_delta`` (relative) for ``patience`` steps, judged only after the EMA has seen about its window
+  (1 / (1 - ema) steps). A stopped block is frozen for good: AdamW would still move a parameter whose gradient is
+  zero (its moments decay but stay non-zero), so the update **and** the optimizer's moments are masked per layer
+  slice with ``torch.where``; no host branch, no per-parameter ``.item()``. The phase ends when every block has
+  stopped or at ``blockwise.steps``.
+- **Teacher I/O** is recomputed per batch under ``no_grad``, or cached once on disk (``cache_teacher=true``):
+  a bf16 memmap of ``cache_batches`` entries where entry i is the teacher's I/O on training batch number i (the
+  data cursor, not ``id(x)``: caramba's W23), built in a temporary folder and renamed into place, shared by every
+  run with the same teacher, data, seed and shapes, and cycled by ``cursor % cache_batches``.
+- Checkpoints (``blockwise/step_*.msgpack``, ``final.msgpack``) hold the full student, the optimizer state of
+  the trainable part, the convergence state and the data cursor; a killed run continues from the newest one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+import optim
+from core import checkpoint as ckpt
+from core.compile import maybe_compile
+from core.data import cache_root
+from core.logging import Logger, format_duration
+from core.step import autocast
+from core.telemetry import Preemption
+from core.tree import tree_leaves, tree_map
+from models import blockwise, dba
+from optim import schedules
+from optim.common import current_lr
+
+
+class BlockwiseState(NamedTuple):
+    step: torch.Tensor      # int64
+    params: dict            # the full student (``params`` so models.loading reads the checkpoint as a model)
+    opt_state: object       # of the trainable part only
+    cursor: torch.Tensor    # int64, the next training batch
+    conv: dict              # per-block convergence state, [L] tensors (see ``init_convergence``)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# what trains
+
+def split(params: dict, train: str) -> tuple[dict, dict]:
+    """(trainable, rest): ``attn`` = the new attention weights, ``block`` = every stacked layer tensor."""
+    layers = dict(params["layers"])
+    if train == "attn":
+        trainable = {"layers": {"attn": layers.pop("attn")}}
+    else:
+        trainable = {"layers": layers}
+        layers = {}
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    rest["layers"] = layers
+    return trainable, rest
+
+
+def merge(trainable: dict, rest: dict) -> dict:
+    return {**rest, "layers": {**rest["layers"], **trainable["layers"]}}
+
+
+def make_optimizer(lr: float, warmup: int, steps: int):
+    """AdamW without weight decay (the student starts at the teacher's solution; LoLCATs uses wd 0), cosine to
+    lr / 10."""
+    return optim.adamw(lr=lr, weight_decay=0.0,
+                       schedule=schedules.cosine(warmup=warmup, total=max(steps, warmup + 1), floor=0.1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# per-block convergence (pure functions of [L] tensors)
+
+def init_convergence(n_layers: int, device=None) -> dict:
+    zeros = torch.zeros(n_layers, device=device)
+    return {"raw": zeros.clone(), "ema": zeros.clone(), "best": torch.full((n_layers,), math.inf, device=device),
+            "since": zeros.clone(), "count": zeros.clone(),
+            "active": torch.ones(n_layers, dtype=torch.bool, device=device)}
+
+
+def update_convergence(conv: dict, losses: torch.Tensor, *, decay: float, target: float, patience: int,
+                       min_delta: float) -> dict:
+    """Fold this step's per-block losses [L] into the EMAs; blocks that meet a criterion become inactive."""
+    active = conv["active"]
+    on = active.float()
+    count = conv["count"] + on
+    raw = torch.where(active, decay * conv["raw"] + (1 - decay) * losses.float(), conv["raw"])
+    ema = torch.where(count > 0, raw / (1 - decay ** count).clamp_min(1e-12), conv["ema"])
+    improved = active & (ema < conv["best"] * (1 - min_delta))
+    best = torch.where(improved, ema, conv["best"])
+    since = torch.where(improved, torch.zeros_like(count), conv["since"] + on)
+    warm = count >= math.ceil(1 / (1 - decay))
+    stop = torch.zeros_like(active)
+    if target > 0:
+        stop = stop | (ema <= target)
+    if patience > 0:
+        stop = stop | (since >= patience)
+    return {"raw": raw, "ema": ema, "best": best, "since": since, "count": count,
+            "active": active & ~(warm & stop)}
+
+
+def _layer_mask(active: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return active.view(-1, *([1] * (like.dim() - 1)))
+
+
+def masked(active: torch.Tensor, new, old, n_layers: int):
+    """``new`` where the layer is active, ``old`` where it is not, for every leaf with the layer axis; other
+    leaves (step counters, hyperparameters) take ``new``."""
+    def pick(n, o):
+        if isinstance(n, torch.Tensor) and n.dim() >= 1 and n.shape[0] == n_layers:
+            return torch.where(_layer_mask(active, n), n, o)
+        return n
+    return tree_map(pick, new, old)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the step
+
+def make_step(scfg: dba.DBAConfig, optimizer, *, loss: str, mode: str, train: str, ema: float, target: float,
+              patience: int, min_delta: float, match: str = "block", precision: str = "fp32",
+              device_type: str = "cpu", compile: bool = False):
+    """``step(state, batch) -> (state, metrics)``; ``batch`` = {"x": tokens, "inputs", "targets": [L, B, T, d]}
+    (``match``: what the targets are, ``models.blockwise.TARGETS``)."""
+    L = scfg.n_layers
+
+    def objective(trainable, rest, batch):
+        params = merge(trainable, rest)
+        with autocast(precision, device_type):
+            if mode == "teacher_forced":
+                inputs = batch["inputs"]
+                outputs = blockwise.student_outputs(params, scfg, inputs, match)
+            else:
+                inputs, outputs = blockwise.student_stream(params, scfg, batch["x"], match)
+        per = blockwise.block_losses(inputs, outputs, batch["inputs"], batch["targets"], loss, match)
+        return per.sum(), per.detach()
+
+    grad_fn = torch.func.grad(objective, has_aux=True)
+
+    def step(state: BlockwiseState, batch: dict):
+        trainable, rest = split(state.params, train)
+        grads, per = grad_fn(trainable, rest, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+        active = state.conv["active"]
+        new = masked(active, tree_map(torch.add, trainable, updates), trainable, L)
+        opt_state = masked(active, opt_state, state.opt_state, L)
+        conv = update_convergence(state.conv, per, decay=ema, target=target, patience=patience, min_delta=min_delta)
+        metrics = {"loss": (per * active).sum() / active.sum().clamp_min(1), "block_loss": per,
+                   "ema": conv["ema"], "active": conv["active"].float(), "lr": current_lr(opt_state).float()}
+        return BlockwiseState(state.step + 1, merge(new, rest), opt_state, state.cursor + 1, conv), metrics
+
+    return maybe_compile(step, compile)
+
+
+def init_state(params: dict, optimizer, train: str, n_layers: int) -> BlockwiseState:
+    device = params["embed"].device
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return BlockwiseState(zero.clone(), params, optimizer.init(split(params, train)[0]), zero.clone(),
+                          init_convergence(n_layers, device))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# teacher block I/O: recomputed, or cached on disk by data cursor
+
+class TeacherSource:
+    """Training batch number ``cursor`` with the teacher's block inputs and targets (``match``)."""
+
+    def __init__(self, teacher_params, tcfg, batches, cache: Optional["TeacherCache"] = None, match: str = "block"):
+        self.teacher_params, self.tcfg, self.batches, self.cache = teacher_params, tcfg, batches, cache
+        self.match = match
+
+    def get(self, cursor: int) -> dict:
+        if self.cache is None:
+            x = self.batches.get(cursor)["x"]
+            inputs, targets = blockwise.teacher_io(self.teacher_params, self.tcfg, x, self.match)
+            return {"x": x, "inputs": inputs, "targets": targets}
+        i = cursor % self.cache.n
+        inputs, targets = self.cache.get(i, self.batches.device)
+        return {"x": self.batches.get(i)["x"], "inputs": inputs, "targets": targets}
+
+
+def params_digest(params: dict) -> str:
+    """A content hash of a model's weights (the teacher's identity in cache keys)."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tree_leaves(params):
+        h.update(str((tuple(t.shape), str(t.dtype))).encode())
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class TeacherCache:
+    """A bf16 memmap of the teacher's block inputs and targets for training batches 0..n-1.
+
+    ``<root>/<key>/`` holds ``inputs.bin``, ``targets.bin`` ([n, L, B, T, d] bf16 stored as int16) and
+    ``meta.json``; the key hashes everything the contents depend on. Built in a temporary folder and renamed
+    into place, so a killed build never leaves a cache that is later trusted.
+    """
+    VERSION = 1
+
+    def __init__(self, folder: Path, meta: dict):
+        self.folder, self.meta, self.n = folder, meta, meta["n"]
+        shape = tuple(meta["shape"])
+        self.inputs = np.memmap(folder / "inputs.bin", dtype=np.int16, mode="r", shape=shape)
+        self.targets = np.memmap(folder / "targets.bin", dtype=np.int16, mode="r", shape=shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.inputs.nbytes + self.targets.nbytes
+
+    def get(self, i: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        def load(a):
+            return torch.from_numpy(np.array(a[i])).view(torch.bfloat16).to(device=device, dtype=torch.float32)
+        return load(self.inputs), load(self.targets)
+
+    @classmethod
+    def open_or_build(cls, source: TeacherSource, n: int, identity: dict, root: Optional[Path] = None,
+                      say=print) -> "TeacherCache":
+        root = Path(root or Path(cache_root()).parent / "teacher")
+        identity = {**identity, "target": source.match}
+        key = hashlib.sha256(json.dumps({**identity, "n": n, "version": cls.VERSION}, sort_keys=True)
+                             .encode()).hexdigest()[:20]
+        folder = root / key
+        if (folder / "meta.json").exists():
+            cache = cls(folder, json.loads((folder / "meta.json").read_text()))
+            say(f"teacher cache: reusing {folder} ({cache.nbytes / 2**30:.2f} GiB, {n} batches)")
+            return cache
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
+        try:
+            start, last = time.perf_counter(), 0.0
+            first = source.get(0)
+            shape = (n, *first["inputs"].shape)
+            nbytes = 2 * math.prod(shape) * 2
+            say(f"teacher cache: building {n} batches x 2 x {list(shape[1:])} bf16 = {nbytes / 2**30:.2f} GiB "
+                f"in {folder}")
+            files = {name: np.memmap(tmp / f"{name}.bin", dtype=np.int16, mode="w+", shape=shape)
+                     for name in ("inputs", "targets")}
+            for i in range(n):
+                batch = first if i == 0 else source.get(i)
+                for name, arr in files.items():
+                    arr[i] = batch[name].to("cpu", torch.bfloat16).view(torch.int16).numpy()
+                now = time.perf_counter()
+                if now - last > 10 or i == n - 1:
+                    last = now
+                    say(f"teacher cache: {i + 1}/{n} batches, {format_duration(now - start)}")
+            for arr in files.values():
+                arr.flush()
+                del arr
+            files.clear()
+            meta = {**identity, "n": n, "shape": list(shape), "dtype": "bfloat16", "version": cls.VERSION}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            for p in tmp.iterdir():
+                with open(p, "rb+") as f:
+                    os.fsync(f.fileno())
+            if not (folder / "meta.json").exists():        # another process may have finished first
+                shutil.rmtree(folder, ignore_errors=True)
+                os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return cls(folder, json.loads((folder / "meta.json").read_text()))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the loop
+
+def run(bw, state: BlockwiseState, step_fn, source: TeacherSource, folder: Path, extra, logger: Logger):
+    """Train until every block has stopped or ``bw.steps``; returns (state, stop reason or "")."""
+    manager = ckpt.CheckpointManager(folder, keep_last=bw.keep_last, save_every=bw.save_every)
+    step, cursor = int(state.step), int(state.cursor)
+    active = state.conv["active"].cpu()
+    pending, stopped = [], ""
+
+    def save(final=False):
+        return manager.save(step, state, extra=extra(), final=final)
+
+    with Preemption() as preemption:
+        t_log, steps_at_log = time.perf_counter(), step
+        while step < bw.steps and bool(active.any()):
+            state, metrics = step_fn(state, source.get(cursor))
+            step, cursor = step + 1, cursor + 1
+            pending.append(metrics)
+            last = step == bw.steps
+            if step % bw.log_every == 0 or last:
+                values = _pull(pending)
+                pending.clear()
+                now_active = torch.tensor(values["active"]) > 0.5
+                rate = (step - steps_at_log) / max(time.perf_counter() - t_log, 1e-9)
+                t_log, steps_at_log = time.perf_counter(), step
+                logger.scalars(step, {"train/loss": values["loss"], "lr": values["lr"],
+                                      "active_blocks": float(now_active.sum()), "steps_per_sec": rate,
+                                      **{f"block/{i:02d}/loss": v for i, v in enumerate(values["block_loss"])},
+                                      **{f"block/{i:02d}/ema": v for i, v in enumerate(values["ema"])}})
+                for i in (active & ~now_active).nonzero().flatten().tolist():
+                    ema = values["ema"][i]
+                    logger.event(step, "block_stopped", block=i, ema=ema)
+                    logger.print(f"blockwise: block {i} stopped at step {step} (loss EMA {ema:.4g})")
+                active = now_active
+                logger.progress(step, bw.steps, loss=values["loss"],
+                                extra={"blocks": float(active.sum()), "lr": values["lr"]})
+            if manager.should_save(step) and step < bw.steps and bool(active.any()):
+                save()
+            if preemption.requested:
+                path = save()
+                stopped = f"{preemption.signal} at blockwise step {step}: checkpoint {path}"
+                logger.event(step, "preempted", signal=preemption.signal)
+                break
+    if not stopped:
+        path = save(final=True)
+        why = "every block stopped" if not bool(active.any()) else "step cap"
+        logger.print(f"blockwise: done at step {step} ({why}); {path}")
+    logger.flush()
+    return state, stopped
+
+
+def _pull(pending: list[dict]) -> dict:
+    """Interval means of the loss and per-block losses, the last EMA/active/lr: one host transfer."""
+    loss = torch.stack([m["loss"] for m in pending]).mean()
+    block = torch.stack([m["block_loss"] for m in pending]).mean(0)
+    last = pending[-1]
+    packed = torch.cat([loss.view(1), block, last["ema"], last["active"], last["lr"].view(1)]).double().cpu()
+    L = block.numel()
+    values = packed.tolist()
+    return {"loss": values[0], "block_loss": values[1:1 + L], "ema": values[1 + L:1 + 2 * L],
+            "active": values[1 + 2 * L:1 + 3 * L], "lr": values[-1]}
+

@@ -1,0 +1,197 @@
+"""The keys of ``bin/run recipe=upcycle``: pipeline, surgery, and one section per phase.
+
+``global`` is a Python keyword, so no generated ``__init__`` can take it as a parameter; the top-level
+``Config`` is therefore declared with :func:`keyword_dataclass` (fields and defaults exactly as a dataclass,
+with an ``__init__(**keys)``), and the phase's settings are read as ``cfg.global_phase``. Everything else is a
+plain dataclass. The global phase's training keys are TrainConfig's own declarations (``same_as``), so their
+defaults and help live in one place; ``train_config`` turns them into the TrainConfig that ``recipes.loop.fit``
+runs on.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from core.config import ConfigError, option, same_as
+from core.spike import SpikeConfig
+from models.blockwise import LOSSES, MODES, TARGETS
+from models.surgery import METHODS
+from recipes.train_config import TrainConfig
+
+PHASES = ("blockwise", "global", "verify", "benchmark")   # surgery always runs: it builds the student
+TRAIN_PARTS = ("attn", "block")
+
+
+@dataclass
+class BlockwiseConfig:
+    steps: int = option(200, "step cap of the phase (the issue's max_steps): blocks not converged by then stop")
+    lr: float = option(1e-4, "peak AdamW learning rate (cosine decay to lr/10 after warmup)")
+    warmup_steps: int = option(10, "linear warmup steps")
+    batch_size: int = option(8, "training windows per step (block_size tokens each, training split)")
+    loss: str = option("l1", "per-block distance between student and teacher outputs", choices=LOSSES)
+    match: str = option("block", "what is matched: the block's output (through the MLP), or the attention output "
+                        "alone (LoLCATs' attention transfer: no MLP pass, ~5x cheaper)", choices=TARGETS)
+    mode: str = option("teacher_forced", "block inputs: the teacher's (all blocks independent) or the student's "
+                       "own stream, detached (sequential)", choices=MODES)
+    train: str = option("attn", "what trains: the new attention params only, or the whole block (MLP, norms too)",
+                        choices=TRAIN_PARTS)
+    convergence_target: float = option(0.0, "a block stops when the EMA of its loss is <= this (0: off)")
+    patience: int = option(0, "a block stops after this many steps without its EMA improving by min_delta (0: off)")
+    ema: float = option(0.9, "decay of the per-block loss EMA that convergence reads (bias-corrected)")
+    min_delta: float = option(1e-3, "relative EMA decrease that counts as an improvement (patience)")
+    cache_teacher: bool = option(False, "cache the teacher's block inputs/outputs on disk (bf16 memmap) instead "
+                                 "of recomputing them per batch")
+    cache_batches: int = option(0, "batches in the teacher cache, cycled by the data cursor (0: one per step)")
+    log_every: int = option(10, "steps between metric pulls (console, TensorBoard, metrics.jsonl)")
+    save_every: int = option(50, "steps between checkpoints (0: only the final one)")
+    keep_last: int = option(3, "step checkpoints to keep")
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch_size < 1 or self.log_every < 1:
+            raise ConfigError("blockwise.steps, blockwise.batch_size and blockwise.log_every must be >= 1")
+        if not 0.0 <= self.ema < 1.0:
+            raise ConfigError(f"blockwise.ema={self.ema} must be in [0, 1)")
+        if self.cache_batches < 0 or self.convergence_target < 0 or self.patience < 0:
+            raise ConfigError("blockwise.cache_batches, convergence_target and patience must be >= 0")
+
+
+@dataclass
+class GlobalConfig:
+    steps: int = option(100, "optimizer steps of the whole-student fine-tune")
+    lr: float = option(1e-4, "peak learning rate")
+    min_lr: float = option(1e-5, "learning-rate floor of the decay")
+    warmup_steps: int = option(10, "linear warmup steps")
+    lr_schedule: str = same_as(TrainConfig, "lr_schedule")
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay")
+    batch_size: int = option(8, "sequences per micro-batch (training split)")
+    grad_accum: int = same_as(TrainConfig, "grad_accum")
+    grad_clip: float = same_as(TrainConfig, "grad_clip")
+    remat: bool = same_as(TrainConfig, "remat")
+    health: bool = option(False, "gradient health statistics per tensor and layer, logged every log_every")
+    spike: SpikeConfig = same_as(TrainConfig, "spike")
+    kd_alpha: float = option(0.5, "weight of KD from the teacher's logits: alpha*T^2*KL + (1-alpha)*CE (0: CE only)")
+    temperature: float = option(1.0, "KD temperature")
+    log_every: int = same_as(TrainConfig, "log_every")
+    eval_every: int = option(50, "steps between validation runs on the dev half of the validation split")
+    eval_batches: int = option(4, "validation batches per evaluation")
+    patience: int = same_as(TrainConfig, "patience")
+    save_every: int = option(50, "steps between checkpoints (0: only final/best)")
+    keep_last: int = same_as(TrainConfig, "keep_last")
+
+    def __post_init__(self):
+        if not 0.0 <= self.kd_alpha <= 1.0:
+            raise ConfigError(f"global.kd_alpha={self.kd_alpha} must be in [0, 1]")
+        if self.temperature <= 0:
+            raise ConfigError(f"global.temperature={self.temperature} must be > 0")
+
+
+@dataclass
+class Thresholds:
+    max_mean_l1: Optional[float] = option(None, "fail/warn when a mean L1 exceeds this (none: no check)")
+    max_max_l1: Optional[float] = option(None, "fail/warn when a max (over windows) L1 exceeds this (none: no check)")
+
+
+@dataclass
+class VerifyConfig:
+    windows: int = option(8, "held-out windows compared (evenly spaced over the test half of the validation split)")
+    attention: Thresholds = option(Thresholds, "per-layer attention-output L1 thresholds")
+    logits: Thresholds = option(Thresholds, "logit L1 thresholds")
+    on_fail: str = option("fail", "a violated threshold stops the run (exit 2) or only warns", choices=("fail", "warn"))
+
+
+@dataclass
+class BenchmarkConfig:
+    prompt_tokens: int = option(64, "prompt length for the latency test (held-out text, same for both models)")
+    new_tokens: int = option(32, "tokens decoded per latency run")
+    repeats: int = option(5, "latency repeats; the median is reported (after one untimed warm-up)")
+
+    def __post_init__(self):
+        if self.prompt_tokens < 1 or self.new_tokens < 1 or self.repeats < 1:
+            raise ConfigError("benchmark.prompt_tokens, new_tokens and repeats must be >= 1")
+
+
+def keyword_dataclass(cls):
+    """``dataclass`` for a config with a Python keyword among its field names (``global``): the generated
+    ``__init__``/``__repr__``/``__eq__`` would not compile, so these are written generically here."""
+    cls = dataclass(init=False, repr=False, eq=False)(cls)
+    fields = dataclasses.fields(cls)
+
+    def __init__(self, **values):
+        unknown = set(values) - {f.name for f in fields}
+        if unknown:
+            raise TypeError(f"unexpected keys {sorted(unknown)}")
+        for f in fields:
+            if f.name in values:
+                value = values[f.name]
+            elif f.default is not dataclasses.MISSING:
+                value = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+            else:
+                raise TypeError(f"missing key {f.name!r}")
+            setattr(self, f.name, value)
+        self.__post_init__()
+
+    cls.__init__ = __init__
+    cls.__repr__ = lambda self: f"{cls.__name__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in fields)})"
+    cls.__eq__ = lambda a, b: type(a) is type(b) and all(getattr(a, f.name) == getattr(b, f.name) for f in fields)
+    return cls
+
+
+class Config:
+    teacher: str = option("", "teacher: a purestep checkpoint or run folder (recipe=standard), a Hugging Face "
+                          "folder, a .gguf file, or smollm2")
+    data: str = option("stdlib", "text (file, folder, glob, stdlib), tokenized with the teacher's tokenizer")
+    phases: tuple[str, ...] = option(PHASES, "phases after the surgery (which always runs), run in pipeline order")
+    out: str = same_as(TrainConfig, "out")
+    name: str = same_as(TrainConfig, "name")
+    resume: str = option("auto", "auto: skip finished phases and resume the unfinished one from its newest good "
+                         "checkpoint; never: refuse an existing run folder", choices=("auto", "never"))
+    seed: int = same_as(TrainConfig, "seed")
+    device: str = same_as(TrainConfig, "device")
+    dtype: str = option("fp32", "compute precision of the blockwise and global steps", choices=("fp32", "bf16"))
+    compile: bool = option(False, "compile the blockwise and global steps (torch.compile; minutes per graph on CPU)")
+    block_size: int = option(128, "tokens per window in every phase")
+    eval_windows: int = option(16, "held-out windows (test half of the validation split) for the perplexity after "
+                               "each phase and in the benchmark")
+    sem_dim: int = option(8, "per head: semantic (no-RoPE) query/key width")
+    geo_dim: int = option(24, "per head: geometric (RoPE) query/key width, geo_dim/2 of the teacher's pairs")
+    v_dim: int = option(32, "per KV head: value width")
+    surgery_method: str = option("asvd", "activation-aware SVD (SVD-LLM whitening) or plain weight SVD",
+                                 choices=METHODS)
+    calib_tokens: int = option(4096, "training-split tokens for pair selection and asvd whitening")
+    blockwise: BlockwiseConfig = option(BlockwiseConfig, "blockwise distillation (algorithms.md 4.6)")
+    verify: VerifyConfig = option(VerifyConfig, "held-out teacher/student comparison with thresholds")
+    benchmark: BenchmarkConfig = option(BenchmarkConfig, "perplexity, latency, KV bytes, parameter counts")
+
+    @property
+    def global_phase(self) -> GlobalConfig:
+        return getattr(self, "global")
+
+    def __post_init__(self):
+        bad = [p for p in self.phases if p not in PHASES]
+        if bad or len(set(self.phases)) != len(self.phases):
+            raise ConfigError(f"bad value for 'phases': {','.join(self.phases)}; a list without repeats of "
+                              f"{', '.join(PHASES)} (the surgery always runs first)")
+        if self.block_size < 2 or self.eval_windows < 1 or self.calib_tokens < 1 or self.verify.windows < 1:
+            raise ConfigError("block_size must be >= 2; eval_windows, calib_tokens and verify.windows >= 1")
+
+
+# the keyword field goes in after the phases it follows in the pipeline (help lists keys in this order)
+_annotations = dict(Config.__annotations__)
+Config.__annotations__ = {**{k: v for k, v in _annotations.items() if k not in ("verify", "benchmark")},
+                          "global": "GlobalConfig", "verify": _annotations["verify"],
+                          "benchmark": _annotations["benchmark"]}
+setattr(Config, "global", option(GlobalConfig, "global fine-tune of the whole student (next-token CE + KD)"))
+Config = keyword_dataclass(Config)
+
+
+def train_config(cfg: Config, out: str) -> TrainConfig:
+    """The TrainConfig the global phase runs ``recipes.loop.fit`` with (every ``global.*`` key lands here)."""
+    g = cfg.global_phase
+    keys = {f.name: getattr(g, f.name) for f in dataclasses.fields(GlobalConfig)
+            if f.name not in ("kd_alpha", "temperature")}
+    return TrainConfig(**keys, out=out, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, compile=cfg.compile,
+                       block_size=cfg.block_size, clipping="global", resume="auto")
+

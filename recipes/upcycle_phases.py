@@ -1,0 +1,257 @@
+"""The upcycle recipe's phases other than blockwise: surgery, global fine-tune, verify (benchmark:
+``recipes/upcycle_bench.py``; blockwise: ``recipes/upcycle_blockwise.py``; the driver: ``recipes/upcycle.py``).
+
+Every phase writes into its own subfolder of the run folder and is *done* when its result file exists
+(``surgery/final.msgpack``, ``global/final.msgpack``, ``verify/report.json``); a phase that is done is skipped
+on a rerun. Held-out numbers always come from the **test half** of the validation split (the windows in
+``Context.heldout``); the global phase's periodic validation uses the other (dev) half, so nothing reported
+was used to steer training (caramba's W28 evaluated on training windows).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from core import checkpoint as ckpt
+from core.config import UserError, to_dict
+from core.data import Corpus, EvalBatches
+from core.logging import Logger
+from core.state import init_state
+from models import blockwise, dba, llama, losses, surgery
+from models.loading import LoadedModel, model_entry
+from recipes.loop import LoopState, build_steps, fit, make_optimizer
+from recipes.upcycle_config import Config, train_config
+
+FINAL = "final.msgpack"
+
+
+@dataclass
+class Context:
+    cfg: Config
+    folder: Path
+    device: torch.device
+    teacher: LoadedModel
+    corpus: Corpus
+    dev: object              # token array: first half of the validation split (global phase's validation)
+    heldout: EvalBatches     # windows of the test half: every reported held-out number
+    say: Callable[[str], None]
+
+    def extra(self, phase: str, scfg: dba.DBAConfig) -> dict:
+        """What every student checkpoint carries, so ``load_model``/``recipe=generate`` read it as a model."""
+        return {"model": model_entry(scfg), "tokenizer": self.corpus.tokenizer.to_dict(), "recipe": "upcycle",
+                "phase": phase, "config": to_dict(self.cfg)}
+
+
+def write_json(path: Path, data) -> None:
+    """Atomically (temp file in the same folder, fsync, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.name)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def heldout_loss(module, params: dict, cfg, batches) -> float:
+    """Mean next-token CE over fixed windows (equal lengths: the token-weighted mean), one host transfer."""
+    return torch.stack([module.loss(params, b, cfg) for b in batches]).mean().item()
+
+
+def ppl(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+def phase_summary(ctx: Context, phase: str, params: dict, scfg: dba.DBAConfig) -> dict:
+    """``<phase>/heldout.json``: the student's held-out loss after this phase (computed once)."""
+    path = ctx.folder / phase / "heldout.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    loss = heldout_loss(dba, params, scfg, ctx.heldout)
+    summary = {"phase": phase, "loss": loss, "perplexity": ppl(loss), "windows": len(ctx.heldout) *
+               ctx.heldout.starts.shape[1], "block_size": ctx.cfg.block_size}
+    write_json(path, summary)
+    ctx.say(f"{phase}: held-out loss {loss:.4f}, perplexity {ppl(loss):.2f}")
+    return summary
+
+
+def load_student(path: Path, device) -> tuple[dict, dba.DBAConfig]:
+    from core.config import from_dict
+    top = ckpt.load(path, device=device)
+    return top["state"]["params"], from_dict(dba.DBAConfig, top["model"]["config"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# surgery
+
+def surgery_settings(cfg: Config) -> dict:
+    """The keys that define the student; a rerun into the same folder must not change them."""
+    return {"teacher": cfg.teacher, "data": cfg.data, "sem_dim": cfg.sem_dim, "geo_dim": cfg.geo_dim,
+            "v_dim": cfg.v_dim, "surgery_method": cfg.surgery_method, "calib_tokens": cfg.calib_tokens,
+            "block_size": cfg.block_size, "seed": cfg.seed}
+
+
+def calibration_tokens(ctx: Context) -> torch.Tensor:
+    """``calib_tokens`` tokens of the training split (whole windows, their own seed stream)."""
+    cfg = ctx.cfg
+    windows = math.ceil(cfg.calib_tokens / cfg.block_size)
+    return ctx.corpus.batches(windows, cfg.block_size, cfg.seed + 7919, device=ctx.device).get(0)["x"]
+
+
+def run_surgery(ctx: Context) -> tuple[dict, dba.DBAConfig]:
+    folder, cfg, t = ctx.folder / "surgery", ctx.cfg, ctx.teacher
+    path = folder / FINAL
+    if path.exists():
+        ctx.say(f"surgery: done ({path})")
+        return load_student(path, ctx.device)
+    start = time.perf_counter()
+    calib = calibration_tokens(ctx)
+    ctx.say(f"surgery: {cfg.surgery_method} on {calib.numel():,} calibration tokens (training split), sem_dim "
+            f"{cfg.sem_dim}, geo_dim {cfg.geo_dim}, v_dim {cfg.v_dim} per head")
+    student, scfg, report = surgery.surgery(t.params, t.config, calib, sem_dim=cfg.sem_dim, geo_dim=cfg.geo_dim,
+                                            v_dim=cfg.v_dim, method=cfg.surgery_method)
+    teacher_loss = heldout_loss(llama, t.params, t.config, ctx.heldout)
+    kv_t, kv_s = llama.kv_bytes_per_token(t.config), dba.kv_bytes_per_token(scfg)
+    ctx.say(f"surgery: KV cache per token (bf16) teacher {kv_t:,} B, student {kv_s:,} B: {kv_t / kv_s:.2f}x smaller")
+    report.update({"settings": surgery_settings(cfg), "teacher_loss": teacher_loss,
+                   "teacher_perplexity": ppl(teacher_loss), "kv_bytes_per_token": {"teacher": kv_t, "student": kv_s,
+                                                                                   "ratio": kv_t / kv_s},
+                   "seconds": time.perf_counter() - start})
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / "report.json", report)
+    ckpt.save(path, {"params": student}, step=0,
+              extra={**ctx.extra("surgery", scfg), "settings": surgery_settings(cfg), "report": report})
+    ctx.say(f"surgery: teacher held-out loss {teacher_loss:.4f} (perplexity {ppl(teacher_loss):.2f}); {path}")
+    return student, scfg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# global fine-tune
+
+def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, str]:
+    """Whole student, next-token CE (+ KD on the teacher's logits) through ``recipes.loop.fit``.
+    Returns (params, stop reason: "" when finished)."""
+    folder, cfg, g, t = ctx.folder / "global", ctx.cfg, ctx.cfg.global_phase, ctx.teacher
+    if (folder / FINAL).exists():
+        ctx.say(f"global: done ({folder / FINAL})")
+        return load_student(folder / FINAL, ctx.device)[0], ""
+    tc = train_config(cfg, str(folder))
+    optimizer = make_optimizer(tc)
+    state = init_state(student, optimizer, cfg.seed, tc.dtype, spike=tc.spike.enabled)
+    loop = LoopState()
+    resume = ckpt.latest(folder)
+    if resume is not None:
+        loaded = ckpt.load(resume, template=state, device=ctx.device)
+        state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
+    kd = g.kd_alpha > 0
+
+    def loss_fn(params, batch, frozen=None):
+        logits = dba.apply(params, batch["x"], scfg)
+        if not kd:
+            return losses.cross_entropy(logits, batch["y"])
+        with torch.no_grad():
+            teacher_logits = llama.apply(frozen, batch["x"], t.config)
+        return losses.distill_objective(logits, batch["y"], teacher_logits, alpha=g.kd_alpha,
+                                        temperature=g.temperature)
+
+    batches = ctx.corpus.batches(g.batch_size, cfg.block_size, cfg.seed + 1, grad_accum=g.grad_accum,
+                                 device=ctx.device)
+    dev = EvalBatches(ctx.dev, g.batch_size, cfg.block_size, g.eval_batches, device=ctx.device)
+    steps = build_steps(tc, loss_fn, optimizer, student, batches, ctx.device, ctx.corpus.tokenizer.vocab_size)
+    manager = ckpt.CheckpointManager(folder, keep_last=g.keep_last, save_every=g.save_every)
+    extra = ctx.extra("global", scfg)
+    with Logger(folder) as logger:
+        logger.hparams(to_dict(cfg), {"val/loss": None})
+        ctx.say(f"global: {g.steps} steps of {g.batch_size * g.grad_accum} x {cfg.block_size} tokens, "
+                + (f"KD alpha {g.kd_alpha} at T={g.temperature} + CE" if kd else "next-token CE")
+                + (f"; resuming from {resume} at step {int(state.step)}" if resume else ""))
+        result = fit(tc, state, steps, logger=logger, checkpoints=manager, checkpoint_extra=lambda: extra,
+                     evaluate_fn=lambda p: heldout_loss(dba, p, scfg, dev), loop=loop,
+                     frozen=t.params if kd else None,
+                     tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size)
+    if result.stop_reason and not (folder / FINAL).exists():
+        return result.state.params, result.stop_reason
+    return result.state.params, ""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# verify
+
+@torch.no_grad()
+def compare(ctx: Context, student: dict, scfg: dba.DBAConfig, windows: EvalBatches) -> dict:
+    """Per-layer attention-output L1 (both attentions on the teacher's block inputs) and logit L1, per window;
+    mean and max over windows, plus the teacher's mean |value| for scale."""
+    t = ctx.teacher
+    attn, attn_scale, logit, logit_scale = [], [], [], []
+    for batch in windows:
+        logits_t, hidden = llama.apply(t.params, batch["x"], t.config, return_hidden=True)
+        inputs = torch.stack(hidden[:-1])
+        a_t = blockwise.attention_outputs(t.params, t.config, inputs)
+        a_s = blockwise.attention_outputs(student, scfg, inputs)
+        attn.append((a_s - a_t).abs().flatten(1).mean(1))
+        attn_scale.append(a_t.abs().flatten(1).mean(1))
+        logit.append((dba.apply(student, batch["x"], scfg) - logits_t).abs().mean())
+        logit_scale.append(logits_t.abs().mean())
+    attn, attn_scale = torch.stack(attn), torch.stack(attn_scale)          # [windows, L]
+    logit, logit_scale = torch.stack(logit), torch.stack(logit_scale)
+    return {"attention": {"mean_l1": attn.mean(0).tolist(), "max_l1": attn.amax(0).tolist(),
+                          "teacher_mean_abs": attn_scale.mean(0).tolist()},
+            "logits": {"mean_l1": logit.mean().item(), "max_l1": logit.amax().item(),
+                       "teacher_mean_abs": logit_scale.mean().item()}}
+
+
+def violations(stats: dict, vc) -> list[str]:
+    """One line per violated threshold, the worst layer first for the attention."""
+    out = []
+    for kind in ("mean", "max"):
+        limit = getattr(vc.attention, f"max_{kind}_l1")
+        if limit is not None:
+            values = stats["attention"][f"{kind}_l1"]
+            bad = sorted((v, i) for i, v in enumerate(values) if v > limit)
+            if bad:
+                v, i = bad[-1]
+                out.append(f"layer {i} attention {kind} L1 {v:.4g} > verify.attention.max_{kind}_l1={limit:g}"
+                           + (f" ({len(bad)} layers over)" if len(bad) > 1 else ""))
+        limit = getattr(vc.logits, f"max_{kind}_l1")
+        if limit is not None and stats["logits"][f"{kind}_l1"] > limit:
+            out.append(f"logits {kind} L1 {stats['logits'][f'{kind}_l1']:.4g} > verify.logits.max_{kind}_l1={limit:g}")
+    return out
+
+
+def run_verify(ctx: Context, student: dict, scfg: dba.DBAConfig, label: str) -> dict:
+    """Compare on held-out windows, write ``verify/report.json``, then fail or warn on violated thresholds.
+    A rerun reuses the stored numbers for the same student and re-applies the current thresholds."""
+    vc, path = ctx.cfg.verify, ctx.folder / "verify" / "report.json"
+    windows = EvalBatches(ctx.heldout.tokens, 1, ctx.cfg.block_size, vc.windows, device=ctx.device)
+    stored = json.loads(path.read_text()) if path.exists() else None
+    if stored and stored.get("student") == label and stored.get("windows") == vc.windows:
+        stats = {"attention": stored["attention"], "logits": stored["logits"]}
+        ctx.say(f"verify: reusing the comparison in {path}")
+    else:
+        ctx.say(f"verify: comparing teacher and student ({label}) on {vc.windows} held-out windows")
+        stats = compare(ctx, student, scfg, windows)
+    problems = violations(stats, vc)
+    report = {"student": label, "windows": vc.windows, "block_size": ctx.cfg.block_size, **stats,
+              "thresholds": to_dict(vc), "violations": problems, "passed": not problems}
+    write_json(path, report)
+    a = stats["attention"]
+    worst = max(range(len(a["mean_l1"])), key=lambda i: a["mean_l1"][i])
+    ctx.say(f"verify: attention mean L1 {sum(a['mean_l1']) / len(a['mean_l1']):.4g} over layers (worst layer "
+            f"{worst}: {a['mean_l1'][worst]:.4g}, teacher |attn| {a['teacher_mean_abs'][worst]:.4g}); logits mean L1 "
+            f"{stats['logits']['mean_l1']:.4g} (teacher |logit| {stats['logits']['teacher_mean_abs']:.4g}); {path}")
+    if problems:
+        message = f"verify failed: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "") \
+            + f"; report {path}"
+        if vc.on_fail == "fail":
+            raise UserError(message)
+        ctx.say(f"warning: {message} (verify.on_fail=warn: continuing)")
+    return report
