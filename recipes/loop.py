@@ -180,7 +180,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
         checkpoints: Optional[ckpt.CheckpointManager], checkpoint_extra: Callable[[], dict],
         evaluate_fn: Optional[Callable[[object], float]] = None, sample_fn: Optional[Callable[[object], str]] = None,
         loop: Optional[LoopState] = None, frozen=None, tokens_per_step: int = 0, flops_per_token: float = 0.0,
-        expected_initial_loss: Optional[float] = None, dist: Dist = Dist()) -> FitResult:
+        expected_initial_loss: Optional[float] = None, dist: Dist = Dist(), orchestrator=None) -> FitResult:
     """Train ``state`` until ``cfg.steps``; returns the final state and what happened.
 
     ``checkpoints`` is None on data-parallel ranks other than 0 (rank 0 alone writes); ``dist`` makes
@@ -188,8 +188,12 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
 
     Stops early, always with a checkpoint, on: ``patience`` evaluations without improvement, SIGTERM or
     SIGINT (preemption: finish the step, save, return so the program exits 0), the cost ``budget``, or
-    too many rollbacks.
+    too many rollbacks. ``orchestrator`` (``recipes/orchestrator.py``, built by the recipe when
+    ``orchestrator.enabled``) is called after every step and from the rollback; its state is checkpointed.
     """
+    if cfg.orchestrator.enabled and orchestrator is None:   # orchestrator: never silently ignored
+        raise UserError("orchestrator.enabled=true, but this recipe does not build an orchestrator "
+                        "(recipes/orchestrator.py; recipes/standard.py shows the wiring)")
     loop = loop or LoopState()
     session_start, wall_before = time.perf_counter(), loop.wall_seconds
     peak = peak_flops(state.step.device, cfg.peak_flops)
@@ -209,6 +213,8 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
         if checkpoints is None:
             return None
         extra = {**checkpoint_extra(), "loop": loop.to_dict()}
+        if orchestrator is not None:  # orchestrator: its strategy, bandit and counters resume with the run
+            extra["orchestrator"] = orchestrator.state_dict()
         path = checkpoints.save(step, result.state, extra=extra, val_loss=val_loss, final=final)
         excluded += time.perf_counter() - t0
         return path
@@ -244,6 +250,8 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
         cursor += spike.skip_ahead
         skipped = cursor - int(snap.cursor)
         restored = cast(snap, device=device)
+        if orchestrator is not None:  # orchestrator: continue the restored state with the safety strategy
+            restored = orchestrator.on_rollback(step, to_step, restored)
         restored = restored._replace(cursor=torch.tensor(cursor, dtype=torch.int64, device=device),
                                      monitor=clear_monitor(restored.monitor),
                                      opt_state=optim.scale_lr(restored.opt_state, spike.lr_factor))
@@ -272,6 +280,16 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
 
             if loop.ticks == 1:
                 _first_step_checks(metrics, steps.health, logger, expected_initial_loss)
+
+            # --- orchestrator hook (recipes/orchestrator.py): decisions, safety, nowcasting -----------------
+            if orchestrator is not None:
+                jump = orchestrator.after_step(result.state, metrics, step=step, cursor=cursor, frozen=frozen)
+                if jump is not None:  # the winner's branch (its steps kept), a nowcast, or a safety flag
+                    result.state, step, cursor = jump.state, jump.step, jump.cursor
+                    pending.extend(jump.metrics)
+                    loop.ticks += jump.ticks
+                    loop.tokens += jump.ticks * tokens_per_step
+            # --- end of the orchestrator hook --------------------------------------------------------------
 
             last = step == cfg.steps
             if step % cfg.log_every == 0 or last:
@@ -377,6 +395,7 @@ def _pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor]]:
     """Means of the buffered 0-d step metrics (the loss, clip activity, ...), the last value of the rest,
     and the last packed health tensor: one host transfer for the whole interval."""
     keys = [k for k, v in pending[-1].items() if v.dim() == 0]
+    pending = [m for m in pending if all(k in m for k in keys)]   # a strategy switch may change the keys
     stacked = torch.stack([torch.stack([m[k].float() for k in keys]) for m in pending]).cpu()
     means, lasts = stacked.mean(0).tolist(), stacked[-1].tolist()
     values = {k: (lasts[i] if k in LAST_VALUE else means[i]) for i, k in enumerate(keys)}

@@ -29,6 +29,7 @@ from models import llama
 from models.loading import load_model, model_entry
 from models.sampling import generate
 from recipes.loop import LoopState, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
+from recipes.orchestrator import Orchestrator, initial_optimizer, probe_batches
 from recipes.train_config import TrainConfig
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
@@ -76,15 +77,17 @@ def run(cfg: Config):
     val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
                                       device=device)
 
-    optimizer = make_optimizer(cfg)
+    orchestrated = cfg.orchestrator.enabled   # the run starts on (or resumes with) the orchestrator's strategy
+    optimizer = initial_optimizer(cfg, resume) if orchestrated else make_optimizer(cfg)
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     state = init_state(params, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled)
-    loop = LoopState()
+    loop, saved_orchestrator = LoopState(), None
     if resume is not None:
         loaded = ckpt.load(resume, template=state, device=device)
         if loaded.get("tokenizer") and loaded["tokenizer"] != tok.to_dict():
             raise UserError(f"{resume}: its tokenizer differs from this run's ({tok.name}); use another out=")
         state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
+        saved_orchestrator = loaded.get("orchestrator")
 
     def loss_fn(params, batch, key):
         return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
@@ -112,7 +115,12 @@ def run(cfg: Config):
             logger.print(f"init from {start.source} ({start.format})")
         if resume is not None:
             logger.print(f"resuming from {resume} at step {int(state.step)}")
-        result = fit(cfg, state, steps, logger=logger, checkpoints=checkpoints,
+        orchestrator = Orchestrator(
+            cfg, make_step=lambda opt: build_steps(cfg, loss_fn, opt, params, batches, device, vocab, dist).train,
+            batches=steps.batches, probe=probe_batches(corpus.val, cfg), eval_step=steps.eval, logger=logger,
+            folder=folder, saved=saved_orchestrator) if orchestrated else None
+        result = fit(cfg, state, orchestrator.attach(steps) if orchestrated else steps, logger=logger,
+                     checkpoints=checkpoints, orchestrator=orchestrator,
                      checkpoint_extra=lambda: extra, loop=loop,
                      evaluate_fn=lambda p: evaluate(steps.eval, p, val_batches, dist=dist),
                      sample_fn=sample if cfg.sample_tokens > 0 and dist.is_main else None,

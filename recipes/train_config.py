@@ -12,6 +12,7 @@ from core.spike import SpikeConfig
 from core.step import PRECISIONS
 from optim.schedules import KINDS
 from recipes.faults import FaultConfig
+from recipes.orchestrator_config import OrchestratorConfig
 
 CLIPPING = ("global", "adagc", "agc", "none")
 
@@ -55,6 +56,8 @@ class TrainConfig:
     cost_per_hour: float = option(0.0, "price of the machine per hour, for the cost meter (0: off)")
     budget: float = option(0.0, "stop cleanly with a checkpoint once the cost reaches this (0: no limit)")
     fault: FaultConfig = option(FaultConfig, "deliberate faults, for testing the stability machinery")
+    orchestrator: OrchestratorConfig = option(OrchestratorConfig, "strategy orchestration: speculative branches, "
+                                              "bandit selection, safety rollback, nowcasting")
     log_every: int = option(10, "steps between metric pulls to TensorBoard/JSONL/console")
     eval_every: int = option(250, "steps between validation runs (0: only at the end)")
     eval_batches: int = option(20, "validation batches per evaluation (fixed windows)")
@@ -79,3 +82,6 @@ class TrainConfig:
             raise ConfigError(f"fim_rate={self.fim_rate} must be in [0, 1]")
         if self.grad_accum < 1:
             raise ConfigError(f"grad_accum={self.grad_accum} must be >= 1")
+        if self.orchestrator.enabled and not self.spike.enabled:
+            raise ConfigError("orchestrator.enabled=true needs spike.enabled=true: its safety rollback is the "
+                              "spike machinery's (snapshot ring, rollback_back, max_rollbacks)")
