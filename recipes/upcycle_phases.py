@@ -229,19 +229,22 @@ def violations(stats: dict, vc) -> list[str]:
 
 def run_verify(ctx: Context, student: dict, scfg: dba.DBAConfig, label: str) -> dict:
     """Compare on held-out windows, write ``verify/report.json``, then fail or warn on violated thresholds.
-    A rerun reuses the stored numbers for the same student and re-applies the current thresholds."""
+    A rerun reuses the stored numbers for the same student checkpoint (``label``, a path under the run folder,
+    and its size and mtime) and re-applies the current thresholds."""
     vc, path = ctx.cfg.verify, ctx.folder / "verify" / "report.json"
     windows = EvalBatches(ctx.heldout.tokens, 1, ctx.cfg.block_size, vc.windows, device=ctx.device)
+    stat = (ctx.folder / label).stat()
+    student_id = f"{stat.st_size}-{stat.st_mtime_ns}"
     stored = json.loads(path.read_text()) if path.exists() else None
-    if stored and stored.get("student") == label and stored.get("windows") == vc.windows:
+    if stored and stored.get("student_id") == student_id and stored.get("windows") == vc.windows:
         stats = {"attention": stored["attention"], "logits": stored["logits"]}
         ctx.say(f"verify: reusing the comparison in {path}")
     else:
         ctx.say(f"verify: comparing teacher and student ({label}) on {vc.windows} held-out windows")
         stats = compare(ctx, student, scfg, windows)
     problems = violations(stats, vc)
-    report = {"student": label, "windows": vc.windows, "block_size": ctx.cfg.block_size, **stats,
-              "thresholds": to_dict(vc), "violations": problems, "passed": not problems}
+    report = {"student": label, "student_id": student_id, "windows": vc.windows, "block_size": ctx.cfg.block_size,
+              **stats, "thresholds": to_dict(vc), "violations": problems, "passed": not problems}
     write_json(path, report)
     a = stats["attention"]
     worst = max(range(len(a["mean_l1"])), key=lambda i: a["mean_l1"][i])

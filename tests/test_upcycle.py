@@ -290,7 +290,8 @@ def test_resume_after_a_kill_during_blockwise_continues_from_its_newest_checkpoi
     assert ckpt.read_meta(folder / "final.msgpack")["step"] == 400
     logged = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in logged if "train/loss" in r]
-    resumed = steps.index(step + 5)                         # the second session's first log
+    resumed = len(steps) - 1 - steps[::-1].index(step + 5)  # the second session's first log (the first session
+    assert steps[:resumed] == list(range(5, steps[resumed - 1] + 1, 5))   # may have logged past its checkpoint)
     assert steps[resumed:] == list(range(step + 5, 401, 5))
     assert (out / "global" / "final.msgpack").exists()
 
@@ -326,3 +327,21 @@ def test_bad_input_is_one_line_and_loses_nothing(teacher, corpus, tmp_path, caps
     assert "v_dim=8 -> 4" in lines[-2] and "resume=never" in lines[-1]
     assert all(line.startswith("error: ") for line in lines[-2:])
     assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def test_a_config_file_lists_phases_with_their_own_steps_and_lr(tmp_path):
+    from core.config import load_toml, resolve
+    from recipes.upcycle import Config, PRESETS
+    path = tmp_path / "up.toml"
+    path.write_text('recipe = "upcycle"\nteacher = "smollm2"\nphases = ["blockwise", "global"]\n'
+                    '[blockwise]\nsteps = 150\nlr = 1e-3\nmatch = "attention"\n'
+                    '[global]\nsteps = 12\nlr = 1.5e-4\nkd_alpha = 0.7\n')
+    toml = load_toml(path)
+    toml.pop("recipe")
+    cfg = resolve(Config, presets=PRESETS, toml=toml, overrides={"global.lr": "2e-4"})
+    assert cfg.phases == ("blockwise", "global") and cfg.blockwise.steps == 150 and cfg.blockwise.lr == 1e-3
+    g = cfg.global_phase
+    assert (g.steps, g.lr, g.kd_alpha) == (12, 2e-4, 0.7)
+    from recipes.upcycle_config import train_config
+    tc = train_config(cfg, "x")
+    assert (tc.steps, tc.lr, tc.batch_size, tc.block_size) == (12, 2e-4, g.batch_size, cfg.block_size)
