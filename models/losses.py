@@ -1,0 +1,211 @@
+"""Knowledge-distillation losses on logits: pure functions, computed in float32 with ``log_softmax``.
+
+Every KL here is **summed over the vocabulary and averaged over (non-masked) tokens**, the per-token LM
+reduction of DistiLLM and DistillKit (``F.kl_div(..., reduction="sum") / n_tokens``); never PyTorch's
+``reduction="mean"``, which would also divide by the vocabulary size.
+
+- :func:`kd_loss`: KL at temperature T between softened distributions (Hinton, Vinyals & Dean 2015,
+  "Distilling the Knowledge in a Neural Network"), forward KL(p||q) (mode-covering, = CE with soft targets
+  up to the teacher's entropy), reverse KL(q||p) (mode-seeking; MiniLLM, Gu et al. ICLR 2024), or
+  DistiLLM's symmetric mix (1 - lambda) * FKL + lambda * RKL with lambda = 0.9 (Ko et al. ICML 2024,
+  ``jongwooko/distillm distillm/losses.py``).
+- :func:`distill_objective` / :func:`blend`: Hinton's ``alpha * T**2 * KL + (1 - alpha) * CE``; the T**2
+  keeps the soft-target gradient scale independent of T.
+- :func:`topk_kd_loss`: forward KL against a cached top-k teacher distribution. The missing mass
+  M = 1 - sum(top-k p) is an **"other" bucket** (one of the three options in DistillKit's
+  ``distillkit/lossfuncs/kl.py`` and the MaxText-KD notes): teacher and student are compared as
+  distributions over k + 1 outcomes, the k ids plus "everything else", where the student's bucket is
+  the log-sum-exp of its log-probs outside the k ids. With k = V the bucket is empty and this is exact KL.
+- :func:`sample_teacher` / :func:`sampled_kd_loss`: Random-Sampling KD (Anshumann et al., "Sparse Logit
+  Sampling: Accelerating Knowledge Distillation in LLMs", ACL 2025): n ids drawn from the teacher with
+  replacement, stored as unique ids and counts; ``weights = counts / n`` is an unbiased estimate of p,
+  so CE with these sparse soft targets has the full forward-KL gradient in expectation (the proposal
+  here is the teacher itself, so no importance ratio is needed). Top-k, by contrast, is biased.
+- :func:`learnable_temperature`: CTKD (Li et al., "Curriculum Temperature for Knowledge Distillation",
+  AAAI 2023, ``zhengli97/CTKD``): ``T = t_min + (t_max - t_min) * sigmoid(theta)`` (CTKD: 1 + 20 *
+  sigmoid), with theta behind a gradient-reversal layer whose scale ramps 0 -> 1 by a cosine schedule,
+  so the student minimizes the KD loss while the temperature maximizes it (adversarially) and a plain
+  minimizing T cannot run away to an extreme. :func:`scheduled_temperature` is the non-learned option.
+
+Temperatures may be Python floats or 0-d tensors (learned or scheduled inside a compiled step).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+DIRECTIONS = ("forward", "reverse", "symmetric")
+
+
+def _masked_mean(per_token: torch.Tensor, mask) -> torch.Tensor:
+    if mask is None:
+        return per_token.mean()
+    m = mask.to(per_token.dtype)
+    return (per_token * m).sum() / m.sum().clamp(min=1.0)
+
+
+def _log_probs(logits: torch.Tensor, temperature) -> torch.Tensor:
+    return F.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per position, summed over the last (vocabulary) axis."""
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, temperature=1.0,
+            direction: str = "forward", symmetric_lambda: float = 0.9, mask=None) -> torch.Tensor:
+    """KL between teacher p = softmax(z_t / T) and student q = softmax(z_s / T), at temperature T.
+
+    ``direction``: ``forward`` KL(p||q), ``reverse`` KL(q||p), ``symmetric`` (1 - lambda) * FKL + lambda * RKL.
+    Summed over the vocabulary, averaged over the positions where ``mask`` (``[...]`` bool) is true.
+    The caller multiplies by T**2 (see :func:`blend`).
+    """
+    if direction not in DIRECTIONS:
+        raise ValueError(f"unknown KL direction {direction!r}; choose one of {', '.join(DIRECTIONS)}")
+    log_q = _log_probs(student_logits, temperature)
+    log_p = _log_probs(teacher_logits, temperature)
+    if direction == "forward":
+        per_token = _kl(log_p, log_q)
+    elif direction == "reverse":
+        per_token = _kl(log_q, log_p)
+    else:
+        per_token = (1 - symmetric_lambda) * _kl(log_p, log_q) + symmetric_lambda * _kl(log_q, log_p)
+    return _masked_mean(per_token, mask)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in float32; targets < 0 are ignored (as ``llama.loss``)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-1)
+
+
+def blend(kl: torch.Tensor, ce: torch.Tensor, *, alpha: float, temperature) -> tuple[torch.Tensor, dict]:
+    """Hinton's objective ``alpha * T**2 * kl + (1 - alpha) * ce`` and its parts as 0-d metrics."""
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=ce.device)
+    loss = alpha * t * t * kl + (1 - alpha) * ce
+    return loss, {"kl": kl.detach(), "ce": ce.detach(), "temperature": t.detach()}
+
+
+def distill_objective(student_logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor, *,
+                      alpha: float, temperature=1.0, direction: str = "forward",
+                      symmetric_lambda: float = 0.9) -> tuple[torch.Tensor, dict]:
+    """``alpha * T**2 * KL_T(teacher, student) + (1 - alpha) * CE(student, targets)``, aux {kl, ce, temperature}.
+
+    Positions whose target is negative are left out of both terms.
+    """
+    kl = kd_loss(student_logits, teacher_logits, temperature=temperature, direction=direction,
+                 symmetric_lambda=symmetric_lambda, mask=targets >= 0)
+    return blend(kl, cross_entropy(student_logits, targets), alpha=alpha, temperature=temperature)
+
+
+# ---------------------------------------------------------------------------------------- cached targets
+
+def teacher_topk(teacher_logits: torch.Tensor, k: int, temperature=1.0):
+    """``(ids [.., k], log-probs [.., k], missing mass [..])`` of the teacher at temperature T (for a cache)."""
+    log_p = _log_probs(teacher_logits, temperature)
+    logprobs, ids = log_p.topk(k, dim=-1)
+    missing = (1.0 - logprobs.exp().sum(-1)).clamp(min=0.0)
+    return ids, logprobs, missing
+
+
+def topk_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor,
+                 missing_mass: torch.Tensor, temperature=1.0, mask=None) -> torch.Tensor:
+    """Forward KL against a cached top-k teacher, the missing mass as an "other" bucket.
+
+    ``ids``/``logprobs`` ``[.., k]`` are the teacher's top-k at the temperature the cache was captured at
+    (which must be ``temperature``); ``missing_mass`` ``[..]`` is 1 - sum(top-k p). Per position::
+
+        sum_i p_i (log p_i - log q_i) + M_t (log M_t - log M_s),   log M_s = logsumexp(log q outside ids)
+
+    i.e. KL over k + 1 outcomes. With k = V, M_t = 0 and this equals :func:`kd_loss` (forward) exactly.
+    """
+    log_q = _log_probs(student_logits, temperature)
+    ids = ids.long()
+    log_q_k = log_q.gather(-1, ids)
+    log_p_k = logprobs.float()
+    # the student's mass outside the k ids; finfo.min (not -inf) keeps an empty bucket's gradient finite
+    outside = log_q.scatter(-1, ids, torch.finfo(log_q.dtype).min)
+    log_m_s = torch.logsumexp(outside, dim=-1)
+    m_t = missing_mass.float()
+    has_rest = m_t > 0
+    safe_m_t = torch.where(has_rest, m_t, torch.ones_like(m_t))
+    rest = torch.where(has_rest, m_t * (safe_m_t.log() - log_m_s), torch.zeros_like(m_t))
+    return _masked_mean(_kl(log_p_k, log_q_k) + rest, mask)
+
+
+def sample_teacher(teacher_logits: torch.Tensor, n: int, temperature=1.0, generator=None):
+    """Random-Sampling KD targets: ``(ids [.., n], counts [.., n])`` from ``n`` draws of softmax(z_t / T).
+
+    Draws are with replacement; each row holds its distinct ids first (sorted) with their counts, then
+    padding with count 0. ``counts / n`` is an unbiased estimate of the teacher's distribution.
+    """
+    probs = _log_probs(teacher_logits, temperature).exp()
+    flat = probs.reshape(-1, probs.shape[-1])
+    draws, _ = torch.multinomial(flat, n, replacement=True, generator=generator).sort(-1)
+    new = torch.ones_like(draws, dtype=torch.bool)
+    new[:, 1:] = draws[:, 1:] != draws[:, :-1]
+    group = new.long().cumsum(-1) - 1                 # slot of each draw's distinct id
+    counts = torch.zeros_like(draws).scatter_add_(-1, group, torch.ones_like(draws))
+    ids = torch.zeros_like(draws).scatter_(-1, group, draws)
+    shape = (*probs.shape[:-1], n)
+    return ids.reshape(shape), counts.reshape(shape)
+
+
+def sampled_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    temperature=1.0, mask=None) -> torch.Tensor:
+    """Cross entropy with sparse soft targets: ``-sum_j w_j log q(ids_j)`` per position (Random-Sampling KD).
+
+    With ``weights = counts / n`` from :func:`sample_teacher`, its expectation is H(p, q) = KL(p||q) + H(p),
+    so its gradient is the forward-KL gradient in expectation (the value is the soft-target CE, not the KL).
+    Zero-weight slots are padding.
+    """
+    log_q = _log_probs(student_logits, temperature)
+    per_token = -(weights.float() * log_q.gather(-1, ids.long())).sum(-1)
+    return _masked_mean(per_token, mask)
+
+
+# ---------------------------------------------------------------------------------------- temperature
+
+def grad_reverse(x: torch.Tensor, scale) -> torch.Tensor:
+    """Identity forward; the gradient is multiplied by ``-scale`` (Ganin & Lempitsky 2015, used by CTKD).
+
+    Written with tensors only (``-s x + detach((1 + s) x)``), so it works under ``torch.func`` transforms
+    and ``torch.compile``: a custom ``autograd.Function`` inside ``func.grad_and_value`` is silently
+    compiled with its natural, un-reversed gradient on torch 2.13.
+    """
+    return x * (-scale) + (x * (1 + scale)).detach()
+
+
+def cosine_ramp(step: torch.Tensor, ramp_steps: int) -> torch.Tensor:
+    """CTKD's gradient-reversal scale, cosine from 0 to 1 over ``ramp_steps`` steps (0: 1 throughout).
+
+    Step ``s`` (0-based) gets ``(1 - cos(pi * (s + 1) / ramp_steps)) / 2``: small but not zero on the first
+    step (a zero gradient would look like a dead parameter), exactly 1 from step ``ramp_steps - 1`` on.
+    """
+    if ramp_steps <= 0:
+        return torch.ones((), dtype=torch.float32, device=step.device)
+    progress = torch.clamp((step.to(torch.float32) + 1) / ramp_steps, 0.0, 1.0)
+    return 0.5 * (1.0 - torch.cos(math.pi * progress))
+
+
+def learnable_temperature(theta: torch.Tensor, step: torch.Tensor, *, t_min: float = 1.0, t_max: float = 21.0,
+                          ramp_steps: int = 0) -> torch.Tensor:
+    """CTKD's ``T = t_min + (t_max - t_min) * sigmoid(GRL(theta))``, the reversal scale ramped by ``step``."""
+    return t_min + (t_max - t_min) * torch.sigmoid(grad_reverse(theta.float(), cosine_ramp(step, ramp_steps)))
+
+
+def temperature_logit(temperature: float, t_min: float = 1.0, t_max: float = 21.0) -> float:
+    """The theta at which :func:`learnable_temperature` equals ``temperature`` (strictly inside the bounds)."""
+    if not t_min < temperature < t_max:
+        raise ValueError(f"a learnable temperature starts strictly between {t_min} and {t_max}, "
+                         f"not at {temperature}")
+    u = (temperature - t_min) / (t_max - t_min)
+    return math.log(u / (1 - u))
+
+
+def scheduled_temperature(step: torch.Tensor, total_steps: int, start: float, end: float) -> torch.Tensor:
+    """Linear from ``start`` (step 0) to ``end`` (step ``total_steps - 1`` and after), as a 0-d tensor."""
+    progress = torch.clamp(step.to(torch.float32) / max(total_steps - 1, 1), 0.0, 1.0)
+    return start + (end - start) * progress

@@ -1,0 +1,484 @@
+"""Knowledge distillation: ``bin/run recipe=distill teacher=PATH``: a frozen teacher teaches a smaller student.
+
+The objective is Hinton's ``alpha * T**2 * KL_T(teacher || student) + (1 - alpha) * CE`` (Hinton, Vinyals &
+Dean 2015) with forward, reverse or DistiLLM's symmetric KL (``models.losses``). The teacher is anything
+``models.loading.load_model`` reads (a purestep checkpoint or run folder, a Hugging Face folder, a GGUF
+file, the name ``smollm2``); its params are an input of the train step (``frozen``), not a trained leaf
+and not a baked-in constant, and its forward runs under ``torch.no_grad`` (never ``inference_mode``: the
+learnable temperature differentiates through the teacher's softened distribution).
+
+Students (``student=``):
+
+- ``config``: a fresh Llama of the ``model.*`` shape (unset keys take ``LlamaConfig``'s defaults, exactly
+  as ``recipe=standard``), vocabulary = the teacher's;
+- ``drop_layers``: the teacher with every other layer kept (0, 2, 4, ...), initialized from those layers'
+  weights and the teacher's embeddings and norms (DistilBERT, Sanh et al. 2019);
+- ``shrink``: the teacher's architecture with the ``model.*`` keys that are set replacing its widths
+  (heads, head and MLP widths follow unless set), randomly initialized;
+- ``init=CHECKPOINT`` instead: start from that model (e.g. to continue distilling a student).
+
+Temperatures (``temperature_mode=``): ``fixed``; ``scheduled`` (linear from ``temperature`` to
+``temperature_end`` over the run); ``learnable`` (CTKD, Li et al. AAAI 2023: ``T`` in
+``(temperature_min, temperature_max)`` through a gradient-reversal layer ramped in over
+``temperature_ramp_steps``; its parameter ``kd_temperature`` sits in the params pytree, so the same AdamW
+trains it, and as a 0-d leaf it is not weight-decayed). The step reaches the schedules through the batch:
+``batch["step"]`` is the data cursor, which is the optimizer step (after a spike rollback, which skips
+batches, the schedules follow the data).
+
+``cache=PATH`` trains from teacher outputs cached offline by ``recipe=distill_cache`` (top-k with an
+"other" bucket, or Random-Sampling KD) with no teacher forward at all. Validation reports the student's
+CE loss and perplexity (and the teacher's once, for reference). Checkpoints hold the student as a plain
+Llama (``model`` entry, tokenizer), so ``recipe=generate init=`` and ``recipe=standard init=`` take them.
+Data parallel (torchrun) works online, each rank running the teacher on its own rows; common keys that
+cannot apply here (``fim_rate``, ``orchestrator.*``, ``fault.*`` with an online teacher) are refused.
+
+``preset=smollm2`` is the short SmolLM2-135M-Instruct configuration::
+
+    OMP_NUM_THREADS=1 bin/run recipe=distill preset=smollm2 data=/path/to/tinyshakespeare.txt
+
+(100 steps of 4 x 64 tokens into a 16M-parameter student; 6.7 CPU-minutes on this 2-core machine, 16 minutes of
+wall time while it was shared with three other jobs; student val loss 6.11 against the teacher's 4.56.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import statistics
+import time
+import typing
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from core import checkpoint as ckpt, distributed
+from core.config import UserError, option, same_as, to_dict
+from core.data import prepare
+from core.device import resolve_device, synchronize
+from core.distributed import Dist
+from core.logging import Logger
+from core.state import init_state
+from core.step import make_eval_step
+from core.telemetry import flops_per_token
+from core.tree import cast, named_leaves, size, tree_map
+from models import llama, losses
+from models.loading import LoadedModel, load_model, model_entry
+from models.sampling import generate
+from recipes import standard
+from recipes.loop import LoopState, Steps, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
+from recipes.train_config import TrainConfig
+
+DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
+
+STUDENTS = ("config", "drop_layers", "shrink")
+TEMPERATURE_MODES = ("fixed", "scheduled", "learnable")
+THETA = "kd_temperature"          # the learnable temperature's logit in the params pytree
+
+
+def _optional_fields(cls, name: str, help_: str):
+    """A copy of dataclass ``cls`` whose every field is ``X | None = None`` ("unset")."""
+    hints = typing.get_type_hints(cls)
+    return dataclasses.make_dataclass(
+        name, [(f.name, Optional[hints[f.name]], option(None, help_)) for f in dataclasses.fields(cls)])
+
+
+StudentModel = _optional_fields(llama.LlamaConfig, "StudentModel",
+                                "student shape (student=config: unset = LlamaConfig default; shrink: the teacher's)")
+
+
+@dataclass
+class Config(TrainConfig):
+    teacher: str = option("", "teacher: checkpoint or run folder, Hugging Face folder, .gguf, or 'smollm2'")
+    student: str = option("config", "student: config (model.*), drop_layers (every other teacher layer), "
+                                    "shrink (teacher shape, model.* widths)", choices=STUDENTS)
+    model: StudentModel = option(StudentModel, "student shape for student=config/shrink")
+    alpha: float = option(0.5, "weight of the KD term: alpha*T^2*KL + (1-alpha)*CE")
+    temperature: float = option(1.0, "softmax temperature T (the start value when scheduled or learnable)")
+    temperature_mode: str = option("fixed", "fixed, scheduled (linear to temperature_end), learnable (CTKD)",
+                                   choices=TEMPERATURE_MODES)
+    temperature_end: float = option(1.0, "scheduled: the temperature at the last step")
+    temperature_min: float = option(1.0, "learnable: lower bound of T (CTKD: 1)")
+    temperature_max: float = option(21.0, "learnable: upper bound of T (CTKD: 1 + 20)")
+    temperature_ramp_steps: int = option(200, "learnable: steps of the cosine ramp of the gradient reversal (0: none)")
+    kl: str = option("forward", "KL direction: forward KL(p||q), reverse KL(q||p), symmetric (DistiLLM)",
+                     choices=losses.DIRECTIONS)
+    symmetric_lambda: float = option(0.9, "kl=symmetric: weight of the reverse KL")
+    cache: str = option("", "train from this offline teacher cache (recipe=distill_cache); empty: online teacher")
+    sample_tokens: int = same_as(standard.Config, "sample_tokens")
+    sample_prompt: str = same_as(standard.Config, "sample_prompt")
+    sample_temperature: float = same_as(standard.Config, "sample_temperature")
+
+
+PRESETS = {
+    # SmolLM2-135M-Instruct into a 16M-param student (49k-vocab embeddings + 4 blocks of d=256), 100 x 256 tokens;
+    # the teacher's forward (~1.7 s per step on one core) dominates. See the module docstring for the figures.
+    "smollm2": {"teacher": "smollm2", "student": "config", "model": {"d_model": 256, "n_layers": 4, "n_heads": 4},
+                "block_size": 64, "batch_size": 4, "steps": 100, "warmup_steps": 10, "lr": 2e-3, "min_lr": 2e-4,
+                "eval_every": 50, "eval_batches": 8, "save_every": 0, "log_every": 5, "sample_tokens": 48,
+                "compile": False},
+}
+
+
+# ---------------------------------------------------------------------------------------------- teacher
+
+def load_teacher(path: str, device) -> LoadedModel:
+    """The teacher as a ``LoadedModel`` (a missing or unreadable path is a one-line UserError)."""
+    if not path:
+        raise UserError("recipe=distill needs teacher=PATH (a checkpoint or run folder, a Hugging Face folder, "
+                        "a .gguf file, or 'smollm2')")
+    return load_model(path, device=device)
+
+
+def tokenizer_for(teacher, spec: str):
+    """The teacher's tokenizer; ``tokenizer=`` only for a teacher stored without one."""
+    if teacher.tokenizer is None:
+        return spec
+    if spec != TrainConfig.tokenizer:
+        raise UserError(f"tokenizer={spec}: distillation uses the teacher's own tokenizer "
+                        f"({teacher.tokenizer.name}); leave tokenizer unset")
+    return teacher.tokenizer
+
+
+def fingerprint(params) -> str:
+    """SHA-256 (16 hex digits) over every param's name, shape, dtype and bytes: the teacher's identity."""
+    h = hashlib.sha256()
+    for name, t in named_leaves(params):
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def teacher_identity(teacher) -> dict:
+    return {"source": teacher.source, "format": teacher.format, "fingerprint": fingerprint(teacher.params)}
+
+
+def data_identity(corpus) -> dict:
+    """What a cache must match of the data: the token cache key (files, sizes, mtimes, tokenizer) and length."""
+    return {"source": corpus.meta["source"], "tokens": os.path.basename(corpus.path),
+            "train_tokens": int(corpus.meta["train_tokens"])}
+
+
+def teacher_data(teacher, tokenizer_spec: str, data: str):
+    """``(corpus, tokenizer)``: ``data`` tokenized with the teacher's tokenizer, checked against its vocab."""
+    corpus = prepare(data, tokenizer_for(teacher, tokenizer_spec))
+    tok = corpus.tokenizer
+    if tok.vocab_size > teacher.config.vocab_size:
+        raise UserError(f"teacher {teacher.source}: its vocabulary ({teacher.config.vocab_size}) is smaller "
+                        f"than the tokenizer's ({tok.vocab_size})")
+    return corpus, tok
+
+
+# ---------------------------------------------------------------------------------------------- student
+
+WIDTH_DEPENDENTS = {"head_dim": ("d_model", "n_heads"), "ffn_dim": ("d_model",)}
+
+
+def build_student(cfg: Config, teacher: LoadedModel, device) -> tuple[llama.LlamaConfig, dict, str]:
+    """``(config, params, description)`` of the student (without the temperature parameter)."""
+    vocab = teacher.config.vocab_size
+    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if v is not None}
+    if overrides.pop("vocab_size", vocab) != vocab:
+        raise UserError(f"model.vocab_size={cfg.model.vocab_size}: the student shares the teacher's "
+                        f"vocabulary ({vocab}); leave it unset")
+    if cfg.init:
+        if cfg.student != "config" or overrides:
+            raise UserError("init=PATH starts the student from that checkpoint: leave student= and model.* unset")
+        start = load_model(cfg.init, device=device)
+        if start.config.vocab_size != vocab:
+            raise UserError(f"init={cfg.init}: its vocabulary ({start.config.vocab_size}) differs from the "
+                            f"teacher's ({vocab})")
+        return start.config, {k: v for k, v in start.params.items() if k != THETA}, \
+            f"from {start.source} ({start.format})"
+    if cfg.student == "drop_layers":
+        if overrides:
+            raise UserError(f"student=drop_layers copies the teacher's shape; model.* keys "
+                            f"({', '.join(sorted(overrides))}) apply to student=config or shrink")
+        return _drop_layers(teacher, device)
+    try:
+        if cfg.student == "config":
+            scfg, how = llama.LlamaConfig(**{**overrides, "vocab_size": vocab}), "fresh, model.* shape"
+        else:
+            scfg, how = _shrink(teacher.config, overrides), "fresh, the teacher's architecture with model.* widths"
+    except ValueError as e:
+        raise UserError(f"student={cfg.student}: {e}") from None
+    return scfg, llama.init(scfg, cfg.seed, device=device), how
+
+
+def _drop_layers(teacher: LoadedModel, device):
+    """Every other teacher layer (0, 2, 4, ...) with the teacher's embeddings and norms (DistilBERT's init)."""
+    n = teacher.config.n_layers
+    keep = list(range(0, n, 2))
+    layers = tree_map(lambda w: w[keep].clone(), teacher.params["layers"])
+    params = {**{k: v.clone() for k, v in teacher.params.items() if k != "layers"}, "layers": layers}
+    return (replace(teacher.config, n_layers=len(keep)), cast(params, device=device),
+            f"teacher layers 0, 2, ..., {keep[-1]} ({len(keep)} of {n}), initialized from their weights")
+
+
+def _shrink(tcfg: llama.LlamaConfig, overrides: dict) -> llama.LlamaConfig:
+    """The teacher's config with ``overrides``; head/MLP widths and KV heads follow new widths unless set."""
+    base = dataclasses.asdict(tcfg)
+    for derived, inputs in WIDTH_DEPENDENTS.items():
+        if derived not in overrides and any(k in overrides for k in inputs):
+            base[derived] = 0                          # recomputed from the new widths by LlamaConfig
+    if "n_heads" in overrides and "n_kv_heads" not in overrides:
+        base["n_kv_heads"] = max(1, overrides["n_heads"] // (tcfg.n_heads // tcfg.n_kv_heads))   # same grouping
+    return llama.LlamaConfig(**{**base, **overrides})
+
+
+# ---------------------------------------------------------------------------------------------- the step
+
+def check_temperature(cfg: Config):
+    if cfg.temperature <= 0 or (cfg.temperature_mode == "scheduled" and cfg.temperature_end <= 0):
+        raise UserError("temperatures must be > 0")
+    if not 0.0 <= cfg.alpha <= 1.0:
+        raise UserError(f"bad value for 'alpha': {cfg.alpha}; it must be in [0, 1]")
+    if cfg.temperature_mode == "learnable":
+        try:
+            return losses.temperature_logit(cfg.temperature, cfg.temperature_min, cfg.temperature_max)
+        except ValueError:
+            raise UserError(f"temperature_mode=learnable starts at temperature={cfg.temperature}, which must lie "
+                            f"strictly between temperature_min={cfg.temperature_min} and "
+                            f"temperature_max={cfg.temperature_max} (e.g. temperature=2)") from None
+    return None
+
+
+def make_loss(cfg: Config, student_cfg: llama.LlamaConfig, teacher_cfg: llama.LlamaConfig, cache_mode: str = ""):
+    """``loss_fn(params, batch, key, frozen)``: the KD objective, online (``frozen["teacher"]``) or cached."""
+
+    def temperature(params, step):
+        if cfg.temperature_mode == "learnable":
+            return losses.learnable_temperature(params[THETA], step, t_min=cfg.temperature_min,
+                                                t_max=cfg.temperature_max, ramp_steps=cfg.temperature_ramp_steps)
+        if cfg.temperature_mode == "scheduled":
+            return losses.scheduled_temperature(step, cfg.steps, cfg.temperature, cfg.temperature_end)
+        return cfg.temperature
+
+    def loss_fn(params, batch, key, frozen=None):
+        logits = llama.apply(params, batch["x"], student_cfg, key=key if student_cfg.dropout > 0 else None,
+                             remat=cfg.remat)
+        t, y = temperature(params, batch["step"]), batch["y"]
+        if not cache_mode:
+            with torch.no_grad():
+                teacher_logits = llama.apply(frozen["teacher"], batch["x"], teacher_cfg)
+            return losses.distill_objective(logits, y, teacher_logits, alpha=cfg.alpha, temperature=t,
+                                            direction=cfg.kl, symmetric_lambda=cfg.symmetric_lambda)
+        if cache_mode == "topk":
+            kl = losses.topk_kd_loss(logits, batch["topk_ids"], batch["topk_logprobs"], batch["topk_missing"],
+                                     t, mask=y >= 0)
+        else:
+            counts = batch["sample_counts"].float()
+            kl = losses.sampled_kd_loss(logits, batch["sample_ids"], counts / counts.sum(-1, keepdim=True), t,
+                                        mask=y >= 0)
+        return losses.blend(kl, losses.cross_entropy(logits, y), alpha=cfg.alpha, temperature=t)
+
+    return loss_fn
+
+
+class DistillBatches:
+    """The data's batches plus ``step`` (the cursor, for temperature schedules) and, with a cache, the
+    teacher's cached targets for that cursor. ``get(cursor)`` stays a pure function of the cursor."""
+
+    def __init__(self, batches, cache=None):
+        self.batches, self.cache = batches, cache
+
+    def get(self, cursor: int) -> dict:
+        batch = self.batches.get(cursor)
+        x = batch["x"]
+        lead = x.shape[:1] if x.dim() == 3 else ()          # one step value per micro-batch
+        batch["step"] = torch.full(lead, int(cursor), dtype=torch.int64, device=x.device)
+        if self.cache is not None:
+            batch.update(self.cache.targets(cursor, x.device))
+        return batch
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+@dataclass
+class Prepared:
+    """Everything a run needs, built and checked before the run folder is touched."""
+    dist: Dist
+    device: torch.device
+    teacher: LoadedModel
+    teacher_id: dict
+    corpus: object
+    tok: object
+    student_cfg: llama.LlamaConfig
+    student_how: str
+    state: object
+    steps: Steps           # train step, student CE eval step, health, DistillBatches
+    val_batches: object
+    frozen: Optional[dict]
+    cache: object
+
+
+def check_keys(cfg: Config, world_size: int):
+    """The common training keys this recipe cannot honour are refused, never ignored."""
+    if cfg.fim_rate > 0:
+        raise UserError(f"fim_rate={cfg.fim_rate}: fill-in-the-middle adds sentinel ids the teacher never saw; "
+                        f"distill without it")
+    if cfg.orchestrator.enabled:
+        raise UserError("orchestrator.enabled=true is not wired into recipe=distill (recipe=standard has it)")
+    if cfg.cache and world_size > 1:
+        raise UserError("cache= is keyed by the single-process batch; run data-parallel distillation online")
+    if cfg.fault.active and not cfg.cache:
+        raise UserError("fault.* injection wraps the loss without the frozen teacher; use it with cache= "
+                        "(or in recipe=standard)")
+
+
+def prepare_run(cfg: Config) -> Prepared:
+    dist, device = distributed.init(resolve_device(cfg.device))
+    check_keys(cfg, dist.world_size)
+    theta0 = check_temperature(cfg)
+    teacher = load_teacher(cfg.teacher, device)
+    with dist.main_first():   # rank 0 tokenizes into the cache, the others then read it
+        corpus, tok = teacher_data(teacher, cfg.tokenizer, cfg.data)
+    student_cfg, params, how = build_student(cfg, teacher, device)
+    teacher_id = teacher_identity(teacher)
+    cache = None
+    if cfg.cache:
+        from recipes.distill_cache import TeacherCache
+        cache = TeacherCache.open(cfg.cache)
+        cache.check_run(cfg, teacher_id, data_identity(corpus))
+    if theta0 is not None:
+        params[THETA] = torch.tensor(theta0, dtype=torch.float32, device=device)
+    batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device,
+                             rank=dist.rank, world_size=dist.world_size)
+    val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
+                                      device=device)
+    optimizer = make_optimizer(cfg)
+    state = init_state(params, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled)
+    loss_fn = make_loss(cfg, student_cfg, teacher.config, cache.mode if cache else "")
+    steps = build_steps(cfg, loss_fn, optimizer, params, batches, device, student_cfg.vocab_size, dist)
+    eval_step = make_eval_step(lambda prm, b: llama.loss(prm, b, student_cfg), precision=cfg.dtype,
+                               device_type=device.type, compile=cfg.compile)
+    steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
+    return Prepared(dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, state, steps, val_batches,
+                    None if cache else {"teacher": teacher.params}, cache)
+
+
+def train_flops_per_token(p: Prepared, cfg: Config) -> float:
+    """The student's training FLOPs per token plus, online, the teacher's forward (a third of its training)."""
+    s, t = p.student_cfg, p.teacher.config
+    student = {k: v for k, v in p.state.params.items() if k != THETA}
+    flops = flops_per_token(llama.matmul_params(student), s.n_layers, cfg.block_size, s.d_model)
+    if p.cache is None:
+        flops += flops_per_token(llama.matmul_params(p.teacher.params), t.n_layers, cfg.block_size, t.d_model) / 3
+    return flops
+
+
+def run(cfg: Config):
+    folder = run_folder(cfg, "distill")
+    # everything that can fail on bad input happens before the run folder is touched
+    p = prepare_run(cfg)
+    resume = resolve_run_folder(cfg, folder)
+    state, loop = p.state, LoopState()
+    if resume is not None:
+        loaded = ckpt.load(resume, template=state, device=p.device)
+        if loaded.get("tokenizer") and loaded["tokenizer"] != p.tok.to_dict():
+            raise UserError(f"{resume}: its tokenizer differs from this run's ({p.tok.name}); use another out=")
+        old = (loaded.get("teacher") or {}).get("fingerprint")
+        if old and old != p.teacher_id["fingerprint"]:
+            raise UserError(f"{resume}: it was distilled from another teacher ({loaded['teacher']['source']}); "
+                            f"use another out=")
+        state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
+
+    scfg, tok, device, dist = p.student_cfg, p.tok, p.device, p.dist
+    prompt = tok.encode(cfg.sample_prompt) if cfg.sample_prompt else p.corpus.val[:32].tolist()
+
+    def sample(params) -> str:
+        decode = llama.decoder(params, scfg, 1, len(prompt) + cfg.sample_tokens)
+        out = generate(decode, torch.tensor([prompt], device=device), cfg.sample_tokens,
+                       temperature=cfg.sample_temperature, generator=torch.Generator(device).manual_seed(cfg.seed))
+        return tok.decode(prompt + out[0].tolist())
+
+    checkpoints = ckpt.CheckpointManager(folder, keep_last=cfg.keep_last, save_every=cfg.save_every) \
+        if dist.is_main else None
+    extra = {"config": to_dict(cfg), "model": model_entry(scfg), "tokenizer": tok.to_dict(), "recipe": "distill",
+             "teacher": p.teacher_id}
+    student_params = {k: v for k, v in state.params.items() if k != THETA}
+    tcfg = p.teacher.config
+    with Logger(folder, enabled=dist.is_main) as logger:
+        logger.hparams(to_dict(cfg), {"val/loss": None})
+        logger.print(f"distill: teacher {p.teacher.format}: {p.teacher.source} ({size(p.teacher.params) / 1e6:.2f}M "
+                     f"params, {tcfg.n_layers} layers, d={tcfg.d_model})")
+        logger.print(f"student ({'init' if cfg.init else cfg.student}: {p.student_how}): "
+                     f"{size(student_params) / 1e6:.2f}M params, {scfg.n_layers} layers, d={scfg.d_model}; "
+                     f"vocab {tcfg.vocab_size} ({tok.name}); data {p.corpus.meta['source']}: {len(p.corpus.train):,} "
+                     f"train / {len(p.corpus.val):,} val tokens; device {device}, {cfg.dtype}, compile={cfg.compile}; "
+                     f"run folder {folder}")
+        logger.print(f"objective: {cfg.alpha:g} * T^2 * {cfg.kl} KL + {1 - cfg.alpha:g} * CE, temperature "
+                     f"{_describe_temperature(cfg)}; teacher "
+                     + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online (frozen, no_grad)"))
+        if resume is not None:
+            logger.print(f"resuming from {resume} at step {int(state.step)}")
+        else:
+            teacher_eval = make_eval_step(lambda prm, b: llama.loss(prm, b, tcfg), precision=cfg.dtype,
+                                          device_type=device.type)
+            teacher_val = evaluate(teacher_eval, p.teacher.params, p.val_batches, dist=dist)
+            logger.scalars(0, {"val/teacher_loss": teacher_val})
+            logger.print(f"teacher: val loss {teacher_val:.4f}, perplexity {math.exp(min(teacher_val, 50.0)):.2f}")
+        result = fit(cfg, state, p.steps, logger=logger, checkpoints=checkpoints,
+                     checkpoint_extra=lambda: extra, loop=loop, frozen=p.frozen, dist=dist,
+                     evaluate_fn=lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
+                     sample_fn=sample if cfg.sample_tokens > 0 and dist.is_main else None,
+                     tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
+                     flops_per_token=train_flops_per_token(p, cfg))
+        if result.stop_reason:
+            pass  # fit said why it stopped and how to resume
+        elif result.val_loss is not None:
+            learned = f", final T {learned_temperature(result.state.params, cfg):.3f}" \
+                if cfg.temperature_mode == "learnable" else ""
+            logger.print(f"done: step {int(result.state.step)}, student val loss {result.val_loss:.4f}, perplexity "
+                         f"{math.exp(min(result.val_loss, 50.0)):.2f} (best {result.loop.best_val:.4f}){learned}; "
+                         f"tensorboard --logdir {folder}")
+        else:
+            logger.print(f"nothing to do: {folder} is already trained to step {int(result.state.step)} "
+                         f"(raise steps= to continue)")
+    distributed.shutdown()
+    return result
+
+
+def learned_temperature(params, cfg: Config) -> float:
+    """The learnable temperature's current value (host float, for messages)."""
+    u = torch.sigmoid(params[THETA].float()).item()
+    return cfg.temperature_min + (cfg.temperature_max - cfg.temperature_min) * u
+
+
+def _describe_temperature(cfg: Config) -> str:
+    if cfg.temperature_mode == "scheduled":
+        return f"{cfg.temperature:g} -> {cfg.temperature_end:g} (linear)"
+    if cfg.temperature_mode == "learnable":
+        return (f"learnable from {cfg.temperature:g} in ({cfg.temperature_min:g}, {cfg.temperature_max:g}), "
+                f"gradient reversal ramped over {cfg.temperature_ramp_steps} steps")
+    return f"{cfg.temperature:g}"
+
+
+# ---------------------------------------------------------------------------------------------- benchmark
+
+def step_time_ratio(online: Config, cached: Config, steps: int = 10, warmup: int = 2) -> dict:
+    """Median step time of training from ``cached.cache`` over training with the online teacher.
+
+    Both runs are prepared in this process and timed in interleaved rounds (A B A B ...), so machine noise
+    hits both alike; the ratio is the result (this machine is shared). Returns seconds and the ratio.
+    """
+    runs = {"online": prepare_run(online), "cached": prepare_run(cached)}
+    states = {k: r.state for k, r in runs.items()}
+    times: dict[str, list] = {k: [] for k in runs}
+    for i in range(warmup + steps):
+        for name, r in runs.items():
+            batch = r.steps.batches.get(i)
+            t0 = time.perf_counter()
+            args = (states[name], batch) + ((r.frozen,) if r.frozen is not None else ())
+            states[name], metrics = r.steps.train(*args)
+            metrics["loss"].item()
+            synchronize(r.device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    online_s, cached_s = statistics.median(times["online"]), statistics.median(times["cached"])
+    out = {"online_s": online_s, "cached_s": cached_s, "ratio": cached_s / online_s}
+    print(f"step time: online teacher {online_s * 1e3:.1f} ms, {runs['cached'].cache.describe()} "
+          f"{cached_s * 1e3:.1f} ms: cached/online = {out['ratio']:.3f} (median of {steps}, interleaved)")
+    return out
