@@ -275,6 +275,10 @@ _SIZED = {0xC4: ("bin", ">B"), 0xC5: ("bin", ">H"), 0xC6: ("bin", ">I"),
 _FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}
 
 
+def _is_dim(d) -> bool:
+    return type(d) is int and 0 <= d < 1 << 62
+
+
 class _Reader:
     """A msgpack decoder over a file that reads array bytes straight into tensors (or seeks past them)."""
 
@@ -356,7 +360,7 @@ class _Reader:
             raise _Corrupt(f"array payload at offset {start} is not [shape, dtype, bytes]")
         shape, name = self.value(), self.value()
         name = name.decode() if isinstance(name, bytes) else name
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(_is_dim(d) for d in shape):
             raise _Corrupt(f"bad array shape {shape!r} at offset {start}")
         if name not in DTYPES:
             raise _Corrupt(f"unsupported array dtype {name!r} at offset {start}")
@@ -399,13 +403,13 @@ class _Reader:
         for _ in range(rest):
             key = self.key()
             shape = parts.get("shape")
-            if key == "chunks" and isinstance(shape, dict) and all(isinstance(d, int) for d in shape.values()):
+            if key == "chunks" and isinstance(shape, dict) and all(_is_dim(d) for d in shape.values()):
                 parts[key] = self.chunks_into(math.prod(shape.values()), at)
             else:
                 parts[key] = self.value()
         shape, chunks = parts.get("shape"), parts.get("chunks")
         if flag is not True or set(parts) != {"shape", "chunks"} or not isinstance(shape, dict) or \
-                not all(isinstance(d, int) and d >= 0 for d in shape.values()):
+                not all(_is_dim(d) for d in shape.values()):
             raise _Corrupt(f"chunked array at offset {at} is not {{flag, shape, chunks}}")
         if isinstance(chunks, dict):
             pieces = [chunks.get(str(i)) for i in range(len(chunks))]
