@@ -30,7 +30,7 @@ batches, the schedules follow the data).
 CE loss and perplexity (and the teacher's once, for reference). Checkpoints hold the student as a plain
 Llama (``model`` entry, tokenizer), so ``recipe=generate init=`` and ``recipe=standard init=`` take them.
 Data parallel (torchrun) works online, each rank running the teacher on its own rows; common keys that
-cannot apply here (``fim_rate``, ``orchestrator.*``, ``fault.*`` with an online teacher) are refused.
+cannot apply here (``fim_rate``, ``orchestrator.*``) are refused.
 
 ``preset=smollm2`` is the short SmolLM2-135M-Instruct configuration::
 
@@ -323,9 +323,6 @@ def check_keys(cfg: Config, world_size: int):
         raise UserError("orchestrator.enabled=true is not wired into recipe=distill (recipe=standard has it)")
     if cfg.cache and world_size > 1:
         raise UserError("cache= is keyed by the single-process batch; run data-parallel distillation online")
-    if cfg.fault.active and not cfg.cache:
-        raise UserError("fault.* injection wraps the loss without the frozen teacher; use it with cache= "
-                        "(or in recipe=standard)")
 
 
 def prepare_run(cfg: Config) -> Prepared:

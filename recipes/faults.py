@@ -7,6 +7,7 @@ cursor, like real bad data: a rollback that skips past those batches never sees 
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +45,17 @@ class FaultyBatches:
 
 
 def with_faults(loss_fn):
-    """A loss that honours ``batch["loss_multiplier"]`` (present only when faults are configured)."""
+    """A loss that honours ``batch["loss_multiplier"]`` (present only when faults are configured).
 
-    def faulty(params, batch, key):
-        out = loss_fn(params, batch, key)
+    It keeps ``loss_fn``'s signature: ``frozen`` (a teacher's params) is passed on when the loss takes it.
+    """
+    takes_frozen = "frozen" in inspect.signature(loss_fn).parameters
+
+    def scaled(out, batch):
         if isinstance(out, tuple):
             return out[0] * batch["loss_multiplier"], out[1]
         return out * batch["loss_multiplier"]
 
-    return faulty
+    if takes_frozen:
+        return lambda params, batch, key, frozen: scaled(loss_fn(params, batch, key, frozen=frozen), batch)
+    return lambda params, batch, key: scaled(loss_fn(params, batch, key), batch)

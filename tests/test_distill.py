@@ -406,7 +406,6 @@ BAD = {
     "drop_layers with a shape": (["student=drop_layers"], "model.*"),
     "not a cache": (["cache={tmp}"], "not a teacher cache"),
     "another tokenizer": (["tokenizer=char"], "teacher's own tokenizer"),
-    "faults with an online teacher": (["fault.inject_nan_at=3"], "fault.*"),
     "init with a student shape": (["init={teacher}"], "leave student= and model.* unset"),
     "fill-in-the-middle": (["fim_rate=0.5"], "sentinel ids the teacher never saw"),
     "orchestrator": (["orchestrator.enabled=true"], "not wired into recipe=distill"),
@@ -426,6 +425,15 @@ def test_bad_input_is_one_line_and_touches_nothing(case, corpus, teacher, caches
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
     assert not out.exists()
+
+
+def test_a_nan_fault_is_skipped_with_an_online_teacher(corpus, teacher, tmp_path):
+    out = tmp_path / "nan"
+    assert main(["recipe=distill", f"data={corpus}", f"teacher={teacher}", f"out={out}", *COMMON, *STUDENT,
+                 "steps=6", "eval_every=0", "log_every=3", "spike.enabled=false", "fault.inject_nan_at=2"]) == 0
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    skipped = {r["step"]: r["skipped"] for r in rows if "skipped" in r}
+    assert skipped[3] == pytest.approx(1 / 3) and skipped[6] == 0.0
 
 
 def test_distill_cache_refuses_to_overwrite(corpus, teacher, caches, capsys):
