@@ -40,7 +40,6 @@ class Telemetry:
     losses: deque = field(default_factory=deque)      # (step, loss) of the last `window` finite steps
     spikes: deque = field(default_factory=deque)      # steps of soft spikes within the window
     loss_ema: float = math.nan
-    spikes_since_decision: int = 0
     nonfinite: int = 0
 
     def observe(self, step: int, loss: float, grad_norm: float, z_loss: float, z_grad: float,
@@ -51,7 +50,6 @@ class Telemetry:
             self.nonfinite += 1
         if spike:
             self.spikes.append(step)
-            self.spikes_since_decision += 1
         else:
             self.loss_ema = loss if math.isnan(self.loss_ema) else self.ema * self.loss_ema + (1 - self.ema) * loss
         if finite:
@@ -97,14 +95,13 @@ class Telemetry:
 
     def state_dict(self) -> dict:
         return {"losses": [list(x) for x in self.losses], "spikes": list(self.spikes),
-                "loss_ema": None if math.isnan(self.loss_ema) else self.loss_ema,
-                "spikes_since_decision": self.spikes_since_decision, "nonfinite": self.nonfinite}
+                "loss_ema": None if math.isnan(self.loss_ema) else self.loss_ema, "nonfinite": self.nonfinite}
 
     def load_state_dict(self, d: dict) -> None:
         self.losses = deque((int(s), float(y)) for s, y in d["losses"])
         self.spikes = deque(int(s) for s in d["spikes"])
         self.loss_ema = math.nan if d["loss_ema"] is None else float(d["loss_ema"])
-        self.spikes_since_decision, self.nonfinite = int(d["spikes_since_decision"]), int(d["nonfinite"])
+        self.nonfinite = int(d["nonfinite"])
 
 
 @dataclass

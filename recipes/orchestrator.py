@@ -15,7 +15,7 @@ fixes what the seed framework got wrong (caramba-notes 3, W1-W11):
   current step (``optim.strategies.transfer``). Each is scored on a held-out probe (fixed validation
   windows, not training data); rewards normalized to [0, 1] update the bandit; the best probe loss wins,
   but a challenger must beat the current strategy by ``switch_margin`` (relative) to replace it, so probe
-  noise does not churn strategies; a branch that went non-finite or hard-spiked cannot win. Training continues
+  noise does not churn strategies; a branch that hard-spiked or broke the safety rule cannot win. Training continues
   from the winner's branch state: its steps are kept, the cursor is past the horizon. If the current
   strategy wins, the result is bitwise what training on without the orchestrator would have produced.
   A decision is deferred rather than let its horizon jump over an evaluation or checkpoint step.
@@ -104,7 +104,7 @@ class Jump:
 
 class Orchestrator:
     def __init__(self, cfg, *, make_step: Callable, batches, probe, eval_step: Callable, logger, folder,
-                 saved: Optional[dict] = None, run: Optional[RunSpec] = None):
+                 saved: Optional[dict] = None, run: Optional[RunSpec] = None, main_process: bool = True):
         o = cfg.orchestrator
         self.cfg, self.o, self.run = cfg, o, run or run_spec(cfg)
         self.make_step, self.batches, self.eval_step, self.logger = make_step, batches, eval_step, logger
@@ -120,7 +120,7 @@ class Orchestrator:
         self.snapshots: deque = deque(maxlen=o.nowcast.window)
         self.records: list = []                         # every decision record of this session (tests read it)
         self._steps: dict = {}
-        self.path = Path(folder) / "orchestrator.jsonl"
+        self.path = Path(folder) / "orchestrator.jsonl" if main_process else None   # rank 0 alone writes
         if saved:
             self.load_state_dict(saved)
 
@@ -180,7 +180,6 @@ class Orchestrator:
         self.last_decision, self.interval = to_step, self.o.decision_interval
         self.telemetry.losses = deque(x for x in self.telemetry.losses if x[0] <= to_step)
         self.telemetry.spikes = deque(s for s in self.telemetry.spikes if s <= to_step)
-        self.telemetry.spikes_since_decision = 0
         self.snapshots.clear()
         self.buffer.clear()
         self._record(step, "rollback", {"to_step": to_step, "from_strategy": was, "strategy": target})
@@ -222,7 +221,7 @@ class Orchestrator:
         phase = self.telemetry.phase(step, self.cfg.steps, self.cfg.warmup_steps)
         if since >= self.interval:
             return "periodic"
-        if since >= self.o.min_gap and self.telemetry.spikes_since_decision >= self.o.spike_trigger:
+        if since >= self.o.min_gap and phase == "unstable":
             return "spikes"
         if since >= max(self.o.min_gap, self.interval // 2) and phase == "plateau":
             return "plateau"
@@ -263,8 +262,9 @@ class Orchestrator:
                 used.append(c)
             losses = torch.stack([m["loss"].float() for m in metrics]).cpu()
             hard = bool(metrics[-1]["spike"] > 0) if "spike" in metrics[-1] else False
+            exploded = any(self.telemetry.exploding(x, self.o.max_loss_increase) for x in losses.tolist())
             probe = self.probe_loss(branch.params, frozen)
-            ok = math.isfinite(probe) and bool(torch.isfinite(losses).all()) and not hard
+            ok = math.isfinite(probe) and not exploded and not hard
             scores[name] = probe if ok else math.inf
             branch_loss[name] = float(losses.mean())
             cursors[name] = used
@@ -276,7 +276,6 @@ class Orchestrator:
         rewards = normalized_rewards(scores)
         self.bandit.update(rewards)
         self.counters["decisions"] += 1
-        self.telemetry.spikes_since_decision = 0
         if incumbent is not None and (best is None or best[0] >= incumbent[0] * (1 - self.o.switch_margin)):
             best = incumbent                               # a challenger must win by switch_margin
         if best is None:                                   # every branch diverged: roll back instead
@@ -338,8 +337,9 @@ class Orchestrator:
         cursors = row.pop("_cursors", None)
         if kind == "decision":
             self.records.append({**row, "cursors_by_candidate": cursors})
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
         self.logger.event(step, f"orchestrator_{kind}", **{k: v for k, v in row.items() if k not in ("step", "kind")})
         scalars = {"orchestrator/strategy": NAMES.index(self.current), **{f"orchestrator/{k}": v for k, v in
                    self.counters.items()}}

@@ -25,20 +25,20 @@ class OrchestratorConfig:
     initial: str = option("adamw", "strategy to start with (adamw: the run's own optimizer)", choices=NAMES)
     portfolio: str = option(",".join(NAMES), "comma-separated strategies the bandit chooses from")
     safety_strategy: str = option("conservative_adamw", "strategy after a rollback", choices=NAMES)
-    decision_interval: int = option(250, "steps between periodic decisions (doubled, up to max_backoff x, "
+    decision_interval: int = option(500, "steps between periodic decisions (doubled, up to max_backoff x, "
                                          "each time the current strategy wins)")
     max_backoff: int = option(8, "cap of the decision interval's doubling, as a multiple of decision_interval")
     min_gap: int = option(50, "fewest steps between two decisions (spike and plateau triggers)")
     eval_horizon: int = option(25, "steps each candidate trains in a decision (the winner's are kept)")
-    candidates: int = option(3, "strategies compared per decision, the current one included")
-    switch_margin: float = option(0.005, "a challenger replaces the current strategy only if its probe loss is "
+    candidates: int = option(2, "strategies compared per decision, the current one included")
+    switch_margin: float = option(0.01, "a challenger replaces the current strategy only if its probe loss is "
                                          "lower by this fraction")
     probe_batches: int = option(4, "held-out validation batches that score the candidates")
     max_loss_increase: float = option(1.5, "safety: a loss above this x its EMA (or non-finite) rolls back")
     spike_z: float = option(3.0, "a step is a soft spike when the step's loss or grad-norm z-score exceeds this")
-    spike_trigger: int = option(3, "soft spikes (within window, or since the last decision) that call a decision")
-    window: int = option(50, "steps of loss history for the slope, the plateau test and the spike count")
-    plateau_tol: float = option(0.01, "plateau: the fitted loss decrease over window is below this fraction")
+    spike_trigger: int = option(3, "soft spikes within window that make the phase unstable and call a decision")
+    window: int = option(100, "steps of loss history for the slope, the plateau test and the spike count")
+    plateau_tol: float = option(0.002, "plateau: the fitted loss decrease over window is below this fraction")
     ucb_gamma: float = option(0.9, "discount of the bandit statistics per decision (Garivier & Moulines)")
     ucb_xi: float = option(0.6, "exploration constant xi of discounted UCB")
     swats_eps: float = option(1e-5, "SWATS switches when abs(Lambda - gamma) is below this (paper: 1e-9, which rarely fires)")

@@ -118,7 +118,7 @@ def run(cfg: Config):
         orchestrator = Orchestrator(
             cfg, make_step=lambda opt: build_steps(cfg, loss_fn, opt, params, batches, device, vocab, dist).train,
             batches=steps.batches, probe=probe_batches(corpus.val, cfg), eval_step=steps.eval, logger=logger,
-            folder=folder, saved=saved_orchestrator) if orchestrated else None
+            folder=folder, saved=saved_orchestrator, main_process=dist.is_main) if orchestrated else None
         result = fit(cfg, state, orchestrator.attach(steps) if orchestrated else steps, logger=logger,
                      checkpoints=checkpoints, orchestrator=orchestrator,
                      checkpoint_extra=lambda: extra, loop=loop,

@@ -1,0 +1,135 @@
+"""The orchestrator's acceptance figures, measured in one process (ratios against a baseline run here).
+
+    python -m recipes.orchestrator_bench [data=PATH] [steps=N] [only=unstable,healthy,nowcast]
+
+Runs the standard recipe's ``tiny`` preset (char tokens; ``data`` defaults to the shared tiny-shakespeare
+file when ``PURESTEP_SHARED_DATA`` or ``../shared/data`` has it, else this Python's ``json`` module source):
+
+- unstable: a learning rate far too high for the preset (``lr=1.0``; also ``0.1`` and ``0.3``, where the
+  fixed run is merely slow), fixed strategy vs orchestrated (decisions every 10 steps): validation loss of
+  each final state (a fixed run stopped by its rollback cap is evaluated where it stopped), and NaN checks;
+- healthy: the preset's own settings, fixed vs orchestrated with the default orchestrator keys, for the same
+  number of steps: wall-time ratio and validation-loss ratio;
+- nowcast: the same healthy run with nowcasting on (no strategy decisions) vs off: acceptance rate and
+  validation loss.
+
+Every run is a ``bin/run`` equivalent in a temporary folder, ``compile=false``, ``OMP_NUM_THREADS`` as set.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from core.cli import main as run_main
+from core.data import prepare
+from core.step import make_eval_step
+from core.tree import tree_leaves
+from models import llama
+from models.loading import load_model
+from recipes.loop import evaluate
+
+UNSTABLE = ["orchestrator.decision_interval=10", "orchestrator.eval_horizon=10", "orchestrator.min_gap=10"]
+NOWCAST = ["orchestrator.decision_interval=1000000", "orchestrator.spike_trigger=1000000",
+           "orchestrator.nowcast.enabled=true", "orchestrator.nowcast.interval=50", "orchestrator.nowcast.stride=10",
+           "orchestrator.nowcast.window=5", "orchestrator.nowcast.horizon=25"]
+
+
+def default_data() -> str:
+    for root in (os.environ.get("PURESTEP_SHARED_DATA"), Path(__file__).resolve().parents[2] / "shared" / "data"):
+        if root and (Path(root) / "tinyshakespeare.txt").exists():
+            return str(Path(root) / "tinyshakespeare.txt")
+    return json.__file__
+
+
+def train(out: Path, data: str, steps: int, *extra: str) -> float:
+    args = ["recipe=standard", "preset=tiny", f"data={data}", "tokenizer=char", "compile=false", "sample_tokens=0",
+            f"steps={steps}", f"out={out}", "resume=never", *extra]
+    t0 = time.perf_counter()
+    code = run_main(args)
+    seconds = time.perf_counter() - t0
+    if code != 0:
+        raise SystemExit(f"run failed ({code}): {' '.join(args)}")
+    return seconds
+
+
+def final_val(out: Path, data: str, batch_size: int = 16, block_size: int = 64, batches: int = 10):
+    """Validation loss of the newest state in ``out`` (default: the tiny preset's 10 validation batches),
+    its step, and whether every parameter is finite."""
+    from core import checkpoint as ckpt
+    path = ckpt.latest(out)
+    model = load_model(str(path))
+    corpus = prepare(data, model.tokenizer)
+    batches = corpus.eval_batches(batch_size, block_size, batches)
+    step = make_eval_step(lambda p, b: llama.loss(p, b, model.config))
+    finite = all(bool(torch.isfinite(t).all()) for t in tree_leaves(model.params))
+    return evaluate(step, model.params, batches), ckpt.read_meta(path)["step"], finite
+
+
+def decisions(out: Path) -> list[dict]:
+    path = out / "orchestrator.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def bench_unstable(root: Path, data: str, steps: int) -> None:
+    print("unstable: fixed strategy vs orchestrated, same run (tiny preset, char tinyshakespeare)")
+    for lr in ("1.0", "0.3", "0.1"):
+        fixed, orch = root / f"fixed-{lr}", root / f"orch-{lr}"
+        train(fixed, data, steps, f"lr={lr}")
+        train(orch, data, steps, f"lr={lr}", "orchestrator.enabled=true", *UNSTABLE)
+        (vf, sf, ff), (vo, so, fo) = final_val(fixed, data), final_val(orch, data)
+        switches = [(r["step"], r["winner"]) for r in decisions(orch) if r["kind"] == "decision" and r["switched"]]
+        print(f"  lr={lr}: fixed val {vf:.4f} (stopped at step {sf}, finite {ff}); orchestrated val {vo:.4f} "
+              f"(step {so}, finite {fo}); orchestrated / fixed = {vo / vf:.3f}; switches {switches}")
+
+
+def bench_healthy(root: Path, data: str, steps: int) -> None:
+    print(f"healthy: the tiny preset's own settings, {steps} steps, default orchestrator keys")
+    fixed, orch = root / "healthy-fixed", root / "healthy-orch"
+    tf = train(fixed, data, steps)
+    to = train(orch, data, steps, "orchestrator.enabled=true")
+    (vf, sf, _), (vo, so, _) = final_val(fixed, data), final_val(orch, data)
+    made = [(r["step"], r["trigger"], r["winner"]) for r in decisions(orch) if r["kind"] == "decision"]
+    print(f"  fixed {tf:.1f} s, val {vf:.4f} (step {sf}); orchestrated {to:.1f} s, val {vo:.4f} (step {so}); "
+          f"wall-time ratio {to / tf:.3f}, val-loss ratio {vo / vf:.4f}; decisions (step, trigger, winner) {made}")
+
+
+def bench_nowcast(root: Path, data: str, steps: int) -> None:
+    print(f"nowcast: the tiny preset, {steps} steps, nowcasting on (no strategy decisions) vs off")
+    off, on = root / "nowcast-off", root / "nowcast-on"
+    train(off, data, steps)
+    train(on, data, steps, "orchestrator.enabled=true", *NOWCAST)
+    (v_off, _, _), (v_on, _, _) = final_val(off, data), final_val(on, data)
+    rows = [r for r in decisions(on) if r["kind"] == "nowcast"]
+    kept = [r for r in rows if r["accepted"]]
+    gain = sum(r["probe_before"] - r["probe_after"] for r in kept)
+    print(f"  nowcasts {len(rows)}, accepted {len(kept)} ({len(kept) / max(len(rows), 1):.0%}), probe-loss gain of the "
+          f"accepted jumps {gain:.4f} in total; val loss off {v_off:.4f}, on {v_on:.4f} (on / off = {v_on / v_off:.4f})")
+    print("  (step, accepted, probe before -> after): " + ", ".join(
+        f"({r['step']}, {r['accepted']}, {r['probe_before']:.4f} -> {r['probe_after']:.4f})" for r in rows))
+
+
+def main(argv: list[str]) -> None:
+    opts = dict(a.split("=", 1) for a in argv)
+    data = opts.get("data", default_data())
+    steps = int(opts.get("steps", 300))
+    only = opts.get("only", "unstable,healthy,nowcast").split(",")
+    with tempfile.TemporaryDirectory(prefix="orchestrator-bench-") as tmp:
+        os.environ.setdefault("PURESTEP_CACHE", str(Path(tmp) / "cache"))
+        root = Path(tmp)
+        if "unstable" in only:
+            bench_unstable(root, data, steps)
+        if "healthy" in only:
+            bench_healthy(root, data, int(opts.get("healthy_steps", 1000)))
+        if "nowcast" in only:
+            bench_nowcast(root, data, steps)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
