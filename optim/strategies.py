@@ -16,7 +16,7 @@ aggressive_adamw      Adam    2          flat       global 1.0  no decay after w
 sgd_escape            SGD     SGD_LR     run        global 1.0  Nesterov momentum 0.9, no weight decay
 spike_resistant       Adam    0.3        run        AdaGC       per-tensor adaptive clipping
 lion                  Lion    0.1        run        global 1.0  weight decay x3 (Chen et al. 2023)
-swats                 SWATS   1          run        global 1.0  Adam, then SGD at the estimated rate
+swats                 SWATS   1          run        global 1.0  AdamW, then SGD at the estimated rate
 ====================  ======  =========  =========  ==========  =====================================
 
 ``run`` schedule: the run's own (warm-up, decay to ``min_lr`` over the run); ``flat``: the run's warm-up,
@@ -50,11 +50,11 @@ from optim.adagc import AdaGCState, adagc
 from optim.adamw import ScaleByAdamState, adamw
 from optim.base import GradientTransformation, chain, find_state, hparam_device, replace_states
 from optim.clip import clip_by_global_norm
-from optim.common import LearningRateState, add_decayed_weights, decay_mask, scale_by_learning_rate
+from optim.common import LearningRateState, decay_mask, scale_by_learning_rate
 from optim.lion import ScaleByLionState, lion
 from optim.schedules import Schedule
 from optim.sgd import TraceState, trace
-from optim.swats import SwatsState, swats
+from optim.swats import swats
 
 SGD_LR = 30.0          # SGD's step is lr * |g| (clipped to 1), Adam's ~ lr per coordinate: it needs a larger lr
 SGD_MOMENTUM = 0.9
@@ -138,9 +138,8 @@ def build(name: str, run: RunSpec) -> GradientTransformation:
     elif s.family == "sgd":
         body = chain(trace(SGD_MOMENTUM, nesterov=True), scale_by_learning_rate(lr, schedule))
     else:
-        body = chain(add_decayed_weights(wd, decay_mask),
-                     swats(lr=lr, b1=run.beta1, b2=run.beta2, switch_eps=run.swats_eps, scope=run.swats_scope,
-                           schedule=schedule))
+        body = swats(lr=lr, b1=run.beta1, b2=run.beta2, switch_eps=run.swats_eps, scope=run.swats_scope,
+                     schedule=schedule, weight_decay=wd, mask=decay_mask)
     parts = [tag(name)] + ([clip] if clip is not None else []) + [body]
     return chain(*parts)
 
@@ -188,9 +187,4 @@ def transfer(old_state, name: str, run: RunSpec, params):
     return new
 
 
-def is_adam_family(name: str) -> bool:
-    return PORTFOLIO[name].family in ("adam", "swats")
-
-
-__all__ = ["Strategy", "PORTFOLIO", "NAMES", "RunSpec", "StrategyTag", "build", "transfer", "strategy_of",
-           "SwatsState", "is_adam_family"]
+__all__ = ["Strategy", "PORTFOLIO", "NAMES", "RunSpec", "StrategyTag", "build", "transfer", "strategy_of"]

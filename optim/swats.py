@@ -16,8 +16,11 @@ schedule relative to the switch step (the paper decays the SGD rate on the same 
 ``scale_lr`` (a rollback's lr cut).
 
 ``switch_eps`` default 1e-5: the paper's 1e-9 practically never fires in float32 (third-party
-reproductions, algorithms.md 2), so 1e-5 is what those use. Weight decay is not part of this transform:
-the reference code adds L2 to the gradient, i.e. ``chain(add_decayed_weights(wd), swats(...))``.
+reproductions, algorithms.md 2), so 1e-5 is what those use. Weight decay: the reference code adds L2 to
+the gradient (``chain(add_decayed_weights(wd), swats(...))`` does that, with an L2-sized ``wd``); the
+``weight_decay`` argument instead decays decoupled, AdamW's ``p <- p - alpha_k * wd * p`` at the Adam
+learning rate in both phases, so the Adam phase is exactly AdamW and the switch does not change the
+shrinkage. ``p_k`` in ``gamma_k`` is the Adam step without the decay, as in the paper.
 
 Scope (``scope``): ``"global"`` (the paper and the Rethinking-SWATS README: one ``gamma`` from dot products
 over all parameters, one switch for the model) or ``"per_group"`` (Mrpatekful, pytorch_optimizer: every
@@ -34,7 +37,8 @@ import torch
 
 from core.tree import tree_flatten, tree_unflatten, zeros_like
 from optim.adamw import ScaleByAdamState
-from optim.base import GradientTransformation, counter, find_state, hparam_device, hparam_dtype, hparams
+from optim.base import (GradientTransformation, counter, find_state, hparam_device, hparam_dtype, hparams,
+                        resolve_mask)
 from optim.common import LearningRateState
 from optim.schedules import Schedule, constant
 
@@ -55,7 +59,8 @@ class SwatsState(NamedTuple):
 
 
 def swats(lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, switch_eps: float = 1e-5,
-          scope: str = "global", schedule: Schedule | None = None) -> GradientTransformation:
+          scope: str = "global", schedule: Schedule | None = None, weight_decay: float = 0.0,
+          mask=None) -> GradientTransformation:
     if scope not in SCOPES:
         raise ValueError(f"unknown SWATS scope {scope!r}; choose one of {', '.join(SCOPES)}")
     schedule = schedule or constant()
@@ -76,7 +81,7 @@ def swats(lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-
             phase=torch.zeros(n, dtype=torch.bool, device=device), lam=zeros, gamma=zeros.clone(),
             sgd_lr=zeros.clone(), lr_at_switch=zeros.clone(),
             switch_step=torch.zeros(n, dtype=torch.int64, device=device),
-            hparams=hparams(params, switch_eps=switch_eps))
+            hparams=hparams(params, switch_eps=switch_eps, weight_decay=weight_decay))
 
     def update(updates, state, params=None):
         h = state.adam.hparams
@@ -108,11 +113,18 @@ def swats(lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-
         ratio = torch.where(state.lr_at_switch > 0, alpha / state.lr_at_switch, torch.ones_like(alpha))
         sgd_scale = -(1 - beta1) * state.sgd_lr * ratio                     # [G]
         leaf_group = (lambda i: 0) if scope == "global" else (lambda i: i)  # noqa: E731
+        m_tree = resolve_mask(mask, params)
+        decays = tree_flatten(m_tree)[0] if m_tree is not None else [True] * len(g)
+        leaves = tree_flatten(params)[0] if params is not None else [None] * len(g)
+        wd = state.hparams["weight_decay"]
         out, mu_o, nu_o, buf_o = [], [], [], []
         for i, (x, m, v, b, step, m1, v1) in enumerate(zip(g, mu, nu, buf, p, new_mu, new_nu)):
             sgd = state.phase[leaf_group(i)]
             b1_new = beta1 * b + x
-            out.append(torch.where(sgd, (sgd_scale[leaf_group(i)] * b1_new).to(x.dtype), step.to(x.dtype)))
+            u = torch.where(sgd, sgd_scale[leaf_group(i)] * b1_new, step)
+            if weight_decay and decays[i]:
+                u = u - alpha * wd * leaves[i]
+            out.append(u.to(x.dtype))
             mu_o.append(torch.where(sgd, m, m1))
             nu_o.append(torch.where(sgd, v, v1))
             buf_o.append(torch.where(sgd, b1_new, b))

@@ -101,6 +101,23 @@ def test_swats_per_group_switches_each_tensor_on_its_own():
     assert float(state.sgd_lr[1]) == pytest.approx(0.5, rel=1e-12)
 
 
+def test_swats_before_its_switch_is_adamw():
+    from optim.adamw import adamw
+    params = {"w": torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),
+              "norm": torch.ones(4, dtype=torch.float64)}
+    a_opt = swats(lr=1e-2, weight_decay=0.1, switch_eps=0.0, mask={"w": True, "norm": False})
+    b_opt = adamw(lr=1e-2, weight_decay=0.1, mask={"w": True, "norm": False})
+    a, b, sa, sb = params, params, a_opt.init(params), b_opt.init(params)
+    for i in range(5):
+        g = {k: torch.randn(v.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i + 1))
+             for k, v in params.items()}
+        ua, sa = a_opt.update(g, sa, a)
+        ub, sb = b_opt.update(g, sb, b)
+        a, b = apply_updates(a, ua), apply_updates(b, ub)
+    assert not sa.phase.any()
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-14) for k in params)
+
+
 # ------------------------------------------------------------------------------------------------ strategies
 
 CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2)
