@@ -76,6 +76,7 @@ def phase_summary(ctx: Context, phase: str, params: dict, scfg: dba.DBAConfig) -
     path = ctx.folder / phase / "heldout.json"
     if path.exists():
         return json.loads(path.read_text())
+    ctx.say(f"{phase}: evaluating the student on the held-out windows")
     loss = heldout_loss(dba, params, scfg, ctx.heldout)
     summary = {"phase": phase, "loss": loss, "perplexity": ppl(loss), "windows": len(ctx.heldout) *
                ctx.heldout.starts.shape[1], "block_size": ctx.cfg.block_size}
@@ -119,6 +120,7 @@ def run_surgery(ctx: Context) -> tuple[dict, dba.DBAConfig]:
             f"{cfg.sem_dim}, geo_dim {cfg.geo_dim}, v_dim {cfg.v_dim} per head")
     student, scfg, report = surgery.surgery(t.params, t.config, calib, sem_dim=cfg.sem_dim, geo_dim=cfg.geo_dim,
                                             v_dim=cfg.v_dim, method=cfg.surgery_method)
+    ctx.say("surgery: evaluating the teacher on the held-out windows")
     teacher_loss = heldout_loss(llama, t.params, t.config, ctx.heldout)
     kv_t, kv_s = llama.kv_bytes_per_token(t.config), dba.kv_bytes_per_token(scfg)
     ctx.say(f"surgery: KV cache per token (bf16) teacher {kv_t:,} B, student {kv_s:,} B: {kv_t / kv_s:.2f}x smaller")
