@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
-import torch
 
 from core import checkpoint as ckpt
 from core.config import ConfigError, UserError, option, same_as, to_dict

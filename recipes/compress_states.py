@@ -33,10 +33,11 @@ import torch
 
 from core.config import UserError
 from core.data import cache_root, eval_batches
-from core.tree import named_leaves, tree_map
+from core.tree import tree_map
 from models import llama
 from models.compressor import Moments
 from models.loading import load_model
+from recipes.distill import fingerprint
 
 FORMAT = "purestep-states-1"
 
@@ -63,29 +64,16 @@ class Teacher:
         self.n_layers, self.d_model = loaded.config.n_layers, loaded.config.d_model
         self.layer = resolve_layer(layer, self.n_layers)
         self.fingerprint = fingerprint(loaded.params)
-        # only the blocks up to `layer`; a one-row head, since the logits are not needed (a 30-layer,
-        # 49k-vocab SmolLM2 spends about a fifth of its forward on them)
-        params = dict(loaded.params, layers=tree_map(lambda t: t[:self.layer], loaded.params["layers"]))
-        params["lm_head"] = llama.lm_head(loaded.params)[:1]
-        self.params, self.config = params, replace(loaded.config, n_layers=self.layer)
+        # only the blocks up to `layer` run, and no head (a 49k-vocab SmolLM2 spends a fifth of its forward there)
+        self.params = dict(loaded.params, layers=tree_map(lambda t: t[:self.layer], loaded.params["layers"]))
+        self.config = replace(loaded.config, n_layers=self.layer)
 
     def states(self, tokens: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            _, hidden = llama.apply(self.params, tokens, self.config, return_hidden=True)
-        return hidden[-1].float()
+            return llama.apply(self.params, tokens, self.config, return_hidden="only")[-1].float()
 
     def identity(self) -> dict:
         return {"source": self.source, "format": self.format, "fingerprint": self.fingerprint, "layer": self.layer}
-
-
-def fingerprint(params) -> str:
-    """SHA-256 (16 hex digits) over every param's name, shape, dtype and bytes."""
-    h = hashlib.sha256()
-    for name, t in named_leaves(params):
-        t = t.detach().contiguous().cpu()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
-    return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------- state sets
