@@ -27,6 +27,9 @@ fixes what the seed framework got wrong (caramba-notes 3, W1-W11):
 - Nowcasting (Jang et al. 2023; opt-in ``nowcast.*``): every ``stride`` steps a snapshot of the weights;
   every ``interval`` steps the least-squares line through the last ``window`` snapshots is extrapolated
   ``horizon`` steps; the jump is kept only if the probe loss improves, else the state is left as it was.
+  A jump moves the weights, not time: the step, the schedule and the optimizer moments stay as they are;
+  the snapshot window starts afresh after a kept jump, a switch or a rollback (snapshots are not
+  checkpointed: after a resume the window refills).
 
 Every decision, rollback and nowcast goes to ``orchestrator.jsonl`` in the run folder and to the run's
 Logger (``metrics.jsonl`` events and TensorBoard); the orchestrator's state (current strategy, bandit,
@@ -247,7 +250,7 @@ class Orchestrator:
         if "spike" in step_metrics and bool(step_metrics["spike"] > 0):
             return None                                    # a hard spike is pending: the loop rolls back first
         phase = self.telemetry.phase(step, self.cfg.steps, self.cfg.warmup_steps)
-        candidates = [a for a in self.bandit.select(self.o.candidates, self.current)]
+        candidates = self.bandit.select(self.o.candidates, self.current)
         before = self.probe_loss(state.params, frozen)
         scores, branch_loss, cursors = {}, {}, {}
         best, incumbent = None, None                       # (probe, name, state, metrics)

@@ -48,15 +48,16 @@ def default_data() -> str:
     return json.__file__
 
 
-def train(out: Path, data: str, steps: int, *extra: str) -> float:
+def train(out: Path, data: str, steps: int, *extra: str) -> tuple[float, float]:
+    """Run; returns (wall seconds, CPU seconds of this process)."""
     args = ["recipe=standard", "preset=tiny", f"data={data}", "tokenizer=char", "compile=false", "sample_tokens=0",
             f"steps={steps}", f"out={out}", "resume=never", *extra]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     code = run_main(args)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     if code != 0:
         raise SystemExit(f"run failed ({code}): {' '.join(args)}")
-    return seconds
+    return seconds, cpu
 
 
 def final_val(out: Path, data: str, batch_size: int = 16, block_size: int = 64, batches: int = 10):
@@ -89,15 +90,22 @@ def bench_unstable(root: Path, data: str, steps: int) -> None:
               f"(step {so}, finite {fo}); orchestrated / fixed = {vo / vf:.3f}; switches {switches}")
 
 
-def bench_healthy(root: Path, data: str, steps: int) -> None:
+def bench_healthy(root: Path, data: str, steps: int, repeats: int = 2) -> None:
+    """Fixed and orchestrated runs interleaved ``repeats`` times (this machine is shared and noisy): the
+    median wall-time and CPU-time ratios of the pairs."""
     print(f"healthy: the tiny preset's own settings, {steps} steps, default orchestrator keys")
-    fixed, orch = root / "healthy-fixed", root / "healthy-orch"
-    tf = train(fixed, data, steps)
-    to = train(orch, data, steps, "orchestrator.enabled=true")
+    walls, cpus = [], []
+    for i in range(repeats):
+        fixed, orch = root / f"healthy-fixed-{i}", root / f"healthy-orch-{i}"
+        (tf, cf), (to, co) = train(fixed, data, steps), train(orch, data, steps, "orchestrator.enabled=true")
+        walls.append(to / tf)
+        cpus.append(co / cf)
+        print(f"  pair {i}: fixed {tf:.1f} s wall / {cf:.1f} s CPU, orchestrated {to:.1f} s / {co:.1f} s")
     (vf, sf, _), (vo, so, _) = final_val(fixed, data), final_val(orch, data)
     made = [(r["step"], r["trigger"], r["winner"]) for r in decisions(orch) if r["kind"] == "decision"]
-    print(f"  fixed {tf:.1f} s, val {vf:.4f} (step {sf}); orchestrated {to:.1f} s, val {vo:.4f} (step {so}); "
-          f"wall-time ratio {to / tf:.3f}, val-loss ratio {vo / vf:.4f}; decisions (step, trigger, winner) {made}")
+    print(f"  val fixed {vf:.4f} (step {sf}), orchestrated {vo:.4f} (step {so}): ratio {vo / vf:.4f}; wall-time ratio "
+          f"median {sorted(walls)[len(walls) // 2]:.3f} {[round(w, 3) for w in walls]}, CPU-time ratio median "
+          f"{sorted(cpus)[len(cpus) // 2]:.3f} {[round(c, 3) for c in cpus]}; decisions (step, trigger, winner) {made}")
 
 
 def bench_nowcast(root: Path, data: str, steps: int) -> None:
@@ -126,7 +134,7 @@ def main(argv: list[str]) -> None:
         if "unstable" in only:
             bench_unstable(root, data, steps)
         if "healthy" in only:
-            bench_healthy(root, data, int(opts.get("healthy_steps", 1000)))
+            bench_healthy(root, data, int(opts.get("healthy_steps", 1000)), int(opts.get("repeats", 3)))
         if "nowcast" in only:
             bench_nowcast(root, data, steps)
 
