@@ -126,6 +126,18 @@ def max_abs_diff(a: Tree, b: Tree) -> float:
     return max(diffs) if diffs else 0.0
 
 
+def fingerprint(tree: Tree) -> str:
+    """SHA-256 (16 hex digits) over every leaf's name, shape, dtype and bytes: a pytree's identity
+    (e.g. which teacher a cache was computed with)."""
+    import hashlib
+    h = hashlib.sha256()
+    for name, t in named_leaves(tree):
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
 def stack(trees: Iterable[Tree]) -> Tree:
     """Stack a sequence of same-structured pytrees along a new leading axis (the layer axis)."""
     trees = list(trees)

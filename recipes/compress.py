@@ -216,6 +216,7 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
         if latest is not None:
             logger.print(f"resuming from {latest} at step {int(state.step)}")
         result = fit(tcfg, state, steps, logger=logger, checkpoints=checkpoints, checkpoint_extra=lambda: extra,
+                     perplexity=False,
                      loop=loop, frozen=frozen, evaluate_fn=lambda p: held_out(p)["unexplained"],
                      tokens_per_step=cfg.batch_size * cfg.block_size)
         best = ckpt.load(checkpoints.best(), template=state, device=device)

@@ -33,11 +33,10 @@ import torch
 
 from core.config import UserError
 from core.data import cache_root, eval_batches
-from core.tree import tree_map
+from core.tree import fingerprint, tree_map
 from models import llama
 from models.compressor import Moments
 from models.loading import load_model
-from recipes.distill import fingerprint
 
 FORMAT = "purestep-states-1"
 

@@ -42,7 +42,6 @@ wall time while it was shared with three other jobs; student val loss 6.11 again
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import statistics
@@ -62,7 +61,7 @@ from core.logging import Logger
 from core.state import init_state
 from core.step import make_eval_step
 from core.telemetry import flops_per_token
-from core.tree import cast, named_leaves, size, tree_map
+from core.tree import cast, fingerprint, size, tree_map
 from models import llama, losses
 from models.loading import LoadedModel, load_model, model_entry
 from models.sampling import generate
@@ -139,16 +138,6 @@ def tokenizer_for(teacher, spec: str):
         raise UserError(f"tokenizer={spec}: distillation uses the teacher's own tokenizer "
                         f"({teacher.tokenizer.name}); leave tokenizer unset")
     return teacher.tokenizer
-
-
-def fingerprint(params) -> str:
-    """SHA-256 (16 hex digits) over every param's name, shape, dtype and bytes: the teacher's identity."""
-    h = hashlib.sha256()
-    for name, t in named_leaves(params):
-        t = t.detach().contiguous().cpu()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
-    return h.hexdigest()[:16]
 
 
 def teacher_identity(teacher) -> dict:

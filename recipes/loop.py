@@ -180,11 +180,13 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
         checkpoints: Optional[ckpt.CheckpointManager], checkpoint_extra: Callable[[], dict],
         evaluate_fn: Optional[Callable[[object], float]] = None, sample_fn: Optional[Callable[[object], str]] = None,
         loop: Optional[LoopState] = None, frozen=None, tokens_per_step: int = 0, flops_per_token: float = 0.0,
-        expected_initial_loss: Optional[float] = None, dist: Dist = Dist(), orchestrator=None) -> FitResult:
+        expected_initial_loss: Optional[float] = None, dist: Dist = Dist(), orchestrator=None,
+        perplexity: bool = True) -> FitResult:
     """Train ``state`` until ``cfg.steps``; returns the final state and what happened.
 
     ``checkpoints`` is None on data-parallel ranks other than 0 (rank 0 alone writes); ``dist`` makes
-    the ranks agree on host-side stops (preemption, budget) at log steps.
+    the ranks agree on host-side stops (preemption, budget) at log steps. ``perplexity`` says the
+    validation loss is a next-token NLL, so ``exp`` of it is reported too.
 
     Stops early, always with a checkpoint, on: ``patience`` evaluations without improvement, SIGTERM or
     SIGINT (preemption: finish the step, save, return so the program exits 0), the cost ``budget``, or
@@ -227,9 +229,12 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
         result.history.append((step, val))
         improved = val < loop.best_val
         loop.best_val, loop.bad_evals = (val, 0) if improved else (loop.best_val, loop.bad_evals + 1)
-        values = {"val/loss": val, "val/perplexity": math.exp(min(val, 50.0))}
+        values = {"val/loss": val}
+        if perplexity:
+            values["val/perplexity"] = math.exp(min(val, 50.0))
         logger.scalars(step, values)
-        logger.print(f"step {step}: val loss {val:.4f}, perplexity {values['val/perplexity']:.2f}"
+        shown = f"{val:.4f}, perplexity {values['val/perplexity']:.2f}" if perplexity else f"{val:.6g}"
+        logger.print(f"step {step}: val loss {shown}"
                      + ("" if improved else f" (no improvement for {loop.bad_evals} evaluation(s))"))
         if sample_fn is not None:
             text = sample_fn(result.state.params)
