@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import tree_flatten, tree_unflatten, zeros_like
+from core.tree import tree_flatten, tree_map, tree_unflatten, zeros_like
 from optim.adamw import ScaleByAdamState
 from optim.base import (GradientTransformation, counter, find_state, hparam_device, hparam_dtype, hparams,
                         resolve_mask)
@@ -113,18 +113,11 @@ def swats(lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-
         ratio = torch.where(state.lr_at_switch > 0, alpha / state.lr_at_switch, torch.ones_like(alpha))
         sgd_scale = -(1 - beta1) * state.sgd_lr * ratio                     # [G]
         leaf_group = (lambda i: 0) if scope == "global" else (lambda i: i)  # noqa: E731
-        m_tree = resolve_mask(mask, params)
-        decays = tree_flatten(m_tree)[0] if m_tree is not None else [True] * len(g)
-        leaves = tree_flatten(params)[0] if params is not None else [None] * len(g)
-        wd = state.hparams["weight_decay"]
         out, mu_o, nu_o, buf_o = [], [], [], []
         for i, (x, m, v, b, step, m1, v1) in enumerate(zip(g, mu, nu, buf, p, new_mu, new_nu)):
             sgd = state.phase[leaf_group(i)]
             b1_new = beta1 * b + x
-            u = torch.where(sgd, sgd_scale[leaf_group(i)] * b1_new, step)
-            if weight_decay and decays[i]:
-                u = u - alpha * wd * leaves[i]
-            out.append(u.to(x.dtype))
+            out.append(torch.where(sgd, sgd_scale[leaf_group(i)] * b1_new, step))
             mu_o.append(torch.where(sgd, m, m1))
             nu_o.append(torch.where(sgd, v, v1))
             buf_o.append(torch.where(sgd, b1_new, b))
@@ -137,7 +130,13 @@ def swats(lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-
             lr_at_switch=torch.where(switch, alpha.expand_as(state.lr_at_switch), state.lr_at_switch),
             switch_step=torch.where(switch, k, state.switch_step),
             hparams=state.hparams)
-        return tree_unflatten(spec, out), new_state
+        out = tree_unflatten(spec, out)
+        if weight_decay:   # decoupled, at the Adam rate in both phases (a tree_map, as add_decayed_weights)
+            decay = alpha * state.hparams["weight_decay"]
+            keep = resolve_mask(mask, params)
+            out = tree_map(lambda u, w: u - decay * w, out, params) if keep is None else \
+                tree_map(lambda u, w, k: u - decay * w if k else u, out, params, keep)
+        return tree_map(lambda u, x: u.to(x.dtype), out, updates), new_state
 
     return GradientTransformation(init, update, lambda state: {"lr": state.lr.current.float(),
                                                               **swats_metrics(state)})
