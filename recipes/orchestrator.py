@@ -25,7 +25,7 @@ fixes what the seed framework got wrong (caramba-notes 3, W1-W11):
   least ``rollback_back`` steps before the onset and skips the batches; every rollback, whoever detected the
   spike, then switches the restored state to ``safety_strategy``.
 - Nowcasting (Jang et al. 2023; opt-in ``nowcast.*``): every ``stride`` steps a snapshot of the weights;
-  every ``interval`` steps the least-squares line through the last ``window`` snapshots is extrapolated
+  at the first log step ``interval`` steps after the last attempt, the least-squares line through the last ``window`` snapshots is extrapolated
   ``horizon`` steps; the jump is kept only if the probe loss improves, else the state is left as it was.
   A jump moves the weights, not time: the step, the schedule and the optimizer moments stay as they are;
   the snapshot window starts afresh after a kept jump, a switch or a rollback (snapshots are not
@@ -117,7 +117,7 @@ class Orchestrator:
         self.bandit = DiscountedUCB(self.arms, gamma=o.ucb_gamma, xi=o.ucb_xi)
         self.telemetry = Telemetry(window=o.window, spike_z=o.spike_z, spike_trigger=o.spike_trigger,
                                    plateau_tol=o.plateau_tol)
-        self.last_decision, self.interval = 0, o.decision_interval
+        self.last_decision, self.interval, self.last_nowcast = 0, o.decision_interval, 0
         self.counters = {"decisions": 0, "switches": 0, "rollbacks": 0, "nowcasts": 0, "nowcasts_accepted": 0}
         self.buffer: list = []
         self.snapshots: deque = deque(maxlen=o.nowcast.window)
@@ -162,7 +162,8 @@ class Orchestrator:
         onset = self._sync()
         if onset is not None:
             return self._flag_safety(state, metrics, step, cursor, onset)
-        if self.o.nowcast.enabled and step % self.o.nowcast.interval == 0 and len(self.snapshots) == self.o.nowcast.window:
+        if self.o.nowcast.enabled and step - self.last_nowcast >= self.o.nowcast.interval \
+                and len(self.snapshots) == self.o.nowcast.window:
             jump = self._nowcast(state, step, cursor, frozen)
             if jump is not None:
                 return jump
@@ -181,6 +182,7 @@ class Orchestrator:
         self.current = target
         self.counters["rollbacks"] += 1
         self.last_decision, self.interval = to_step, self.o.decision_interval
+        self.last_nowcast = min(self.last_nowcast, to_step)
         self.telemetry.losses = deque(x for x in self.telemetry.losses if x[0] <= to_step)
         self.telemetry.spikes = deque(s for s in self.telemetry.spikes if s <= to_step)
         self.snapshots.clear()
@@ -317,6 +319,7 @@ class Orchestrator:
     # ------------------------------------------------------------------ nowcasting
     def _nowcast(self, state, step, cursor, frozen) -> Optional[Jump]:
         n = self.o.nowcast
+        self.last_nowcast = step
         steps = [s for s, _ in self.snapshots]
         predicted = extrapolate(steps, [p for _, p in self.snapshots], n.horizon)
         before = self.probe_loss(state.params, frozen)
@@ -366,7 +369,8 @@ class Orchestrator:
 
     def state_dict(self) -> dict:
         return {"current": self.current, "bandit": self.bandit.state_dict(), "telemetry": self.telemetry.state_dict(),
-                "last_decision": self.last_decision, "interval": self.interval, "counters": dict(self.counters),
+                "last_decision": self.last_decision, "interval": self.interval, "last_nowcast": self.last_nowcast,
+                "counters": dict(self.counters),
                 "unread": self._rows() if self.buffer else []}   # steps since the last log step (exact resume)
 
     def load_state_dict(self, d: dict) -> None:
@@ -376,6 +380,7 @@ class Orchestrator:
         self.bandit.load_state_dict(d["bandit"])
         self.telemetry.load_state_dict(d["telemetry"])
         self.last_decision, self.interval = int(d["last_decision"]), int(d["interval"])
+        self.last_nowcast = int(d.get("last_nowcast", 0))
         self.counters.update({k: int(v) for k, v in d["counters"].items()})
         self.buffer = [(int(r[0]), [float(x) for x in r[1:]]) for r in d.get("unread", [])]
 
