@@ -38,6 +38,8 @@ def run_torch(make_opt, params, steps=20):
         opt.zero_grad()
         F.cross_entropy(module(batch["x"]).flatten(0, 1), batch["y"].flatten()).backward()
         opt.step()
+        if hasattr(opt, "after_step"):   # an LR scheduler steps after the optimizer, as torch expects
+            opt.after_step()
     return load_params_back(module)
 
 
@@ -110,18 +112,9 @@ def test_adamw_with_schedule_matches_torch_lambda_lr(params64):
         p = min(max((t - 5) / 15, 0.0), 1.0)
         return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
 
-    module_holder = {}
-
     def make(m):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-        module_holder["sched"] = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-        step = opt.step
-
-        def step_and_schedule():
-            step()
-            module_holder["sched"].step()
-
-        opt.step = step_and_schedule
+        opt.after_step = torch.optim.lr_scheduler.LambdaLR(opt, factor).step
         return opt
 
     # float32 schedule arithmetic: compare to 1e-7 of the motion, not 1e-10
