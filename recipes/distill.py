@@ -29,8 +29,10 @@ batches, the schedules follow the data).
 "other" bucket, or Random-Sampling KD) with no teacher forward at all. Validation reports the student's
 CE loss and perplexity (and the teacher's once, for reference). Checkpoints hold the student as a plain
 Llama (``model`` entry, tokenizer), so ``recipe=generate init=`` and ``recipe=standard init=`` take them.
-Data parallel (torchrun) works online, each rank running the teacher on its own rows; common keys that
-cannot apply here (``fim_rate``, ``orchestrator.*``) are refused.
+Data parallel (torchrun) works online, each rank running the teacher on its own rows; ``fim_rate``,
+which cannot apply here, is refused. ``orchestrator.enabled=true`` (``recipes/orchestrator.py``) works as in
+``recipe=standard``: its branches train the student against the same teacher (online or cached) on the same
+batches, and its probe is the student's CE on held-out windows.
 
 ``preset=smollm2`` is the short SmolLM2-135M-Instruct configuration::
 
@@ -48,7 +50,8 @@ import statistics
 import time
 import typing
 from dataclasses import dataclass, replace
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -67,6 +70,7 @@ from models.loading import LoadedModel, load_model, model_entry
 from models.sampling import generate
 from recipes import standard
 from recipes.loop import LoopState, Steps, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
+from recipes.orchestrator import initial_optimizer, orchestrate
 from recipes.train_config import TrainConfig
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
@@ -298,6 +302,7 @@ class Prepared:
     student_how: str
     state: object
     steps: Steps           # train step, student CE eval step, health, DistillBatches
+    make_train: Callable   # optimizer -> a train step of this objective (the orchestrator's strategies)
     val_batches: object
     frozen: Optional[dict]
     cache: object
@@ -308,13 +313,11 @@ def check_keys(cfg: Config, world_size: int):
     if cfg.fim_rate > 0:
         raise UserError(f"fim_rate={cfg.fim_rate}: fill-in-the-middle adds sentinel ids the teacher never saw; "
                         f"distill without it")
-    if cfg.orchestrator.enabled:
-        raise UserError("orchestrator.enabled=true is not wired into recipe=distill (recipe=standard has it)")
     if cfg.cache and world_size > 1:
         raise UserError("cache= is keyed by the single-process batch; run data-parallel distillation online")
 
 
-def prepare_run(cfg: Config) -> Prepared:
+def prepare_run(cfg: Config, resume: Optional[Path] = None) -> Prepared:
     dist, device = distributed.init(resolve_device(cfg.device))
     check_keys(cfg, dist.world_size)
     theta0 = check_temperature(cfg)
@@ -334,15 +337,20 @@ def prepare_run(cfg: Config) -> Prepared:
                              rank=dist.rank, world_size=dist.world_size)
     val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
                                       device=device)
-    optimizer = make_optimizer(cfg)
+    # an orchestrated run starts on (or resumes with) the orchestrator's strategy
+    optimizer = initial_optimizer(cfg, resume) if cfg.orchestrator.enabled else make_optimizer(cfg)
     state = init_state(params, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled)
     loss_fn = make_loss(cfg, student_cfg, teacher.config, cache.mode if cache else "")
+
+    def make_train(opt):
+        return build_steps(cfg, loss_fn, opt, params, batches, device, student_cfg.vocab_size, dist).train
+
     steps = build_steps(cfg, loss_fn, optimizer, params, batches, device, student_cfg.vocab_size, dist)
     eval_step = make_eval_step(lambda prm, b: llama.loss(prm, b, student_cfg), precision=cfg.dtype,
                                device_type=device.type, compile=cfg.compile)
     steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
-    return Prepared(dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, state, steps, val_batches,
-                    None if cache else {"teacher": teacher.params}, cache)
+    return Prepared(dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, state, steps, make_train,
+                    val_batches, None if cache else {"teacher": teacher.params}, cache)
 
 
 def train_flops_per_token(p: Prepared, cfg: Config) -> float:
@@ -358,9 +366,9 @@ def train_flops_per_token(p: Prepared, cfg: Config) -> float:
 def run(cfg: Config):
     folder = run_folder(cfg, "distill")
     # everything that can fail on bad input happens before the run folder is touched
-    p = prepare_run(cfg)
     resume = resolve_run_folder(cfg, folder)
-    state, loop = p.state, LoopState()
+    p = prepare_run(cfg, resume)
+    state, loop, saved_orchestrator = p.state, LoopState(), None
     if resume is not None:
         loaded = ckpt.load(resume, template=state, device=p.device)
         if loaded.get("tokenizer") and loaded["tokenizer"] != p.tok.to_dict():
@@ -370,6 +378,7 @@ def run(cfg: Config):
             raise UserError(f"{resume}: it was distilled from another teacher ({loaded['teacher']['source']}); "
                             f"use another out=")
         state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
+        saved_orchestrator = loaded.get("orchestrator")
 
     scfg, tok, device, dist = p.student_cfg, p.tok, p.device, p.dist
     prompt = tok.encode(cfg.sample_prompt) if cfg.sample_prompt else p.corpus.val[:32].tolist()
@@ -406,7 +415,10 @@ def run(cfg: Config):
             teacher_val = evaluate(teacher_eval, p.teacher.params, p.val_batches, dist=dist)
             logger.scalars(0, {"val/teacher_loss": teacher_val})
             logger.print(f"teacher: val loss {teacher_val:.4f}, perplexity {math.exp(min(teacher_val, 50.0)):.2f}")
-        result = fit(cfg, state, p.steps, logger=logger, checkpoints=checkpoints,
+        orchestrator, steps = orchestrate(cfg, p.steps, make_step=p.make_train, val_tokens=p.corpus.val, logger=logger,
+                                          folder=folder, saved=saved_orchestrator, main_process=dist.is_main)
+        result = fit(cfg, state, steps, logger=logger,
+                     checkpoints=checkpoints, orchestrator=orchestrator,
                      checkpoint_extra=lambda: extra, loop=loop, frozen=p.frozen, dist=dist,
                      evaluate_fn=lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
                      sample_fn=sample if cfg.sample_tokens > 0 and dist.is_main else None,

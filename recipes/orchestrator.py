@@ -385,6 +385,20 @@ class Orchestrator:
         self.buffer = [(int(r[0]), [float(x) for x in r[1:]]) for r in d.get("unread", [])]
 
 
+def orchestrate(cfg, steps, *, make_step: Callable, val_tokens, logger, folder, saved: Optional[dict] = None,
+                eval_step: Optional[Callable] = None, main_process: bool = True):
+    """``(orchestrator, steps)`` for ``recipes.loop.fit``: ``(None, steps)`` unless ``cfg.orchestrator.enabled``,
+    else an :class:`Orchestrator` (resuming ``saved``) and ``steps`` whose train step is the current
+    strategy's. ``make_step(optimizer)`` builds the recipe's train step for a strategy; the probe is
+    ``orchestrator.probe_batches`` windows of ``val_tokens`` scored by ``eval_step`` (default ``steps.eval``)."""
+    if not cfg.orchestrator.enabled:
+        return None, steps
+    orchestrator = Orchestrator(cfg, make_step=make_step, batches=steps.batches, probe=probe_batches(val_tokens, cfg),
+                                eval_step=eval_step or steps.eval, logger=logger, folder=folder, saved=saved,
+                                main_process=main_process)
+    return orchestrator, orchestrator.attach(steps)
+
+
 def _clean(v):
     """JSON-ready: nested containers kept, non-finite floats -> None (strict JSON, like the Logger)."""
     if isinstance(v, dict):

@@ -29,7 +29,7 @@ from models import llama
 from models.loading import load_model, model_entry
 from models.sampling import generate
 from recipes.loop import LoopState, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
-from recipes.orchestrator import Orchestrator, initial_optimizer, probe_batches
+from recipes.orchestrator import initial_optimizer, orchestrate
 from recipes.train_config import TrainConfig
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
@@ -77,8 +77,8 @@ def run(cfg: Config):
     val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
                                       device=device)
 
-    orchestrated = cfg.orchestrator.enabled   # the run starts on (or resumes with) the orchestrator's strategy
-    optimizer = initial_optimizer(cfg, resume) if orchestrated else make_optimizer(cfg)
+    # an orchestrated run starts on (or resumes with) the orchestrator's strategy
+    optimizer = initial_optimizer(cfg, resume) if cfg.orchestrator.enabled else make_optimizer(cfg)
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     state = init_state(params, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled)
     loop, saved_orchestrator = LoopState(), None
@@ -115,11 +115,10 @@ def run(cfg: Config):
             logger.print(f"init from {start.source} ({start.format})")
         if resume is not None:
             logger.print(f"resuming from {resume} at step {int(state.step)}")
-        orchestrator = Orchestrator(
-            cfg, make_step=lambda opt: build_steps(cfg, loss_fn, opt, params, batches, device, vocab, dist).train,
-            batches=steps.batches, probe=probe_batches(corpus.val, cfg), eval_step=steps.eval, logger=logger,
-            folder=folder, saved=saved_orchestrator, main_process=dist.is_main) if orchestrated else None
-        result = fit(cfg, state, orchestrator.attach(steps) if orchestrated else steps, logger=logger,
+        orchestrator, steps = orchestrate(
+            cfg, steps, make_step=lambda opt: build_steps(cfg, loss_fn, opt, params, batches, device, vocab, dist).train,
+            val_tokens=corpus.val, logger=logger, folder=folder, saved=saved_orchestrator, main_process=dist.is_main)
+        result = fit(cfg, state, steps, logger=logger,
                      checkpoints=checkpoints, orchestrator=orchestrator,
                      checkpoint_extra=lambda: extra, loop=loop,
                      evaluate_fn=lambda p: evaluate(steps.eval, p, val_batches, dist=dist),

@@ -17,6 +17,7 @@ from core.config import ConfigError, option, same_as
 from core.spike import SpikeConfig
 from models.blockwise import LOSSES, MODES, TARGETS
 from models.surgery import METHODS
+from recipes.orchestrator_config import OrchestratorConfig
 from recipes.train_config import TrainConfig
 
 PHASES = ("blockwise", "global", "verify", "benchmark")   # surgery always runs: it builds the student
@@ -70,6 +71,7 @@ class GlobalConfig:
     remat: bool = same_as(TrainConfig, "remat")
     health: bool = option(False, "gradient health statistics per tensor and layer, logged every log_every")
     spike: SpikeConfig = same_as(TrainConfig, "spike")
+    orchestrator: OrchestratorConfig = same_as(TrainConfig, "orchestrator")
     kd_alpha: float = option(0.5, "weight of KD from the teacher's logits: alpha*T^2*KL + (1-alpha)*CE (0: CE only)")
     temperature: float = option(1.0, "KD temperature")
     log_every: int = same_as(TrainConfig, "log_every")

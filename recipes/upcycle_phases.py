@@ -25,9 +25,11 @@ from core.config import UserError, to_dict
 from core.data import Corpus, EvalBatches
 from core.logging import Logger
 from core.state import init_state
+from core.step import make_eval_step
 from models import blockwise, dba, llama, losses, surgery
 from models.loading import LoadedModel, model_entry
 from recipes.loop import LoopState, build_steps, fit, make_optimizer
+from recipes.orchestrator import initial_optimizer, orchestrate
 from recipes.upcycle_config import Config, train_config
 
 FINAL = "final.msgpack"
@@ -147,13 +149,15 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
         ctx.say(f"global: done ({folder / FINAL})")
         return load_student(folder / FINAL, ctx.device)[0], ""
     tc = train_config(cfg, str(folder))
-    optimizer = make_optimizer(tc)
-    state = init_state(student, optimizer, cfg.seed, tc.dtype, spike=tc.spike.enabled)
-    loop = LoopState()
     resume = ckpt.latest(folder)
+    # an orchestrated phase starts on (or resumes with) the orchestrator's strategy
+    optimizer = initial_optimizer(tc, resume) if tc.orchestrator.enabled else make_optimizer(tc)
+    state = init_state(student, optimizer, cfg.seed, tc.dtype, spike=tc.spike.enabled)
+    loop, saved_orchestrator = LoopState(), None
     if resume is not None:
         loaded = ckpt.load(resume, template=state, device=ctx.device)
         state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
+        saved_orchestrator = loaded.get("orchestrator")
     kd = g.kd_alpha > 0
 
     def loss_fn(params, batch, frozen=None):
@@ -168,7 +172,8 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     batches = ctx.corpus.batches(g.batch_size, cfg.block_size, cfg.seed + 1, grad_accum=g.grad_accum,
                                  device=ctx.device)
     dev = EvalBatches(ctx.dev, g.batch_size, cfg.block_size, g.eval_batches, device=ctx.device)
-    steps = build_steps(tc, loss_fn, optimizer, student, batches, ctx.device, ctx.corpus.tokenizer.vocab_size)
+    vocab = ctx.corpus.tokenizer.vocab_size
+    steps = build_steps(tc, loss_fn, optimizer, student, batches, ctx.device, vocab)
     manager = ckpt.CheckpointManager(folder, keep_last=g.keep_last, save_every=g.save_every)
     extra = ctx.extra("global", scfg)
     with Logger(folder) as logger:
@@ -176,7 +181,13 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
         ctx.say(f"global: {g.steps} steps of {g.batch_size * g.grad_accum} x {cfg.block_size} tokens, "
                 + (f"KD alpha {g.kd_alpha} at T={g.temperature} + CE" if kd else "next-token CE")
                 + (f"; resuming from {resume} at step {int(state.step)}" if resume else ""))
+        orchestrator, steps = orchestrate(   # strategies are scored on the student's CE on held-out windows
+            tc, steps, make_step=lambda opt: build_steps(tc, loss_fn, opt, student, batches, ctx.device, vocab).train,
+            val_tokens=ctx.dev, logger=logger, folder=folder, saved=saved_orchestrator,
+            eval_step=make_eval_step(lambda prm, b: losses.cross_entropy(dba.apply(prm, b["x"], scfg), b["y"]),
+                                     precision=tc.dtype, device_type=ctx.device.type))
         result = fit(tc, state, steps, logger=logger, checkpoints=manager, checkpoint_extra=lambda: extra,
+                     orchestrator=orchestrator,
                      evaluate_fn=lambda p: heldout_loss(dba, p, scfg, dev), loop=loop,
                      frozen=t.params if kd else None,
                      tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size)

@@ -289,6 +289,28 @@ def test_resume_is_exact(corpus, teacher, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(tree_leaves(a["state"]), tree_leaves(b["state"])))
 
 
+@pytest.mark.parametrize("source", ["online", "cache"])
+def test_orchestrated_distillation_branches_on_the_same_batches_and_resumes_exactly(source, corpus, teacher, caches,
+                                                                                     tmp_path):
+    """``orchestrator.enabled=true`` in recipe=distill: decisions (every 4 steps, backing off) train each candidate student
+    against the same teacher outputs (online, or the cache's) on the same batches; a run stopped at step 8
+    and resumed ends bitwise where a straight run ends, with the same strategy and bandit."""
+    extra = ["decay_steps=20", "eval_every=0", "log_every=1", "orchestrator.enabled=true",
+             "orchestrator.decision_interval=4", "orchestrator.eval_horizon=2", "orchestrator.candidates=2",
+             "orchestrator.initial=aggressive_adamw"]
+    extra += [f"cache={caches / 'topk'}"] if source == "cache" else ["temperature_mode=learnable", "temperature=2"]
+    distill(corpus, teacher, tmp_path / "a", *extra, "steps=8")
+    distill(corpus, teacher, tmp_path / "a", *extra, "steps=20")
+    distill(corpus, teacher, tmp_path / "b", *extra, "steps=20")
+    records = [json.loads(line) for line in (tmp_path / "b" / "orchestrator.jsonl").read_text().splitlines()]
+    decisions = [r for r in records if r["kind"] == "decision"]
+    assert len(decisions) >= 2 and all(r["same_batches"] and len(r["candidates"]) == 2 for r in decisions)
+    assert all(math.isfinite(v) for r in decisions for v in r["scores"].values())
+    a, b = (ckpt.load(tmp_path / x / "final.msgpack") for x in "ab")
+    assert a["step"] == b["step"] == 20 and a["orchestrator"] == b["orchestrator"]
+    assert all(torch.equal(x, y) for x, y in zip(tree_leaves(a["state"]), tree_leaves(b["state"])))
+
+
 def test_torchrun_two_ranks_equal_one_process(corpus, teacher, tmp_path):
     """Data-parallel distillation: each rank runs the teacher on its rows; 2 x 8 rows == 1 x 16 rows."""
     from core.tree import max_abs_diff
@@ -408,7 +430,7 @@ BAD = {
     "another tokenizer": (["tokenizer=char"], "teacher's own tokenizer"),
     "init with a student shape": (["init={teacher}"], "leave student= and model.* unset"),
     "fill-in-the-middle": (["fim_rate=0.5"], "sentinel ids the teacher never saw"),
-    "orchestrator": (["orchestrator.enabled=true"], "not wired into recipe=distill"),
+    "orchestrator without spike": (["orchestrator.enabled=true", "spike.enabled=false"], "spike.enabled=true"),
     "cache of other batches": (["cache={topk}", "batch_size=8", "steps=60"], "batch_size: cache 16, run 8"),
     "cache too short": (["cache={topk}", "steps=61"], "steps: cache covers 60"),
     "cache with a schedule": (["cache={sample}", "steps=60", "temperature_mode=scheduled"], "temperature_mode=fixed"),

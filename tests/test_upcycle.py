@@ -259,6 +259,22 @@ def test_end_to_end_from_a_standard_teacher_in_ci_size(teacher, corpus, tmp_path
     assert mtimes == {p: p.stat().st_mtime for p in out.rglob("*.msgpack")}
 
 
+def test_the_global_phase_can_be_orchestrated(teacher, corpus, tmp_path):
+    """``global.orchestrator.enabled=true``: the global fine-tune branches over strategies on the same
+    batches, scored on the student's held-out CE; its decisions land in ``global/orchestrator.jsonl``."""
+    out = tmp_path / "up"
+    assert upcycle(teacher, corpus, out, "phases=global", "global.steps=16", "global.eval_every=0",
+                   "global.log_every=1", "global.orchestrator.enabled=true", "global.orchestrator.candidates=2",
+                   "global.orchestrator.decision_interval=4", "global.orchestrator.eval_horizon=2",
+                   "global.orchestrator.probe_batches=2") == 0
+    records = [json.loads(line) for line in (out / "global" / "orchestrator.jsonl").read_text().splitlines()]
+    decisions = [r for r in records if r["kind"] == "decision"]
+    assert decisions and all(r["same_batches"] and len(r["scores"]) == 2 for r in decisions)
+    assert all(math.isfinite(v) for r in decisions for v in r["scores"].values())
+    top = ckpt.load(out / "global" / "final.msgpack")
+    assert top["step"] == 16 and top["orchestrator"]["counters"]["decisions"] == len(decisions)
+
+
 def test_resume_after_a_kill_during_blockwise_continues_from_its_newest_checkpoint(teacher, corpus, tmp_path, capsys):
     """Acceptance 6, with a real child process killed (SIGKILL: no chance to save) in the middle of blockwise."""
     out = tmp_path / "up"
