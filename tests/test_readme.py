@@ -37,3 +37,9 @@ def test_key_table_matches_the_code(recipe):
     expected = markdown_table(importlib.import_module(f"recipes.{recipe}").Config)
     assert block(f"keys:{recipe}").strip() == expected.strip(), \
         f"README key table for {recipe} is stale; replace it with:\n{expected}"
+
+
+def test_every_recipe_is_in_the_recipes_table():
+    from core.cli import RECIPES
+    table = README.split("## Recipes", 1)[1].split("\n## ", 1)[0]
+    assert [name for name in RECIPES if f"| `{name}` |" not in table] == []
