@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from core import rng
 from core.tree import unstack
 from models import llama
-from models.llama import LlamaConfig, apply_rope, lm_head, mlp, rms_norm, rope_frequencies, upcast
+from models.llama import LlamaConfig, apply_rope, lm_head, rms_norm, rope_frequencies, upcast
 
 
 @dataclass
@@ -160,14 +160,8 @@ def attention(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, cache: Optiona
 
 
 def block(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, key=None, cache=None, past_len: int = 0):
-    h = attention(p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, cache, past_len)
-    if key is not None:
-        h = rng.dropout(rng.fold_in(key, 1), h, cfg.dropout)
-    x = x + h
-    h = mlp(p["mlp"], rms_norm(x, p["mlp_norm"], cfg.norm_eps))
-    if key is not None:
-        h = rng.dropout(rng.fold_in(key, 2), h, cfg.dropout)
-    return x + h
+    """``llama.block`` (norms, residuals, SwiGLU MLP, dropout) around this module's attention."""
+    return llama.block(p, x, cos, sin, cfg, key, cache, past_len, attend=attention)
 
 
 # ----------------------------------------------------------------------------------------------------------

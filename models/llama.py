@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -203,8 +203,11 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, p["w_gate"])) * F.linear(x, p["w_up"]), p["w_down"])
 
 
-def block(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, key=None, cache=None, past_len: int = 0):
-    h = attention(p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, cache, past_len)
+def block(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, key=None, cache=None, past_len: int = 0,
+          attend: Optional[Callable] = None):
+    """Pre-norm residual block: ``x + attend(norm(x))``, then ``+ mlp(norm(x))`` (``attend``: this module's
+    ``attention`` unless a variant passes its own, as ``models.dba`` does)."""
+    h = (attend or attention)(p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, cache, past_len)
     if key is not None:
         h = rng.dropout(rng.fold_in(key, 1), h, cfg.dropout)
     x = x + h

@@ -67,7 +67,7 @@ def calibration_inputs(params: dict, cfg: LlamaConfig, tokens: torch.Tensor) -> 
 def pair_scores(params: dict, cfg: LlamaConfig, x: torch.Tensor) -> torch.Tensor:
     """MHA2MLA's 2-norm scores [L, n_kv_heads, head_dim/2]: sum over the group's query heads of
     mean_t ||q[f]||, times mean_t ||k[f]||, for rotary pair f = dims (f, f + head_dim/2)."""
-    L, G, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+    G, hd = cfg.n_kv_heads, cfg.head_dim
     attn = params["layers"]["attn"]
     wide = llama.upcast(attn["wq"].dtype)                                       # bf16 teachers: score in fp32
     x, wq, wk = x.to(wide), attn["wq"].to(wide), attn["wk"].to(wide)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
 from core.tree import tree_map, zeros_like
 from optim.base import GradientTransformation, chain, hparams
 from optim.common import add_decayed_weights, scale_by_learning_rate

@@ -67,7 +67,6 @@ from core.telemetry import flops_per_token
 from core.tree import cast, fingerprint, size, tree_map
 from models import llama, losses
 from models.loading import LoadedModel, load_model, model_entry
-from models.sampling import generate
 from recipes import standard
 from recipes.loop import LoopState, Steps, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
 from recipes.orchestrator import initial_optimizer, orchestrate
@@ -381,14 +380,6 @@ def run(cfg: Config):
         saved_orchestrator = loaded.get("orchestrator")
 
     scfg, tok, device, dist = p.student_cfg, p.tok, p.device, p.dist
-    prompt = tok.encode(cfg.sample_prompt) if cfg.sample_prompt else p.corpus.val[:32].tolist()
-
-    def sample(params) -> str:
-        decode = llama.decoder(params, scfg, 1, len(prompt) + cfg.sample_tokens)
-        out = generate(decode, torch.tensor([prompt], device=device), cfg.sample_tokens,
-                       temperature=cfg.sample_temperature, generator=torch.Generator(device).manual_seed(cfg.seed))
-        return tok.decode(prompt + out[0].tolist())
-
     checkpoints = ckpt.CheckpointManager(folder, keep_last=cfg.keep_last, save_every=cfg.save_every) \
         if dist.is_main else None
     extra = {"config": to_dict(cfg), "model": model_entry(scfg), "tokenizer": tok.to_dict(), "recipe": "distill",
@@ -421,20 +412,12 @@ def run(cfg: Config):
                      checkpoints=checkpoints, orchestrator=orchestrator,
                      checkpoint_extra=lambda: extra, loop=loop, frozen=p.frozen, dist=dist,
                      evaluate_fn=lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
-                     sample_fn=sample if cfg.sample_tokens > 0 and dist.is_main else None,
+                     sample_fn=standard.sampler(cfg, scfg, tok, p.corpus.val, device) if dist.is_main else None,
                      tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
                      flops_per_token=train_flops_per_token(p, cfg))
-        if result.stop_reason:
-            pass  # fit said why it stopped and how to resume
-        elif result.val_loss is not None:
-            learned = f", final T {learned_temperature(result.state.params, cfg):.3f}" \
-                if cfg.temperature_mode == "learnable" else ""
-            logger.print(f"done: step {int(result.state.step)}, student val loss {result.val_loss:.4f}, perplexity "
-                         f"{math.exp(min(result.val_loss, 50.0)):.2f} (best {result.loop.best_val:.4f}){learned}; "
-                         f"tensorboard --logdir {folder}")
-        else:
-            logger.print(f"nothing to do: {folder} is already trained to step {int(result.state.step)} "
-                         f"(raise steps= to continue)")
+        learned = f", final T {learned_temperature(result.state.params, cfg):.3f}" \
+            if cfg.temperature_mode == "learnable" else ""
+        standard.report(logger, result, folder, label="student val loss", suffix=learned)
     distributed.shutdown()
     return result
 

@@ -18,7 +18,6 @@ Every run is a ``bin/run`` equivalent in a temporary folder, ``compile=false``, 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile

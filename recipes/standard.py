@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
 import torch
 
@@ -93,14 +94,6 @@ def run(cfg: Config):
         return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
 
     steps = build_steps(cfg, loss_fn, optimizer, params, batches, device, vocab, dist)
-    prompt = tok.encode(cfg.sample_prompt) if cfg.sample_prompt else corpus.val[:32].tolist()
-
-    def sample(params) -> str:
-        decode = llama.decoder(params, model_cfg, 1, len(prompt) + cfg.sample_tokens)
-        out = generate(decode, torch.tensor([prompt], device=device), cfg.sample_tokens,
-                       temperature=cfg.sample_temperature, generator=torch.Generator(device).manual_seed(cfg.seed))
-        return tok.decode(prompt + out[0].tolist())
-
     checkpoints = ckpt.CheckpointManager(folder, keep_last=cfg.keep_last, save_every=cfg.save_every) \
         if dist.is_main else None
     extra = {"config": to_dict(cfg), "model": model_entry(model_cfg), "tokenizer": tok.to_dict(),
@@ -116,28 +109,51 @@ def run(cfg: Config):
         if resume is not None:
             logger.print(f"resuming from {resume} at step {int(state.step)}")
         orchestrator, steps = orchestrate(
-            cfg, steps, make_step=lambda opt: build_steps(cfg, loss_fn, opt, params, batches, device, vocab, dist).train,
-            val_tokens=corpus.val, logger=logger, folder=folder, saved=saved_orchestrator, main_process=dist.is_main)
+            cfg, steps, val_tokens=corpus.val, logger=logger, folder=folder, saved=saved_orchestrator,
+            make_step=lambda opt: build_steps(cfg, loss_fn, opt, params, batches, device, vocab, dist).train,
+            main_process=dist.is_main)
         result = fit(cfg, state, steps, logger=logger,
                      checkpoints=checkpoints, orchestrator=orchestrator,
                      checkpoint_extra=lambda: extra, loop=loop,
                      evaluate_fn=lambda p: evaluate(steps.eval, p, val_batches, dist=dist),
-                     sample_fn=sample if cfg.sample_tokens > 0 and dist.is_main else None,
+                     sample_fn=sampler(cfg, model_cfg, tok, corpus.val, device) if dist.is_main else None,
                      tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size, dist=dist,
                      flops_per_token=flops_per_token(llama.matmul_params(params), model_cfg.n_layers,
                                                      cfg.block_size, model_cfg.d_model),
                      expected_initial_loss=None if (start or resume) else math.log(model_cfg.vocab_size))
-        if result.stop_reason:
-            pass  # fit said why it stopped and how to resume
-        elif result.val_loss is not None:
-            logger.print(f"done: step {int(result.state.step)}, val loss {result.val_loss:.4f}, perplexity "
-                         f"{math.exp(min(result.val_loss, 50.0)):.2f} (best {result.loop.best_val:.4f}); "
-                         f"tensorboard --logdir {folder}")
-        else:
-            logger.print(f"nothing to do: {folder} is already trained to step {int(result.state.step)} "
-                         f"(raise steps= to continue)")
+        report(logger, result, folder)
     distributed.shutdown()
     return result
+
+
+def report(logger, result, folder, label: str = "val loss", suffix: str = "") -> None:
+    """The run's last line: its validation loss and perplexity, or that there was nothing to do (when it
+    stopped early, ``fit`` has already said why and how to resume)."""
+    if result.stop_reason:
+        return
+    step = int(result.state.step)
+    if result.val_loss is None:
+        logger.print(f"nothing to do: {folder} is already trained to step {step} (raise steps= to continue)")
+        return
+    perplexity = math.exp(min(result.val_loss, 50.0))
+    logger.print(f"done: step {step}, {label} {result.val_loss:.4f}, perplexity {perplexity:.2f} "
+                 f"(best {result.loop.best_val:.4f}){suffix}; tensorboard --logdir {folder}")
+
+
+def sampler(cfg, model_cfg: llama.LlamaConfig, tok, val_tokens, device) -> Optional[Callable[[dict], str]]:
+    """``params -> text``: ``sample_tokens`` tokens after ``sample_prompt`` (default: the start of the
+    validation text), seeded by ``seed``, for the loop's samples at evaluations; None when sampling is off."""
+    if cfg.sample_tokens <= 0:
+        return None
+    prompt = tok.encode(cfg.sample_prompt) if cfg.sample_prompt else val_tokens[:32].tolist()
+
+    def sample(params) -> str:
+        decode = llama.decoder(params, model_cfg, 1, len(prompt) + cfg.sample_tokens)
+        out = generate(decode, torch.tensor([prompt], device=device), cfg.sample_tokens,
+                       temperature=cfg.sample_temperature, generator=torch.Generator(device).manual_seed(cfg.seed))
+        return tok.decode(prompt + out[0].tolist())
+
+    return sample
 
 
 def _model_config(model: llama.LlamaConfig, vocab_size: int) -> llama.LlamaConfig:

@@ -138,20 +138,15 @@ def run(cfg: Config):
     stages = {"teacher": surgery_report["teacher_loss"],
               "surgery": timed("surgery", phase_summary, ctx, "surgery", student, scfg)["loss"]}
     label = "surgery"
-    if "blockwise" in cfg.phases:
-        student, stopped = timed("blockwise", run_blockwise, ctx, student, scfg)
+    for phase, train in (("blockwise", run_blockwise), ("global", run_global)):
+        if phase not in cfg.phases:
+            continue
+        student, stopped = timed(phase, train, ctx, student, scfg)
         if stopped:
             say(f"{stopped}; rerun the same command to continue")
             return None
-        stages["blockwise"] = timed("blockwise", phase_summary, ctx, "blockwise", student, scfg)["loss"]
-        label = "blockwise"
-    if "global" in cfg.phases:
-        student, stopped = timed("global", run_global, ctx, student, scfg)
-        if stopped:
-            say(f"global: {stopped}; rerun the same command to continue")
-            return None
-        stages["global"] = timed("global", phase_summary, ctx, "global", student, scfg)["loss"]
-        label = "global"
+        stages[phase] = timed(phase, phase_summary, ctx, phase, student, scfg)["loss"]
+        label = phase
     results = {"stages": stages}
     if "verify" in cfg.phases:
         results["verify"] = timed("verify", run_verify, ctx, student, scfg, f"{label}/{FINAL}")

@@ -192,7 +192,7 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
                      frozen=t.params if kd else None,
                      tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size)
     if result.stop_reason and not (folder / FINAL).exists():
-        return result.state.params, result.stop_reason
+        return result.state.params, f"global: {result.stop_reason}"
     return result.state.params, ""
 
 

@@ -14,3 +14,20 @@ def shared_data(name: str) -> Path:
         if root and (Path(root) / name).exists():
             return Path(root) / name
     pytest.skip(f"{name} not found in $PURESTEP_SHARED_DATA or ../shared/data (CI provides it)")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """About 200 KB of real text on every machine: three of this Python's standard-library modules."""
+    import inspect
+    import json
+    import textwrap
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text("".join(Path(m.__file__).read_text() for m in (json, textwrap, inspect)))
+    return path
+
+
+@pytest.fixture
+def token_cache(tmp_path_factory, monkeypatch):
+    """Tokenized data cached in this session's temporary folder, not in the user's ``~/.cache/purestep``."""
+    monkeypatch.setenv("PURESTEP_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))

@@ -23,9 +23,7 @@ TEACHER_CFG = llama.LlamaConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=
 FAST = ["block_size=16", "batch_size=8", "train_tokens=1024", "val_tokens=256", "log_every=10", "warmup_steps=5"]
 
 
-@pytest.fixture(autouse=True)
-def token_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("PURESTEP_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("token_cache")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import safetensors.torch  # noqa: E402
 from core import checkpoint as ckpt  # noqa: E402
 from core.config import UserError  # noqa: E402
 from core.tree import cast, max_abs_diff, names, tree_leaves  # noqa: E402
-from models import gguf, hf, llama, smollm2  # noqa: E402
+from models import hf, llama, smollm2  # noqa: E402
 from models.loading import load_model, model_entry  # noqa: E402
 from models.sampling import generate  # noqa: E402
 

@@ -12,7 +12,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
 from core import logging as log
-from core.logging import Logger, format_duration, memory_mb, to_floats
+from core.logging import Logger, format_duration, to_floats
 
 
 def read_events(folder) -> EventAccumulator:

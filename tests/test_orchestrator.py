@@ -36,19 +36,7 @@ from recipes.standard import Config
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    import inspect
-    import json as json_module
-    import textwrap
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text("".join(Path(m.__file__).read_text() for m in (json_module, textwrap, inspect)))
-    return path
-
-
-@pytest.fixture(autouse=True)
-def token_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("PURESTEP_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("token_cache")   # corpus and token_cache: tests/conftest.py
 
 
 # ------------------------------------------------------------------------------------------------ SWATS

@@ -20,18 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "log_every=2"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    import inspect
-    import textwrap
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text("".join(Path(m.__file__).read_text() for m in (json, textwrap, inspect)))
-    return path
-
-
-@pytest.fixture(autouse=True)
-def token_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("PURESTEP_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("token_cache")   # corpus and token_cache: tests/conftest.py
 
 
 def env():

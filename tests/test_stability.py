@@ -1,6 +1,5 @@
 """The stability toolkit end to end: spike rollback, NaN skipping, remat, mixed precision, loss scaling."""
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -16,19 +15,7 @@ from core.tree import max_abs_diff
 from models import llama
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    import inspect
-    import json as json_module
-    import textwrap
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text("".join(Path(m.__file__).read_text() for m in (json_module, textwrap, inspect)))
-    return path
-
-
-@pytest.fixture(autouse=True)
-def token_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("PURESTEP_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("token_cache")   # corpus and token_cache: tests/conftest.py
 
 
 RUN = ["recipe=standard", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "block_size=32",

@@ -38,9 +38,7 @@ def corpus(tmp_path_factory):
     return path
 
 
-@pytest.fixture(autouse=True)
-def token_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("PURESTEP_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+pytestmark = pytest.mark.usefixtures("token_cache")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
