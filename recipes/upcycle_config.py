@@ -86,6 +86,9 @@ class GlobalConfig:
             raise ConfigError(f"global.kd_alpha={self.kd_alpha} must be in [0, 1]")
         if self.temperature <= 0:
             raise ConfigError(f"global.temperature={self.temperature} must be > 0")
+        if self.orchestrator.enabled and not self.spike.enabled:
+            raise ConfigError("global.orchestrator.enabled=true needs global.spike.enabled=true: its safety "
+                              "rollback is the spike machinery's")
 
 
 @dataclass

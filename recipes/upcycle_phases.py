@@ -142,7 +142,8 @@ def run_surgery(ctx: Context) -> tuple[dict, dba.DBAConfig]:
 # global fine-tune
 
 def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, str]:
-    """Whole student, next-token CE (+ KD on the teacher's logits) through ``recipes.loop.fit``.
+    """Whole student, next-token CE (+ KD on the teacher's logits) through ``recipes.loop.fit``; with
+    ``global.orchestrator.enabled`` its strategies are scored on the student's CE on dev windows.
     Returns (params, stop reason: "" when finished)."""
     folder, cfg, g, t = ctx.folder / "global", ctx.cfg, ctx.cfg.global_phase, ctx.teacher
     if (folder / FINAL).exists():

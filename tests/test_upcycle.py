@@ -331,6 +331,7 @@ def test_bad_input_is_one_line_and_loses_nothing(teacher, corpus, tmp_path, caps
     assert main(["recipe=upcycle", f"teacher={tmp_path / 'nope'}", f"data={corpus}", f"out={out}"]) == 2
     assert upcycle(teacher, corpus, out, "sem_dim=12") == 2                   # > head_dim - geo_dim
     assert upcycle(teacher, corpus, out, "phases=global,blockwise,global") == 2
+    assert upcycle(teacher, corpus, out, "global.orchestrator.enabled=true", "global.spike.enabled=false") == 2
     assert not out.exists()
     capsys.readouterr()
     assert upcycle(teacher, corpus, out, "phases=verify") == 0
