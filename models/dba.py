@@ -50,10 +50,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from core import rng
-from core.tree import unstack
-from models import llama
-from models.llama import LlamaConfig, apply_rope, lm_head, rms_norm, rope_frequencies, upcast
+from models import llama, losses
+from models.llama import LlamaConfig, apply_rope, rope_frequencies
 
 
 @dataclass
@@ -130,12 +128,9 @@ def pair_frequencies(cfg: DBAConfig, device=None) -> torch.Tensor:
 
 
 def rope_tables(cfg: DBAConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [L, n_kv_heads, T, geo_dim] (rotate-half within the geo slice), angles in float64 as llama's."""
-    wide = torch.float32 if positions.device.type == "mps" else torch.float64
-    inv_freq = pair_frequencies(cfg, positions.device).to(wide)
-    angles = positions.to(wide)[None, None, :, None] * inv_freq[:, :, None, :]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    """cos, sin [L, n_kv_heads, T, geo_dim] (rotate-half within the geo slice): ``llama.rope_tables`` of the
+    kept pairs' frequencies."""
+    return llama.rope_tables(pair_frequencies(cfg, positions.device), positions, dtype)
 
 
 def attention(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, cache: Optional[dict] = None,
@@ -168,32 +163,21 @@ def block(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, key=None, cache=No
 # the model
 
 def apply(params: dict, tokens: torch.Tensor, cfg: DBAConfig, *, key: Optional[torch.Tensor] = None,
-          return_hidden: bool | str = False, cache: Optional[list] = None, past_len: int = 0):
+          return_hidden: bool | str = False, cache: Optional[list] = None, past_len: int = 0,
+          remat: bool = False):
     """Logits [B, T, vocab]; the keyword arguments mean what they mean in ``llama.apply`` (``return_hidden``:
     the residual stream entering every block plus the last block's output, as the teacher's, for blockwise
     distillation)."""
-    T = tokens.shape[1]
-    x = F.embedding(tokens, params["embed"])
-    positions = torch.arange(past_len, past_len + T, device=tokens.device)
-    cos, sin = rope_tables(cfg, positions, x.dtype)
-    if key is not None:
-        x = rng.dropout(rng.fold_in(key, 0), x, cfg.dropout)
-    hidden = []
-    for i, (lp, c, s) in enumerate(zip(unstack(params["layers"]), cos.unbind(0), sin.unbind(0))):
-        hidden.append(x)
-        layer_key = None if key is None else rng.fold_in(key, 1000 + i)
-        x = block(lp, x, c, s, cfg, layer_key, None if cache is None else cache[i], past_len)
-    hidden.append(x)
-    if return_hidden == "only":
-        return hidden
-    logits = F.linear(rms_norm(x, params["norm"], cfg.norm_eps), lm_head(params))
-    return (logits, hidden) if return_hidden else logits
+    positions = torch.arange(past_len, past_len + tokens.shape[1], device=tokens.device)
+    cos, sin = rope_tables(cfg, positions, params["embed"].dtype)
+    return llama.apply_with(params, tokens, cfg, zip(cos.unbind(0), sin.unbind(0)), block, key=key,
+                            return_hidden=return_hidden, cache=cache, past_len=past_len, remat=remat)
 
 
-def loss(params: dict, batch: dict, cfg: DBAConfig, key: Optional[torch.Tensor] = None) -> torch.Tensor:
+def loss(params: dict, batch: dict, cfg: DBAConfig, key: Optional[torch.Tensor] = None,
+         remat: bool = False) -> torch.Tensor:
     """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored)."""
-    logits = apply(params, batch["x"], cfg, key=key)
-    return F.cross_entropy(logits.flatten(0, 1).to(upcast(logits.dtype)), batch["y"].flatten(), ignore_index=-1)
+    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat), batch["y"])
 
 
 # ----------------------------------------------------------------------------------------------------------

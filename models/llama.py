@@ -26,9 +26,10 @@ per forward with ``torch.unbind``.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from core import rng
 from core.tree import unstack
+from models import losses
 
 
 @dataclass
@@ -152,12 +154,13 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin of shape [T, 2 * len(inv_freq)] for the rotate-half layout (pair i is dims i, i + n/2).
+    """cos, sin of shape [..., T, 2n] for ``inv_freq`` [..., n] (leading dims, e.g. DBA's per layer and KV
+    head, broadcast), in the rotate-half layout (pair i is dims i, i + n/2).
 
     Angles are computed in float64 (float32 on MPS, which has no float64) and then cast to ``dtype``.
     """
     wide = torch.float32 if positions.device.type == "mps" else torch.float64
-    angles = positions.to(wide)[:, None] * inv_freq.to(device=positions.device, dtype=wide)[None, :]
+    angles = positions.to(wide)[:, None] * inv_freq.to(device=positions.device, dtype=wide)[..., None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -233,20 +236,29 @@ def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional
     counter-based key, so the recomputation is identical). ``remat`` needs ``torch.autograd``, not
     ``torch.func`` (``make_train_step(..., remat=True)``).
     """
-    T = tokens.shape[1]
+    positions = torch.arange(past_len, past_len + tokens.shape[1], device=tokens.device)
+    tables = rope_tables(rope_frequencies(cfg), positions, params["embed"].dtype)
+    return apply_with(params, tokens, cfg, itertools.repeat(tables), block, key=key, return_hidden=return_hidden,
+                      cache=cache, past_len=past_len, remat=remat)
+
+
+def apply_with(params: dict, tokens: torch.Tensor, cfg, layer_tables: Iterable, block_fn: Callable, *,
+               key: Optional[torch.Tensor] = None, return_hidden: bool | str = False, cache: Optional[list] = None,
+               past_len: int = 0, remat: bool = False):
+    """The decoder every Llama variant shares (``apply`` here, ``models.dba.apply``): embedding (+ dropout),
+    ``block_fn`` per layer with that layer's ``(cos, sin)`` from ``layer_tables``, the final norm and the
+    (tied or untied) head. The keyword arguments are ``apply``'s."""
     x = F.embedding(tokens, params["embed"])
-    positions = torch.arange(past_len, past_len + T, device=tokens.device)
-    cos, sin = rope_tables(rope_frequencies(cfg), positions, x.dtype)
     if key is not None:
         x = rng.dropout(rng.fold_in(key, 0), x, cfg.dropout)
     hidden = []
-    for i, lp in enumerate(unstack(params["layers"])):
+    for i, (lp, (cos, sin)) in enumerate(zip(unstack(params["layers"]), layer_tables)):
         hidden.append(x)
         layer_key = None if key is None else rng.fold_in(key, 1000 + i)
         if remat and cache is None:
-            x = checkpoint(block, lp, x, cos, sin, cfg, layer_key, use_reentrant=False)
+            x = checkpoint(block_fn, lp, x, cos, sin, cfg, layer_key, use_reentrant=False)
         else:
-            x = block(lp, x, cos, sin, cfg, layer_key, None if cache is None else cache[i], past_len)
+            x = block_fn(lp, x, cos, sin, cfg, layer_key, None if cache is None else cache[i], past_len)
     hidden.append(x)
     if return_hidden == "only":
         return hidden
@@ -257,8 +269,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional
 def loss(params: dict, batch: dict, cfg: LlamaConfig, key: Optional[torch.Tensor] = None,
          remat: bool = False) -> torch.Tensor:
     """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored)."""
-    logits = apply(params, batch["x"], cfg, key=key, remat=remat)
-    return F.cross_entropy(logits.flatten(0, 1).to(upcast(logits.dtype)), batch["y"].flatten(), ignore_index=-1)
+    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat), batch["y"])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -77,8 +77,10 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, tempe
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy in float32; targets < 0 are ignored (as ``llama.loss``)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-1)
+    """Mean next-token cross entropy, in float32 at least (half types upcast, float64 kept); targets < 0
+    are ignored. The loss of every model here (``llama.loss``, ``dba.loss``)."""
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.flatten(0, -2).to(wide), targets.flatten(), ignore_index=-1)
 
 
 def blend(kl: torch.Tensor, ce: torch.Tensor, *, alpha: float, temperature) -> tuple[torch.Tensor, dict]:

@@ -162,9 +162,9 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     kd = g.kd_alpha > 0
 
     def loss_fn(params, batch, frozen=None):
-        logits = dba.apply(params, batch["x"], scfg)
         if not kd:
-            return losses.cross_entropy(logits, batch["y"])
+            return dba.loss(params, batch, scfg, remat=tc.remat)
+        logits = dba.apply(params, batch["x"], scfg, remat=tc.remat)
         with torch.no_grad():
             teacher_logits = llama.apply(frozen, batch["x"], t.config)
         return losses.distill_objective(logits, batch["y"], teacher_logits, alpha=g.kd_alpha,
@@ -185,8 +185,8 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
         orchestrator, steps = orchestrate(   # strategies are scored on the student's CE on held-out windows
             tc, steps, make_step=lambda opt: build_steps(tc, loss_fn, opt, student, batches, ctx.device, vocab).train,
             val_tokens=ctx.dev, logger=logger, folder=folder, saved=saved_orchestrator,
-            eval_step=make_eval_step(lambda prm, b: losses.cross_entropy(dba.apply(prm, b["x"], scfg), b["y"]),
-                                     precision=tc.dtype, device_type=ctx.device.type))
+            eval_step=make_eval_step(lambda prm, b: dba.loss(prm, b, scfg), precision=tc.dtype,
+                                     device_type=ctx.device.type))
         result = fit(tc, state, steps, logger=logger, checkpoints=manager, checkpoint_extra=lambda: extra,
                      orchestrator=orchestrator,
                      evaluate_fn=lambda p: heldout_loss(dba, p, scfg, dev), loop=loop,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core.config import from_dict, to_dict
-from core.tree import max_abs_diff, names
+from core.tree import max_abs_diff, names, tree_leaves
 from models import dba, llama, surgery
 from models.sampling import generate
 
@@ -330,6 +330,11 @@ def test_init_config_and_gradients():
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads["layers"]["attn"].values())
     loss = dba.loss(params, batch, scfg)
     assert abs(loss.item() - math.log(50)) < 0.1 * math.log(50)
+    # remat (upcycle's global.remat) recomputes the blocks in the backward: the same gradients
+    leaves = [t.requires_grad_() for t in tree_leaves(params)]
+    plain = torch.autograd.grad(dba.loss(params, batch, scfg), leaves)
+    recomputed = torch.autograd.grad(dba.loss(params, batch, scfg, remat=True), leaves)
+    assert max(float((a - b).abs().max()) for a, b in zip(plain, recomputed)) < 1e-6
 
 
 @pytest.mark.parametrize("bad,match", [
