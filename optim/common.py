@@ -30,6 +30,15 @@ def decay_mask(params: Tree) -> Tree:
         params)
 
 
+def decay_weights(updates: Tree, params: Tree, rate: torch.Tensor, mask=None) -> Tree:
+    """``u + rate * p`` on the leaves ``mask`` keeps (every leaf if None): the term of
+    :func:`add_decayed_weights`, shared with transforms that decay inside their own update (SWATS)."""
+    keep = resolve_mask(mask, params)
+    if keep is None:
+        return tree_map(lambda u, p: u + rate * p, updates, params)
+    return tree_map(lambda u, p, k: u + rate * p if k else u, updates, params, keep)
+
+
 class DecayState(NamedTuple):
     hparams: dict
 
@@ -39,13 +48,7 @@ def add_decayed_weights(weight_decay: float, mask=None) -> GradientTransformatio
         return DecayState(hparams(params, weight_decay=weight_decay))
 
     def update(updates, state, params=None):
-        wd = state.hparams["weight_decay"]
-        m = resolve_mask(mask, params)
-        if m is None:
-            updates = tree_map(lambda u, p: u + wd * p, updates, params)
-        else:
-            updates = tree_map(lambda u, p, keep: u + wd * p if keep else u, updates, params, m)
-        return updates, state
+        return decay_weights(updates, params, state.hparams["weight_decay"], mask), state
 
     return GradientTransformation(init, update)
 

@@ -26,7 +26,9 @@ continues from the old one's (W2), so ``lr(t)`` continues from the current step.
 the same statistic on both sides:
 
 - Adam moments (``m``, ``v`` and their count) between Adam-family strategies (adamw variants, SWATS; a
-  SWATS state gives the moments it had when it switched to SGD);
+  SWATS group that switched to SGD at step ``s`` froze its moments there while its count went on to ``k``,
+  so they are rescaled by ``(1 - b**k) / (1 - b**s)``: at count ``k`` they correct to ``m_hat``, ``v_hat`` of
+  step ``s``, see :func:`_adam_moments`);
 - into SGD: the momentum buffer ``b`` (``b <- mu*b + g``, steady state ``g / (1 - mu)``) is seeded with
   ``E[g] / (1 - mu)`` where ``E[g]`` is the old first moment made unbiased (Adam's ``m / (1 - b1**t)``,
   Lion's ``m``, SGD's ``b * (1 - mu)``). The seed framework copied Adam's raw ``exp_avg`` (W14), which is
@@ -45,7 +47,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from core.tree import tree_map
+from core.tree import clone, tree_flatten, tree_map, tree_unflatten
 from optim.adagc import AdaGCState, adagc
 from optim.adamw import ScaleByAdamState, adamw
 from optim.base import GradientTransformation, chain, find_state, hparam_device, replace_states
@@ -54,7 +56,7 @@ from optim.common import LearningRateState, decay_mask, scale_by_learning_rate
 from optim.lion import ScaleByLionState, lion
 from optim.schedules import Schedule
 from optim.sgd import TraceState, trace
-from optim.swats import swats
+from optim.swats import SwatsState, swats
 
 SGD_LR = 30.0          # SGD's step is lr * |g| (clipped to 1), Adam's ~ lr per coordinate: it needs a larger lr
 SGD_MOMENTUM = 0.9
@@ -144,12 +146,43 @@ def build(name: str, run: RunSpec) -> GradientTransformation:
     return chain(*parts)
 
 
+def _adam_moments(opt_state):
+    """``(count, mu, nu)`` of the Adam state in ``opt_state`` (new tensors), or None if it has none.
+
+    A SWATS group that switched to SGD at step ``s`` keeps the moments of step ``s`` while the count goes
+    on to ``k``; its ``mu`` is rescaled by ``(1 - b1**k) / (1 - b1**s)`` and ``nu`` by
+    ``(1 - b2**k) / (1 - b2**s)``, so that bias correction at ``k`` gives the ``m_hat``, ``v_hat`` of step ``s``.
+    Groups as in :mod:`optim.swats`: one for every leaf (``global``) or leaf ``i`` is group ``i``
+    (``per_group``, ``tree_flatten`` order). Groups still in their Adam phase are multiplied by exactly 1.
+    """
+    adam = find_state(opt_state, ScaleByAdamState)
+    if adam is None:
+        return None
+    sw = find_state(opt_state, SwatsState)
+    if sw is None or sw.adam is not adam:
+        return adam.count.clone(), clone(adam.mu), clone(adam.nu)
+    k, s = adam.count, sw.switch_step.clamp(min=1)
+
+    def factor(beta):
+        return torch.where(sw.phase, (1 - beta ** k) / (1 - beta ** s), 1.0)
+
+    f1, f2 = factor(adam.hparams["b1"]), factor(adam.hparams["b2"])
+    group = (lambda i: 0) if sw.phase.numel() == 1 else (lambda i: i)  # noqa: E731
+
+    def rescale(tree, f):
+        leaves, spec = tree_flatten(tree)
+        return tree_unflatten(spec, [x * f[group(i)].to(x.dtype) for i, x in enumerate(leaves)])
+
+    return k.clone(), rescale(adam.mu, f1), rescale(adam.nu, f2)
+
+
 def _first_moment(opt_state):
     """An unbiased estimate of E[g] held by ``opt_state`` (a params-shaped tree), or None."""
-    adam = find_state(opt_state, ScaleByAdamState)
-    if adam is not None:
-        correction = 1 - adam.hparams["b1"] ** adam.count.clamp(min=1)
-        return tree_map(lambda m: m / correction.to(m.dtype), adam.mu)
+    moments = _adam_moments(opt_state)
+    if moments is not None:
+        count, mu, _ = moments
+        correction = 1 - find_state(opt_state, ScaleByAdamState).hparams["b1"] ** count.clamp(min=1)
+        return tree_map(lambda m: m / correction.to(m.dtype), mu)
     lion_state = find_state(opt_state, ScaleByLionState)
     if lion_state is not None:
         return lion_state.mu
@@ -167,10 +200,10 @@ def transfer(old_state, name: str, run: RunSpec, params):
     old_lr = find_state(old_state, LearningRateState)
     if old_lr is not None:
         new = replace_states(new, LearningRateState, lambda s: s._replace(count=old_lr.count.clone()))
-    old_adam = find_state(old_state, ScaleByAdamState)
+    old_adam = _adam_moments(old_state)
     if family in ("adam", "swats") and old_adam is not None:
-        new = replace_states(new, ScaleByAdamState, lambda s: s._replace(
-            count=old_adam.count.clone(), mu=tree_map(torch.clone, old_adam.mu), nu=tree_map(torch.clone, old_adam.nu)))
+        count, mu, nu = old_adam
+        new = replace_states(new, ScaleByAdamState, lambda s: s._replace(count=count, mu=mu, nu=nu))
     elif family == "sgd":
         mean = _first_moment(old_state)
         if mean is not None:
@@ -179,11 +212,11 @@ def transfer(old_state, name: str, run: RunSpec, params):
     elif family == "lion":
         mean = _first_moment(old_state)
         if mean is not None:
-            new = replace_states(new, ScaleByLionState, lambda s: s._replace(mu=tree_map(torch.clone, mean)))
+            new = replace_states(new, ScaleByLionState, lambda s: s._replace(mu=clone(mean)))
     old_gc = find_state(old_state, AdaGCState)
     if old_gc is not None and find_state(new, AdaGCState) is not None:
         new = replace_states(new, AdaGCState, lambda s: s._replace(
-            count=old_gc.count.clone(), gamma=tree_map(torch.clone, old_gc.gamma)))
+            count=old_gc.count.clone(), gamma=clone(old_gc.gamma)))
     return new
 
 

@@ -36,10 +36,9 @@ from typing import NamedTuple
 import torch
 
 from core.tree import tree_flatten, tree_map, tree_unflatten, zeros_like
-from optim.adamw import ScaleByAdamState
-from optim.base import (GradientTransformation, counter, find_state, hparam_device, hparam_dtype, hparams,
-                        resolve_mask)
-from optim.common import LearningRateState
+from optim.adamw import ScaleByAdamState, scale_by_adam
+from optim.base import GradientTransformation, counter, find_state, hparam_device, hparam_dtype, hparams
+from optim.common import LearningRateState, decay_weights, scale_by_learning_rate
 from optim.schedules import Schedule, constant
 
 SCOPES = ("global", "per_group")
@@ -83,21 +82,21 @@ def swats(lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-
             switch_step=torch.zeros(n, dtype=torch.int64, device=device),
             hparams=hparams(params, switch_eps=switch_eps, weight_decay=weight_decay))
 
+    adam_step = scale_by_adam().update                   # reads b1, b2, eps from state.adam.hparams
+    lr_step = scale_by_learning_rate(lr, schedule).update  # reads the base lr from state.lr
+
     def update(updates, state, params=None):
         h = state.adam.hparams
         beta1, beta2 = h["b1"], h["b2"]
-        k = state.adam.count + 1
-        lr_count = state.lr.count + 1
-        alpha = state.lr.lr * schedule(lr_count).to(state.lr.lr.dtype)
         g, spec = tree_flatten(updates)
         mu, nu, buf = (tree_flatten(t)[0] for t in (state.adam.mu, state.adam.nu, state.buf))
         dtype = state.lam.dtype
 
-        # Adam phase (computed for every group; torch.where keeps the right one)
-        new_mu = [beta1 * m + (1 - beta1) * x for m, x in zip(mu, g)]
-        new_nu = [beta2 * v + (1 - beta2) * x * x for v, x in zip(nu, g)]
-        bc1, bc2_sqrt = 1 - beta1 ** k, (1 - beta2 ** k).sqrt()
-        p = [-alpha * (m / bc1) / (v.sqrt() / bc2_sqrt + h["eps"]) for m, v in zip(new_mu, new_nu)]
+        # Adam phase (computed for every group; torch.where keeps the right one): p = -alpha * m_hat / (...)
+        direction, adam_state = adam_step(updates, state.adam)
+        p, lr_state = lr_step(direction, state.lr)
+        k, alpha = adam_state.count, lr_state.current
+        new_mu, new_nu, p = (tree_flatten(t)[0] for t in (adam_state.mu, adam_state.nu, p))
         pp = torch.stack([(x * x).sum().to(dtype) for x in p])
         pg = torch.stack([(x * y).sum().to(dtype) for x, y in zip(p, g)])
         if scope == "global":
@@ -124,18 +123,14 @@ def swats(lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-
         new_state = SwatsState(
             adam=ScaleByAdamState(k, tree_unflatten(spec, mu_o), tree_unflatten(spec, nu_o), h),
             buf=tree_unflatten(spec, buf_o),
-            lr=LearningRateState(lr_count, state.lr.lr, alpha),
+            lr=lr_state,
             phase=state.phase | switch, lam=lam, gamma=gamma,
             sgd_lr=torch.where(switch, big_lambda, state.sgd_lr),
             lr_at_switch=torch.where(switch, alpha.expand_as(state.lr_at_switch), state.lr_at_switch),
             switch_step=torch.where(switch, k, state.switch_step),
             hparams=state.hparams)
-        out = tree_unflatten(spec, out)
-        if weight_decay:   # decoupled, at the Adam rate in both phases (a tree_map, as add_decayed_weights)
-            decay = alpha * state.hparams["weight_decay"]
-            keep = resolve_mask(mask, params)
-            out = tree_map(lambda u, w: u - decay * w, out, params) if keep is None else \
-                tree_map(lambda u, w, k: u - decay * w if k else u, out, params, keep)
+        # decoupled decay at the Adam rate in both phases, always applied: the rate is the state's hparam
+        out = decay_weights(tree_unflatten(spec, out), params, -(alpha * state.hparams["weight_decay"]), mask)
         return tree_map(lambda u, x: u.to(x.dtype), out, updates), new_state
 
     return GradientTransformation(init, update, lambda state: {"lr": state.lr.current.float(),

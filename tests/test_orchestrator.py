@@ -27,7 +27,7 @@ from optim.common import LearningRateState
 from optim.orchestrator import DiscountedUCB, Telemetry, normalized_rewards
 from optim.orchestrator_nowcast import extrapolate
 from optim.sgd import TraceState
-from optim.swats import swats
+from optim.swats import SwatsState, swats
 from recipes.loop import make_optimizer
 from recipes.orchestrator import Orchestrator, run_spec
 from recipes.orchestrator_config import NowcastConfig, OrchestratorConfig
@@ -146,6 +146,42 @@ def test_the_adamw_strategy_is_the_runs_own_optimizer_and_switches_continue_the_
     assert torch.allclose(sgd.trace["embed"], unbiased / (1 - strategies.SGD_MOMENTUM))   # E[g] / (1 - mu) (W14)
     back = strategies.transfer(strategies.transfer(a.opt_state, "sgd_escape", run, a.params), "adamw", run, a.params)
     assert int(find_state(back, ScaleByAdamState).count) == 0           # no second moment to carry: fresh Adam
+
+
+@pytest.mark.parametrize("scope", ["global", "per_group"])
+def test_a_switched_swats_hands_over_the_moments_of_its_switch_step(scope):
+    """SWATS freezes a group's Adam moments at its switch step s while its count goes on to k: the moments
+    a switch carries into Adam (and into SGD's seed) must correct to m_hat, v_hat of step s, not of k."""
+    run = run_spec(small_config(swats_eps=1e6, swats_scope=scope))   # any positive Lambda switches
+    params = {"a": torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),
+              "b": torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
+              "c": torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))}
+    opt = strategies.build("swats", run)
+    state, steps = opt.init(params), 12
+    for i in range(steps):
+        gen = torch.Generator().manual_seed(100 + i)
+        # a consistent direction plus noise, so p . g < 0 and Lambda > 0; "c" sees no gradient for 4 steps
+        g = {k: 0.1 * (1 + torch.randn(v.shape, dtype=torch.float64, generator=gen)) for k, v in params.items()}
+        g["c"] = g["c"] * (i >= 4)
+        updates, state = opt.update(g, state, params)
+        params = apply_updates(params, updates)
+    sw = find_state(state, SwatsState)
+    expected_steps = [2] if scope == "global" else [2, 2, 5]
+    assert sw.phase.all() and sw.switch_step.tolist() == expected_steps and int(sw.adam.count) == steps
+    b1, b2 = sw.adam.hparams["b1"], sw.adam.hparams["b2"]
+    group = (lambda i: 0) if scope == "global" else (lambda i: i)  # noqa: E731
+    names = sorted(params)                                              # tree_flatten order
+    m_hat = {n: sw.adam.mu[n] / (1 - b1 ** sw.switch_step[group(i)]) for i, n in enumerate(names)}
+    v_hat = {n: sw.adam.nu[n] / (1 - b2 ** sw.switch_step[group(i)]) for i, n in enumerate(names)}
+    for name in ("adamw", "conservative_adamw", "swats"):
+        moved = find_state(strategies.transfer(state, name, run, params), ScaleByAdamState)
+        assert int(moved.count) == steps
+        for n in names:
+            assert torch.allclose(moved.mu[n] / (1 - b1 ** moved.count), m_hat[n], rtol=1e-12, atol=0)
+            assert torch.allclose(moved.nu[n] / (1 - b2 ** moved.count), v_hat[n], rtol=1e-12, atol=0)
+    sgd = find_state(strategies.transfer(state, "sgd_escape", run, params), TraceState)
+    for n in names:                                                     # E[g] / (1 - mu) from m_hat at s
+        assert torch.allclose(sgd.trace[n], m_hat[n] / (1 - strategies.SGD_MOMENTUM), rtol=1e-12, atol=0)
 
 
 def test_bandit_and_rewards():
