@@ -38,6 +38,8 @@ from typing import Any
 import msgpack
 import torch
 
+from core.config import UserError
+
 FORMAT = "purestep-checkpoint-1"
 MAX_CHUNK_SIZE = 2 ** 30          # bytes; flax.serialization.MAX_CHUNK_SIZE
 CHUNKED = "__msgpack_chunked_array__"
@@ -51,8 +53,9 @@ DTYPES = {
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-class CheckpointError(Exception):
-    """A checkpoint that cannot be read or does not fit its template; the message says where and why."""
+class CheckpointError(UserError):
+    """A checkpoint that cannot be read or does not fit its template; the message says where and why
+    (a ``core.config.UserError``: the CLI prints it as one line and exits 2)."""
 
 
 # ----------------------------------------------------------------------------- state dicts (flax)
@@ -539,8 +542,7 @@ def _publish(src: Path, dst: Path) -> None:
             os.link(src, tmp)
         except OSError:
             shutil.copyfile(src, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            fsync_path(tmp)
         os.replace(tmp, dst)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

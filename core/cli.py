@@ -11,10 +11,10 @@ A recipe is a module listed in ``RECIPES`` (imported only when chosen) that expo
 - ``DESCRIPTION``: one line for ``bin/run --help``;
 - ``run(cfg)``: the loop.
 
-Exit codes: 0 done; 2 a user error (``core.config.UserError`` and its subclasses, ``FileNotFoundError``,
-and any exception class named ``DataError`` or ``CheckpointError``), reported as one ``error:`` line on
-stderr; 130 interrupted; 1 anything else, which is a bug and prints its traceback. ``bin/run`` is a thin
-click wrapper around ``main``, which tests also call in-process.
+Exit codes: 0 done; 2 a user error (``core.config.UserError`` and its subclasses, among them
+``core.tokenizers.DataError`` and ``core.checkpoint.CheckpointError``, and ``FileNotFoundError``),
+reported as one ``error:`` line on stderr; 130 interrupted; 1 anything else, which is a bug and prints
+its traceback. ``bin/run`` is a thin click wrapper around ``main``, which tests also call in-process.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from typing import Sequence
 
 import click
 
+from core.checkpoint import FINAL
 from core.config import ConfigError, UserError, flatten_keys, format_help, load_toml, resolve
 from core.runs import run_folder
 
@@ -43,15 +44,13 @@ RECIPES = {
     "bench_step": "recipes.bench_step",
 }
 RESERVED = ("recipe", "config", "preset")        # arguments of bin/run itself, not recipe keys
-USER_ERROR_NAMES = ("DataError", "CheckpointError")
 SYNOPSIS = f"{PROG} recipe=NAME [config=FILE.toml] [preset=NAME] [key=value ...]"
 USAGE = f"usage: {SYNOPSIS}\n       {PROG} [recipe=NAME] --help"
 
 
 def is_user_error(e: BaseException) -> bool:
     """True for errors the user fixes (bad config, missing file, bad data): no traceback for these."""
-    return isinstance(e, (UserError, FileNotFoundError)) or any(
-        c.__name__ in USER_ERROR_NAMES for c in type(e).__mro__)
+    return isinstance(e, (UserError, FileNotFoundError))
 
 
 def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], bool]:
@@ -182,7 +181,7 @@ def _run_stages(name: str, module: ModuleType, preset, toml: dict, pairs: dict, 
                       toml={**toml, **stage}, overrides={**pairs, **extra}, context=f"recipe {name}, stage {label}")
         click.echo(f"stage {i}/{len(stages)}: {label} -> {folder}", err=True)
         module.run(cfg)
-        previous = folder / "final.msgpack"
+        previous = folder / FINAL
     return 0
 
 

@@ -9,8 +9,9 @@ and data parallelism stay exact. Next-token loss then teaches the model to gener
 sides.
 
 Sentinels: a tokenizer that has ``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>`` (StarCoder-style
-vocabularies) uses them; byte and char tokenizers have none, so three ids are appended after the
-vocabulary (the model's vocab grows by three and the tokenizers render them by name).
+vocabularies) uses them; any other tokenizer (byte, char, a BPE without them) gets three ids appended
+after its vocabulary (the model's vocab grows by three and every tokenizer's decode renders them by name,
+``core.tokenizers.SENTINELS``).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+from core.tokenizers import SENTINELS
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def fim_ids(tokenizer) -> tuple[tuple[int, int, int], int]:
     """The sentinel ids for ``tokenizer`` and how many ids the model needs beyond its vocabulary (0 or 3)."""
     lookup = getattr(tokenizer, "token_id", None)
     if lookup is not None:
-        ids = [lookup(name) for name in FIM_TOKENS]
+        ids = [lookup(name) for name in SENTINELS]
         if all(i is not None for i in ids):
             return tuple(ids), 0
     v = tokenizer.vocab_size

@@ -2,7 +2,8 @@
 
 Three tokenizers share one small protocol: ``name``, ``vocab_size``, ``eos_id``/``bos_id`` (None where
 there is none), ``encode(text) -> list[int]``, ``encode_bytes(data, source=...) -> np.ndarray``,
-``decode(ids) -> str`` and ``to_dict()`` (str/int only, JSON- and msgpack-safe) with
+``decode(ids) -> str`` (shared: FIM sentinel ids appended past the vocabulary by ``core.fim`` render
+as ``SENTINELS`` for every tokenizer) and ``to_dict()`` (str/int only, JSON- and msgpack-safe) with
 ``tokenizer_from_dict(d)`` rebuilding the same tokenizer, so a checkpoint carries its own tokenizer.
 
 - ``ByteTokenizer`` (the default): ids are the UTF-8 bytes, vocab 256; any bytes are valid input.
@@ -38,11 +39,37 @@ def decode_utf8(data: bytes, source: str) -> str:
             f"this tokenizer needs UTF-8 text, use tokenizer=byte for arbitrary bytes") from None
 
 
+SENTINELS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")  # FIM sentinel names (core.fim)
+
+
 class _Tokenizer:
+    """Shared decode: subclasses give ``_decode_run`` (a run of in-vocabulary ids -> text)."""
+
     name: str
     vocab_size: int
     eos_id: int | None = None
     bos_id: int | None = None
+
+    def _decode_run(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        """Decode runs of in-vocabulary ids with ``_decode_run``; the three ids just past the vocabulary
+        are the FIM sentinels ``core.fim`` appends to a vocabulary without its own and render by name
+        (``SENTINELS``); anything else renders as U+FFFD."""
+        parts, run = [], []
+        for i in (int(i) for i in ids):
+            if i < self.vocab_size:
+                run.append(i)
+                continue
+            if run:
+                parts.append(self._decode_run(run))
+                run = []
+            k = i - self.vocab_size
+            parts.append(SENTINELS[k] if k < len(SENTINELS) else "\ufffd")
+        if run:
+            parts.append(self._decode_run(run))
+        return "".join(parts)
 
     def __eq__(self, other):
         return isinstance(other, _Tokenizer) and self.to_dict() == other.to_dict()
@@ -63,8 +90,8 @@ class ByteTokenizer(_Tokenizer):
     def encode_bytes(self, data: bytes, source: str = "input") -> np.ndarray:
         return np.frombuffer(data, dtype=np.uint8)
 
-    def decode(self, ids) -> str:
-        return _with_sentinels(ids, self.vocab_size, lambda run: bytes(run).decode("utf-8", errors="replace"))
+    def _decode_run(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
 
     def to_dict(self) -> dict:
         return {"type": "byte"}
@@ -106,32 +133,11 @@ class CharTokenizer(_Tokenizer):
                 f"tokenizer's vocabulary of {self.vocab_size} characters")
         return ids.astype(np.int64)
 
-    def decode(self, ids) -> str:
-        return _with_sentinels(ids, self.vocab_size, lambda run: "".join(self.chars[i] for i in run))
+    def _decode_run(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
 
     def to_dict(self) -> dict:
         return {"type": "char", "chars": self.chars}
-
-
-SENTINELS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")  # ids vocab_size.. (core.fim) for byte/char
-
-
-def _with_sentinels(ids, vocab_size: int, decode_run) -> str:
-    """Decode runs of in-vocabulary ids with ``decode_run``; ids just past the vocabulary are the FIM
-    sentinels appended by ``core.fim`` and render by name; anything else renders as U+FFFD."""
-    parts, run = [], []
-    for i in (int(i) for i in ids):
-        if i < vocab_size:
-            run.append(i)
-            continue
-        if run:
-            parts.append(decode_run(run))
-            run = []
-        k = i - vocab_size
-        parts.append(SENTINELS[k] if k < len(SENTINELS) else "\ufffd")
-    if run:
-        parts.append(decode_run(run))
-    return "".join(parts)
 
 
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
@@ -186,8 +192,8 @@ class BPETokenizer(_Tokenizer):
     def encode_bytes(self, data: bytes, source: str = "input") -> np.ndarray:
         return np.array(self.encode(decode_utf8(data, source)), dtype=np.int64)
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    def _decode_run(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
 
     def to_dict(self) -> dict:
         return {"type": "bpe", "json": self.json, "bos_id": self.bos_id, "eos_id": self.eos_id}

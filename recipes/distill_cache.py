@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.checkpoint import fsync_path
 from core.config import UserError, option, same_as
 from core.device import resolve_device
 from core.step import autocast
@@ -161,14 +162,6 @@ def _check(cfg: Config, vocab_size: int):
         raise UserError(f"bad value for 'samples': {cfg.samples}; it must be in [1, 65535]")
 
 
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def run(cfg: Config) -> TeacherCache:
     device = resolve_device(cfg.device)
     teacher = distill.load_teacher(cfg.teacher, device)
@@ -211,13 +204,13 @@ def run(cfg: Config) -> TeacherCache:
             a.flush()
         del arrays
         for stem in layout:
-            _fsync(tmp / f"{stem}.bin")
+            fsync_path(tmp / f"{stem}.bin")
         with open(tmp / "meta.json", "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
-        _fsync(out.parent)
+        fsync_path(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     size = sum(f.stat().st_size for f in out.iterdir())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from core.config import UserError, option
-from core.device import resolve_device
+from core.device import DEVICES, resolve_device
 from core.step import autocast
 from models.loading import load_model
 from models.sampling import generate
@@ -29,7 +29,7 @@ class Config:
     top_k: int = option(0, "sample among the k most likely tokens (0: all)")
     top_p: float = option(1.0, "nucleus sampling: smallest set with this much probability (1: all)")
     seed: int = option(1337, "sampling seed: same seed, same text")
-    device: str = option("auto", "where to run", choices=("auto", "cpu", "cuda", "mps"))
+    device: str = option("auto", "where to run", choices=DEVICES)
     dtype: str = option("fp32", "compute precision", choices=("fp32", "bf16", "fp16"))
 
 

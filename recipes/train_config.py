@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import ConfigError, option
+from core.device import DEVICES
 from core.spike import SpikeConfig
 from core.step import PRECISIONS
 from optim.schedules import KINDS
@@ -30,7 +31,7 @@ class TrainConfig:
     out: str = option("", "run folder (default runs/<recipe>-<name or timestamp>)")
     name: str = option("", "run name; names the default run folder")
     seed: int = option(1337, "seed for init, data order and dropout: same seed, same run")
-    device: str = option("auto", "where to train", choices=("auto", "cpu", "cuda", "mps"))
+    device: str = option("auto", "where to train", choices=DEVICES)
     dtype: str = option("fp32", "compute precision (bf16/fp16 autocast, fp32 master weights)",
                         choices=tuple(PRECISIONS))
     batch_size: int = option(16, "sequences per micro-batch")

@@ -5,16 +5,13 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
+from core.checkpoint import CheckpointError
 from core.config import UserError, option, to_dict
 
 DESCRIPTION = "fake recipe that records its config (tests only)"
 
 
 class DataError(UserError):
-    pass
-
-
-class CheckpointError(Exception):  # not a UserError subclass: the CLI also knows it by name
     pass
 
 

@@ -387,6 +387,27 @@ def test_retention_keep_last_best_and_final(tmp_path):
     assert ckpt.read_meta(tmp_path / "final.msgpack")["step"] == 50
 
 
+def test_publish_without_hard_links_writes_a_fsynced_copy(tmp_path, monkeypatch):
+    def no_link(src, dst):
+        raise OSError("links not supported")
+    synced = []
+    real_fsync_path = ckpt.fsync_path
+    monkeypatch.setattr(ckpt.os, "link", no_link)
+    monkeypatch.setattr(ckpt, "fsync_path", lambda p: (synced.append(os.fspath(p)), real_fsync_path(p)))
+    manager = CheckpointManager(tmp_path, keep_last=0)
+    src = manager.save(5, {"w": torch.arange(3.0)}, final=True)
+    final = tmp_path / ckpt.FINAL
+    assert final.read_bytes() == src.read_bytes() and not os.path.samefile(final, src)
+    assert [p for p in synced if os.path.basename(p).startswith(".tmp-") and p.endswith(ckpt.FINAL)]
+    assert synced[-1] == os.fspath(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.FINAL, src.name]
+
+
+def test_checkpoint_error_is_a_user_error():
+    from core.config import UserError
+    assert issubclass(CheckpointError, UserError)
+
+
 def test_resuming_from_an_older_step_keeps_the_new_file(tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=1)
     manager.save(20, {"w": torch.ones(1)})

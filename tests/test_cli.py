@@ -64,11 +64,18 @@ def test_happy_path_passes_the_parsed_config(tmp_path):
     (["config=missing.toml"], ["config file missing.toml not found"]),
     (["fail=user"], ["error: the dataset is empty"]),           # a multi-line message comes out on one line
     (["fail=data"], ["shard 3 is truncated"]),
-    (["fail=checkpoint"], ["ckpt.msgpack is corrupt"]),           # known by its class name
+    (["fail=checkpoint"], ["ckpt.msgpack is corrupt"]),           # core.checkpoint.CheckpointError
     (["fail=missing"], ["No such file or directory", "nowhere.bin"]),
 ])
 def test_user_errors_are_one_line_and_exit_2(args, fragments):
     assert_user_error(run(RECIPE, *args), *fragments)
+
+
+def test_a_bad_checkpoint_is_a_user_error(tmp_path):
+    """core.checkpoint.CheckpointError is a UserError subclass: a real recipe reading a bad file exits 2."""
+    bad = tmp_path / "ckpt.msgpack"
+    bad.write_bytes(b"garbage")
+    assert_user_error(run("recipe=generate", f"init={bad}"), f"{bad}: not a purestep checkpoint")
 
 
 def test_recipe_errors():
@@ -154,9 +161,15 @@ def test_top_level_help_in_process_shows_descriptions(fake, monkeypatch, capsys)
 
 
 def test_user_error_classes():
-    class DataError(Exception):
+    from core.checkpoint import CheckpointError
+    from core.tokenizers import DataError
+
+    class CheckpointErrorLookalike(Exception):   # a user error by class, never by name
         pass
+    CheckpointErrorLookalike.__name__ = "CheckpointError"
 
     assert cli.is_user_error(DataError("x")) and cli.is_user_error(FileNotFoundError("x"))
-    assert cli.is_user_error(fake_recipe.DataError("x")) and cli.is_user_error(fake_recipe.CheckpointError("x"))
+    assert cli.is_user_error(CheckpointError("x")) and cli.is_user_error(fake_recipe.DataError("x"))
+    assert not cli.is_user_error(CheckpointErrorLookalike("x"))
     assert not cli.is_user_error(RuntimeError("x")) and not cli.is_user_error(KeyError("x"))
+    assert not hasattr(cli, "USER_ERROR_NAMES")

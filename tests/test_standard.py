@@ -165,3 +165,14 @@ def test_lr_find_leaves_the_state_untouched(corpus, tmp_path):
     assert main(["recipe=lr_find", f"data={corpus}", f"out={tmp_path / 'lrf'}", "model.d_model=32",
                  "model.n_layers=1", "model.n_heads=2", "block_size=32", "batch_size=4", "num_steps=12"]) == 0
     assert (tmp_path / "lrf" / "lr_find.csv").read_text().startswith("lr,loss,smoothed_loss")
+
+
+def test_device_choices_come_from_core_device():
+    import dataclasses
+
+    from core.device import DEVICES
+    from recipes import generate
+    from recipes.train_config import TrainConfig
+    for cls in (TrainConfig, generate.Config):
+        (field,) = [f for f in dataclasses.fields(cls) if f.name == "device"]
+        assert field.metadata["choices"] == DEVICES == ("auto", "cpu", "cuda", "mps")

@@ -4,7 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from core.tokenizers import (BPETokenizer, ByteTokenizer, CharTokenizer, DataError, make_tokenizer,
+from core.fim import fim_ids
+from core.tokenizers import (SENTINELS, BPETokenizer, ByteTokenizer, CharTokenizer, DataError, make_tokenizer,
                              tokenizer_from_dict)
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
@@ -126,3 +127,17 @@ def test_char_encode_is_numpy_fast_path_equivalent():
     expected = [tok.chars.index(c) for c in UNICODE]
     assert tok.encode(UNICODE) == expected
     assert np.array_equal(tok.encode_bytes(UNICODE.encode()), expected)
+
+
+def test_fim_sentinels_appended_past_the_vocab_decode_the_same_for_every_tokenizer(tmp_path):
+    """core.fim appends three ids past a vocabulary without FIM tokens (BPE included); every tokenizer's
+    decode renders them as the sentinel names, between normally decoded runs; further ids are U+FFFD."""
+    bpe = make_tokenizer(str(_tiny_bpe(tmp_path)))
+    for tok in (ByteTokenizer(), CharTokenizer.from_text(TEXT), bpe):
+        (pre, suf, mid), extra = fim_ids(tok)
+        assert extra == 3 and (pre, suf, mid) == (tok.vocab_size, tok.vocab_size + 1, tok.vocab_size + 2)
+        a, b = tok.encode("Speak, "), tok.encode("speak.")
+        assert tok.decode([pre, *a, suf, *b, mid]) == "<fim_prefix>Speak, <fim_suffix>speak.<fim_middle>"
+        assert tok.decode(np.array([*b, mid, pre, *a])) == "speak.<fim_middle><fim_prefix>Speak, "
+        assert tok.decode([mid + 1, *a]) == "\ufffdSpeak, "
+    assert SENTINELS == ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
