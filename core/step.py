@@ -52,7 +52,7 @@ def autocast(precision: str, device_type: str):
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
-def _loss_caller(loss_fn: Callable) -> Callable:
+def loss_caller(loss_fn: Callable) -> Callable:
     """Normalize ``loss_fn`` to ``(params, batch, key, frozen) -> (loss, aux)``."""
     sig = inspect.signature(loss_fn).parameters
     takes_key, takes_frozen = "key" in sig, "frozen" in sig
@@ -107,7 +107,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         raise ValueError(f"unknown grad_mode {grad_mode!r}; choose one of {', '.join(GRAD_MODES)}")
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-    call = _loss_caller(loss_fn)
+    call = loss_caller(loss_fn)
 
     def objective(params, batch, key, frozen, scale):
         with autocast(precision, device_type):
@@ -207,7 +207,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
 def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: str = "cpu",
                    compile: bool = False) -> Callable:
     """``eval_step(params, batch, frozen=None) -> metrics`` (no gradients, no dropout)."""
-    call = _loss_caller(loss_fn)
+    call = loss_caller(loss_fn)
 
     def eval_step(params, batch, frozen=None):
         with torch.no_grad(), autocast(precision, device_type):

@@ -406,10 +406,10 @@ def run(cfg: Config):
             teacher_val = evaluate(teacher_eval, p.teacher.params, p.val_batches, dist=dist)
             logger.scalars(0, {"val/teacher_loss": teacher_val})
             logger.print(f"teacher: val loss {teacher_val:.4f}, perplexity {math.exp(min(teacher_val, 50.0)):.2f}")
-        orchestrator, steps = orchestrate(cfg, p.steps, make_step=p.make_train, val_tokens=p.corpus.val, logger=logger,
-                                          folder=folder, saved=saved_orchestrator, main_process=dist.is_main)
-        result = fit(cfg, state, steps, logger=logger,
-                     checkpoints=checkpoints, orchestrator=orchestrator,
+        orchestrator, steps = orchestrate(cfg, p.steps, make_step=p.make_train, val_tokens=p.corpus.val, device=device,
+                                          logger=logger, folder=folder, saved=saved_orchestrator,
+                                          main_process=dist.is_main)
+        result = fit(cfg, state, steps, logger=logger, checkpoints=checkpoints, orchestrator=orchestrator,
                      checkpoint_extra=lambda: extra, loop=loop, frozen=p.frozen, dist=dist,
                      evaluate_fn=lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
                      sample_fn=standard.sampler(cfg, scfg, tok, p.corpus.val, device) if dist.is_main else None,
@@ -452,8 +452,7 @@ def step_time_ratio(online: Config, cached: Config, steps: int = 10, warmup: int
         for name, r in runs.items():
             batch = r.steps.batches.get(i)
             t0 = time.perf_counter()
-            args = (states[name], batch) + ((r.frozen,) if r.frozen is not None else ())
-            states[name], metrics = r.steps.train(*args)
+            states[name], metrics = r.steps.train(states[name], batch, r.frozen)
             metrics["loss"].item()
             synchronize(r.device)
             if i >= warmup:

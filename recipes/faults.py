@@ -7,12 +7,12 @@ cursor, like real bad data: a rollback that skips past those batches never sees 
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 
 from core.config import option
+from core.step import loss_caller
 
 
 @dataclass
@@ -45,17 +45,12 @@ class FaultyBatches:
 
 
 def with_faults(loss_fn):
-    """A loss that honours ``batch["loss_multiplier"]`` (present only when faults are configured).
+    """``loss_fn`` (any signature ``core.step`` accepts) scaled by ``batch["loss_multiplier"]`` (present
+    only when faults are configured)."""
+    call = loss_caller(loss_fn)
 
-    It keeps ``loss_fn``'s signature: ``frozen`` (a teacher's params) is passed on when the loss takes it.
-    """
-    takes_frozen = "frozen" in inspect.signature(loss_fn).parameters
+    def loss(params, batch, key=None, frozen=None):
+        out, aux = call(params, batch, key, frozen)
+        return out * batch["loss_multiplier"], aux
 
-    def scaled(out, batch):
-        if isinstance(out, tuple):
-            return out[0] * batch["loss_multiplier"], out[1]
-        return out * batch["loss_multiplier"]
-
-    if takes_frozen:
-        return lambda params, batch, key, frozen: scaled(loss_fn(params, batch, key, frozen=frozen), batch)
-    return lambda params, batch, key: scaled(loss_fn(params, batch, key), batch)
+    return loss

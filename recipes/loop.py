@@ -50,24 +50,35 @@ def resolve_run_folder(cfg: TrainConfig, folder: Path) -> Optional[Path]:
     return ckpt.resolve_resume(cfg.resume, folder)
 
 
+def adagc_transform(cfg):
+    """AdaGC configured by ``cfg.adagc.*``, its absolute cap ``cfg.grad_clip``."""
+    return optim.adagc(lambda_rel=cfg.adagc.lambda_rel, beta=cfg.adagc.beta, t_start=cfg.adagc.warmup,
+                       lambda_abs=cfg.grad_clip)
+
+
 def clip_transform(cfg):
     """The gradient clipping ``cfg.clipping`` names (global | adagc | agc | none), or None."""
     if cfg.clipping == "global":
         return optim.clip_by_global_norm(cfg.grad_clip)
     if cfg.clipping == "adagc":
-        return optim.adagc(lambda_rel=cfg.adagc.lambda_rel, beta=cfg.adagc.beta, t_start=cfg.adagc.warmup,
-                           lambda_abs=cfg.grad_clip)
+        return adagc_transform(cfg)
     if cfg.clipping == "agc":
         return optim.agc(cfg.agc_clip)
     return None
 
 
+def make_schedule(cfg: TrainConfig):
+    """The learning-rate schedule of ``cfg``: ``lr_schedule`` over ``decay_steps`` (default ``steps``),
+    ``warmup_steps`` of warmup, down to ``min_lr``."""
+    total = cfg.decay_steps or cfg.steps
+    return schedules.make(cfg.lr_schedule, warmup=cfg.warmup_steps, total=total,
+                          floor=cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0, every=max(total // 3, 1))
+
+
 def make_optimizer(cfg: TrainConfig):
     """Clipping (``cfg.clipping``), then AdamW with the configured schedule (no decay on norms/embeddings)."""
-    total = cfg.decay_steps or cfg.steps
-    schedule = schedules.make(cfg.lr_schedule, warmup=cfg.warmup_steps, total=total,
-                              floor=cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0, every=max(total // 3, 1))
-    adamw = optim.adamw(lr=cfg.lr, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, schedule=schedule)
+    adamw = optim.adamw(lr=cfg.lr, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay,
+                        schedule=make_schedule(cfg))
     clip = clip_transform(cfg)
     return adamw if clip is None else optim.chain(clip, adamw)
 
@@ -274,9 +285,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
         while step < cfg.steps:
             t0 = time.perf_counter()
             batch = steps.batches.get(cursor)
-            new_state, metrics = steps.train(result.state, batch, frozen) if frozen is not None \
-                else steps.train(result.state, batch)
-            result.state = new_state
+            result.state, metrics = steps.train(result.state, batch, frozen)
             step, cursor = step + 1, cursor + 1
             loop.tokens += tokens_per_step
             loop.ticks += 1

@@ -49,7 +49,6 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-import optim
 from core import checkpoint as ckpt
 from core.data import eval_batches
 from core.state import TrainState
@@ -58,19 +57,15 @@ from optim import schedules
 from optim.orchestrator import PHASES, DiscountedUCB, Telemetry, normalized_rewards
 from optim.orchestrator_nowcast import extrapolate
 from optim.strategies import NAMES, RunSpec, build, strategy_of, transfer
+from recipes.loop import adagc_transform, clip_transform, make_schedule   # the run's own, as make_optimizer
 
 
 def run_spec(cfg) -> RunSpec:
     """Strategies relative to this run: its lr, schedule, betas, weight decay and clipping."""
-    from recipes.loop import clip_transform   # the run's own clipping, exactly as make_optimizer builds it
-    total = cfg.decay_steps or cfg.steps
-    schedule = schedules.make(cfg.lr_schedule, warmup=cfg.warmup_steps, total=total,
-                              floor=cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0, every=max(total // 3, 1))
-    return RunSpec(lr=cfg.lr, schedule=schedule, flat_schedule=schedules.make("constant", warmup=cfg.warmup_steps),
+    return RunSpec(lr=cfg.lr, schedule=make_schedule(cfg),
+                   flat_schedule=schedules.make("constant", warmup=cfg.warmup_steps),
                    beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
-                   run_clip=lambda: clip_transform(cfg),
-                   adagc=lambda: optim.adagc(lambda_rel=cfg.adagc.lambda_rel, beta=cfg.adagc.beta,
-                                             t_start=cfg.adagc.warmup, lambda_abs=cfg.grad_clip),
+                   run_clip=lambda: clip_transform(cfg), adagc=lambda: adagc_transform(cfg),
                    swats_eps=cfg.orchestrator.swats_eps, swats_scope=cfg.orchestrator.swats_scope)
 
 
@@ -85,14 +80,14 @@ def initial_optimizer(cfg, resume: Optional[Path] = None):
     return build(name, run_spec(cfg))
 
 
-def probe_batches(val_tokens, cfg):
+def probe_batches(val_tokens, cfg, device=None):
     """``orchestrator.probe_batches`` fixed validation batches placed halfway between the evaluation
     windows, so the probe that picks strategies is not the validation set that reports them."""
     n_eval = max(cfg.eval_batches, 1) * cfg.batch_size
     shift = max((len(val_tokens) - cfg.block_size - 1) // (2 * n_eval), 0)
     tokens = val_tokens[shift:] if len(val_tokens) - shift > cfg.block_size else val_tokens
     return eval_batches(np.asarray(tokens), cfg.batch_size, cfg.block_size, cfg.orchestrator.probe_batches,
-                        device=None)
+                        device=device)
 
 
 @dataclass
@@ -111,7 +106,7 @@ class Orchestrator:
         o = cfg.orchestrator
         self.cfg, self.o, self.run = cfg, o, run or run_spec(cfg)
         self.make_step, self.batches, self.eval_step, self.logger = make_step, batches, eval_step, logger
-        self.probe = [{k: v.to(self._device(batches)) for k, v in b.items()} for b in probe]
+        self.probe = list(probe)                        # held-out batches, already on the run's device
         self.arms = o.arms
         self.current = o.initial
         self.bandit = DiscountedUCB(self.arms, gamma=o.ucb_gamma, xi=o.ucb_xi)
@@ -128,11 +123,6 @@ class Orchestrator:
             self.load_state_dict(saved)
 
     # ------------------------------------------------------------------ wiring
-    @staticmethod
-    def _device(batches):
-        return getattr(batches, "device", None) or getattr(getattr(batches, "batches", None), "device", None) \
-            or "cpu"
-
     def step_fn(self, name: str) -> Callable:
         """One train step per strategy, built (and compiled, if the run compiles) once."""
         if name not in self._steps:
@@ -142,7 +132,7 @@ class Orchestrator:
     def train_step(self, state, batch, frozen=None):
         """The loop's train step: the current strategy's."""
         fn = self.step_fn(self.current)
-        return fn(state, batch) if frozen is None else fn(state, batch, frozen)
+        return fn(state, batch, frozen)
 
     def attach(self, steps):
         """``steps`` (``recipes.loop.Steps``) whose train step dispatches to the current strategy."""
@@ -195,7 +185,7 @@ class Orchestrator:
         """The buffered steps as host rows ``[step, loss, grad_norm, z_loss, z_grad]`` (one transfer)."""
         keys = ("loss", "grad_norm", "z_loss", "z_grad")
         live = [m for _, m in self.buffer if isinstance(m, dict)]
-        values = iter(torch.stack([torch.stack([m[k].float() if k in m else torch.zeros(()) for k in keys])
+        values = iter(torch.stack([torch.stack([m[k].float() for k in keys])
                                    for m in live]).cpu().tolist() if live else [])
         return [[s, *(next(values) if isinstance(m, dict) else m)] for s, m in self.buffer]
 
@@ -241,8 +231,7 @@ class Orchestrator:
         return True
 
     def probe_loss(self, params, frozen=None) -> float:
-        args = () if frozen is None else (frozen,)
-        return torch.stack([self.eval_step(params, b, *args)["loss"].float() for b in self.probe]).mean().item()
+        return torch.stack([self.eval_step(params, b, frozen)["loss"].float() for b in self.probe]).mean().item()
 
     # ------------------------------------------------------------------ decisions
     def _decide(self, state, step_metrics, step, cursor, trigger, frozen) -> Optional[Jump]:
@@ -262,7 +251,7 @@ class Orchestrator:
             fn, metrics, used = self.step_fn(name), [], []
             for c in range(cursor, cursor + horizon):
                 batch = self.batches.get(c)
-                branch, m = fn(branch, batch) if frozen is None else fn(branch, batch, frozen)
+                branch, m = fn(branch, batch, frozen)
                 metrics.append(m)
                 used.append(c)
             losses = torch.stack([m["loss"].float() for m in metrics]).cpu()
@@ -385,15 +374,17 @@ class Orchestrator:
         self.buffer = [(int(r[0]), [float(x) for x in r[1:]]) for r in d.get("unread", [])]
 
 
-def orchestrate(cfg, steps, *, make_step: Callable, val_tokens, logger, folder, saved: Optional[dict] = None,
-                eval_step: Optional[Callable] = None, main_process: bool = True):
+def orchestrate(cfg, steps, *, make_step: Callable, val_tokens, device, logger, folder,
+                saved: Optional[dict] = None, eval_step: Optional[Callable] = None, main_process: bool = True):
     """``(orchestrator, steps)`` for ``recipes.loop.fit``: ``(None, steps)`` unless ``cfg.orchestrator.enabled``,
     else an :class:`Orchestrator` (resuming ``saved``) and ``steps`` whose train step is the current
     strategy's. ``make_step(optimizer)`` builds the recipe's train step for a strategy; the probe is
-    ``orchestrator.probe_batches`` windows of ``val_tokens`` scored by ``eval_step`` (default ``steps.eval``)."""
+    ``orchestrator.probe_batches`` windows of ``val_tokens`` on ``device``, scored by ``eval_step`` (default
+    ``steps.eval``)."""
     if not cfg.orchestrator.enabled:
         return None, steps
-    orchestrator = Orchestrator(cfg, make_step=make_step, batches=steps.batches, probe=probe_batches(val_tokens, cfg),
+    orchestrator = Orchestrator(cfg, make_step=make_step, batches=steps.batches,
+                                probe=probe_batches(val_tokens, cfg, device),
                                 eval_step=eval_step or steps.eval, logger=logger, folder=folder, saved=saved,
                                 main_process=main_process)
     return orchestrator, orchestrator.attach(steps)

@@ -109,7 +109,8 @@ def run(cfg: Config):
         if resume is not None:
             logger.print(f"resuming from {resume} at step {int(state.step)}")
         orchestrator, steps = orchestrate(
-            cfg, steps, val_tokens=corpus.val, logger=logger, folder=folder, saved=saved_orchestrator,
+            cfg, steps, val_tokens=corpus.val, device=device, logger=logger, folder=folder,
+            saved=saved_orchestrator,
             make_step=lambda opt: build_steps(cfg, loss_fn, opt, params, batches, device, vocab, dist).train,
             main_process=dist.is_main)
         result = fit(cfg, state, steps, logger=logger,

@@ -29,7 +29,7 @@ from core.data import EvalBatches, prepare
 from core.device import resolve_device
 from core.logging import Logger, format_duration
 from core.runs import run_folder
-from core.tree import size
+from core.tree import fingerprint, size
 from models import dba
 from models.loading import load_model
 from recipes import upcycle_bench, upcycle_blockwise as bw_loop
@@ -183,7 +183,7 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
     source = bw_loop.TeacherSource(t.params, t.config, batches, match=bw.match)
     if bw.cache_teacher:
         n = bw.cache_batches or bw.steps
-        identity = {"teacher": bw_loop.params_digest(t.params), "data": ctx.corpus.path, "seed": cfg.seed,
+        identity = {"teacher": fingerprint(t.params), "data": ctx.corpus.path, "seed": cfg.seed,
                     "batch_size": bw.batch_size, "block_size": cfg.block_size}
         source.cache = bw_loop.TeacherCache.open_or_build(source, n, identity, say=say)
     step_fn = bw_loop.make_step(scfg, optimizer, loss=bw.loss, mode=bw.mode, train=bw.train, ema=bw.ema,

@@ -42,7 +42,7 @@ from core.data import cache_root
 from core.logging import Logger, format_duration
 from core.step import autocast
 from core.telemetry import Preemption
-from core.tree import tree_leaves, tree_map
+from core.tree import apply_updates, tree_map
 from models import blockwise, dba
 from optim import schedules
 from optim.common import current_lr
@@ -156,7 +156,7 @@ def make_step(scfg: dba.DBAConfig, optimizer, *, loss: str, mode: str, train: st
         grads, per = grad_fn(trainable, rest, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
         active = state.conv["active"]
-        new = masked(active, tree_map(torch.add, trainable, updates), trainable, L)
+        new = masked(active, apply_updates(trainable, updates), trainable, L)
         opt_state = masked(active, opt_state, state.opt_state, L)
         conv = update_convergence(state.conv, per, decay=ema, target=target, patience=patience, min_delta=min_delta)
         metrics = {"loss": (per * active).sum() / active.sum().clamp_min(1), "block_loss": per,
@@ -191,15 +191,6 @@ class TeacherSource:
         i = cursor % self.cache.n
         inputs, targets = self.cache.get(i, self.batches.device)
         return {"x": self.batches.get(i)["x"], "inputs": inputs, "targets": targets}
-
-
-def params_digest(params: dict) -> str:
-    """A content hash of a model's weights (the teacher's identity in cache keys)."""
-    h = hashlib.blake2b(digest_size=16)
-    for t in tree_leaves(params):
-        h.update(str((tuple(t.shape), str(t.dtype))).encode())
-        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class TeacherCache:

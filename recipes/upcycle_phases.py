@@ -184,7 +184,7 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
                 + (f"; resuming from {resume} at step {int(state.step)}" if resume else ""))
         orchestrator, steps = orchestrate(   # strategies are scored on the student's CE on held-out windows
             tc, steps, make_step=lambda opt: build_steps(tc, loss_fn, opt, student, batches, ctx.device, vocab).train,
-            val_tokens=ctx.dev, logger=logger, folder=folder, saved=saved_orchestrator,
+            val_tokens=ctx.dev, device=ctx.device, logger=logger, folder=folder, saved=saved_orchestrator,
             eval_step=make_eval_step(lambda prm, b: dba.loss(prm, b, scfg), precision=tc.dtype,
                                      device_type=ctx.device.type))
         result = fit(tc, state, steps, logger=logger, checkpoints=manager, checkpoint_extra=lambda: extra,

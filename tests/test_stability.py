@@ -1,5 +1,6 @@
 """The stability toolkit end to end: spike rollback, NaN skipping, remat, mixed precision, loss scaling."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,14 @@ def test_stability_keys_reach_the_step_and_the_checkpoint(corpus, tmp_path):
     assert set(top["state"]["monitor"]) >= {"loss_mean", "hard", "onset"}
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(k.startswith("health/") for r in rows for k in r)
+
+
+def test_faults_wrap_every_loss_signature_the_step_takes():
+    from recipes.faults import with_faults
+    params, frozen = torch.ones(2), torch.tensor(2.0)
+    losses = [lambda p, b: p.sum(), lambda p, b, key: p.sum(), lambda p, b, frozen=None: p.sum() + frozen,
+              lambda p, b, key, frozen: (p.sum() + frozen, {"aux": frozen})]
+    for scale, expected in ((1.0, [2.0, 2.0, 4.0, 4.0]), (float("nan"), [math.nan] * 4)):
+        batch = {"x": torch.zeros(1), "loss_multiplier": torch.tensor(scale)}
+        got = [with_faults(fn)(params, batch, None, frozen)[0].item() for fn in losses]
+        assert got == pytest.approx(expected, nan_ok=True)

@@ -16,7 +16,7 @@ import torch
 from core import checkpoint as ckpt
 from core.cli import main
 from core.data import prepare
-from core.tree import cast, tree_leaves
+from core.tree import cast, fingerprint, tree_leaves
 from models import blockwise, dba, llama, surgery
 from models.loading import load_model
 from recipes import upcycle_bench, upcycle_blockwise as bw
@@ -188,7 +188,7 @@ def test_train_block_also_trains_the_mlp(teacher, corpus):
 def test_teacher_cache_is_keyed_by_cursor_built_once_and_matches_recomputation(teacher, corpus, tmp_path):
     t, _, _, _, _, source, _ = setup_blockwise(teacher, corpus)
     said = []
-    identity = {"teacher": bw.params_digest(t.params), "data": "x", "seed": 0}
+    identity = {"teacher": fingerprint(t.params), "data": "x", "seed": 0}
     cache = bw.TeacherCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
     assert "building 3 batches" in said[0] and not list(tmp_path.glob(".*tmp*"))
     assert cache.nbytes == 2 * 3 * 2 * 8 * 32 * 64 * 2
