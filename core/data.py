@@ -149,10 +149,11 @@ def split_files(source: Source) -> tuple[list, list]:
 
 # ----------------------------------------------------------------------------------------------- cache
 
-def cache_root() -> str:
-    """``$PURESTEP_CACHE/tokens``, default ``~/.cache/purestep/tokens``."""
+def cache_root(kind: str = "tokens") -> str:
+    """``$PURESTEP_CACHE/<kind>`` (default ``~/.cache/purestep/<kind>``): where every cache of the project
+    lives (tokens here; teacher states, teacher outputs and converted models elsewhere)."""
     base = os.environ.get("PURESTEP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "purestep")
-    return os.path.join(base, "tokens")
+    return os.path.join(base, kind)
 
 
 def _cache_key(source: Source, tokenizer_identity: dict) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from core.config import UserError
 from core.tokenizers import BPETokenizer
-from core.tree import flatten_dict, unflatten_dict
+from core.tree import cast, flatten_dict, unflatten_dict
 from models.llama import LlamaConfig
 
 # purestep leaf under "layers" -> Hugging Face name inside "model.layers.N."
@@ -251,16 +251,10 @@ def load_hf(folder, device=None, dtype: torch.dtype | None = None):
     elif cfg.tie_embeddings:  # tied, but the file also stores the (identical) head: keep one copy
         del sd[TOP_NAMES["lm_head"]]
     params = params_from_state_dict(sd, cfg, str(folder))
-    params = {k: _place(v, device, dtype) for k, v in params.items()}
+    params = cast(params, dtype=dtype, device=device)
     stored = sorted({str(v.dtype).removeprefix("torch.") for v in sd.values()})
     what = f"{len(files)} safetensors shards" if len(files) > 1 else "1 safetensors file"
     return params, cfg, load_tokenizer(folder), f"Hugging Face folder ({what}, {'/'.join(stored)})"
-
-
-def _place(tree, device, dtype):
-    if isinstance(tree, dict):
-        return {k: _place(v, device, dtype) for k, v in tree.items()}
-    return tree.to(device=device, dtype=dtype or tree.dtype)
 
 
 def export_hf(params: dict, cfg: LlamaConfig, folder, tokenizer=None, dtype: torch.dtype | None = None,

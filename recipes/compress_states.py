@@ -163,7 +163,7 @@ def open_states(teacher: Teacher, windows: Windows, corpus_key: str, *, cache: b
                 "split": windows.description, "block_size": windows.block_size,
                 "starts": hashlib.sha256(np.ascontiguousarray(windows.starts, dtype=np.int64).tobytes()).hexdigest()}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(cache_root()).parent / "states"
+    root = Path(cache_root("states"))
     folder = root / f"{_slug(teacher, corpus_key)}-{key}"
     shape = (len(windows), windows.block_size, teacher.d_model)
     if _open(folder, shape) is None:

@@ -220,7 +220,7 @@ class TeacherCache:
     @classmethod
     def open_or_build(cls, source: TeacherSource, n: int, identity: dict, root: Optional[Path] = None,
                       say=print) -> "TeacherCache":
-        root = Path(root or Path(cache_root()).parent / "teacher")
+        root = Path(root or cache_root("teacher"))
         identity = {**identity, "target": source.match}
         key = hashlib.sha256(json.dumps({**identity, "n": n, "version": cls.VERSION}, sort_keys=True)
                              .encode()).hexdigest()[:20]
