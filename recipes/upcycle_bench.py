@@ -27,7 +27,7 @@ from core.device import synchronize
 from core.logging import Logger
 from core.tree import size
 from models import dba, llama
-from recipes.upcycle_phases import Context, heldout_loss, ppl, write_json
+from recipes.upcycle_phases import Context, ppl, write_json
 
 
 def cache_bytes(cache: list) -> int:
@@ -59,9 +59,8 @@ def latency(module, params: dict, cfg, prompt: torch.Tensor, new_tokens: int) ->
 
 def run_benchmark(ctx: Context, student: dict, scfg: dba.DBAConfig, stages: dict) -> dict:
     bc, t, folder = ctx.cfg.benchmark, ctx.teacher, ctx.folder / "benchmark"
-    ctx.say(f"benchmark: perplexity on {len(ctx.heldout) * ctx.heldout.starts.shape[1]} held-out windows")
-    losses = {"teacher": heldout_loss(llama, t.params, t.config, ctx.heldout),
-              "student": heldout_loss(dba, student, scfg, ctx.heldout)}
+    # held-out losses on ctx.heldout were computed once, by the phases (the student is the last of them)
+    losses = {"teacher": stages["teacher"], "student": list(stages.values())[-1]}
     prompt = torch.as_tensor(ctx.heldout.tokens[:bc.prompt_tokens].astype("int64"), device=ctx.device)[None]
     models = {"teacher": (llama, t.params, t.config), "student": (dba, student, scfg)}
     runs = {name: [] for name in models}

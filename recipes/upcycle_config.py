@@ -86,9 +86,6 @@ class GlobalConfig:
             raise ConfigError(f"global.kd_alpha={self.kd_alpha} must be in [0, 1]")
         if self.temperature <= 0:
             raise ConfigError(f"global.temperature={self.temperature} must be > 0")
-        if self.orchestrator.enabled and not self.spike.enabled:
-            raise ConfigError("global.orchestrator.enabled=true needs global.spike.enabled=true: its safety "
-                              "rollback is the spike machinery's")
 
 
 @dataclass
@@ -181,6 +178,10 @@ class Config:
                               f"{', '.join(PHASES)} (the surgery always runs first)")
         if self.block_size < 2 or self.eval_windows < 1 or self.calib_tokens < 1 or self.verify.windows < 1:
             raise ConfigError("block_size must be >= 2; eval_windows, calib_tokens and verify.windows >= 1")
+        try:                  # the global phase's loop settings are checked now, not after the surgery
+            train_config(self, "")
+        except ConfigError as e:
+            raise ConfigError(f"in global.*: {e}") from None
 
 
 # the keyword field goes in after the phases it follows in the pipeline (help lists keys in this order)

@@ -28,7 +28,7 @@ from core.state import init_state
 from core.step import make_eval_step
 from models import blockwise, dba, llama, losses, surgery
 from models.loading import LoadedModel, model_entry
-from recipes.loop import LoopState, build_steps, fit, make_optimizer
+from recipes.loop import LoopState, build_steps, evaluate, fit, make_optimizer
 from recipes.orchestrator import initial_optimizer, orchestrate
 from recipes.upcycle_config import Config, train_config
 
@@ -175,6 +175,8 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     dev = EvalBatches(ctx.dev, g.batch_size, cfg.block_size, g.eval_batches, device=ctx.device)
     vocab = ctx.corpus.tokenizer.vocab_size
     steps = build_steps(tc, loss_fn, optimizer, student, batches, ctx.device, vocab)
+    # validation and the orchestrator's probe: the student's next-token CE (the training loss adds KD)
+    student_ce = make_eval_step(lambda prm, b: dba.loss(prm, b, scfg), precision=tc.dtype, device_type=ctx.device.type)
     manager = ckpt.CheckpointManager(folder, keep_last=g.keep_last, save_every=g.save_every)
     extra = ctx.extra("global", scfg)
     with Logger(folder) as logger:
@@ -185,11 +187,10 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
         orchestrator, steps = orchestrate(   # strategies are scored on the student's CE on held-out windows
             tc, steps, make_step=lambda opt: build_steps(tc, loss_fn, opt, student, batches, ctx.device, vocab).train,
             val_tokens=ctx.dev, device=ctx.device, logger=logger, folder=folder, saved=saved_orchestrator,
-            eval_step=make_eval_step(lambda prm, b: dba.loss(prm, b, scfg), precision=tc.dtype,
-                                     device_type=ctx.device.type))
+            eval_step=student_ce)
         result = fit(tc, state, steps, logger=logger, checkpoints=manager, checkpoint_extra=lambda: extra,
                      orchestrator=orchestrator,
-                     evaluate_fn=lambda p: heldout_loss(dba, p, scfg, dev), loop=loop,
+                     evaluate_fn=lambda p: evaluate(student_ce, p, dev), loop=loop,
                      frozen=t.params if kd else None,
                      tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size)
     if result.stop_reason and not (folder / FINAL).exists():
