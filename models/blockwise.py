@@ -13,7 +13,7 @@ What is matched (``target``):
 - ``block`` (default): the block's output, through the copied (frozen or trained) MLP, so an attention error counts
   as much as it changes what the next block sees (MOHAWK stage 2);
 - ``attention``: the attention sublayer's output on the same normalized input, LoLCATs' stage-1 attention transfer.
-  No MLP forward or backward: about 5x cheaper per step on a Llama whose MLP is 3/4 of the block.
+  No MLP forward or backward: a cheaper step on a Llama whose MLP is most of the block.
 
 Shapes: ``inputs`` and ``targets`` are [L, B, T, d]: the residual stream entering block l and, for ``block``, the
 block's contribution (output - input), for ``attention`` the attention output. Storing the contribution rather

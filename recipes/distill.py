@@ -46,8 +46,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import statistics
-import time
 import typing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,7 +56,7 @@ import torch
 from core import checkpoint as ckpt, distributed
 from core.config import UserError, option, same_as, to_dict
 from core.data import prepare
-from core.device import resolve_device, synchronize
+from core.device import resolve_device
 from core.distributed import Dist
 from core.logging import Logger
 from core.state import init_state
@@ -435,30 +433,3 @@ def _describe_temperature(cfg: Config) -> str:
         return (f"learnable from {cfg.temperature:g} in ({cfg.temperature_min:g}, {cfg.temperature_max:g}), "
                 f"gradient reversal ramped over {cfg.temperature_ramp_steps} steps")
     return f"{cfg.temperature:g}"
-
-
-# ---------------------------------------------------------------------------------------------- benchmark
-
-def step_time_ratio(online: Config, cached: Config, steps: int = 10, warmup: int = 2) -> dict:
-    """Median step time of training from ``cached.cache`` over training with the online teacher.
-
-    Both runs are prepared in this process and timed in interleaved rounds (A B A B ...), so machine noise
-    hits both alike; the ratio is the result (this machine is shared). Returns seconds and the ratio.
-    """
-    runs = {"online": prepare_run(online), "cached": prepare_run(cached)}
-    states = {k: r.state for k, r in runs.items()}
-    times: dict[str, list] = {k: [] for k in runs}
-    for i in range(warmup + steps):
-        for name, r in runs.items():
-            batch = r.steps.batches.get(i)
-            t0 = time.perf_counter()
-            states[name], metrics = r.steps.train(states[name], batch, r.frozen)
-            metrics["loss"].item()
-            synchronize(r.device)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    online_s, cached_s = statistics.median(times["online"]), statistics.median(times["cached"])
-    out = {"online_s": online_s, "cached_s": cached_s, "ratio": cached_s / online_s}
-    print(f"step time: online teacher {online_s * 1e3:.1f} ms, {runs['cached'].cache.describe()} "
-          f"{cached_s * 1e3:.1f} ms: cached/online = {out['ratio']:.3f} (median of {steps}, interleaved)")
-    return out

@@ -1,6 +1,7 @@
 """The orchestrator's acceptance figures, measured in one process (ratios against a baseline run here).
 
     python -m recipes.orchestrator_bench [data=PATH] [steps=N] [only=unstable,healthy,nowcast]
+                                         [healthy_steps=1000] [repeats=3]
 
 Runs the standard recipe's ``tiny`` preset (char tokens; ``data`` defaults to the shared tiny-shakespeare
 file when ``PURESTEP_SHARED_DATA`` or ``../shared/data`` has it, else this Python's ``json`` module source):
@@ -122,11 +123,25 @@ def bench_nowcast(root: Path, data: str, steps: int) -> None:
         f"({r['step']}, {r['accepted']}, {r['probe_before']:.4f} -> {r['probe_after']:.4f})" for r in rows))
 
 
+KEYS = ("data", "steps", "only", "healthy_steps", "repeats")
+PARTS = ("unstable", "healthy", "nowcast")
+
+
+def _usage_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str]) -> None:
+    bad = [a for a in argv if "=" not in a or a.split("=", 1)[0] not in KEYS]
+    if bad:
+        _usage_error(f"{' '.join(bad)}: give key=value with a key of {', '.join(KEYS)}")
     opts = dict(a.split("=", 1) for a in argv)
     data = opts.get("data", default_data())
     steps = int(opts.get("steps", 300))
-    only = opts.get("only", "unstable,healthy,nowcast").split(",")
+    only = opts.get("only", ",".join(PARTS)).split(",")
+    if not set(only) <= set(PARTS):
+        _usage_error(f"only={opts['only']}: choose from {', '.join(PARTS)}")
     with tempfile.TemporaryDirectory(prefix="orchestrator-bench-") as tmp:
         os.environ.setdefault("PURESTEP_CACHE", str(Path(tmp) / "cache"))
         root = Path(tmp)

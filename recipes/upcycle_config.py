@@ -32,7 +32,7 @@ class BlockwiseConfig:
     batch_size: int = option(8, "training windows per step (block_size tokens each, training split)")
     loss: str = option("l1", "per-block distance between student and teacher outputs", choices=LOSSES)
     match: str = option("block", "what is matched: the block's output (through the MLP), or the attention output "
-                        "alone (LoLCATs' attention transfer: no MLP pass, ~5x cheaper)", choices=TARGETS)
+                        "alone (LoLCATs' attention transfer: no MLP pass, cheaper)", choices=TARGETS)
     mode: str = option("teacher_forced", "block inputs: the teacher's (all blocks independent) or the student's "
                        "own stream, detached (sequential)", choices=MODES)
     train: str = option("attn", "what trains: the new attention params only, or the whole block (MLP, norms too)",

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -414,11 +415,20 @@ def test_training_from_a_cache_matches_online(corpus, teacher, caches, tmp_path,
         cached = final_val(distill(corpus, teacher, tmp_path / mode, *CACHE_STEPS, f"cache={caches / mode}"))
         print(f"{mode} cache: val {cached:.4f} against online {online:.4f}")
         assert abs(cached - online) <= 0.02 * online, (mode, cached, online)
-    from recipes.distill import step_time_ratio
+    from recipes.distill_bench import step_time_ratio
     ratio = step_time_ratio(config(corpus, teacher, *CACHE_STEPS), config(corpus, teacher, *CACHE_STEPS,
                                                                            f"cache={caches / 'topk'}"), steps=10)
     print(capsys.readouterr().out)
     assert 0 < ratio["ratio"] < 1.0          # no teacher forward: cheaper per step (ratio, same process)
+
+
+
+def test_the_cache_benchmark_command(corpus, teacher, capsys):
+    """``bin/run recipe=recipes.distill_bench``: builds its own cache, prints the ratio, leaves nothing."""
+    before = set(Path(tempfile.gettempdir()).glob("distill_bench-*"))
+    assert main(["recipe=recipes.distill_bench", f"teacher={teacher}", f"data={corpus}", "steps=2", "warmup=1"]) == 0
+    assert "cached/online = " in capsys.readouterr().out
+    assert set(Path(tempfile.gettempdir()).glob("distill_bench-*")) == before
 
 
 BAD = {
