@@ -104,23 +104,22 @@ class LoopState:
     best_val: float = math.inf
     bad_evals: int = 0
     tokens: int = 0
-    train_seconds: float = 0.0
     ticks: int = 0                                     # steps executed, rollbacks included (never rewinds)
     rollbacks: list = field(default_factory=list)      # ticks at which rollbacks happened
     wall_seconds: float = 0.0                          # wall time of all sessions of this run (cost meter)
 
     def to_dict(self) -> dict:
         return {"best_val": self.best_val if math.isfinite(self.best_val) else None, "bad_evals": self.bad_evals,
-                "tokens": self.tokens, "train_seconds": self.train_seconds, "ticks": self.ticks,
+                "tokens": self.tokens, "ticks": self.ticks,
                 "rollbacks": list(self.rollbacks), "wall_seconds": self.wall_seconds}
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "LoopState":
         d = d or {}
         best = d.get("best_val")
-        return cls(math.inf if best is None else best, d.get("bad_evals", 0), d.get("tokens", 0),
-                   d.get("train_seconds", 0.0), d.get("ticks", 0), list(d.get("rollbacks", [])),
-                   d.get("wall_seconds", 0.0))
+        return cls(best_val=math.inf if best is None else best, bad_evals=d.get("bad_evals", 0),
+                   tokens=d.get("tokens", 0), ticks=d.get("ticks", 0), rollbacks=list(d.get("rollbacks", [])),
+                   wall_seconds=d.get("wall_seconds", 0.0))
 
 
 @dataclass
@@ -283,14 +282,12 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
         ring.offer(step - step % ring.every, result.state)   # a starting point to roll back to
     with Preemption() as preemption:
         while step < cfg.steps:
-            t0 = time.perf_counter()
             batch = steps.batches.get(cursor)
             result.state, metrics = steps.train(result.state, batch, frozen)
             step, cursor = step + 1, cursor + 1
             loop.tokens += tokens_per_step
             loop.ticks += 1
             pending.append(metrics)
-            loop.train_seconds += time.perf_counter() - t0
 
             if loop.ticks == 1:
                 _first_step_checks(metrics, steps.health, logger, expected_initial_loss)
