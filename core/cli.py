@@ -4,7 +4,10 @@ nanoGPT's ``python train.py config/x.py --key=value``, made strict (see ``core.c
 config dataclass is built from its defaults < preset < config file < ``key=value`` arguments, and an
 unknown key or a badly typed value stops the run before anything starts.
 
-A recipe is a module listed in ``RECIPES`` (imported only when chosen) that exposes:
+The caller passes the registry of recipe names (``recipes.RECIPES``: name -> module path; ``core`` names no
+recipe itself). A recipe is resolved as (``load_recipe``): a registered name first (``standard``,
+``bench.step``, ...), then a dotted importable module path (your own recipe, e.g. ``mylab.my_recipe``).
+A recipe module (imported only when chosen) exposes:
 
 - ``Config``: the config dataclass (fields declared with ``core.config.option`` for help and choices);
 - ``PRESETS``: optional ``dict[str, dict]`` of named settings (nested or dotted keys);
@@ -24,7 +27,7 @@ import importlib
 import importlib.util
 import traceback
 from types import ModuleType
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import click
 
@@ -33,16 +36,6 @@ from core.config import ConfigError, UserError, flatten_keys, format_help, load_
 from core.runs import run_folder
 
 PROG = "bin/run"
-RECIPES = {
-    "standard": "recipes.standard",
-    "generate": "recipes.generate",
-    "lr_find": "recipes.lr_find",
-    "distill": "recipes.distill",
-    "distill_cache": "recipes.distill_cache",
-    "upcycle": "recipes.upcycle",
-    "compress": "recipes.compress",
-    "bench_step": "recipes.bench_step",
-}
 RESERVED = ("recipe", "config", "preset")        # arguments of bin/run itself, not recipe keys
 SYNOPSIS = f"{PROG} recipe=NAME [config=FILE.toml] [preset=NAME] [key=value ...]"
 USAGE = f"usage: {SYNOPSIS}\n       {PROG} [recipe=NAME] --help"
@@ -74,17 +67,17 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], bool]:
     return pairs, want_help
 
 
-def load_recipe(name: str) -> ModuleType:
+def load_recipe(name: str, recipes: Mapping[str, str]) -> ModuleType:
     """The recipe registered as ``name``, or the module at dotted path ``name`` (your own recipe).
 
     An unknown name, a missing module or a module without ``Config`` and ``run`` is a UserError.
     """
-    if name not in RECIPES and "." not in name:
-        close = difflib.get_close_matches(name, list(RECIPES), n=1)
+    if name not in recipes and "." not in name:
+        close = difflib.get_close_matches(name, list(recipes), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ";"
-        raise UserError(f"unknown recipe {name!r}{hint} recipes: {', '.join(RECIPES)} "
+        raise UserError(f"unknown recipe {name!r}{hint} recipes: {', '.join(recipes)} "
                         "(or a module path such as mylab.my_recipe)")
-    path = RECIPES.get(name, name)
+    path = recipes.get(name, name)
     try:
         module = importlib.import_module(path)
     except ModuleNotFoundError as e:
@@ -97,26 +90,26 @@ def load_recipe(name: str) -> ModuleType:
     return module
 
 
-def _describe_recipe(name: str) -> str:
+def _describe_recipe(name: str, recipes: Mapping[str, str]) -> str:
     """One line for the recipe list; never raises (help must work while a recipe is broken)."""
     try:
-        if importlib.util.find_spec(RECIPES[name]) is None:
-            return f"(not available yet: no module {RECIPES[name]})"
-        return getattr(load_recipe(name), "DESCRIPTION", "")
+        if importlib.util.find_spec(recipes[name]) is None:
+            return f"(not available yet: no module {recipes[name]})"
+        return getattr(load_recipe(name, recipes), "DESCRIPTION", "")
     except UserError as e:
         return f"({e})"
     except Exception as e:  # noqa: BLE001 - shown, not hidden: the run itself will raise it
         return f"(fails to import: {type(e).__name__}: {e})"
 
 
-def top_help() -> str:
-    width = max(len(n) for n in RECIPES)
-    recipes = "\n".join(f"  {n.ljust(width)}  {_describe_recipe(n)}" for n in RECIPES)
+def top_help(recipes: Mapping[str, str]) -> str:
+    width = max(len(n) for n in recipes)
+    listing = "\n".join(f"  {n.ljust(width)}  {_describe_recipe(n, recipes)}" for n in recipes)
     return (f"{USAGE}\n\n"
             "Train and run language models with purestep. A recipe's settings come from its defaults,\n"
             "then preset=NAME, then the config=FILE.toml file (which may set recipe and preset too), then\n"
             "key=value arguments; nested settings use dotted keys (model.n_layers=4).\n\n"
-            f"recipes:\n{recipes}\n\n"
+            f"recipes:\n{listing}\n\n"
             f"'{PROG} recipe=NAME --help' lists a recipe's keys, types, defaults and presets.")
 
 
@@ -130,7 +123,7 @@ def recipe_help(name: str, module: ModuleType, cfg=None, sources: str = "") -> s
     return "\n\n".join(part for part in (head, description, table) if part)
 
 
-def _run(argv: Sequence[str]) -> int:
+def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
     pairs, want_help = parse_args(argv)
     toml = load_toml(pairs.pop("config")) if "config" in pairs else {}
     stages = toml.pop("stages", None)
@@ -138,12 +131,12 @@ def _run(argv: Sequence[str]) -> int:
     name = pairs.pop("recipe", None) or file_recipe
     if name is None:
         if want_help:
-            click.echo(top_help())
+            click.echo(top_help(recipes))
             return 0
-        raise UserError(f"no recipe given; usage: {SYNOPSIS} (recipes: {', '.join(RECIPES)})")
+        raise UserError(f"no recipe given; usage: {SYNOPSIS} (recipes: {', '.join(recipes)})")
     if not isinstance(name, str):
         raise ConfigError(f"bad value for 'recipe': {name!r} is not a str")
-    module = load_recipe(name)
+    module = load_recipe(name, recipes)
     preset = pairs.pop("preset", None)
     cfg = resolve(module.Config, presets=getattr(module, "PRESETS", None), preset=preset, toml=toml,
                   overrides=pairs, context=f"recipe {name}")
@@ -185,10 +178,10 @@ def _run_stages(name: str, module: ModuleType, preset, toml: dict, pairs: dict, 
     return 0
 
 
-def main(argv: Sequence[str]) -> int:
-    """Run ``bin/run`` with the given arguments; returns the exit code (0, 1, 2 or 130)."""
+def main(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
+    """Run ``bin/run`` with the given arguments and recipe registry; returns the exit code (0, 1, 2 or 130)."""
     try:
-        return _run(list(argv))
+        return _run(list(argv), recipes)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         return 130

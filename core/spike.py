@@ -10,7 +10,7 @@ A step is *suspect* when its loss or gradient norm has ``z > z_threshold``, or i
 *hard spike* is ``consecutive`` suspect steps in a row, or a loss above ``loss_factor`` x its EMA: the
 state then records ``hard = 1`` and the step at which the streak began (``onset``). The loop reads
 ``hard`` with the metrics it pulls anyway (one transfer per log interval) and rolls back to an
-in-memory snapshot taken before the onset (``recipes/loop.py``). Everything is ``torch.where``: the
+in-memory snapshot taken before the onset (``recipes/train/loop.py``). Everything is ``torch.where``: the
 detector compiles into the step without a graph break.
 """
 from __future__ import annotations

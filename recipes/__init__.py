@@ -1,1 +1,29 @@
-"""recipes: the training loops (a config dataclass plus ``run(cfg)`` each)."""
+"""recipes: the training loops (a config dataclass plus ``run(cfg)`` each) and their registry.
+
+``RECIPES`` maps each name ``bin/run recipe=NAME`` accepts to its module (imported only when chosen).
+``core.cli`` receives it from its caller and knows no recipe by itself; a name not registered here is
+tried as a dotted module path that defines ``Config`` and ``run`` (research code's own recipes).
+"""
+from typing import Sequence
+
+from core import cli
+
+RECIPES = {
+    "standard": "recipes.standard",
+    "generate": "recipes.generate",
+    "lr_find": "recipes.lr_find",
+    "distill": "recipes.distill.recipe",
+    "distill_cache": "recipes.distill.cache",
+    "upcycle": "recipes.upcycle.recipe",
+    "compress": "recipes.compress.recipe",
+    "bench.step": "recipes.bench.step",
+    "bench.health": "recipes.bench.health",
+    "bench.checkpoint": "recipes.bench.checkpoint",
+    "bench.orchestrator": "recipes.bench.orchestrator",
+    "bench.distill": "recipes.bench.distill",
+}
+
+
+def main(argv: Sequence[str]) -> int:
+    """``bin/run`` with these arguments over this registry; returns the exit code (see ``core.cli.main``)."""
+    return cli.main(argv, RECIPES)

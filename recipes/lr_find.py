@@ -24,9 +24,9 @@ from core.step import make_train_step
 from core.tree import cast, clone
 from models import llama
 from models.loading import load_model
-from recipes.loop import clip_transform, run_folder
+from recipes.train.loop import clip_transform, run_folder
 from recipes.standard import _model_config
-from recipes.train_config import AdaGCConfig, TrainConfig
+from recipes.train.config import AdaGCConfig, TrainConfig
 
 DESCRIPTION = "exponential learning-rate range test on a copy of the state; suggests an LR"
 

@@ -29,9 +29,9 @@ from core.tree import cast, size
 from models import llama
 from models.loading import load_model, model_entry
 from models.sampling import generate
-from recipes.loop import LoopState, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
-from recipes.orchestrator import initial_optimizer, orchestrate
-from recipes.train_config import TrainConfig
+from recipes.train.loop import LoopState, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
+from recipes.orchestrator.driver import initial_optimizer, orchestrate
+from recipes.train.config import TrainConfig
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
 

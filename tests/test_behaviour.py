@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from core import checkpoint as ckpt
-from core.cli import main
+from recipes import main
 from tests.fixtures.behaviour.state_hash import state_hash
 
 FIXTURE = Path(__file__).parent / "fixtures" / "behaviour"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import fake_recipe
+import recipes
 from core import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def assert_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> str
 @pytest.fixture
 def fake(monkeypatch):
     """Register the fake recipe as 'fake' for in-process calls to core.cli.main."""
-    monkeypatch.setitem(cli.RECIPES, "fake", "fake_recipe")
+    monkeypatch.setitem(recipes.RECIPES, "fake", "fake_recipe")
     fake_recipe.RUNS.clear()
     return fake_recipe.RUNS
 
@@ -118,7 +119,7 @@ def test_help_with_settings_shows_the_resolved_values():
 def test_top_level_help_lists_recipes():
     proc = run("--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: bin/run recipe=NAME")
-    for name in cli.RECIPES:
+    for name in recipes.RECIPES:
         assert f"\n  {name}" in proc.stdout
 
 
@@ -128,35 +129,35 @@ def test_top_level_help_lists_recipes():
 def test_main_in_process_with_config_file(fake, tmp_path, capsys):
     path = tmp_path / "exp.toml"
     path.write_text('recipe = "fake"\npreset = "tiny"\nlr = 0.01\n[model]\nd_model = 32\n')
-    assert cli.main([f"config={path}", "steps=7"]) == 0
+    assert recipes.main([f"config={path}", "steps=7"]) == 0
     (cfg,) = fake
     assert (cfg.steps, cfg.lr, cfg.model.n_layers, cfg.model.d_model) == (7, 0.01, 2, 32)
-    assert cli.main([f"config={path}", "preset=small"]) == 0      # command-line preset beats the file's
+    assert recipes.main([f"config={path}", "preset=small"]) == 0      # command-line preset beats the file's
     assert (fake[-1].steps, fake[-1].model.n_layers, fake[-1].lr) == (100, 8, 0.01)
 
 
 def test_later_arguments_win(fake):
-    assert cli.main(["recipe=fake", "steps=1", "steps=2"]) == 0
+    assert recipes.main(["recipe=fake", "steps=1", "steps=2"]) == 0
     assert fake[-1].steps == 2
 
 
 def test_bad_config_file_in_process(fake, tmp_path, capsys):
     path = tmp_path / "bad.toml"
     path.write_text("steps = \n")
-    assert cli.main(["recipe=fake", f"config={path}"]) == 2
+    assert recipes.main(["recipe=fake", f"config={path}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: bad config file {path}:") and "line 1" in err and err.count("\n") == 1
     assert fake == []
 
 
 def test_top_level_help_in_process_shows_descriptions(fake, monkeypatch, capsys):
-    monkeypatch.setitem(cli.RECIPES, "ghost", "no_such_recipe_module")
-    assert cli.main(["--help"]) == 0
+    monkeypatch.setitem(recipes.RECIPES, "ghost", "no_such_recipe_module")
+    assert recipes.main(["--help"]) == 0
     out = capsys.readouterr().out
-    width = max(map(len, cli.RECIPES))
+    width = max(map(len, recipes.RECIPES))
     assert f"\n  {'fake'.ljust(width)}  {fake_recipe.DESCRIPTION}\n" in out
     assert f"\n  {'ghost'.ljust(width)}  (not available yet: no module no_such_recipe_module)\n" in out
-    assert cli.main(["recipe=ghost"]) == 2
+    assert recipes.main(["recipe=ghost"]) == 2
     assert capsys.readouterr().err == "error: recipe 'ghost' is not available: no module no_such_recipe_module\n"
 
 

@@ -10,14 +10,14 @@ import torch
 
 import optim
 from core import checkpoint as ckpt
-from core.cli import main
+from recipes import main
 from core.state import init_state
 from core.step import make_train_step
 from core.tokenizers import make_tokenizer
 from models import compressor as C, llama
 from models.loading import load_model, model_entry
 from optim import schedules
-from recipes import compress_states
+from recipes.compress import states as compress_states
 
 TEACHER_CFG = llama.LlamaConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2)
 FAST = ["block_size=16", "batch_size=8", "train_tokens=1024", "val_tokens=256", "log_every=10", "warmup_steps=5"]

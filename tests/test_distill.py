@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from core import checkpoint as ckpt
-from core.cli import main
+from recipes import main
 from core.tree import tree_leaves
 from models import losses
 
@@ -225,14 +225,14 @@ def metrics(out) -> list[dict]:
 
 def config(corpus, teacher, *extra):
     from core.config import resolve
-    from recipes import distill as recipe
+    from recipes.distill import recipe
     overrides = dict(a.split("=", 1) for a in [f"data={corpus}", f"teacher={teacher}", *COMMON, *STUDENT, *extra])
     return resolve(recipe.Config, overrides=overrides)
 
 
 def test_teacher_is_frozen_and_an_input_of_the_step(corpus, teacher):
     from core.tree import clone, tree_map
-    from recipes.distill import prepare_run
+    from recipes.distill.recipe import prepare_run
     p = prepare_run(config(corpus, teacher, "steps=3"))
     before = clone(p.frozen["teacher"])
     state = p.state
@@ -332,7 +332,7 @@ def test_students(corpus, teacher, tmp_path):
     from dataclasses import asdict
     from models import llama
     from models.loading import load_model, model_entry
-    from recipes.distill import build_student
+    from recipes.distill.recipe import build_student
     tcfg = llama.LlamaConfig(vocab_size=256, d_model=48, n_layers=5, n_heads=6, n_kv_heads=2, rope_theta=5e4)
     tparams = llama.init(tcfg, seed=7)
     path = tmp_path / "five.msgpack"
@@ -388,7 +388,7 @@ def test_cache_layout_and_atomic_build(corpus, teacher, caches, capsys):
     distill(corpus, teacher, caches / "topk", "mode=topk", "k=8", "steps=60", recipe="distill_cache")
     assert "nothing to do" in capsys.readouterr().out
     # the cached targets are the teacher's: top-k log-probs sorted, counts summing to the draws
-    from recipes.distill_cache import TeacherCache
+    from recipes.distill.cache import TeacherCache
     t = TeacherCache.open(caches / "topk").targets(3)
     assert t["topk_ids"].shape == (16, 32, 8) and (t["topk_logprobs"].diff(dim=-1) <= 0).all()
     assert ((t["topk_logprobs"].float().exp().sum(-1) + t["topk_missing"] - 1).abs() < 5e-3).all()
@@ -415,7 +415,7 @@ def test_training_from_a_cache_matches_online(corpus, teacher, caches, tmp_path,
         cached = final_val(distill(corpus, teacher, tmp_path / mode, *CACHE_STEPS, f"cache={caches / mode}"))
         print(f"{mode} cache: val {cached:.4f} against online {online:.4f}")
         assert abs(cached - online) <= 0.02 * online, (mode, cached, online)
-    from recipes.distill_bench import step_time_ratio
+    from recipes.bench.distill import step_time_ratio
     ratio = step_time_ratio(config(corpus, teacher, *CACHE_STEPS), config(corpus, teacher, *CACHE_STEPS,
                                                                            f"cache={caches / 'topk'}"), steps=10)
     print(capsys.readouterr().out)
@@ -424,9 +424,9 @@ def test_training_from_a_cache_matches_online(corpus, teacher, caches, tmp_path,
 
 
 def test_the_cache_benchmark_command(corpus, teacher, capsys):
-    """``bin/run recipe=recipes.distill_bench``: builds its own cache, prints the ratio, leaves nothing."""
+    """``bin/run recipe=recipes.bench.distill``: builds its own cache, prints the ratio, leaves nothing."""
     before = set(Path(tempfile.gettempdir()).glob("distill_bench-*"))
-    assert main(["recipe=recipes.distill_bench", f"teacher={teacher}", f"data={corpus}", "steps=2", "warmup=1"]) == 0
+    assert main(["recipe=recipes.bench.distill", f"teacher={teacher}", f"data={corpus}", "steps=2", "warmup=1"]) == 0
     assert "cached/online = " in capsys.readouterr().out
     assert set(Path(tempfile.gettempdir()).glob("distill_bench-*")) == before
 

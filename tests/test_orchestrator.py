@@ -13,24 +13,24 @@ import pytest
 import torch
 
 from core import checkpoint as ckpt
-from core.cli import main
+from recipes import main
 from core.logging import Logger
 from core.spike import SpikeConfig
 from core.state import init_state
 from core.step import make_eval_step, make_train_step
 from core.tree import apply_updates, clone, tree_leaves
 from models import llama
-from optim import strategies
+from recipes.orchestrator import strategies
 from optim.adamw import ScaleByAdamState
 from optim.base import find_state
 from optim.common import LearningRateState
-from optim.orchestrator import DiscountedUCB, Telemetry, normalized_rewards
-from optim.orchestrator_nowcast import extrapolate
+from recipes.orchestrator.bandit import DiscountedUCB, Telemetry, normalized_rewards
+from recipes.orchestrator.nowcast import extrapolate
 from optim.sgd import TraceState
 from optim.swats import SwatsState, swats
-from recipes.loop import make_optimizer
-from recipes.orchestrator import Orchestrator, run_spec
-from recipes.orchestrator_config import NowcastConfig, OrchestratorConfig
+from recipes.train.loop import make_optimizer
+from recipes.orchestrator.driver import Orchestrator, run_spec
+from recipes.orchestrator.config import NowcastConfig, OrchestratorConfig
 from recipes.standard import Config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -361,8 +361,8 @@ def test_safety_rolls_back_onto_the_safety_strategy_and_the_run_finishes(corpus,
 def test_an_unstable_run_finishes_far_better_than_its_fixed_strategy(corpus, tmp_path):
     """lr=1.0 on a tiny model: the fixed run's rollbacks hit their cap and it stops; the orchestrated run
     rolls back onto the safety strategy (or switches at its first decision) and finishes, finite, with a
-    validation loss more than 10% lower. (The tiny-preset figures: ``python -m recipes.orchestrator_bench``.)"""
-    from recipes.orchestrator_bench import final_val
+    validation loss more than 10% lower. (The tiny-preset figures: ``python -m recipes.bench.orchestrator``.)"""
+    from recipes.bench.orchestrator import final_val
     common = ["recipe=standard", f"data={corpus}", *TINY_RUN, "lr=1.0", "steps=80", "eval_every=80",
               "spike.snapshot_every=10", "spike.rollback_back=10", "spike.skip_ahead=10",
               "orchestrator.decision_interval=10"]

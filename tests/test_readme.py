@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from core.config import markdown_table
+from recipes import RECIPES
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
@@ -34,12 +35,12 @@ def test_research_script_runs_verbatim(tmp_path):
 @pytest.mark.parametrize("recipe", ["standard"])
 def test_key_table_matches_the_code(recipe):
     import importlib
-    expected = markdown_table(importlib.import_module(f"recipes.{recipe}").Config)
+    expected = markdown_table(importlib.import_module(RECIPES[recipe]).Config)
     assert block(f"keys:{recipe}").strip() == expected.strip(), \
         f"README key table for {recipe} is stale; replace it with:\n{expected}"
 
 
 def test_every_recipe_is_in_the_recipes_table():
-    from core.cli import RECIPES
+
     table = README.split("## Recipes", 1)[1].split("\n## ", 1)[0]
     assert [name for name in RECIPES if f"| `{name}` |" not in table] == []

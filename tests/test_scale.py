@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from core import checkpoint as ckpt
-from core.cli import main
+from recipes import main
 from core.fim import FIM, fim_ids
 from core.tokenizers import ByteTokenizer
 from core.tree import max_abs_diff, tree_leaves

@@ -7,7 +7,7 @@
 import pytest
 
 from core import checkpoint as ckpt
-from core.cli import main
+from recipes import main
 from conftest import shared_data
 
 

@@ -8,7 +8,7 @@ import torch
 
 import optim
 from core import checkpoint as ckpt
-from core.cli import main
+from recipes import main
 from core.loss_scale import init_loss_scale, update_loss_scale
 from core.state import init_state
 from core.step import make_train_step
@@ -160,7 +160,7 @@ def test_stability_keys_reach_the_step_and_the_checkpoint(corpus, tmp_path):
 
 
 def test_faults_wrap_every_loss_signature_the_step_takes():
-    from recipes.faults import with_faults
+    from recipes.train.faults import with_faults
     params, frozen = torch.ones(2), torch.tensor(2.0)
     losses = [lambda p, b: p.sum(), lambda p, b, key: p.sum(), lambda p, b, frozen=None: p.sum() + frozen,
               lambda p, b, key, frozen: (p.sum() + frozen, {"aux": frozen})]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from core import checkpoint as ckpt
-from core.cli import main
+from recipes import main
 from core.tree import tree_leaves
 
 REPO = Path(__file__).resolve().parent.parent
@@ -172,7 +172,7 @@ def test_device_choices_come_from_core_device():
 
     from core.device import DEVICES
     from recipes import generate
-    from recipes.train_config import TrainConfig
+    from recipes.train.config import TrainConfig
     for cls in (TrainConfig, generate.Config):
         (field,) = [f for f in dataclasses.fields(cls) if f.name == "device"]
         assert field.metadata["choices"] == DEVICES == ("auto", "cpu", "cuda", "mps")

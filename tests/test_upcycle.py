@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from core import checkpoint as ckpt
-from core.cli import main
+from recipes import main
 from core.data import prepare
 from core.tree import cast, fingerprint, tree_leaves
 from models import blockwise, dba, llama, surgery
 from models.loading import load_model
-from recipes import upcycle_bench, upcycle_blockwise as bw
+from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw
 
 REPO = Path(__file__).resolve().parent.parent
 DIMS = ["sem_dim=2", "geo_dim=6", "v_dim=8"]       # head_dim 16: 2 * (2 + 6 + 8) = half of 2 * 2 * 16
@@ -346,7 +346,7 @@ def test_bad_input_is_one_line_and_loses_nothing(teacher, corpus, tmp_path, caps
 
 def test_a_config_file_lists_phases_with_their_own_steps_and_lr(tmp_path):
     from core.config import load_toml, resolve
-    from recipes.upcycle import Config, PRESETS
+    from recipes.upcycle.recipe import Config, PRESETS
     path = tmp_path / "up.toml"
     path.write_text('recipe = "upcycle"\nteacher = "smollm2"\nphases = ["blockwise", "global"]\n'
                     '[blockwise]\nsteps = 150\nlr = 1e-3\nmatch = "attention"\n'
@@ -357,6 +357,6 @@ def test_a_config_file_lists_phases_with_their_own_steps_and_lr(tmp_path):
     assert cfg.phases == ("blockwise", "global") and cfg.blockwise.steps == 150 and cfg.blockwise.lr == 1e-3
     g = cfg.global_phase
     assert (g.steps, g.lr, g.kd_alpha) == (12, 2e-4, 0.7)
-    from recipes.upcycle_config import train_config
+    from recipes.upcycle.config import train_config
     tc = train_config(cfg, "x")
     assert (tc.steps, tc.lr, tc.batch_size, tc.block_size) == (12, 2e-4, g.batch_size, cfg.block_size)

@@ -1,10 +1,10 @@
-"""The ``orchestrator.*`` keys of every training recipe (``recipes/orchestrator.py`` says what they do)."""
+"""The ``orchestrator.*`` keys of every training recipe (``recipes/orchestrator/driver.py`` says what they do)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from core.config import ConfigError, option
-from optim.strategies import NAMES
+from recipes.orchestrator.strategies import NAMES
 from optim.swats import SCOPES
 
 

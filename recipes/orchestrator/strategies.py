@@ -115,7 +115,7 @@ def strategy_of(opt_state) -> str:
     """The strategy an optimizer state belongs to (one host read)."""
     t = find_state(opt_state, StrategyTag)
     if t is None:
-        raise ValueError("this optimizer state has no strategy tag (not built by optim.strategies)")
+        raise ValueError("this optimizer state has no strategy tag (not built by recipes.orchestrator.strategies)")
     return NAMES[int(t.index)]
 
 

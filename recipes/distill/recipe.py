@@ -30,7 +30,7 @@ batches, the schedules follow the data).
 CE loss and perplexity (and the teacher's once, for reference). Checkpoints hold the student as a plain
 Llama (``model`` entry, tokenizer), so ``recipe=generate init=`` and ``recipe=standard init=`` take them.
 Data parallel (torchrun) works online, each rank running the teacher on its own rows; ``fim_rate``,
-which cannot apply here, is refused. ``orchestrator.enabled=true`` (``recipes/orchestrator.py``) works as in
+which cannot apply here, is refused. ``orchestrator.enabled=true`` (``recipes/orchestrator/driver.py``) works as in
 ``recipe=standard``: its branches train the student against the same teacher (online or cached) on the same
 batches, and its probe is the student's CE on held-out windows.
 
@@ -66,9 +66,9 @@ from core.tree import cast, fingerprint, size, tree_map
 from models import llama, losses
 from models.loading import LoadedModel, load_model, model_entry
 from recipes import standard
-from recipes.loop import LoopState, Steps, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
-from recipes.orchestrator import initial_optimizer, orchestrate
-from recipes.train_config import TrainConfig
+from recipes.train.loop import LoopState, Steps, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
+from recipes.orchestrator.driver import initial_optimizer, orchestrate
+from recipes.train.config import TrainConfig
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
 
@@ -325,7 +325,7 @@ def prepare_run(cfg: Config, resume: Optional[Path] = None) -> Prepared:
     teacher_id = teacher_identity(teacher)
     cache = None
     if cfg.cache:
-        from recipes.distill_cache import TeacherCache
+        from recipes.distill.cache import TeacherCache
         cache = TeacherCache.open(cfg.cache)
         cache.check_run(cfg, teacher_id, data_identity(corpus))
     if theta0 is not None:

@@ -3,9 +3,9 @@
 Pipeline: load the teacher -> build the student by **surgery** (decoupled bottleneck attention, GQA-aware,
 partial RoPE at the teacher's own frequencies, exact at full rank: ``models/dba.py``, ``models/surgery.py``;
 DeepSeek-V2's MLA with decoupled RoPE, MHA2MLA, SVD-LLM) -> **blockwise** distillation of every block against the
-teacher's (LoLCATs' attention transfer, MOHAWK's hidden-state alignment: ``recipes/upcycle_blockwise.py``) ->
+teacher's (LoLCATs' attention transfer, MOHAWK's hidden-state alignment: ``recipes/upcycle/blockwise.py``) ->
 **global** fine-tune of the whole student (next-token CE + Hinton KD on the teacher's logits, through
-``recipes.loop.fit``) -> **verify** against thresholds on held-out windows -> **benchmark** (perplexity, latency,
+``recipes.train.loop.fit``) -> **verify** against thresholds on held-out windows -> **benchmark** (perplexity, latency,
 KV bytes, parameters). ``phases=`` picks the phases after the surgery (always run: it builds the student).
 
 Each phase lives in its own subfolder of the run folder (``surgery/``, ``blockwise/``, ``global/``,
@@ -32,9 +32,9 @@ from core.runs import run_folder
 from core.tree import fingerprint, size
 from models import dba
 from models.loading import load_model
-from recipes import upcycle_bench, upcycle_blockwise as bw_loop
-from recipes.upcycle_config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
-from recipes.upcycle_phases import (FINAL, Context, load_student, phase_summary, run_global, run_surgery,
+from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop
+from recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
+from recipes.upcycle.phases import (FINAL, Context, load_student, phase_summary, run_global, run_surgery,
                                     run_verify, surgery_settings, write_json)
 
 DESCRIPTION = "teacher -> DBA student (small KV cache): surgery, blockwise, global, verify, benchmark"

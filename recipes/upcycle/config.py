@@ -4,7 +4,7 @@
 ``Config`` is therefore declared with :func:`keyword_dataclass` (fields and defaults exactly as a dataclass,
 with an ``__init__(**keys)``), and the phase's settings are read as ``cfg.global_phase``. Everything else is a
 plain dataclass. The global phase's training keys are TrainConfig's own declarations (``same_as``), so their
-defaults and help live in one place; ``train_config`` turns them into the TrainConfig that ``recipes.loop.fit``
+defaults and help live in one place; ``train_config`` turns them into the TrainConfig that ``recipes.train.loop.fit``
 runs on.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from core.config import ConfigError, option, same_as
 from core.spike import SpikeConfig
 from models.blockwise import LOSSES, MODES, TARGETS
 from models.surgery import METHODS
-from recipes.orchestrator_config import OrchestratorConfig
-from recipes.train_config import TrainConfig
+from recipes.orchestrator.config import OrchestratorConfig
+from recipes.train.config import TrainConfig
 
 PHASES = ("blockwise", "global", "verify", "benchmark")   # surgery always runs: it builds the student
 TRAIN_PARTS = ("attn", "block")
@@ -194,7 +194,7 @@ Config = keyword_dataclass(Config)
 
 
 def train_config(cfg: Config, out: str) -> TrainConfig:
-    """The TrainConfig the global phase runs ``recipes.loop.fit`` with (every ``global.*`` key lands here)."""
+    """The TrainConfig the global phase runs ``recipes.train.loop.fit`` with (every ``global.*`` key lands here)."""
     g = cfg.global_phase
     keys = {f.name: getattr(g, f.name) for f in dataclasses.fields(GlobalConfig)
             if f.name not in ("kd_alpha", "temperature")}

@@ -27,7 +27,7 @@ from core.device import synchronize
 from core.logging import Logger
 from core.tree import size
 from models import dba, llama
-from recipes.upcycle_phases import Context, ppl, write_json
+from recipes.upcycle.phases import Context, ppl, write_json
 
 
 def cache_bytes(cache: list) -> int:

@@ -1,6 +1,6 @@
 """The orchestrator's acceptance figures, measured in one process (ratios against a baseline run here).
 
-    python -m recipes.orchestrator_bench [data=PATH] [steps=N] [only=unstable,healthy,nowcast]
+    python -m recipes.bench.orchestrator [data=PATH] [steps=N] [only=unstable,healthy,nowcast]
                                          [healthy_steps=1000] [repeats=3]
 
 Runs the standard recipe's ``tiny`` preset (char tokens; ``data`` defaults to the shared tiny-shakespeare
@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from core.cli import main as run_main
+from recipes import main as run_main
 from core.data import prepare
 from core.step import make_eval_step
 from core.tree import tree_leaves
 from models import llama
 from models.loading import load_model
-from recipes.loop import evaluate
+from recipes.train.loop import evaluate
 
 UNSTABLE = ["orchestrator.decision_interval=10", "orchestrator.eval_horizon=10", "orchestrator.min_gap=10"]
 NOWCAST = ["orchestrator.decision_interval=1000000", "orchestrator.spike_trigger=1000000",

@@ -1,6 +1,6 @@
 """Checkpoint throughput and memory: :mod:`core.checkpoint` against ``torch.save`` / ``torch.load``.
 
-Run ``python -m recipes.checkpoint_bench [n_params] [repeats]``. Both formats write the same float32 state
+Run ``python -m recipes.bench.checkpoint [n_params] [repeats]``. Both formats write the same float32 state
 dict (a Llama-shaped model, one tensor per weight) to the same folder; after an untimed warm-up round,
 each measurement is repeated, the order of the contenders rotating, and the median kept (these machines
 are noisy and shared, so only ratios measured in one process mean anything). Our save fsyncs before its

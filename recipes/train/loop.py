@@ -30,8 +30,8 @@ from core.step import make_eval_step, make_train_step
 from core.tree import cast, tree_map
 from optim import schedules
 from optim.health import GradientHealth
-from recipes.faults import FaultyBatches, with_faults
-from recipes.train_config import TrainConfig
+from recipes.train.faults import FaultyBatches, with_faults
+from recipes.train.config import TrainConfig
 
 
 def run_folder(cfg: TrainConfig, recipe: str) -> Path:
@@ -200,12 +200,12 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
 
     Stops early, always with a checkpoint, on: ``patience`` evaluations without improvement, SIGTERM or
     SIGINT (preemption: finish the step, save, return so the program exits 0), the cost ``budget``, or
-    too many rollbacks. ``orchestrator`` (``recipes/orchestrator.py``, built by the recipe when
+    too many rollbacks. ``orchestrator`` (``recipes/orchestrator/driver.py``, built by the recipe when
     ``orchestrator.enabled``) is called after every step and from the rollback; its state is checkpointed.
     """
     if cfg.orchestrator.enabled and orchestrator is None:   # orchestrator: never silently ignored
         raise UserError("orchestrator.enabled=true, but this recipe does not build an orchestrator "
-                        "(recipes/orchestrator.py; recipes/standard.py shows the wiring)")
+                        "(recipes/orchestrator/driver.py; recipes/standard.py shows the wiring)")
     loop = loop or LoopState()
     session_start, wall_before = time.perf_counter(), loop.wall_seconds
     peak = peak_flops(state.step.device, cfg.peak_flops)
@@ -292,7 +292,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
             if loop.ticks == 1:
                 _first_step_checks(metrics, steps.health, logger, expected_initial_loss)
 
-            # --- orchestrator hook (recipes/orchestrator.py): decisions, safety, nowcasting -----------------
+            # --- orchestrator hook (recipes/orchestrator/driver.py): decisions, safety, nowcasting -----------------
             if orchestrator is not None:
                 jump = orchestrator.after_step(result.state, metrics, step=step, cursor=cursor, frozen=frozen)
                 if jump is not None:  # the winner's branch (its steps kept), a nowcast, or a safety flag

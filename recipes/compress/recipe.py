@@ -17,7 +17,7 @@ a tied linear autoencoder's optimum is that projection, Baldi & Hornik 1989), on
 - Every run writes ``summary.csv``, ``summary.md`` (and ``summary.png`` with matplotlib): per D' and stage,
   the compression ratio, parameters and each metric next to PCA's.
 
-Teacher states come from ``recipes.compress_states``: fixed windows of ``block_size`` tokens (``train_tokens``
+Teacher states come from ``recipes.compress.states``: fixed windows of ``block_size`` tokens (``train_tokens``
 from the training split, ``val_tokens`` from the validation split), cached once to a memmap
 (``cache=true``) or computed by the teacher for every batch (``cache=false``).
 """
@@ -39,9 +39,9 @@ from core.logging import Logger
 from core.spike import SpikeConfig
 from core.state import init_state
 from models import compressor
-from recipes import compress_states as states
-from recipes.loop import LoopState, build_steps, fit, make_optimizer, run_folder
-from recipes.train_config import TrainConfig
+from recipes.compress import states
+from recipes.train.loop import LoopState, build_steps, fit, make_optimizer, run_folder
+from recipes.train.config import TrainConfig
 
 DESCRIPTION = "compress a teacher's hidden states with a weight-tied linear map, against PCA (stages 1a/1b, sweeps)"
 
@@ -113,7 +113,7 @@ class StageData:
     """One stage's states and the statistics every width shares: moments, PCA, the loss scale."""
     name: str
     source: str
-    train: object                    # a state set (recipes.compress_states)
+    train: object                    # a state set (recipes.compress.states)
     val: object
     moments: compressor.Moments
     pca: compressor.PCA
@@ -158,7 +158,7 @@ def load_stage(cfg: Config, stage: str, data: str, teacher: states.Teacher, devi
 
 
 def train_config(cfg: Config) -> TrainConfig:
-    """The loop's settings (``recipes.loop`` reads a ``TrainConfig``): this recipe's keys, the rest fixed."""
+    """The loop's settings (``recipes.train.loop`` reads a ``TrainConfig``): this recipe's keys, the rest fixed."""
     shared = ("steps", "seed", "device", "batch_size", "block_size", "lr", "warmup_steps", "lr_schedule", "min_lr",
               "weight_decay", "beta1", "beta2", "log_every", "eval_every", "patience", "compile", "out", "name")
     return TrainConfig(**{k: getattr(cfg, k) for k in shared}, clipping="none", health=False, save_every=0,

@@ -12,8 +12,8 @@ from core.device import DEVICES
 from core.spike import SpikeConfig
 from core.step import PRECISIONS
 from optim.schedules import KINDS
-from recipes.faults import FaultConfig
-from recipes.orchestrator_config import OrchestratorConfig
+from recipes.train.faults import FaultConfig
+from recipes.orchestrator.config import OrchestratorConfig
 
 CLIPPING = ("global", "adagc", "agc", "none")
 

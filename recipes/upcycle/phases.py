@@ -1,5 +1,5 @@
 """The upcycle recipe's phases other than blockwise: surgery, global fine-tune, verify (benchmark:
-``recipes/upcycle_bench.py``; blockwise: ``recipes/upcycle_blockwise.py``; the driver: ``recipes/upcycle.py``).
+``recipes/upcycle/benchmark.py``; blockwise: ``recipes/upcycle/blockwise.py``; the driver: ``recipes/upcycle/recipe.py``).
 
 Every phase writes into its own subfolder of the run folder and is *done* when its result file exists
 (``surgery/final.msgpack``, ``global/final.msgpack``, ``verify/report.json``); a phase that is done is skipped
@@ -28,9 +28,9 @@ from core.state import init_state
 from core.step import make_eval_step
 from models import blockwise, dba, llama, losses, surgery
 from models.loading import LoadedModel, model_entry
-from recipes.loop import LoopState, build_steps, evaluate, fit, make_optimizer
-from recipes.orchestrator import initial_optimizer, orchestrate
-from recipes.upcycle_config import Config, train_config
+from recipes.train.loop import LoopState, build_steps, evaluate, fit, make_optimizer
+from recipes.orchestrator.driver import initial_optimizer, orchestrate
+from recipes.upcycle.config import Config, train_config
 
 FINAL = "final.msgpack"
 
@@ -142,7 +142,7 @@ def run_surgery(ctx: Context) -> tuple[dict, dba.DBAConfig]:
 # global fine-tune
 
 def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, str]:
-    """Whole student, next-token CE (+ KD on the teacher's logits) through ``recipes.loop.fit``; with
+    """Whole student, next-token CE (+ KD on the teacher's logits) through ``recipes.train.loop.fit``; with
     ``global.orchestrator.enabled`` its strategies are scored on the student's CE on dev windows.
     Returns (params, stop reason: "" when finished)."""
     folder, cfg, g, t = ctx.folder / "global", ctx.cfg, ctx.cfg.global_phase, ctx.teacher

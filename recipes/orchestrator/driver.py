@@ -1,7 +1,7 @@
 """Orchestrated training: speculative branches on the same batches, bandit selection, safety, nowcasting.
 
 The strategy layer any training recipe switches on with ``orchestrator.enabled=true``. It lives beside
-``recipes/loop.py::fit``, which calls :meth:`Orchestrator.after_step` once per step and
+``recipes/train/loop.py::fit``, which calls :meth:`Orchestrator.after_step` once per step and
 :meth:`Orchestrator.on_rollback` from its spike rollback; the math is in ``optim/`` (strategies, SWATS,
 telemetry, the bandit, nowcasting). In a functional design a branch is a copy of the state pytree
 (here not even a copy: steps are pure, so every branch starts from the very same state object), which
@@ -12,7 +12,7 @@ fixes what the seed framework got wrong (caramba-notes 3, W1-W11):
   ``candidates - 1`` challengers picked by discounted UCB (Garivier & Moulines 2011; Auer et al. 2002)
   each train ``eval_horizon`` steps from the same state on the *same* batches (the data cursor is rewound:
   batch ``c`` is ``batches.get(c)``), each at its own learning rate with the schedule continued from the
-  current step (``optim.strategies.transfer``). Each is scored on a held-out probe (fixed validation
+  current step (``recipes.orchestrator.strategies.transfer``). Each is scored on a held-out probe (fixed validation
   windows, not training data); rewards normalized to [0, 1] update the bandit; the best probe loss wins,
   but a challenger must beat the current strategy by ``switch_margin`` (relative) to replace it, so probe
   noise does not churn strategies; a branch that hard-spiked or broke the safety rule cannot win. Training continues
@@ -54,10 +54,10 @@ from core.data import eval_batches
 from core.state import TrainState
 from core.tree import clone
 from optim import schedules
-from optim.orchestrator import PHASES, DiscountedUCB, Telemetry, normalized_rewards
-from optim.orchestrator_nowcast import extrapolate
-from optim.strategies import NAMES, RunSpec, build, strategy_of, transfer
-from recipes.loop import adagc_transform, clip_transform, make_schedule   # the run's own, as make_optimizer
+from recipes.orchestrator.bandit import PHASES, DiscountedUCB, Telemetry, normalized_rewards
+from recipes.orchestrator.nowcast import extrapolate
+from recipes.orchestrator.strategies import NAMES, RunSpec, build, strategy_of, transfer
+from recipes.train.loop import adagc_transform, clip_transform, make_schedule   # the run's own, as make_optimizer
 
 
 def run_spec(cfg) -> RunSpec:
@@ -135,7 +135,7 @@ class Orchestrator:
         return fn(state, batch, frozen)
 
     def attach(self, steps):
-        """``steps`` (``recipes.loop.Steps``) whose train step dispatches to the current strategy."""
+        """``steps`` (``recipes.train.loop.Steps``) whose train step dispatches to the current strategy."""
         return replace(steps, train=self.train_step)
 
     # ------------------------------------------------------------------ the loop's hooks
@@ -376,7 +376,7 @@ class Orchestrator:
 
 def orchestrate(cfg, steps, *, make_step: Callable, val_tokens, device, logger, folder,
                 saved: Optional[dict] = None, eval_step: Optional[Callable] = None, main_process: bool = True):
-    """``(orchestrator, steps)`` for ``recipes.loop.fit``: ``(None, steps)`` unless ``cfg.orchestrator.enabled``,
+    """``(orchestrator, steps)`` for ``recipes.train.loop.fit``: ``(None, steps)`` unless ``cfg.orchestrator.enabled``,
     else an :class:`Orchestrator` (resuming ``saved``) and ``steps`` whose train step is the current
     strategy's. ``make_step(optimizer)`` builds the recipe's train step for a strategy; the probe is
     ``orchestrator.probe_batches`` windows of ``val_tokens`` on ``device``, scored by ``eval_step`` (default

@@ -38,8 +38,8 @@ from core.config import UserError, option, same_as
 from core.device import resolve_device
 from core.step import autocast
 from models import llama, losses
-from recipes import distill
-from recipes.train_config import TrainConfig
+from recipes.distill import recipe as distill
+from recipes.train.config import TrainConfig
 
 DESCRIPTION = "run a teacher once over a distill run's batches and cache top-k or sampled targets"
 

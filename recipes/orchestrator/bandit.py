@@ -2,7 +2,7 @@
 
 Everything here is small host-side arithmetic on numbers the loop already pulls from the step's metrics
 (the loss, the gradient norm, and the z-scores of the step's own EMA spike detector, ``core.spike``);
-the branching driver that uses it is ``recipes/orchestrator.py``.
+the branching driver that uses it is ``recipes/orchestrator/driver.py``.
 
 - Telemetry: soft spikes are steps whose loss or gradient-norm z-score (from the step's detector, i.e.
   pre-update EMA statistics, algorithms.md 6.2) exceeds ``spike_z``; the loss slope is the least-squares

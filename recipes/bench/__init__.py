@@ -1,0 +1,1 @@
+"""recipes.bench: benchmarks, each a recipe: bin/run recipe=bench.NAME."""

@@ -1,0 +1,1 @@
+"""recipes.distill: knowledge distillation: the recipe, the offline teacher cache, the teacher."""
