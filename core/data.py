@@ -39,7 +39,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import sysconfig
 import tempfile
 import time
@@ -49,6 +48,7 @@ import numpy as np
 import torch
 
 from core.checkpoint import fsync_path
+from core.logging import progress
 from core.tokenizers import CharTokenizer, DataError, decode_utf8, make_tokenizer, tokenizer_from_dict
 
 __all__ = ["DataError", "Source", "find_source", "Corpus", "prepare", "Batches", "EvalBatches",
@@ -199,18 +199,17 @@ class _Progress:
     def __init__(self, what: str, every: float = 5.0):
         self.what, self.every = what, every
         self.t0 = self.last = time.monotonic()
-        print(f"purestep: tokenizing {what}", file=sys.stderr, flush=True)
+        progress(f"purestep: tokenizing {what}")
 
     def update(self, done: int, total: int, tokens: int):
         now = time.monotonic()
         if now - self.last >= self.every:
             self.last = now
-            print(f"purestep:   {done}/{total} files, {tokens:,} tokens, {now - self.t0:.0f}s",
-                  file=sys.stderr, flush=True)
+            progress(f"purestep:   {done}/{total} files, {tokens:,} tokens, {now - self.t0:.0f}s")
 
     def done(self, train: int, val: int):
-        print(f"purestep: tokenized {self.what}: {train:,} train + {val:,} val tokens in "
-              f"{time.monotonic() - self.t0:.1f}s", file=sys.stderr, flush=True)
+        progress(f"purestep: tokenized {self.what}: {train:,} train + {val:,} val tokens in "
+                 f"{time.monotonic() - self.t0:.1f}s")
 
 
 def _read(path: str) -> bytes:
@@ -230,7 +229,7 @@ def _build(source: Source, tok, folder: str) -> dict:
             chars |= set(decode_utf8(_read(p), p))
         tok = CharTokenizer("".join(chars))
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    progress = _Progress(f"{source.description} with the {tok.name} tokenizer (vocab {tok.vocab_size:,})")
+    status = _Progress(f"{source.description} with the {tok.name} tokenizer (vocab {tok.vocab_size:,})")
     counts = {"train": 0, "val": 0}
 
     def write(split, f, ids):
@@ -256,14 +255,14 @@ def _build(source: Source, tok, folder: str) -> dict:
                 split = "val" if p in val_set else "train"
                 ids = tok.encode_bytes(_read(p), source=p)
                 write(split, fval if split == "val" else ftrain, np.concatenate([ids, separator]))
-                progress.update(i + 1, len(source.files), counts["train"] + counts["val"])
+                status.update(i + 1, len(source.files), counts["train"] + counts["val"])
             split_rule = ("by file: validation when the first 8 bytes of sha256(path relative to the root) "
                           "/ 2**64 < 0.1, at least one file each side")
             n_val_files = len(val_files)
         for f in (ftrain, fval):
             f.flush()
             os.fsync(f.fileno())
-    progress.done(counts["train"], counts["val"])
+    status.done(counts["train"], counts["val"])
     meta = {
         "version": CACHE_VERSION, "dtype": np.dtype(dtype).name,
         "train_tokens": counts["train"], "val_tokens": counts["val"], "vocab_size": tok.vocab_size,

@@ -9,6 +9,9 @@ metrics) and hands them to one ``Logger``, which fans out to:
 - the console, through click: a progress line (step/total, %, loss, tokens/s, ETA from an EMA of the
   step time) redrawn in place when stderr is a terminal and printed as plain lines when it is not.
 
+``progress(message)`` is the one way to print a status line (tokenizing, loading, warming up) on stderr,
+with or without a run folder; ``Logger.print`` writes through it.
+
 Nothing here knows about models: the caller names the tags (``train/loss``, ``val/perplexity``, ``lr``,
 ``tokens_per_sec``...). ``Logger(..., enabled=False)`` is a no-op for non-zero ranks.
 """
@@ -28,7 +31,14 @@ import torch
 
 from core.config import flatten_keys
 
-__all__ = ["Logger", "to_floats", "memory_mb", "format_duration"]
+__all__ = ["Logger", "progress", "to_floats", "memory_mb", "format_duration"]
+
+
+def progress(message: str) -> None:
+    """A status line ("tokenizing...", "loading...", "warmed up ...") on stderr: the one way code outside
+    a run's Logger reports progress, and what ``Logger.print`` writes through. A recipe's own output
+    (generated text, benchmark tables, results) goes to stdout instead."""
+    click.echo(message, err=True)
 
 
 def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -213,7 +223,7 @@ class Logger:
         if self._line_open:
             click.echo("\r\x1b[K", nl=False, err=True)
             self._line_open = False
-        click.echo(message, err=True)
+        progress(message)
 
     # -- lifetime --------------------------------------------------------------------------------------
 

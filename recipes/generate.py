@@ -13,6 +13,7 @@ import torch
 
 from core.config import UserError, option
 from core.device import DEVICES, resolve_device
+from core.logging import progress
 from core.step import autocast
 from models.loading import load_model
 from models.sampling import generate
@@ -44,7 +45,7 @@ def run(cfg: Config) -> str:
     if tok is None:
         raise UserError(f"{model.source}: no tokenizer stored with this model")
     ids = tok.encode(cfg.prompt) if cfg.prompt else [tok.bos_id if tok.bos_id is not None else tok.encode("\n")[0]]
-    print(f"[{model.format}: {model.source}]", file=sys.stderr)
+    progress(f"[{model.format}: {model.source}]")
     printed = tok.decode(ids)
     sys.stdout.write(printed if cfg.prompt else "")
     generated = list(ids)

@@ -361,7 +361,7 @@ def test_safety_rolls_back_onto_the_safety_strategy_and_the_run_finishes(corpus,
 def test_an_unstable_run_finishes_far_better_than_its_fixed_strategy(corpus, tmp_path):
     """lr=1.0 on a tiny model: the fixed run's rollbacks hit their cap and it stops; the orchestrated run
     rolls back onto the safety strategy (or switches at its first decision) and finishes, finite, with a
-    validation loss more than 10% lower. (The tiny-preset figures: ``python -m recipes.bench.orchestrator``.)"""
+    validation loss more than 10% lower. (The tiny-preset figures: ``bin/run recipe=bench.orchestrator``.)"""
     from recipes.bench.orchestrator import final_val
     common = ["recipe=standard", f"data={corpus}", *TINY_RUN, "lr=1.0", "steps=80", "eval_every=80",
               "spike.snapshot_every=10", "spike.rollback_back=10", "spike.skip_ahead=10",

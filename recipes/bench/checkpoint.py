@@ -1,6 +1,6 @@
 """Checkpoint throughput and memory: :mod:`core.checkpoint` against ``torch.save`` / ``torch.load``.
 
-Run ``python -m recipes.bench.checkpoint [n_params] [repeats]``. Both formats write the same float32 state
+Run ``bin/run recipe=bench.checkpoint [n_params=100000000] [repeats=3] [folder=PATH]``. Both formats write the same float32 state
 dict (a Llama-shaped model, one tensor per weight) to the same folder; after an untimed warm-up round,
 each measurement is repeated, the order of the contenders rotating, and the median kept (these machines
 are noisy and shared, so only ratios measured in one process mean anything). Our save fsyncs before its
@@ -18,17 +18,32 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from core import checkpoint
+from core.config import UserError, option
 
+DESCRIPTION = "time durable msgpack checkpoints against torch.save/torch.load (MB/s ratios, peak memory)"
 MB = 1e6
+
+
+@dataclass
+class Config:
+    n_params: int = option(100_000_000, "parameters in the Llama-shaped float32 state dict")
+    repeats: int = option(3, "timed rounds after the warm-up round; the median is reported")
+    folder: str = option("", "folder for the temporary files (empty: the system's temporary folder)")
+
+
+def run(cfg: Config) -> dict:
+    if cfg.n_params < 1 or cfg.repeats < 1:
+        raise UserError("n_params and repeats must be >= 1")
+    return benchmark(cfg.n_params, folder=cfg.folder or None, repeats=cfg.repeats)
 
 
 def make_state(n_params: int, d: int = 768, ffn: int = 2048, vocab: int = 50304) -> dict[str, torch.Tensor]:
@@ -156,7 +171,3 @@ def _print(r: dict, repeats: int) -> None:
     print(f"peak extra RSS during save (max over runs): purestep {r['save_peak_extra_mb']:.1f} MB, "
           f"torch.save {r['torch_save_peak_extra_mb']:.1f} MB; largest tensor {r['largest_tensor_mb']:.0f} MB")
 
-
-if __name__ == "__main__":
-    benchmark(int(float(sys.argv[1])) if len(sys.argv) > 1 else 100_000_000,
-              repeats=int(sys.argv[2]) if len(sys.argv) > 2 else 3)

@@ -1,9 +1,9 @@
 """The orchestrator's acceptance figures, measured in one process (ratios against a baseline run here).
 
-    python -m recipes.bench.orchestrator [data=PATH] [steps=N] [only=unstable,healthy,nowcast]
-                                         [healthy_steps=1000] [repeats=3]
+    bin/run recipe=bench.orchestrator [data=PATH] [steps=300] [only=unstable,healthy,nowcast]
+                                      [healthy_steps=1000] [repeats=3]
 
-Runs the standard recipe's ``tiny`` preset (char tokens; ``data`` defaults to the shared tiny-shakespeare
+Runs the standard recipe's ``tiny`` preset (char tokens; an empty ``data`` means the shared tiny-shakespeare
 file when ``PURESTEP_SHARED_DATA`` or ``../shared/data`` has it, else this Python's ``json`` module source):
 
 - unstable: a learning rate far too high for the preset (``lr=1.0``; also ``0.1`` and ``0.3``, where the
@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from recipes import main as run_main
+from core.config import ConfigError, UserError, option
 from core.data import prepare
 from core.step import make_eval_step
 from core.tree import tree_leaves
@@ -35,6 +36,8 @@ from models import llama
 from models.loading import load_model
 from recipes.train.loop import evaluate
 
+DESCRIPTION = "the orchestrator's figures: unstable, healthy and nowcast runs against fixed strategies"
+PARTS = ("unstable", "healthy", "nowcast")
 UNSTABLE = ["orchestrator.decision_interval=10", "orchestrator.eval_horizon=10", "orchestrator.min_gap=10"]
 NOWCAST = ["orchestrator.decision_interval=1000000", "orchestrator.spike_trigger=1000000",
            "orchestrator.nowcast.enabled=true", "orchestrator.nowcast.interval=50", "orchestrator.nowcast.stride=10",
@@ -123,35 +126,35 @@ def bench_nowcast(root: Path, data: str, steps: int) -> None:
         f"({r['step']}, {r['accepted']}, {r['probe_before']:.4f} -> {r['probe_after']:.4f})" for r in rows))
 
 
-KEYS = ("data", "steps", "only", "healthy_steps", "repeats")
-PARTS = ("unstable", "healthy", "nowcast")
+@dataclass
+class Config:
+    data: str = option("", "text to train on (empty: the shared tinyshakespeare.txt if present, "
+                           "else this Python's json module source)")
+    steps: int = option(300, "steps of the unstable and nowcast runs")
+    only: tuple[str, ...] = option(PARTS, "parts to run, comma-separated: unstable, healthy, nowcast")
+    healthy_steps: int = option(1000, "steps of each healthy run")
+    repeats: int = option(3, "interleaved fixed/orchestrated pairs of healthy runs")
 
 
-def _usage_error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def main(argv: list[str]) -> None:
-    bad = [a for a in argv if "=" not in a or a.split("=", 1)[0] not in KEYS]
-    if bad:
-        _usage_error(f"{' '.join(bad)}: give key=value with a key of {', '.join(KEYS)}")
-    opts = dict(a.split("=", 1) for a in argv)
-    data = opts.get("data", default_data())
-    steps = int(opts.get("steps", 300))
-    only = opts.get("only", ",".join(PARTS)).split(",")
-    if not set(only) <= set(PARTS):
-        _usage_error(f"only={opts['only']}: choose from {', '.join(PARTS)}")
+def run(cfg: Config) -> None:
+    unknown = [part for part in cfg.only if part not in PARTS]
+    if unknown:
+        raise ConfigError(f"bad value for 'only': {','.join(unknown)}; choose from {', '.join(PARTS)}")
+    if min(cfg.steps, cfg.healthy_steps, cfg.repeats) < 1:
+        raise UserError("steps, healthy_steps and repeats must be >= 1")
+    data = cfg.data or default_data()
+    own_cache = "PURESTEP_CACHE" not in os.environ     # a token cache of its own, gone with the folder
     with tempfile.TemporaryDirectory(prefix="orchestrator-bench-") as tmp:
-        os.environ.setdefault("PURESTEP_CACHE", str(Path(tmp) / "cache"))
         root = Path(tmp)
-        if "unstable" in only:
-            bench_unstable(root, data, steps)
-        if "healthy" in only:
-            bench_healthy(root, data, int(opts.get("healthy_steps", 1000)), int(opts.get("repeats", 3)))
-        if "nowcast" in only:
-            bench_nowcast(root, data, steps)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+        if own_cache:
+            os.environ["PURESTEP_CACHE"] = str(root / "cache")
+        try:
+            if "unstable" in cfg.only:
+                bench_unstable(root, data, cfg.steps)
+            if "healthy" in cfg.only:
+                bench_healthy(root, data, cfg.healthy_steps, cfg.repeats)
+            if "nowcast" in cfg.only:
+                bench_nowcast(root, data, cfg.steps)
+        finally:
+            if own_cache:
+                os.environ.pop("PURESTEP_CACHE", None)

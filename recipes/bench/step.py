@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import optim
 from core.config import option
+from core.logging import progress
 from core.state import init_state
 from core.step import make_train_step
 from models import llama
@@ -108,7 +109,7 @@ def run(cfg: Config) -> dict:
         start = time.perf_counter()
         for _ in range(cfg.warmup):
             step().item()
-        print(f"  warmed up {name:<20} in {time.perf_counter() - start:6.1f}s", flush=True)
+        progress(f"  warmed up {name:<20} in {time.perf_counter() - start:6.1f}s")
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(cfg.rounds):
