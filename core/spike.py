@@ -1,6 +1,6 @@
 """Loss-spike detection as pure tensor math carried in the train state (PaLM / OPT practice).
 
-An EMA z-score detector on the loss and on the gradient norm (algorithms.md 6.2): ``mu <- a*mu +
+An EMA z-score detector on the loss and on the gradient norm: ``mu <- a*mu +
 (1-a)*x``, ``var <- a*var + (1-a)*(x - mu)**2`` and ``z = (x - mu_prev) / (sqrt(var_prev) + eps)``
 computed with the *pre-update* statistics, so a spike is judged against the past and, when flagged,
 does not pollute the statistics (they are not updated on a flagged or non-finite step). No flag is

@@ -1,7 +1,7 @@
 """Block-wise distillation math: the teacher's per-block inputs and outputs, the student's blocks run on them,
 per-block losses, and the attention sublayer outputs that verification compares.
 
-The procedure (algorithms.md 4.6) is the attention-transfer stage of LoLCATs (Zhang et al., ICLR 2025, arXiv
+The procedure is the attention-transfer stage of LoLCATs (Zhang et al., ICLR 2025, arXiv
 2410.10254: per-layer MSE between the teacher's softmax-attention outputs and the new attention's, on the teacher's
 hidden states) and MOHAWK's hidden-state alignment (Bick et al. 2024, arXiv 2408.10189: per layer
 min ||Block_T(u) - Block_S(u)|| on teacher inputs u, blocks independent), with MHA2MLA's partial-RoPE student

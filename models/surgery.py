@@ -20,7 +20,8 @@ Steps (per layer l and KV head g; query heads h of g's group, n = n_heads / n_kv
    so with the thin SVD [Q_1 ... Q_n] = U_c diag(s_c) V_c^T (m x n*d), Z = diag(s_c) U_c^T K (m x d) has the
    same right singular vectors and singular values as S. At r = rank(S) (<= m) the fold is exact:
    M_h P^T P = M_h because every row of M_h lies in the row space of S. This is a factorisation of W_q^T W_k
-   jointly, per head and per group, not of Q and K separately (caramba's W19), and GQA is kept (W18).
+   jointly, per head and per group (the scores' bilinear form is what is approximated), not of Q and K
+   separately, and GQA is kept (one key factor per KV group).
    ``method="asvd"`` (activation-aware, SVD-LLM: Wang et al. 2024; ASVD: Yuan et al. 2023) minimises the error
    on the calibration scores instead, sum_h ||X (M_h - A_h^T B) X^T||_F = sum_h ||W^T (M_h - A_h^T B) W|| with
    W = chol(X^T X): the same algorithm on Q_h W and K W, mapped back by B = P W^{-1}, A_h = P W^T K^T Q_h

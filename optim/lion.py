@@ -2,7 +2,7 @@
 
 ``c = b1 * m + (1 - b1) * g``; the update is ``sign(c)``; then ``m <- b2 * m + (1 - b2) * g``;
 decoupled weight decay ``p <- p - lr * (sign(c) + wd * p)``. Note the stored momentum is interpolated
-with ``b2`` only once per step (the seed framework updated it twice, caramba-notes W15).
+with ``b2`` only once per step, after ``c`` is formed (Alg. 2), never a second time.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ with ``lr_k = Lambda * alpha_k / alpha_switch``: exactly ``Lambda`` at the switc
 schedule relative to the switch step (the paper decays the SGD rate on the same schedule), and honouring
 ``scale_lr`` (a rollback's lr cut).
 
-``switch_eps`` default 1e-5: the paper's 1e-9 practically never fires in float32 (third-party
-reproductions, algorithms.md 2), so 1e-5 is what those use. Weight decay: the reference code adds L2 to
+``switch_eps`` default 1e-5: the paper's 1e-9 practically never fires in float32, so 1e-5 is what
+third-party reproductions use. Weight decay: the reference code adds L2 to
 the gradient (``chain(add_decayed_weights(wd), swats(...))`` does that, with an L2-sized ``wd``); the
 ``weight_decay`` argument instead decays decoupled, AdamW's ``p <- p - alpha_k * wd * p`` at the Adam
 learning rate in both phases, so the Adam phase is exactly AdamW and the switch does not change the

@@ -11,7 +11,7 @@ Variants, all on the same tiny Llama and the same batch, in one process:
 - ``compiled, AdaGC`` and ``compiled, global clip + health`` (``breakdown=true``): each half alone
 - ``plain eager``                ``nn.Module`` + ``clip_grad_norm_`` + ``torch.optim.AdamW``
 - ``plain eager + .item() stats`` the same loop computing the same per-parameter statistics the naive way
-                                 (caramba W9): grad norm, weight norm, non-finite count and update norm of
+                                 (the usual eager logging): grad norm, weight norm, non-finite count and update norm of
                                  every parameter, each pulled with ``.item()``, every step
 
 Each variant is warmed up (compiles happen there), then timed one step at a time, interleaved (A B C A B C

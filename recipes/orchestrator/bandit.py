@@ -5,12 +5,12 @@ Everything here is small host-side arithmetic on numbers the loop already pulls 
 the branching driver that uses it is ``recipes/orchestrator/driver.py``.
 
 - Telemetry: soft spikes are steps whose loss or gradient-norm z-score (from the step's detector, i.e.
-  pre-update EMA statistics, algorithms.md 6.2) exceeds ``spike_z``; the loss slope is the least-squares
+  pre-update EMA statistics) exceeds ``spike_z``; the loss slope is the least-squares
   slope over the last ``window`` losses; a host EMA of the loss is the baseline for the safety check
   ``loss > max_loss_increase * EMA`` (not updated by flagged steps, so a spike does not raise its own bar).
 - Phase, checked in order: ``unstable`` (``spike_trigger`` soft spikes in the window), ``warmup`` (inside the
   run's LR warm-up), ``plateau`` (the fitted loss decrease over the window is below ``plateau_tol`` of the
-  mean loss: scale-free, unlike the seed framework's absolute slope thresholds, caramba-notes W10), else
+  mean loss: scale-free, unlike an absolute slope threshold), else
   ``early``/``mid``/``late`` by progress (< 10%, > 70%).
 - Bandit: discounted UCB (Garivier & Moulines 2011, "On Upper-Confidence Bound Policies for Switching
   Bandit Problems"), the non-stationary form of UCB1 (Auer, Cesa-Bianchi & Fischer 2002): per arm a
@@ -19,7 +19,7 @@ the branching driver that uses it is ``recipes/orchestrator/driver.py``.
   is one round: all arms are discounted by ``gamma`` once, then every evaluated arm adds its reward.
 - Rewards: a decision's candidates are scored by held-out probe loss; ``normalized_rewards`` maps them
   to [0, 1] by min-max within the decision (best 1, worst 0; diverged candidates 0), so rewards have no
-  unit and the exploration bonus has a meaning (W4).
+  unit and the exploration bonus has a meaning.
 """
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 The strategy layer any training recipe switches on with ``orchestrator.enabled=true``. It lives beside
 ``recipes/train/loop.py::fit``, which calls :meth:`Orchestrator.after_step` once per step and
-:meth:`Orchestrator.on_rollback` from its spike rollback; the math is in ``optim/`` (strategies, SWATS,
-telemetry, the bandit, nowcasting). In a functional design a branch is a copy of the state pytree
+:meth:`Orchestrator.on_rollback` from its spike rollback; the math is beside it (``strategies.py``, ``bandit.py``,
+``nowcast.py``) and in ``optim/`` (SWATS). In a functional design a branch is a copy of the state pytree
 (here not even a copy: steps are pure, so every branch starts from the very same state object), which
-fixes what the seed framework got wrong (caramba-notes 3, W1-W11):
+makes the following exact and cheap:
 
 - Decision (every ``decision_interval`` steps, backing off while the current strategy keeps winning, or
   on ``spike_trigger`` soft spikes or a plateau, at least ``min_gap`` apart): the current strategy and

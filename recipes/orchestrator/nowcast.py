@@ -1,14 +1,13 @@
 """Weight nowcasting by per-parameter linear extrapolation (after Jang et al., ICML 2023, "Learning to
-Boost Training by Periodic Nowcasting Near Future Weights"; algorithms.md 5).
+Boost Training by Periodic Nowcasting Near Future Weights").
 
 Jang et al. predict each scalar weight's near-future value from its own recent trajectory with a small
 learned network; here the predictor is the simplest one with no training data: an ordinary least-squares
 line through the last ``window`` snapshots ``(t_i, w_i)`` of every weight, evaluated ``horizon`` steps past
 the newest. With ``c_i = (t_i - t_mean) / sum_j (t_j - t_mean)**2`` the slope is ``b = sum_i c_i w_i`` and the
 prediction ``w_mean + b * (t_last + horizon - t_mean)``: one weighted sum of the stacked snapshots per
-leaf, no per-parameter Python loop and no host sync. The seed framework's learned variant extrapolated
-by ``H * a * dw`` with ``a`` trained for one step (caramba-notes W17); a line fitted to the trajectory is
-at least what it claims to be. Whether to keep a jump is decided by the caller on held-out data.
+leaf, no per-parameter Python loop and no host sync. Unlike an extrapolation ``H * a * dw`` by a factor ``a``
+trained for a single step, a line fitted to the trajectory is at least what it claims to be. Whether to keep a jump is decided by the caller on held-out data.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ clipping) that builds an ordinary optax-shaped transform chain. Every chain star
 :class:`StrategyTag` whose 0-d state names the strategy, so a state pytree (a snapshot, a branch, a
 checkpoint) always says which strategy's step function it belongs to.
 
-The portfolio (caramba-notes 3.7, fixed where W1/W2/W6/W14 were wrong):
+The portfolio:
 
 ====================  ======  =========  =========  ==========  =====================================
 name                  family  lr x run   schedule   clipping    notes
@@ -21,8 +21,8 @@ swats                 SWATS   1          run        global 1.0  AdamW, then SGD 
 
 ``run`` schedule: the run's own (warm-up, decay to ``min_lr`` over the run); ``flat``: the run's warm-up,
 then no decay. Learning rates live in each strategy's own state, so candidates are evaluated at their
-own rates (W1). A switch (:func:`transfer`) never restarts the schedule: the new chain's step counter
-continues from the old one's (W2), so ``lr(t)`` continues from the current step. It carries over what is
+own rates. A switch (:func:`transfer`) never restarts the schedule: the new chain's step counter
+continues from the old one's, so ``lr(t)`` continues from the current step. It carries over what is
 the same statistic on both sides:
 
 - Adam moments (``m``, ``v`` and their count) between Adam-family strategies (adamw variants, SWATS; a
@@ -31,7 +31,7 @@ the same statistic on both sides:
   step ``s``, see :func:`_adam_moments`);
 - into SGD: the momentum buffer ``b`` (``b <- mu*b + g``, steady state ``g / (1 - mu)``) is seeded with
   ``E[g] / (1 - mu)`` where ``E[g]`` is the old first moment made unbiased (Adam's ``m / (1 - b1**t)``,
-  Lion's ``m``, SGD's ``b * (1 - mu)``). The seed framework copied Adam's raw ``exp_avg`` (W14), which is
+  Lion's ``m``, SGD's ``b * (1 - mu)``). Adam's raw ``exp_avg`` copied as it is would be
   ``1 - mu`` times too small and biased towards zero early on;
 - into Lion: ``m <- E[g]`` (Lion's ``m`` is an EMA of g);
 - into Adam from SGD or Lion: nothing. No second moment exists there, and Adam's bias correction

@@ -1,7 +1,7 @@
 """The upcycle recipe's benchmark phase: teacher against student, measured in the same process.
 
 - **Perplexity** of both models on the same held-out windows (the test half of the validation split), computed
-  once: no best-of-repeats (caramba's W30 kept the lowest of several runs) and never on training windows (W28).
+  once: no best-of-repeats (the lowest of several runs flatters) and never on training windows.
   The held-out perplexity after each earlier phase (surgery, blockwise, global) comes from that phase's
   ``heldout.json``, computed on the same windows.
 - **Latency** with a KV cache: the same held-out prompt tokens for both models, prefill timed apart from the

@@ -1,12 +1,12 @@
 """The upcycle recipe's blockwise phase: every student block trained to reproduce its teacher block, all at once.
 
-Block-wise distillation as in algorithms.md 4.6: LoLCATs' attention transfer (Zhang et al., ICLR 2025) and
+Block-wise distillation: LoLCATs' attention transfer (Zhang et al., ICLR 2025) and
 MOHAWK's hidden-state alignment (Bick et al. 2024), on MHA2MLA-style partial-RoPE students (Ji et al. 2025). The
 math (teacher block I/O, student blocks, per-block losses) is ``models/blockwise.py``; this file is the loop:
 
 - **One step trains every block.** The per-block losses are independent (teacher-forced inputs, or the student's
   own stream detached), so one backward of their sum gives each block its own gradient.
-- **Per-block convergence** on a smoothed criterion, never a single noisy batch (caramba's W24): each block keeps
+- **Per-block convergence** on a smoothed criterion, never a single noisy batch: each block keeps
   a bias-corrected EMA of its training loss; it stops when the EMA reaches ``convergence_target`` or has not
   improved by ``min_delta`` (relative) for ``patience`` steps, judged only after the EMA has seen about its window
   (1 / (1 - ema) steps). A stopped block is frozen for good: AdamW would still move a parameter whose gradient is
@@ -15,7 +15,7 @@ math (teacher block I/O, student blocks, per-block losses) is ``models/blockwise
   stopped or at ``blockwise.steps``.
 - **Teacher I/O** is recomputed per batch under ``no_grad``, or cached once on disk (``cache_teacher=true``):
   a bf16 memmap of ``cache_batches`` entries where entry i is the teacher's I/O on training batch number i (the
-  data cursor, not ``id(x)``: caramba's W23), built in a temporary folder and renamed into place, shared by every
+  data cursor, not ``id(x)``, which Python reuses), built in a temporary folder and renamed into place, shared by every
   run with the same teacher, data, seed and shapes, and cycled by ``cursor % cache_batches``.
 - Checkpoints (``blockwise/step_*.msgpack``, ``final.msgpack``) hold the full student, the optimizer state of
   the trainable part, the convergence state and the data cursor; a killed run continues from the newest one.

@@ -163,7 +163,7 @@ class Config:
     surgery_method: str = option("asvd", "activation-aware SVD (SVD-LLM whitening) or plain weight SVD",
                                  choices=METHODS)
     calib_tokens: int = option(4096, "training-split tokens for pair selection and asvd whitening")
-    blockwise: BlockwiseConfig = option(BlockwiseConfig, "blockwise distillation (algorithms.md 4.6)")
+    blockwise: BlockwiseConfig = option(BlockwiseConfig, "blockwise distillation (LoLCATs attention transfer)")
     verify: VerifyConfig = option(VerifyConfig, "held-out teacher/student comparison with thresholds")
     benchmark: BenchmarkConfig = option(BenchmarkConfig, "perplexity, latency, KV bytes, parameter counts")
 

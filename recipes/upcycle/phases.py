@@ -5,7 +5,7 @@ Every phase writes into its own subfolder of the run folder and is *done* when i
 (``surgery/final.msgpack``, ``global/final.msgpack``, ``verify/report.json``); a phase that is done is skipped
 on a rerun. Held-out numbers always come from the **test half** of the validation split (the windows in
 ``Context.heldout``); the global phase's periodic validation uses the other (dev) half, so nothing reported
-was used to steer training (caramba's W28 evaluated on training windows).
+was used to steer training or was trained on.
 """
 from __future__ import annotations
 
