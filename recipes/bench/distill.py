@@ -1,6 +1,6 @@
 """Benchmark: the step time of distillation from an offline teacher cache against the online teacher.
 
-``bin/run recipe=recipes.bench.distill [teacher=smollm2] data=PATH [k=32] [steps=12]`` builds a top-``k``
+``bin/run recipe=bench.distill [teacher=smollm2] data=PATH [k=32] [steps=12]`` builds a top-``k``
 cache (``recipe=distill_cache``) of ``steps + warmup`` batches in a temporary folder, prepares both distill
 runs with the same settings (``preset=smollm2`` shapes: a 16M student, 4 x 64 tokens) in this process and
 times them step by step, interleaved (A B A B ...), so machine noise hits both alike. It prints the median

@@ -1,5 +1,7 @@
 """Benchmark: what AdaGC and the gradient health statistics add to the compiled train step.
 
+``bin/run recipe=bench.health [key=value ...]`` (``--help`` lists the keys).
+
 Variants, all on the same tiny Llama and the same batch, in one process:
 
 - ``compiled, global clip``      ``make_train_step`` under ``torch.compile``: ``chain(clip_by_global_norm(1),

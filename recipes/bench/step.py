@@ -1,5 +1,7 @@
 """Benchmark: the functional train step against the plain PyTorch loop, side by side in one process.
 
+``bin/run recipe=bench.step [key=value ...]`` (``--help`` lists the keys).
+
 Four ways to take the same training step on the same Llama and the same batch:
 
 - ``plain eager``        ``nn.Module`` forward, ``.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(foreach=True)``
