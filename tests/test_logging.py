@@ -124,6 +124,17 @@ def test_progress_plain_lines_with_eta(tmp_path, capsys, monkeypatch):
                      "step 30/100 (30.0%) | loss 2 | eta 53s"]
 
 
+def test_status_lines_go_through_one_function(tmp_path, capsys, monkeypatch):
+    """``core.logging.progress`` prints a status line on stderr (nothing on stdout); Logger.print uses it."""
+    log.progress("purestep: tokenizing x")
+    assert capsys.readouterr() == ("", "purestep: tokenizing x\n")
+    seen = []
+    monkeypatch.setattr(log, "progress", seen.append)
+    with Logger(tmp_path, tensorboard=False, jsonl=False) as logger:
+        logger.print("saved checkpoint")
+    assert seen == ["saved checkpoint"]
+
+
 def test_progress_redraws_one_line_on_a_terminal(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     clock = iter([0.0, 1.0, 2.0])
