@@ -1,10 +1,10 @@
 """Checkpoint throughput and memory: :mod:`core.checkpoint` against ``torch.save`` / ``torch.load``.
 
-Run ``bin/run recipe=bench.checkpoint [n_params=100000000] [repeats=3] [folder=PATH]``. Both formats write the same float32 state
-dict (a Llama-shaped model, one tensor per weight) to the same folder; after an untimed warm-up round,
-each measurement is repeated, the order of the contenders rotating, and the median kept (these machines
-are noisy and shared, so only ratios measured in one process mean anything). Our save fsyncs before its
-rename, so the baseline is ``torch.save`` plus an fsync of its file (``torch.save`` alone is reported
+Run ``bin/run recipe=bench.checkpoint [n_params=100000000] [repeats=3] [folder=PATH]``. Both formats write
+the same float32 state dict (a Llama-shaped model, one tensor per weight) to the same folder; after an
+untimed warm-up round, each measurement is repeated, the order of the contenders rotating, and the median
+kept (these machines are noisy and shared, so only ratios measured in one process mean anything). Our save
+fsyncs before its rename, so the baseline is ``torch.save`` plus an fsync of its file (``torch.save`` alone is reported
 too). Loads are timed cold (the file's pages dropped from the page cache with ``posix_fadvise(DONTNEED)``
 after an ``os.sync``) and warm. Ratios are ours over torch's (above 1: ours is faster); the CPU-time
 ratio compares the calling thread's CPU seconds, which other processes on a shared machine inflate less

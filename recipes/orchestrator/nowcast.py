@@ -7,7 +7,8 @@ line through the last ``window`` snapshots ``(t_i, w_i)`` of every weight, evalu
 the newest. With ``c_i = (t_i - t_mean) / sum_j (t_j - t_mean)**2`` the slope is ``b = sum_i c_i w_i`` and the
 prediction ``w_mean + b * (t_last + horizon - t_mean)``: one weighted sum of the stacked snapshots per
 leaf, no per-parameter Python loop and no host sync. Unlike an extrapolation ``H * a * dw`` by a factor ``a``
-trained for a single step, a line fitted to the trajectory is at least what it claims to be. Whether to keep a jump is decided by the caller on held-out data.
+trained for a single step, a line fitted to the trajectory is at least what it claims to be. Whether to keep
+a jump is decided by the caller on held-out data.
 """
 from __future__ import annotations
 
