@@ -21,11 +21,14 @@ its traceback. ``bin/run`` is a thin click wrapper around ``main``, which tests 
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import importlib
 import importlib.util
+import sys
 import traceback
+from pathlib import Path
 from types import ModuleType
 from typing import Mapping, Sequence
 
@@ -33,7 +36,7 @@ import click
 
 from core.checkpoint import FINAL
 from core.config import ConfigError, UserError, flatten_keys, format_help, load_toml, resolve
-from core.runs import run_folder
+from core.runs import check_name, run_folder
 
 PROG = "bin/run"
 RESERVED = ("recipe", "config", "preset")        # arguments of bin/run itself, not recipe keys
@@ -78,6 +81,8 @@ def load_recipe(name: str, recipes: Mapping[str, str]) -> ModuleType:
         raise UserError(f"unknown recipe {name!r}{hint} recipes: {', '.join(recipes)} "
                         "(or a module path such as mylab.my_recipe)")
     path = recipes.get(name, name)
+    if name not in recipes:
+        _check_defines_recipe(path)             # before importing: no stranger's module runs
     try:
         module = importlib.import_module(path)
     except ModuleNotFoundError as e:
@@ -88,6 +93,54 @@ def load_recipe(name: str, recipes: Mapping[str, str]) -> ModuleType:
     if missing:
         raise UserError(f"module {path} is not a recipe: it has no {' or '.join(missing)}")
     return module
+
+
+def _find_spec(path: str):
+    """The module spec of dotted ``path``, found without importing anything (``importlib.util.find_spec``
+    imports the parent packages), or None."""
+    spec, search = None, None
+    parts = path.split(".")
+    for i in range(len(parts)):
+        name = ".".join(parts[:i + 1])
+        if name in sys.modules:
+            spec = sys.modules[name].__spec__
+        else:
+            finders = (getattr(f, "find_spec", None) for f in sys.meta_path)
+            spec = next((s for s in (find(name, search) for find in finders if find) if s), None)
+        if spec is None:
+            return None
+        search = spec.submodule_search_locations
+        if search is None and i < len(parts) - 1:
+            return None
+    return spec
+
+
+def _check_defines_recipe(path: str) -> None:
+    """A UserError unless module ``path`` exists and its source defines ``Config`` and ``run`` at top level."""
+    if not all(part.isidentifier() for part in path.split(".")):
+        raise UserError(f"recipe {path!r} is neither a registered recipe nor a module path")
+    spec = _find_spec(path)
+    if spec is None:
+        raise UserError(f"recipe {path!r} is not available: no module {path}")
+    origin = Path(spec.origin or "")
+    if origin.suffix != ".py" or not origin.is_file():
+        raise UserError(f"module {path} is not a recipe: no Python source to check for Config and run")
+    try:
+        tree = ast.parse(origin.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"module {path} ({origin}) cannot be read as Python source: {e}") from None
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(t.id for t in targets if isinstance(t, ast.Name))
+    missing = [a for a in ("Config", "run") if a not in defined]
+    if missing:
+        raise UserError(f"module {path} is not a recipe: it defines no {' or '.join(missing)} (not imported)")
 
 
 def _describe_recipe(name: str, recipes: Mapping[str, str]) -> str:
@@ -165,7 +218,7 @@ def _run_stages(name: str, module: ModuleType, preset, toml: dict, pairs: dict, 
     previous = None
     for i, stage in enumerate(stages, 1):
         stage = flatten_keys(stage)
-        label = str(stage.pop("name", f"stage{i}"))
+        label = check_name("stages.name", str(stage.pop("name", f"stage{i}")))
         folder = root / f"{i}-{label}"
         extra = {"out": str(folder)}
         if takes_init and previous is not None and "init" not in stage and "init" not in pairs:

@@ -1,11 +1,63 @@
-"""Where a run lives: ``out``, else ``runs/<recipe>-<name>``, else ``runs/<recipe>-<timestamp>``."""
+"""Where a run lives, and who owns it.
+
+``run_folder``: ``out``, else ``runs/<recipe>-<name>``, else ``runs/<recipe>-<timestamp>``; a ``name`` is one
+plain path component, so a run never writes outside ``runs/``. ``claim``: an OS-level lock on the run
+folder for as long as a run writes into it (``fcntl.flock`` on ``<folder>/.lock``: the kernel drops it when
+the process dies, so a ``kill -9`` leaves no stale lock). A second run on the same folder stops with one
+line naming the holder. Such locks are unreliable on some network filesystems (NFS without lock support).
+"""
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
+import socket
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import Iterator
+
+from core.config import ConfigError, UserError
+
+LOCK = ".lock"
+
+
+class RunFolderLocked(UserError):
+    """Another live process holds the run folder's lock."""
+
+
+def check_name(key: str, value: str) -> str:
+    """``value`` if it is one plain path component (no separator, not ``.`` or ``..``), else a ConfigError."""
+    if value in (".", "..") or any(sep in value for sep in ("/", "\\", os.sep)) or "\0" in value:
+        raise ConfigError(f"{key}={value!r} must be a plain name (no '/', '..'); use out=PATH for a folder elsewhere")
+    return value
 
 
 def run_folder(out: str, name: str, recipe: str) -> Path:
     if out:
         return Path(out)
+    check_name("name", name)
     return Path("runs") / f"{recipe}-{name or datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+@contextmanager
+def claim(folder: Path) -> Iterator[Path]:
+    """Create ``folder`` if needed and hold its lock until the block ends; RunFolderLocked if another
+    process holds it (the message names that process's pid and host)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise RunFolderLocked(f"out={folder} is in use by another run ({holder}); wait for it to finish, or "
+                                  f"choose another out= (or name=)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        yield folder
+    finally:
+        os.close(fd)                                    # closing the descriptor releases the lock

@@ -36,7 +36,7 @@ from core.compile import maybe_compile
 from core.loss_scale import update_loss_scale
 from core.spike import SpikeConfig, update_monitor
 from core.state import TrainState
-from core.tree import apply_updates, global_norm, tree_flatten, tree_map, tree_unflatten, where
+from core.tree import apply_updates, global_norm, map_flat, tree_flatten, tree_map, tree_unflatten, where
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_MODES = ("func", "autograd")
@@ -178,8 +178,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     def reduced(grads, loss, aux):
         if reduce is None:
             return grads, loss, aux
-        leaves, spec = tree_flatten((grads, loss, aux))
-        return tree_unflatten(spec, reduce(leaves))
+        return map_flat(reduce, (grads, loss, aux))
 
     def _scale(state):
         if state.loss_scale:

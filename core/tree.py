@@ -21,6 +21,18 @@ tree_flatten = optree.tree_flatten
 tree_unflatten = optree.tree_unflatten
 
 
+def map_flat(fn: Callable[[list], list], tree: Tree) -> Tree:
+    """``fn`` applied to the list of ``tree``'s leaves at once, the result put back in ``tree``'s shape.
+
+    The same as ``tree_unflatten(spec, fn(leaves))``, written with two ``tree_map``s because dynamo traces
+    those but not a ``TreeSpec`` constant nor ``tree_leaves`` of a tree holding an empty dict (torch 2.13).
+    """
+    leaves: list = []
+    tree_map(leaves.append, tree)
+    out = iter(fn(leaves))
+    return tree_map(lambda _: next(out), tree)
+
+
 def named_leaves(tree: Tree) -> list[tuple[str, Any]]:
     """(dotted name, leaf) pairs in optree's deterministic (sorted-key) order."""
     paths, leaves, _ = optree.tree_flatten_with_path(tree)

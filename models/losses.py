@@ -37,6 +37,9 @@ import torch
 import torch.nn.functional as F
 
 DIRECTIONS = ("forward", "reverse", "symmetric")
+IGNORE_INDEX = -100
+"""The target id of a masked position (Hugging Face's and ``F.cross_entropy``'s convention); every negative
+target is treated the same, so data that marks masked positions with -1 works too."""
 
 
 def _masked_mean(per_token: torch.Tensor, mask) -> torch.Tensor:
@@ -47,12 +50,25 @@ def _masked_mean(per_token: torch.Tensor, mask) -> torch.Tensor:
 
 
 def _log_probs(logits: torch.Tensor, temperature) -> torch.Tensor:
-    return F.log_softmax(logits.float() / temperature, dim=-1)
+    """``log_softmax(logits / T)`` in float32; ``-inf`` logits (a masked vocabulary) stay ``-inf`` without
+    sending ``-inf / T`` through the graph (its gradient into a learnable T would be NaN)."""
+    z = logits.float()
+    masked = torch.isneginf(z)
+    scaled = torch.where(masked, torch.zeros_like(z), z) / temperature
+    return F.log_softmax(torch.where(masked, torch.full_like(z, float("-inf")), scaled), dim=-1)
 
 
 def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) per position, summed over the last (vocabulary) axis."""
-    return (log_p.exp() * (log_p - log_q)).sum(-1)
+    """KL(p || q) per position, summed over the last (vocabulary) axis.
+
+    Terms with p = 0 are 0 (``0 log 0 = 0``, as ``torch.xlogy`` has it), so a masked vocabulary (logits of
+    ``-inf``) gives a finite KL; written with ``where`` on both logs, not ``xlogy``, so that the gradient
+    (into a learnable temperature too) stays finite where p = 0.
+    """
+    p = log_p.exp()
+    support = p > 0
+    zero = torch.zeros_like(log_p)
+    return (p * (torch.where(support, log_p, zero) - torch.where(support, log_q, zero))).sum(-1)
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, temperature=1.0,
@@ -78,9 +94,11 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, tempe
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy, in float32 at least (half types upcast, float64 kept); targets < 0
-    are ignored. The loss of every model here (``llama.loss``, ``dba.loss``)."""
+    are ignored (``IGNORE_INDEX``, -100, or any other negative id). The loss of every model here
+    (``llama.loss``, ``dba.loss``)."""
     wide = torch.promote_types(logits.dtype, torch.float32)
-    return F.cross_entropy(logits.flatten(0, -2).to(wide), targets.flatten(), ignore_index=-1)
+    targets = torch.where(targets < 0, IGNORE_INDEX, targets).flatten()
+    return F.cross_entropy(logits.flatten(0, -2).to(wide), targets, ignore_index=IGNORE_INDEX)
 
 
 def blend(kl: torch.Tensor, ce: torch.Tensor, *, alpha: float, temperature) -> tuple[torch.Tensor, dict]:
@@ -121,7 +139,9 @@ def topk_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, logprobs: torc
 
         sum_i p_i (log p_i - log q_i) + M_t (log M_t - log M_s),   log M_s = logsumexp(log q outside ids)
 
-    i.e. KL over k + 1 outcomes. With k = V, M_t = 0 and this equals :func:`kd_loss` (forward) exactly.
+    i.e. KL over k + 1 outcomes. With k = V the bucket is empty and this equals :func:`kd_loss` (forward):
+    the float32 rounding that leaves a tiny M_t > 0 is then ignored (it would multiply an empty bucket's
+    log-mass, about -3.4e38).
     """
     log_q = _log_probs(student_logits, temperature)
     ids = ids.long()
@@ -131,7 +151,7 @@ def topk_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, logprobs: torc
     outside = log_q.scatter(-1, ids, torch.finfo(log_q.dtype).min)
     log_m_s = torch.logsumexp(outside, dim=-1)
     m_t = missing_mass.float()
-    has_rest = m_t > 0
+    has_rest = m_t > 0 if ids.shape[-1] < log_q.shape[-1] else torch.zeros_like(m_t, dtype=torch.bool)
     safe_m_t = torch.where(has_rest, m_t, torch.ones_like(m_t))
     rest = torch.where(has_rest, m_t * (safe_m_t.log() - log_m_s), torch.zeros_like(m_t))
     return _masked_mean(_kl(log_p_k, log_q_k) + rest, mask)

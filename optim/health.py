@@ -190,12 +190,15 @@ class GradientHealth:
 
     def histograms(self, packed) -> dict[str, torch.Tensor]:
         """``{"health/<column>": values over all tensors and layer slices}`` (the global row and
-        non-finite values left out, since histograms cannot bin them; the ``nonfinite`` column counts them)."""
+        non-finite values left out, since histograms cannot bin them; the ``nonfinite`` column counts them).
+        A column with no finite value at all (a diverged step) has no histogram."""
         packed = self._check(packed)[:-1]
         out = {}
         for c, column in enumerate(COLUMNS):
             values = packed[:, c]
-            out[f"health/{column}"] = values[torch.isfinite(values)].float()
+            finite = values[torch.isfinite(values)].float()
+            if finite.numel():
+                out[f"health/{column}"] = finite
         return out
 
     def global_stats(self, packed) -> dict[str, float]:

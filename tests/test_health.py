@@ -122,3 +122,13 @@ def test_bad_packed_shape_is_an_error():
     params, _, _ = setup()
     with pytest.raises(ValueError, match="expected"):
         GradientHealth(params).report(torch.zeros(3, 5))
+
+
+def test_a_column_with_no_finite_value_has_no_histogram():
+    params, grads, new_params = setup()
+    grads = {k: v for k, v in grads.items()}
+    health = GradientHealth(params)
+    packed = health.metrics(grads=grads, params=params, new_params=new_params)["health"].clone()
+    packed[:, COLUMNS.index("grad_norm")] = float("nan")           # a diverged step: every norm is NaN
+    hist = health.histograms(packed)
+    assert "health/grad_norm" not in hist and hist                  # the others are still there
