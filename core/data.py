@@ -101,6 +101,8 @@ def find_source(data: str) -> Source:
     if os.path.isfile(path):
         if os.path.getsize(path) == 0:
             raise DataError(f"data file is empty: {path}")
+        if not is_text_file(path):        # a folder or a glob skips binaries; a file given by name is refused
+            raise DataError(f"data file {path} is binary (a NUL byte in its first 8000 bytes), not text")
         return Source(path, os.path.dirname(path), [path], by_position=True)
     if os.path.isdir(path):
         files = _walk(path, _visible, lambda d, f: _visible(f) and is_text_file(os.path.join(d, f)))

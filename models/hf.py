@@ -50,6 +50,16 @@ def _safetensors():
     return safetensors.torch
 
 
+def _load_safetensors(st, path: Path) -> dict:
+    """The tensors of one safetensors file; a file that is not one (garbage, truncated) is a UserError."""
+    try:
+        return st.load_file(str(path))
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError for a malformed file
+        raise UserError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -245,7 +255,7 @@ def load_hf(folder, device=None, dtype: torch.dtype | None = None):
     files = safetensors_files(folder)
     sd: dict = {}
     for f in files:
-        sd.update(st.load_file(str(f)))
+        sd.update(_load_safetensors(st, f))
     if TOP_NAMES["lm_head"] not in sd:
         cfg.tie_embeddings = True
     elif cfg.tie_embeddings:  # tied, but the file also stores the (identical) head: keep one copy
