@@ -328,9 +328,9 @@ def run(cfg: Config):
     # everything that can fail on bad input happens before the run folder is touched
     p = prepare_run(cfg, folder)
     state, loop, resume = p.run.state, p.run.loop, p.run.resume
-    old = (p.run.checkpoint.get("teacher") or {}).get("fingerprint")
+    old = (p.run.resumed.get("teacher") or {}).get("fingerprint")
     if old and old != p.teacher_id["fingerprint"]:
-        raise UserError(f"{resume}: it was distilled from another teacher ({p.run.checkpoint['teacher']['source']}); "
+        raise UserError(f"{resume}: it was distilled from another teacher ({p.run.resumed['teacher']['source']}); "
                         f"use another out=")
 
     scfg, tok, device, dist = p.student_cfg, p.tok, p.device, p.dist

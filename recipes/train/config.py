@@ -14,7 +14,7 @@ from core.spike import SpikeConfig
 from core.step import PRECISIONS
 from optim.schedules import KINDS
 from recipes.train.faults import FaultConfig
-from recipes.train.optimizer import AdaGCConfig
+from recipes.train.optimizer import AdaGCConfig   # the adagc.* keys, declared with the optimizer factory
 from recipes.orchestrator.config import OrchestratorConfig
 
 CLIPPING = ("global", "adagc", "agc", "none")

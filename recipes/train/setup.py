@@ -51,7 +51,7 @@ class RunSetup:
     state: TrainState
     loop: LoopState
     saved_orchestrator: Optional[dict]  # the orchestrator's state in the resumed checkpoint
-    checkpoint: dict                    # the resumed checkpoint's top level ({} for a fresh run)
+    resumed: dict                       # the resumed checkpoint's top level ({} for a fresh run)
 
     def checkpoints(self) -> Optional[ckpt.CheckpointManager]:
         """The run's checkpoint manager (None on data-parallel ranks other than 0: rank 0 alone writes)."""
