@@ -24,9 +24,10 @@ from core.step import make_train_step
 from core.tree import cast, clone
 from models import llama
 from models.loading import load_model
-from recipes.train.loop import clip_transform, run_folder
 from recipes.standard import _model_config
 from recipes.train.config import AdaGCConfig, TrainConfig
+from recipes.train.optimizer import OptimizerSpec, make_optimizer
+from recipes.train.setup import run_folder
 
 DESCRIPTION = "exponential learning-rate range test on a copy of the state; suggests an LR"
 
@@ -97,9 +98,10 @@ def run(cfg: Config) -> dict:
     corpus = prepare(cfg.data, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
     model_cfg = start.config if start else _model_config(cfg.model, corpus.tokenizer.vocab_size)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device)
-    opt = optim.adamw(lr=1.0, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay)
-    clip = clip_transform(cfg)
-    opt = opt if clip is None else optim.chain(clip, opt)
+    # the swept lr is set in the state at every step: base lr 1, constant schedule
+    opt = make_optimizer(OptimizerSpec(lr=1.0, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
+                                       clipping=cfg.clipping, grad_clip=cfg.grad_clip, adagc=cfg.adagc,
+                                       agc_clip=cfg.agc_clip))
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     state = init_state(params, opt, cfg.seed, cfg.dtype)
     step = make_train_step(lambda p, b: llama.loss(p, b, model_cfg), opt, grad_accum=cfg.grad_accum,

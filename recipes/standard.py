@@ -17,21 +17,21 @@ from typing import Callable, Optional
 
 import torch
 
-from core import checkpoint as ckpt, distributed
+from core import distributed
 from core.config import UserError, option, to_dict
 from core.data import prepare
 from core.device import resolve_device
 from core.fim import FIM, fim_ids
-from core.logging import Logger
-from core.state import init_state
 from core.telemetry import flops_per_token
 from core.tree import cast, size
 from models import llama
 from models.loading import load_model, model_entry
 from models.sampling import generate
-from recipes.train.loop import LoopState, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
-from recipes.orchestrator.driver import initial_optimizer, orchestrate
+from recipes.orchestrator.driver import orchestrate
+from recipes.train import setup
 from recipes.train.config import TrainConfig
+from recipes.train.loop import build_steps, evaluate, fit
+from recipes.train.setup import run_folder
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
 
@@ -71,35 +71,24 @@ def run(cfg: Config):
     if start and model_cfg.vocab_size < vocab:
         raise UserError(f"init={cfg.init}: its vocabulary ({model_cfg.vocab_size}) is smaller than the "
                         f"{vocab} ids this run needs (tokenizer {tok.vocab_size} + {fim_extra} FIM sentinels)")
-    resume = resolve_run_folder(cfg, folder)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device,
                              rank=dist.rank, world_size=dist.world_size,
                              fim=FIM(cfg.fim_rate, fim_pre, fim_suf, fim_mid) if cfg.fim_rate > 0 else None)
     val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
                                       device=device)
 
-    # an orchestrated run starts on (or resumes with) the orchestrator's strategy
-    optimizer = initial_optimizer(cfg, resume) if cfg.orchestrator.enabled else make_optimizer(cfg)
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
-    state = init_state(params, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled)
-    loop, saved_orchestrator = LoopState(), None
-    if resume is not None:
-        loaded = ckpt.load(resume, template=state, device=device)
-        if loaded.get("tokenizer") and loaded["tokenizer"] != tok.to_dict():
-            raise UserError(f"{resume}: its tokenizer differs from this run's ({tok.name}); use another out=")
-        state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
-        saved_orchestrator = loaded.get("orchestrator")
+    run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
+    state, loop, resume = run_setup.state, run_setup.loop, run_setup.resume
 
     def loss_fn(params, batch, key):
         return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
 
-    steps = build_steps(cfg, loss_fn, optimizer, params, batches, device, vocab, dist)
-    checkpoints = ckpt.CheckpointManager(folder, keep_last=cfg.keep_last, save_every=cfg.save_every) \
-        if dist.is_main else None
+    steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, vocab, dist)
+    checkpoints = run_setup.checkpoints()
     extra = {"config": to_dict(cfg), "model": model_entry(model_cfg), "tokenizer": tok.to_dict(),
              "recipe": "standard"}
-    with Logger(folder, enabled=dist.is_main) as logger:
-        logger.hparams(to_dict(cfg), {"val/loss": None})
+    with run_setup.logger(to_dict(cfg)) as logger:
         logger.print(f"standard: {size(params) / 1e6:.2f}M params, {model_cfg.n_layers} layers, d={model_cfg.d_model}, "
                      f"vocab {tok.vocab_size} ({tok.name}); data {corpus.meta['source']}: "
                      f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens; device {device}, "
@@ -110,7 +99,7 @@ def run(cfg: Config):
             logger.print(f"resuming from {resume} at step {int(state.step)}")
         orchestrator, steps = orchestrate(
             cfg, steps, val_tokens=corpus.val, device=device, logger=logger, folder=folder,
-            saved=saved_orchestrator,
+            saved=run_setup.saved_orchestrator,
             make_step=lambda opt: build_steps(cfg, loss_fn, opt, params, batches, device, vocab, dist).train,
             main_process=dist.is_main)
         result = fit(cfg, state, steps, logger=logger,

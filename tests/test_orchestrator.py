@@ -28,8 +28,8 @@ from recipes.orchestrator.bandit import DiscountedUCB, Telemetry, normalized_rew
 from recipes.orchestrator.nowcast import extrapolate
 from optim.sgd import TraceState
 from optim.swats import SwatsState, swats
-from recipes.train.loop import make_optimizer
-from recipes.orchestrator.driver import Orchestrator, run_spec
+from recipes.train.optimizer import make_optimizer, optimizer_spec
+from recipes.orchestrator.driver import Orchestrator
 from recipes.orchestrator.config import NowcastConfig, OrchestratorConfig
 from recipes.standard import Config
 
@@ -119,13 +119,13 @@ def small_config(**orchestrator):
 
 def test_the_adamw_strategy_is_the_runs_own_optimizer_and_switches_continue_the_schedule():
     cfg = small_config()
-    run = run_spec(cfg)
+    run = optimizer_spec(cfg)
     params = llama.init(CFG, seed=0)
     loss = lambda p, b: llama.loss(p, b, CFG)  # noqa: E731
     ours = make_train_step(loss, strategies.build("adamw", run))
-    theirs = make_train_step(loss, make_optimizer(cfg))
+    theirs = make_train_step(loss, make_optimizer(run))
     a = init_state(params, strategies.build("adamw", run))
-    b = init_state(params, make_optimizer(cfg))
+    b = init_state(params, make_optimizer(run))
     for i in range(3):
         a, _ = ours(a, batch(i))
         b, _ = theirs(b, batch(i))
@@ -152,7 +152,7 @@ def test_the_adamw_strategy_is_the_runs_own_optimizer_and_switches_continue_the_
 def test_a_switched_swats_hands_over_the_moments_of_its_switch_step(scope):
     """SWATS freezes a group's Adam moments at its switch step s while its count goes on to k: the moments
     a switch carries into Adam (and into SGD's seed) must correct to m_hat, v_hat of step s, not of k."""
-    run = run_spec(small_config(swats_eps=1e6, swats_scope=scope))   # any positive Lambda switches
+    run = optimizer_spec(small_config(swats_eps=1e6, swats_scope=scope))   # any positive Lambda switches
     params = {"a": torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),
               "b": torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
               "c": torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))}
@@ -228,7 +228,7 @@ def orchestrator_for(cfg, tmp_path, initial_state_name=None):
     orch = Orchestrator(cfg, make_step=lambda opt: make_train_step(loss, opt, spike=spike), batches=data,
                         probe=[batch(10_000 + i) for i in range(2)], eval_step=make_eval_step(loss),
                         logger=Logger(tmp_path, tensorboard=False, console=False), folder=tmp_path)
-    state = init_state(llama.init(CFG, seed=0), strategies.build(cfg.orchestrator.initial, orch.run), spike=True)
+    state = init_state(llama.init(CFG, seed=0), strategies.build(cfg.orchestrator.initial, orch.spec), spike=True)
     for c in range(10):                                   # some ordinary training first
         state, _ = orch.train_step(state, batch(c))
     return orch, data, state
@@ -236,7 +236,7 @@ def orchestrator_for(cfg, tmp_path, initial_state_name=None):
 
 def branch(orch, state, name, cursor, horizon, incumbent):
     s = state if name == incumbent else state._replace(
-        opt_state=strategies.transfer(state.opt_state, name, orch.run, state.params))
+        opt_state=strategies.transfer(state.opt_state, name, orch.spec, state.params))
     for c in range(cursor, cursor + horizon):
         s, _ = orch.step_fn(name)(s, batch(c))
     return s

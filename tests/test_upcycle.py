@@ -19,6 +19,7 @@ from core.data import prepare
 from core.tree import cast, fingerprint, tree_leaves
 from models import blockwise, dba, llama, surgery
 from models.loading import load_model
+from recipes.train.optimizer import make_optimizer
 from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,7 +67,7 @@ def setup_blockwise(teacher, corpus, **step_kw):
     student, scfg, _ = surgery.surgery(t.params, t.config, calib, sem_dim=2, geo_dim=6, v_dim=8)
     kw = dict(loss="l1", mode="teacher_forced", train="attn", ema=0.5, target=0.0, patience=0, min_delta=1e-3)
     kw.update(step_kw)
-    opt = bw.make_optimizer(1e-4, 5, 100)
+    opt = make_optimizer(bw.optimizer_spec(1e-4, 5, 100))
     step = bw.make_step(scfg, opt, **kw)
     state = bw.init_state(student, opt, kw["train"], scfg.n_layers)
     source = bw.TeacherSource(t.params, t.config, data.batches(8, 32, 0))
@@ -357,6 +358,6 @@ def test_a_config_file_lists_phases_with_their_own_steps_and_lr(tmp_path):
     assert cfg.phases == ("blockwise", "global") and cfg.blockwise.steps == 150 and cfg.blockwise.lr == 1e-3
     g = cfg.global_phase
     assert (g.steps, g.lr, g.kd_alpha) == (12, 2e-4, 0.7)
-    from recipes.upcycle.config import train_config
-    tc = train_config(cfg, "x")
+    from recipes.upcycle.config import global_train_config
+    tc = global_train_config(cfg, "x")
     assert (tc.steps, tc.lr, tc.batch_size, tc.block_size) == (12, 2e-4, g.batch_size, cfg.block_size)

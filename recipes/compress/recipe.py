@@ -40,8 +40,10 @@ from core.spike import SpikeConfig
 from core.state import init_state
 from models import compressor
 from recipes.compress import states
-from recipes.train.loop import LoopState, build_steps, fit, make_optimizer, run_folder
-from recipes.train.config import TrainConfig
+from recipes.train.config import TrainConfig, train_config
+from recipes.train.loop import LoopState, build_steps, fit
+from recipes.train.optimizer import make_optimizer, optimizer_spec
+from recipes.train.setup import run_folder
 
 DESCRIPTION = "compress a teacher's hidden states with a weight-tied linear map, against PCA (stages 1a/1b, sweeps)"
 
@@ -157,14 +159,6 @@ def load_stage(cfg: Config, stage: str, data: str, teacher: states.Teacher, devi
                      compressor.PCA(moments, center=cfg.center != "none"), moments.total_variance())
 
 
-def train_config(cfg: Config) -> TrainConfig:
-    """The loop's settings (``recipes.train.loop`` reads a ``TrainConfig``): this recipe's keys, the rest fixed."""
-    shared = ("steps", "seed", "device", "batch_size", "block_size", "lr", "warmup_steps", "lr_schedule", "min_lr",
-              "weight_decay", "beta1", "beta2", "log_every", "eval_every", "patience", "compile", "out", "name")
-    return TrainConfig(**{k: getattr(cfg, k) for k in shared}, clipping="none", health=False, save_every=0,
-                       keep_last=1, spike=SpikeConfig(enabled=False))
-
-
 def signature(cfg: Config, data: StageData, d: int, teacher: states.Teacher) -> dict:
     """What a stage checkpoint must agree on to be resumed, skipped or fine-tuned from."""
     return {"teacher": teacher.fingerprint, "layer": teacher.layer, "data": data.source, "d_compressed": d,
@@ -183,8 +177,9 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
     ccfg = compressor.CompressorConfig(teacher.d_model, d, cfg.center, cfg.weight_init)
     start, init_from = _start(cfg, data, ccfg, sub, sig, device)
     params, frozen = compressor.split(start, ccfg)
-    tcfg = train_config(cfg)
-    optimizer = make_optimizer(tcfg)
+    # the loop's settings: this recipe's keys, the rest fixed
+    tcfg = train_config(cfg, clipping="none", health=False, save_every=0, keep_last=1, spike=SpikeConfig(enabled=False))
+    optimizer = make_optimizer(optimizer_spec(tcfg))
     state, loop = init_state(params, optimizer, cfg.seed), LoopState()
     latest = ckpt.latest(folder)
     if latest is not None:

@@ -38,7 +38,7 @@ from core.config import UserError, option, same_as
 from core.device import resolve_device
 from core.step import autocast
 from models import llama, losses
-from recipes.distill import recipe as distill
+from recipes.distill.teacher import data_identity, load_teacher, teacher_data, teacher_identity, teacher_option
 from recipes.train.config import TrainConfig
 
 DESCRIPTION = "run a teacher once over a distill run's batches and cache top-k or sampled targets"
@@ -50,7 +50,7 @@ RUN_KEYS = ("batch_size", "block_size", "seed", "grad_accum", "temperature")
 
 @dataclass
 class Config:
-    teacher: str = same_as(distill.Config, "teacher")
+    teacher: str = teacher_option()
     out: str = option("", "cache folder to write (required; built in a temporary folder, then renamed)")
     mode: str = option("topk", "topk (ids + log-probs + missing mass) or sample (Random-Sampling KD ids + counts)",
                        choices=MODES)
@@ -164,17 +164,17 @@ def _check(cfg: Config, vocab_size: int):
 
 def run(cfg: Config) -> TeacherCache:
     device = resolve_device(cfg.device)
-    teacher = distill.load_teacher(cfg.teacher, device)
+    teacher = load_teacher(cfg.teacher, device)
     tcfg = teacher.config
     _check(cfg, tcfg.vocab_size)
-    corpus, tok = distill.teacher_data(teacher, cfg.tokenizer, cfg.data)
+    corpus, tok = teacher_data(teacher, cfg.tokenizer, cfg.data)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device)
     x_shape = list(batches.get(0)["x"].shape)
     meta = {"format": FORMAT, "mode": cfg.mode, "width": cfg.k if cfg.mode == "topk" else cfg.samples,
             "id_dtype": _id_dtype(tcfg.vocab_size), "x_shape": x_shape, "steps": cfg.steps,
             "batch_size": cfg.batch_size, "block_size": cfg.block_size, "seed": cfg.seed,
             "grad_accum": cfg.grad_accum, "temperature": cfg.temperature, "dtype": cfg.dtype,
-            "teacher": distill.teacher_identity(teacher), "data": distill.data_identity(corpus),
+            "teacher": teacher_identity(teacher), "data": data_identity(corpus),
             "vocab_size": tcfg.vocab_size, "tokenizer": tok.name}   # its identity is in the data's token cache key
     out = Path(cfg.out).expanduser()
     if out.exists():

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import typing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -53,22 +52,23 @@ from typing import Callable, Optional
 
 import torch
 
-from core import checkpoint as ckpt, distributed
+from core import distributed
 from core.config import UserError, option, same_as, to_dict
-from core.data import prepare
 from core.device import resolve_device
 from core.distributed import Dist
-from core.logging import Logger
-from core.state import init_state
 from core.step import make_eval_step
 from core.telemetry import flops_per_token
-from core.tree import cast, fingerprint, size, tree_map
+from core.tree import cast, size, tree_map
 from models import llama, losses
 from models.loading import LoadedModel, load_model, model_entry
 from recipes import standard
-from recipes.train.loop import LoopState, Steps, build_steps, evaluate, fit, make_optimizer, resolve_run_folder, run_folder
-from recipes.orchestrator.driver import initial_optimizer, orchestrate
+from recipes.distill.cache import TeacherCache
+from recipes.distill.teacher import data_identity, load_teacher, teacher_data, teacher_identity, teacher_option
+from recipes.orchestrator.driver import orchestrate
+from recipes.train import setup
 from recipes.train.config import TrainConfig
+from recipes.train.loop import Steps, build_steps, evaluate, fit
+from recipes.train.setup import RunSetup, run_folder
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
 
@@ -90,7 +90,7 @@ StudentModel = _optional_fields(llama.LlamaConfig, "StudentModel",
 
 @dataclass
 class Config(TrainConfig):
-    teacher: str = option("", "teacher: checkpoint or run folder, Hugging Face folder, .gguf, or 'smollm2'")
+    teacher: str = teacher_option()
     student: str = option("config", "student: config (model.*), drop_layers (every other teacher layer), "
                                     "shrink (teacher shape, model.* widths)", choices=STUDENTS)
     model: StudentModel = option(StudentModel, "student shape for student=config/shrink")
@@ -119,46 +119,6 @@ PRESETS = {
                 "eval_every": 50, "eval_batches": 8, "save_every": 0, "log_every": 5, "sample_tokens": 48,
                 "compile": False},
 }
-
-
-# ---------------------------------------------------------------------------------------------- teacher
-
-def load_teacher(path: str, device) -> LoadedModel:
-    """The teacher as a ``LoadedModel`` (a missing or unreadable path is a one-line UserError)."""
-    if not path:
-        raise UserError("recipe=distill needs teacher=PATH (a checkpoint or run folder, a Hugging Face folder, "
-                        "a .gguf file, or 'smollm2')")
-    return load_model(path, device=device)
-
-
-def tokenizer_for(teacher, spec: str):
-    """The teacher's tokenizer; ``tokenizer=`` only for a teacher stored without one."""
-    if teacher.tokenizer is None:
-        return spec
-    if spec != TrainConfig.tokenizer:
-        raise UserError(f"tokenizer={spec}: distillation uses the teacher's own tokenizer "
-                        f"({teacher.tokenizer.name}); leave tokenizer unset")
-    return teacher.tokenizer
-
-
-def teacher_identity(teacher) -> dict:
-    return {"source": teacher.source, "format": teacher.format, "fingerprint": fingerprint(teacher.params)}
-
-
-def data_identity(corpus) -> dict:
-    """What a cache must match of the data: the token cache key (files, sizes, mtimes, tokenizer) and length."""
-    return {"source": corpus.meta["source"], "tokens": os.path.basename(corpus.path),
-            "train_tokens": int(corpus.meta["train_tokens"])}
-
-
-def teacher_data(teacher, tokenizer_spec: str, data: str):
-    """``(corpus, tokenizer)``: ``data`` tokenized with the teacher's tokenizer, checked against its vocab."""
-    corpus = prepare(data, tokenizer_for(teacher, tokenizer_spec))
-    tok = corpus.tokenizer
-    if tok.vocab_size > teacher.config.vocab_size:
-        raise UserError(f"teacher {teacher.source}: its vocabulary ({teacher.config.vocab_size}) is smaller "
-                        f"than the tokenizer's ({tok.vocab_size})")
-    return corpus, tok
 
 
 # ---------------------------------------------------------------------------------------------- student
@@ -297,12 +257,16 @@ class Prepared:
     tok: object
     student_cfg: llama.LlamaConfig
     student_how: str
-    state: object
+    run: RunSetup          # the (resumed) train state, optimizer, loop counters, checkpoints, logger
     steps: Steps           # train step, student CE eval step, health, DistillBatches
     make_train: Callable   # optimizer -> a train step of this objective (the orchestrator's strategies)
     val_batches: object
     frozen: Optional[dict]
     cache: object
+
+    @property
+    def state(self):
+        return self.run.state
 
 
 def check_keys(cfg: Config, world_size: int):
@@ -314,7 +278,9 @@ def check_keys(cfg: Config, world_size: int):
         raise UserError("cache= is keyed by the single-process batch; run data-parallel distillation online")
 
 
-def prepare_run(cfg: Config, resume: Optional[Path] = None) -> Prepared:
+def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
+    """Everything the run in ``folder`` needs (resumed from its checkpoint, ``recipes.train.setup.start``);
+    ``folder`` None: a fresh state and nothing to write (benchmarks)."""
     dist, device = distributed.init(resolve_device(cfg.device))
     check_keys(cfg, dist.world_size)
     theta0 = check_temperature(cfg)
@@ -325,7 +291,6 @@ def prepare_run(cfg: Config, resume: Optional[Path] = None) -> Prepared:
     teacher_id = teacher_identity(teacher)
     cache = None
     if cfg.cache:
-        from recipes.distill.cache import TeacherCache
         cache = TeacherCache.open(cfg.cache)
         cache.check_run(cfg, teacher_id, data_identity(corpus))
     if theta0 is not None:
@@ -334,19 +299,17 @@ def prepare_run(cfg: Config, resume: Optional[Path] = None) -> Prepared:
                              rank=dist.rank, world_size=dist.world_size)
     val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
                                       device=device)
-    # an orchestrated run starts on (or resumes with) the orchestrator's strategy
-    optimizer = initial_optimizer(cfg, resume) if cfg.orchestrator.enabled else make_optimizer(cfg)
-    state = init_state(params, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled)
+    run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
     loss_fn = make_loss(cfg, student_cfg, teacher.config, cache.mode if cache else "")
 
     def make_train(opt):
         return build_steps(cfg, loss_fn, opt, params, batches, device, student_cfg.vocab_size, dist).train
 
-    steps = build_steps(cfg, loss_fn, optimizer, params, batches, device, student_cfg.vocab_size, dist)
+    steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist)
     eval_step = make_eval_step(lambda prm, b: llama.loss(prm, b, student_cfg), precision=cfg.dtype,
                                device_type=device.type, compile=cfg.compile)
     steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
-    return Prepared(dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, state, steps, make_train,
+    return Prepared(dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
                     val_batches, None if cache else {"teacher": teacher.params}, cache)
 
 
@@ -363,29 +326,20 @@ def train_flops_per_token(p: Prepared, cfg: Config) -> float:
 def run(cfg: Config):
     folder = run_folder(cfg, "distill")
     # everything that can fail on bad input happens before the run folder is touched
-    resume = resolve_run_folder(cfg, folder)
-    p = prepare_run(cfg, resume)
-    state, loop, saved_orchestrator = p.state, LoopState(), None
-    if resume is not None:
-        loaded = ckpt.load(resume, template=state, device=p.device)
-        if loaded.get("tokenizer") and loaded["tokenizer"] != p.tok.to_dict():
-            raise UserError(f"{resume}: its tokenizer differs from this run's ({p.tok.name}); use another out=")
-        old = (loaded.get("teacher") or {}).get("fingerprint")
-        if old and old != p.teacher_id["fingerprint"]:
-            raise UserError(f"{resume}: it was distilled from another teacher ({loaded['teacher']['source']}); "
-                            f"use another out=")
-        state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
-        saved_orchestrator = loaded.get("orchestrator")
+    p = prepare_run(cfg, folder)
+    state, loop, resume = p.run.state, p.run.loop, p.run.resume
+    old = (p.run.resumed.get("teacher") or {}).get("fingerprint")
+    if old and old != p.teacher_id["fingerprint"]:
+        raise UserError(f"{resume}: it was distilled from another teacher ({p.run.resumed['teacher']['source']}); "
+                        f"use another out=")
 
     scfg, tok, device, dist = p.student_cfg, p.tok, p.device, p.dist
-    checkpoints = ckpt.CheckpointManager(folder, keep_last=cfg.keep_last, save_every=cfg.save_every) \
-        if dist.is_main else None
+    checkpoints = p.run.checkpoints()
     extra = {"config": to_dict(cfg), "model": model_entry(scfg), "tokenizer": tok.to_dict(), "recipe": "distill",
              "teacher": p.teacher_id}
     student_params = {k: v for k, v in state.params.items() if k != THETA}
     tcfg = p.teacher.config
-    with Logger(folder, enabled=dist.is_main) as logger:
-        logger.hparams(to_dict(cfg), {"val/loss": None})
+    with p.run.logger(to_dict(cfg)) as logger:
         logger.print(f"distill: teacher {p.teacher.format}: {p.teacher.source} ({size(p.teacher.params) / 1e6:.2f}M "
                      f"params, {tcfg.n_layers} layers, d={tcfg.d_model})")
         logger.print(f"student ({'init' if cfg.init else cfg.student}: {p.student_how}): "
@@ -405,7 +359,7 @@ def run(cfg: Config):
             logger.scalars(0, {"val/teacher_loss": teacher_val})
             logger.print(f"teacher: val loss {teacher_val:.4f}, perplexity {math.exp(min(teacher_val, 50.0)):.2f}")
         orchestrator, steps = orchestrate(cfg, p.steps, make_step=p.make_train, val_tokens=p.corpus.val, device=device,
-                                          logger=logger, folder=folder, saved=saved_orchestrator,
+                                          logger=logger, folder=folder, saved=p.run.saved_orchestrator,
                                           main_process=dist.is_main)
         result = fit(cfg, state, steps, logger=logger, checkpoints=checkpoints, orchestrator=orchestrator,
                      checkpoint_extra=lambda: extra, loop=loop, frozen=p.frozen, dist=dist,

@@ -53,20 +53,10 @@ from core import checkpoint as ckpt
 from core.data import eval_batches
 from core.state import TrainState
 from core.tree import clone
-from optim import schedules
 from recipes.orchestrator.bandit import PHASES, DiscountedUCB, Telemetry, normalized_rewards
 from recipes.orchestrator.nowcast import extrapolate
-from recipes.orchestrator.strategies import NAMES, RunSpec, build, strategy_of, transfer
-from recipes.train.loop import adagc_transform, clip_transform, make_schedule   # the run's own, as make_optimizer
-
-
-def run_spec(cfg) -> RunSpec:
-    """Strategies relative to this run: its lr, schedule, betas, weight decay and clipping."""
-    return RunSpec(lr=cfg.lr, schedule=make_schedule(cfg),
-                   flat_schedule=schedules.make("constant", warmup=cfg.warmup_steps),
-                   beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay,
-                   run_clip=lambda: clip_transform(cfg), adagc=lambda: adagc_transform(cfg),
-                   swats_eps=cfg.orchestrator.swats_eps, swats_scope=cfg.orchestrator.swats_scope)
+from recipes.orchestrator.strategies import NAMES, build, strategy_of, transfer
+from recipes.train.optimizer import optimizer_spec
 
 
 def initial_optimizer(cfg, resume: Optional[Path] = None):
@@ -77,7 +67,7 @@ def initial_optimizer(cfg, resume: Optional[Path] = None):
         saved = ckpt.read_meta(resume).get("orchestrator")
         if saved:
             name = saved["current"]
-    return build(name, run_spec(cfg))
+    return build(name, optimizer_spec(cfg))
 
 
 def probe_batches(val_tokens, cfg, device=None):
@@ -102,9 +92,9 @@ class Jump:
 
 class Orchestrator:
     def __init__(self, cfg, *, make_step: Callable, batches, probe, eval_step: Callable, logger, folder,
-                 saved: Optional[dict] = None, run: Optional[RunSpec] = None, main_process: bool = True):
+                 saved: Optional[dict] = None, main_process: bool = True):
         o = cfg.orchestrator
-        self.cfg, self.o, self.run = cfg, o, run or run_spec(cfg)
+        self.cfg, self.o, self.spec = cfg, o, optimizer_spec(cfg)   # strategies are relative to the run's optimizer
         self.make_step, self.batches, self.eval_step, self.logger = make_step, batches, eval_step, logger
         self.probe = list(probe)                        # held-out batches, already on the run's device
         self.arms = o.arms
@@ -126,7 +116,7 @@ class Orchestrator:
     def step_fn(self, name: str) -> Callable:
         """One train step per strategy, built (and compiled, if the run compiles) once."""
         if name not in self._steps:
-            self._steps[name] = self.make_step(build(name, self.run))
+            self._steps[name] = self.make_step(build(name, self.spec))
         return self._steps[name]
 
     def train_step(self, state, batch, frozen=None):
@@ -168,7 +158,7 @@ class Orchestrator:
         was = strategy_of(restored.opt_state)
         target = self.o.safety_strategy
         if was != target:
-            restored = restored._replace(opt_state=transfer(restored.opt_state, target, self.run, restored.params))
+            restored = restored._replace(opt_state=transfer(restored.opt_state, target, self.spec, restored.params))
         self.current = target
         self.counters["rollbacks"] += 1
         self.last_decision, self.interval = to_step, self.o.decision_interval
@@ -247,7 +237,7 @@ class Orchestrator:
         best, incumbent = None, None                       # (probe, name, state, metrics)
         for name in candidates:
             branch = state if name == self.current else \
-                state._replace(opt_state=transfer(state.opt_state, name, self.run, state.params))
+                state._replace(opt_state=transfer(state.opt_state, name, self.spec, state.params))
             fn, metrics, used = self.step_fn(name), [], []
             for c in range(cursor, cursor + horizon):
                 batch = self.batches.get(c)

@@ -43,20 +43,20 @@ Hyperparameters (lr, betas, weight decay, clip thresholds) always come from the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
 from core.tree import clone, tree_flatten, tree_map, tree_unflatten
-from optim.adagc import AdaGCState, adagc
+from optim.adagc import AdaGCState
 from optim.adamw import ScaleByAdamState, adamw
 from optim.base import GradientTransformation, chain, find_state, hparam_device, replace_states
 from optim.clip import clip_by_global_norm
 from optim.common import LearningRateState, decay_mask, scale_by_learning_rate
 from optim.lion import ScaleByLionState, lion
-from optim.schedules import Schedule
 from optim.sgd import TraceState, trace
 from optim.swats import SwatsState, swats
+from recipes.train.optimizer import OptimizerSpec, adagc_transform, clip_transform, make_schedule, warmup_schedule
 
 SGD_LR = 30.0          # SGD's step is lr * |g| (clipped to 1), Adam's ~ lr per coordinate: it needs a larger lr
 SGD_MOMENTUM = 0.9
@@ -85,21 +85,6 @@ PORTFOLIO = {s.name: s for s in (
 NAMES = tuple(PORTFOLIO)
 
 
-@dataclass(frozen=True)
-class RunSpec:
-    """What strategies are relative to: the run's optimizer settings."""
-    lr: float
-    schedule: Schedule                  # the run's schedule
-    flat_schedule: Schedule             # its warm-up only
-    beta1: float = 0.9
-    beta2: float = 0.99
-    weight_decay: float = 0.1
-    run_clip: Callable[[], Optional[GradientTransformation]] = lambda: None   # the run's own clipping
-    adagc: Callable[[], GradientTransformation] = adagc                       # the run's AdaGC settings
-    swats_eps: float = 1e-5
-    swats_scope: str = "global"
-
-
 class StrategyTag(NamedTuple):
     index: torch.Tensor   # int64 0-d: position of the strategy in NAMES
 
@@ -119,28 +104,29 @@ def strategy_of(opt_state) -> str:
     return NAMES[int(t.index)]
 
 
-def build(name: str, run: RunSpec) -> GradientTransformation:
-    """The transform chain of strategy ``name`` for this run."""
+def build(name: str, spec: OptimizerSpec) -> GradientTransformation:
+    """The transform chain of strategy ``name`` relative to the run's optimizer ``spec``
+    (``recipes.train.optimizer``: its lr, schedule, betas, weight decay, clipping and SWATS settings)."""
     if name not in PORTFOLIO:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(NAMES)}")
     s = PORTFOLIO[name]
-    lr = run.lr * s.lr_mult
-    schedule = run.schedule if s.schedule == "run" else run.flat_schedule
-    wd = run.weight_decay * s.wd_mult
+    lr = spec.lr * s.lr_mult
+    schedule = make_schedule(spec) if s.schedule == "run" else warmup_schedule(spec)
+    wd = spec.weight_decay * s.wd_mult
     if s.clipping == "run":
-        clip = run.run_clip()
+        clip = clip_transform(spec)
     elif s.clipping == "adagc":
-        clip = run.adagc()
+        clip = adagc_transform(spec)
     else:
         clip = clip_by_global_norm(s.clip_norm)
     if s.family == "adam":
-        body = adamw(lr=lr, b1=run.beta1, b2=run.beta2, weight_decay=wd, schedule=schedule)
+        body = adamw(lr=lr, b1=spec.beta1, b2=spec.beta2, weight_decay=wd, schedule=schedule)
     elif s.family == "lion":
         body = lion(lr=lr, b1=0.9, b2=0.99, weight_decay=wd, schedule=schedule)
     elif s.family == "sgd":
         body = chain(trace(SGD_MOMENTUM, nesterov=True), scale_by_learning_rate(lr, schedule))
     else:
-        body = swats(lr=lr, b1=run.beta1, b2=run.beta2, switch_eps=run.swats_eps, scope=run.swats_scope,
+        body = swats(lr=lr, b1=spec.beta1, b2=spec.beta2, switch_eps=spec.swats_eps, scope=spec.swats_scope,
                      schedule=schedule, weight_decay=wd, mask=decay_mask)
     parts = [tag(name)] + ([clip] if clip is not None else []) + [body]
     return chain(*parts)
@@ -193,9 +179,9 @@ def _first_moment(opt_state):
     return None
 
 
-def transfer(old_state, name: str, run: RunSpec, params):
+def transfer(old_state, name: str, spec: OptimizerSpec, params):
     """The optimizer state of strategy ``name`` continuing from ``old_state`` (see the module docstring)."""
-    new = build(name, run).init(params)
+    new = build(name, spec).init(params)
     family = PORTFOLIO[name].family
     old_lr = find_state(old_state, LearningRateState)
     if old_lr is not None:
@@ -220,4 +206,4 @@ def transfer(old_state, name: str, run: RunSpec, params):
     return new
 
 
-__all__ = ["Strategy", "PORTFOLIO", "NAMES", "RunSpec", "StrategyTag", "build", "transfer", "strategy_of"]
+__all__ = ["Strategy", "PORTFOLIO", "NAMES", "StrategyTag", "build", "transfer", "strategy_of"]

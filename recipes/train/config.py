@@ -5,6 +5,7 @@ key table is generated from these declarations (``bin/run recipe=standard --help
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from core.config import ConfigError, option
@@ -13,16 +14,10 @@ from core.spike import SpikeConfig
 from core.step import PRECISIONS
 from optim.schedules import KINDS
 from recipes.train.faults import FaultConfig
+from recipes.train.optimizer import AdaGCConfig   # the adagc.* keys, declared with the optimizer factory
 from recipes.orchestrator.config import OrchestratorConfig
 
 CLIPPING = ("global", "adagc", "agc", "none")
-
-
-@dataclass
-class AdaGCConfig:
-    lambda_rel: float = option(1.04, "clip each tensor (each layer slice) at lambda_rel x its gamma")
-    beta: float = option(0.99, "EMA decay of gamma, the clipped-norm history")
-    warmup: int = option(100, "warm-up steps of global clipping at grad_clip while gamma is a running min")
 
 
 @dataclass
@@ -86,3 +81,11 @@ class TrainConfig:
         if self.orchestrator.enabled and not self.spike.enabled:
             raise ConfigError("orchestrator.enabled=true needs spike.enabled=true: its safety rollback is the "
                               "spike machinery's (snapshot ring, rollback_back, max_rollbacks)")
+
+
+def train_config(section, **overrides) -> TrainConfig:
+    """The TrainConfig a recipe's own config ``section`` (a dataclass) runs ``recipes.train.loop.fit`` with:
+    every key of ``section`` that TrainConfig also has, then ``overrides``; the rest TrainConfig's defaults."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    shared = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name in names}
+    return TrainConfig(**{**shared, **overrides})

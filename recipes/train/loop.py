@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 
 import optim
-from core import checkpoint as ckpt, runs
+from core import checkpoint as ckpt
 from core.config import UserError
 from core.distributed import Dist
 from core.logging import Logger, memory_mb
@@ -28,59 +28,9 @@ from core.state import TrainState
 from core.telemetry import Preemption, peak_flops
 from core.step import make_eval_step, make_train_step
 from core.tree import cast, tree_map
-from optim import schedules
 from optim.health import GradientHealth
 from recipes.train.faults import FaultyBatches, with_faults
 from recipes.train.config import TrainConfig
-
-
-def run_folder(cfg: TrainConfig, recipe: str) -> Path:
-    """``out``, or ``runs/<recipe>-<name>``, or ``runs/<recipe>-<timestamp>``."""
-    return runs.run_folder(cfg.out, cfg.name, recipe)
-
-
-def resolve_run_folder(cfg: TrainConfig, folder: Path) -> Optional[Path]:
-    """The checkpoint to resume from (``cfg.resume``), refusing to start a new run over an old one."""
-    existing = folder.exists() and any(folder.glob("*.msgpack"))
-    if cfg.resume == "never" and existing:
-        raise UserError(f"out={folder} already holds a run's checkpoints and resume=never would mix a new run "
-                        f"into it; choose another out= (or name=), or delete that folder")
-    if cfg.resume == "auto" and not existing:
-        return None
-    return ckpt.resolve_resume(cfg.resume, folder)
-
-
-def adagc_transform(cfg):
-    """AdaGC configured by ``cfg.adagc.*``, its absolute cap ``cfg.grad_clip``."""
-    return optim.adagc(lambda_rel=cfg.adagc.lambda_rel, beta=cfg.adagc.beta, t_start=cfg.adagc.warmup,
-                       lambda_abs=cfg.grad_clip)
-
-
-def clip_transform(cfg):
-    """The gradient clipping ``cfg.clipping`` names (global | adagc | agc | none), or None."""
-    if cfg.clipping == "global":
-        return optim.clip_by_global_norm(cfg.grad_clip)
-    if cfg.clipping == "adagc":
-        return adagc_transform(cfg)
-    if cfg.clipping == "agc":
-        return optim.agc(cfg.agc_clip)
-    return None
-
-
-def make_schedule(cfg: TrainConfig):
-    """The learning-rate schedule of ``cfg``: ``lr_schedule`` over ``decay_steps`` (default ``steps``),
-    ``warmup_steps`` of warmup, down to ``min_lr``."""
-    total = cfg.decay_steps or cfg.steps
-    return schedules.make(cfg.lr_schedule, warmup=cfg.warmup_steps, total=total,
-                          floor=cfg.min_lr / cfg.lr if cfg.lr > 0 else 0.0, every=max(total // 3, 1))
-
-
-def make_optimizer(cfg: TrainConfig):
-    """Clipping (``cfg.clipping``), then AdamW with the configured schedule (no decay on norms/embeddings)."""
-    adamw = optim.adamw(lr=cfg.lr, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay,
-                        schedule=make_schedule(cfg))
-    clip = clip_transform(cfg)
-    return adamw if clip is None else optim.chain(clip, adamw)
 
 
 def evaluate(eval_step: Callable, params, batches, frozen=None, dist: Dist = Dist()) -> float:

@@ -46,6 +46,7 @@ from core.tree import apply_updates, tree_map
 from models import blockwise, dba
 from optim import schedules
 from optim.common import current_lr
+from recipes.train.optimizer import OptimizerSpec
 
 
 class BlockwiseState(NamedTuple):
@@ -76,11 +77,11 @@ def merge(trainable: dict, rest: dict) -> dict:
     return {**rest, "layers": {**rest["layers"], **trainable["layers"]}}
 
 
-def make_optimizer(lr: float, warmup: int, steps: int):
+def optimizer_spec(lr: float, warmup: int, steps: int) -> OptimizerSpec:
     """AdamW without weight decay (the student starts at the teacher's solution; LoLCATs uses wd 0), cosine to
-    lr / 10."""
-    return optim.adamw(lr=lr, weight_decay=0.0,
-                       schedule=schedules.cosine(warmup=warmup, total=max(steps, warmup + 1), floor=0.1))
+    lr / 10 (``recipes.train.optimizer.make_optimizer`` builds it)."""
+    return OptimizerSpec(lr=lr, min_lr=lr / 10, lr_schedule="cosine", warmup_steps=warmup,
+                         decay_steps=max(steps, warmup + 1))
 
 
 # ----------------------------------------------------------------------------------------------------------

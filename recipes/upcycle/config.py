@@ -4,8 +4,8 @@
 ``Config`` is therefore declared with :func:`keyword_dataclass` (fields and defaults exactly as a dataclass,
 with an ``__init__(**keys)``), and the phase's settings are read as ``cfg.global_phase``. Everything else is a
 plain dataclass. The global phase's training keys are TrainConfig's own declarations (``same_as``), so their
-defaults and help live in one place; ``train_config`` turns them into the TrainConfig that ``recipes.train.loop.fit``
-runs on.
+defaults and help live in one place; ``global_train_config`` turns them into the TrainConfig that
+``recipes.train.loop.fit`` runs on.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from core.spike import SpikeConfig
 from models.blockwise import LOSSES, MODES, TARGETS
 from models.surgery import METHODS
 from recipes.orchestrator.config import OrchestratorConfig
-from recipes.train.config import TrainConfig
+from recipes.train.config import TrainConfig, train_config
 
 PHASES = ("blockwise", "global", "verify", "benchmark")   # surgery always runs: it builds the student
 TRAIN_PARTS = ("attn", "block")
@@ -179,7 +179,7 @@ class Config:
         if self.block_size < 2 or self.eval_windows < 1 or self.calib_tokens < 1 or self.verify.windows < 1:
             raise ConfigError("block_size must be >= 2; eval_windows, calib_tokens and verify.windows >= 1")
         try:                  # the global phase's loop settings are checked now, not after the surgery
-            train_config(self, "")
+            global_train_config(self, "")
         except ConfigError as e:
             raise ConfigError(f"in global.*: {e}") from None
 
@@ -193,11 +193,7 @@ setattr(Config, "global", option(GlobalConfig, "global fine-tune of the whole st
 Config = keyword_dataclass(Config)
 
 
-def train_config(cfg: Config, out: str) -> TrainConfig:
+def global_train_config(cfg: Config, out: str) -> TrainConfig:
     """The TrainConfig the global phase runs ``recipes.train.loop.fit`` with (every ``global.*`` key lands here)."""
-    g = cfg.global_phase
-    keys = {f.name: getattr(g, f.name) for f in dataclasses.fields(GlobalConfig)
-            if f.name not in ("kd_alpha", "temperature")}
-    return TrainConfig(**keys, out=out, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype, compile=cfg.compile,
-                       block_size=cfg.block_size, clipping="global", resume="auto")
-
+    return train_config(cfg.global_phase, out=out, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
+                        compile=cfg.compile, block_size=cfg.block_size, clipping="global", resume="auto")

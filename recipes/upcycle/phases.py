@@ -23,14 +23,13 @@ import torch
 from core import checkpoint as ckpt
 from core.config import UserError, to_dict
 from core.data import Corpus, EvalBatches
-from core.logging import Logger
-from core.state import init_state
 from core.step import make_eval_step
 from models import blockwise, dba, llama, losses, surgery
 from models.loading import LoadedModel, model_entry
-from recipes.train.loop import LoopState, build_steps, evaluate, fit, make_optimizer
-from recipes.orchestrator.driver import initial_optimizer, orchestrate
-from recipes.upcycle.config import Config, train_config
+from recipes.orchestrator.driver import orchestrate
+from recipes.train import setup
+from recipes.train.loop import build_steps, evaluate, fit
+from recipes.upcycle.config import Config, global_train_config
 
 FINAL = "final.msgpack"
 
@@ -149,16 +148,9 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     if (folder / FINAL).exists():
         ctx.say(f"global: done ({folder / FINAL})")
         return load_student(folder / FINAL, ctx.device)[0], ""
-    tc = train_config(cfg, str(folder))
-    resume = ckpt.latest(folder)
-    # an orchestrated phase starts on (or resumes with) the orchestrator's strategy
-    optimizer = initial_optimizer(tc, resume) if tc.orchestrator.enabled else make_optimizer(tc)
-    state = init_state(student, optimizer, cfg.seed, tc.dtype, spike=tc.spike.enabled)
-    loop, saved_orchestrator = LoopState(), None
-    if resume is not None:
-        loaded = ckpt.load(resume, template=state, device=ctx.device)
-        state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
-        saved_orchestrator = loaded.get("orchestrator")
+    tc = global_train_config(cfg, str(folder))
+    run_setup = setup.start(tc, folder, student, device=ctx.device)
+    state, loop, resume = run_setup.state, run_setup.loop, run_setup.resume
     kd = g.kd_alpha > 0
 
     def loss_fn(params, batch, frozen=None):
@@ -174,19 +166,18 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
                                  device=ctx.device)
     dev = EvalBatches(ctx.dev, g.batch_size, cfg.block_size, g.eval_batches, device=ctx.device)
     vocab = ctx.corpus.tokenizer.vocab_size
-    steps = build_steps(tc, loss_fn, optimizer, student, batches, ctx.device, vocab)
+    steps = build_steps(tc, loss_fn, run_setup.optimizer, student, batches, ctx.device, vocab)
     # validation and the orchestrator's probe: the student's next-token CE (the training loss adds KD)
     student_ce = make_eval_step(lambda prm, b: dba.loss(prm, b, scfg), precision=tc.dtype, device_type=ctx.device.type)
-    manager = ckpt.CheckpointManager(folder, keep_last=g.keep_last, save_every=g.save_every)
+    manager = run_setup.checkpoints()
     extra = ctx.extra("global", scfg)
-    with Logger(folder) as logger:
-        logger.hparams(to_dict(cfg), {"val/loss": None})
+    with run_setup.logger(to_dict(cfg)) as logger:
         ctx.say(f"global: {g.steps} steps of {g.batch_size * g.grad_accum} x {cfg.block_size} tokens, "
                 + (f"KD alpha {g.kd_alpha} at T={g.temperature} + CE" if kd else "next-token CE")
                 + (f"; resuming from {resume} at step {int(state.step)}" if resume else ""))
         orchestrator, steps = orchestrate(   # strategies are scored on the student's CE on held-out windows
             tc, steps, make_step=lambda opt: build_steps(tc, loss_fn, opt, student, batches, ctx.device, vocab).train,
-            val_tokens=ctx.dev, device=ctx.device, logger=logger, folder=folder, saved=saved_orchestrator,
+            val_tokens=ctx.dev, device=ctx.device, logger=logger, folder=folder, saved=run_setup.saved_orchestrator,
             eval_step=student_ce)
         result = fit(tc, state, steps, logger=logger, checkpoints=manager, checkpoint_extra=lambda: extra,
                      orchestrator=orchestrator,

@@ -32,6 +32,7 @@ from core.runs import run_folder
 from core.tree import fingerprint, size
 from models import dba
 from models.loading import load_model
+from recipes.train.optimizer import make_optimizer
 from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop
 from recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
 from recipes.upcycle.phases import (FINAL, Context, load_student, phase_summary, run_global, run_surgery,
@@ -174,7 +175,7 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
     if (folder / FINAL).exists():
         say(f"blockwise: done ({folder / FINAL})")
         return load_student(folder / FINAL, ctx.device)[0], ""
-    optimizer = bw_loop.make_optimizer(bw.lr, bw.warmup_steps, bw.steps)
+    optimizer = make_optimizer(bw_loop.optimizer_spec(bw.lr, bw.warmup_steps, bw.steps))
     state = bw_loop.init_state(student, optimizer, bw.train, scfg.n_layers)
     resume = ckpt.latest(folder)
     if resume is not None:
