@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 
 from core.config import ConfigError, flatten_keys, show_value, to_dict
-from core.tree import tree_map
+from core.tree import tree_leaves, tree_map
 
 FIXED = ("model.", "student.", "teacher", "tokenizer", "data", "seed", "init", "fim_rate", "dtype", "clipping",
          "health", "spike.enabled", "orchestrator.enabled", "cache", "remat")
@@ -50,6 +50,15 @@ def describe(diff: Mapping[str, tuple[Any, Any]], step: int) -> str:
     return ", ".join(f"{k} {show_value(a)} -> {show_value(b)}" for k, (a, b) in diff.items()) + f" from step {step}"
 
 
+def tree_all_equal(a, b) -> bool:
+    """Same structure and equal leaves."""
+    try:
+        return all(tree_leaves(tree_map(lambda x, y: torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y,
+                                        a, b)))
+    except (ValueError, TypeError):
+        return False
+
+
 def apply_hyperparameters(opt_state, old_fresh, new_fresh):
     """``opt_state`` with the hyperparameters the config change alters taken from ``new_fresh``.
 
@@ -59,6 +68,8 @@ def apply_hyperparameters(opt_state, old_fresh, new_fresh):
     counters, a learning rate a rollback scaled) keeps the checkpoint's. Different state layouts (another
     optimizer or clipping kind) are a ConfigError.
     """
+    if tree_all_equal(old_fresh, new_fresh):
+        return opt_state                        # the change touched no hyperparameter
     def pick(loaded, old, new):
         if isinstance(old, torch.Tensor) and not torch.equal(old, new):
             return new.to(device=loaded.device, dtype=loaded.dtype)

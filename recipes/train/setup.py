@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Optional
 
 from core import checkpoint as ckpt, runs
-from core.config import UserError
+from core.config import UserError, apply_overrides
 from core.distributed import Dist
 from core.logging import Logger
 from core.state import TrainState, init_state
 from optim.base import GradientTransformation
 from recipes.orchestrator.driver import initial_optimizer
+from recipes.train import changes
 from recipes.train.config import TrainConfig
 from recipes.train.loop import LoopState
 from recipes.train.optimizer import make_optimizer, optimizer_spec
@@ -52,6 +53,7 @@ class RunSetup:
     loop: LoopState
     saved_orchestrator: Optional[dict]  # the orchestrator's state in the resumed checkpoint
     resumed: dict                       # the resumed checkpoint's top level ({} for a fresh run)
+    changed: str = ""                   # the keys changed since that checkpoint, applied from its step
 
     def checkpoints(self) -> Optional[ckpt.CheckpointManager]:
         """The run's checkpoint manager (None on data-parallel ranks other than 0: rank 0 alone writes)."""
@@ -63,6 +65,9 @@ class RunSetup:
         """The run's Logger (silent on ranks other than 0), the resolved config ``hparams`` logged."""
         logger = Logger(self.folder, enabled=self.dist.is_main)
         logger.hparams(hparams, {"val/loss": None})
+        if self.changed:
+            logger.print(f"resumed from {self.resume} with changed keys: {self.changed}")
+            logger.event(int(self.state.step), "resume_changes", changes=self.changed)
         return logger
 
 
@@ -75,11 +80,31 @@ def start(cfg: TrainConfig, folder: Optional[Path], params, *, device, dist: Dis
     # an orchestrated run starts on (or resumes with) the orchestrator's strategy
     optimizer = initial_optimizer(cfg, resume) if cfg.orchestrator.enabled else make_optimizer(optimizer_spec(cfg))
     state = init_state(params, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled)
-    loop, saved_orchestrator, loaded = LoopState(), None, {}
+    loop, saved_orchestrator, loaded, changed = LoopState(), None, {}, ""
     if resume is not None:
+        diff = _changes(cfg, ckpt.read_meta(resume))      # refused keys stop the run before the state is read
         loaded = ckpt.load(resume, template=state, device=device)
         if tokenizer is not None and loaded.get("tokenizer") and loaded["tokenizer"] != tokenizer.to_dict():
             raise UserError(f"{resume}: its tokenizer differs from this run's ({tokenizer.name}); use another out=")
         state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
         saved_orchestrator = loaded.get("orchestrator")
-    return RunSetup(cfg, folder, dist, resume, optimizer, state, loop, saved_orchestrator, loaded)
+        state = _apply_changes(cfg, diff, state, params)
+        changed = changes.describe(diff, int(state.step))
+    return RunSetup(cfg, folder, dist, resume, optimizer, state, loop, saved_orchestrator, loaded, changed)
+
+
+def _changes(cfg: TrainConfig, meta: dict) -> dict:
+    """The keys changed since the checkpoint whose top level is ``meta``; a ConfigError for those that cannot
+    change (``recipes.train.changes``)."""
+    diff = changes.changes(meta.get("train") or meta.get("config") or {}, cfg)
+    changes.check(diff)
+    return diff
+
+
+def _apply_changes(cfg: TrainConfig, diff: dict, state: TrainState, params) -> TrainState:
+    """``state`` with the optimizer hyperparameters that ``diff`` changes set to this run's values."""
+    if not diff:
+        return state
+    old = apply_overrides(cfg, {k: before for k, (before, _) in diff.items()}, context="the checkpoint's config")
+    before, after = (make_optimizer(optimizer_spec(c)).init(params) for c in (old, cfg))
+    return state._replace(opt_state=changes.apply_hyperparameters(state.opt_state, before, after))
