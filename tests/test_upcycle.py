@@ -345,7 +345,8 @@ def test_bad_input_is_one_line_and_loses_nothing(teacher, corpus, tmp_path, caps
 
 
 def test_a_config_file_lists_phases_with_their_own_steps_and_lr(tmp_path):
-    from core.config import load_toml, resolve
+    from core.config import resolve
+    from core.config_files import load_toml
     from recipes.upcycle.recipe import Config, PRESETS
     path = tmp_path / "up.toml"
     path.write_text('recipe = "upcycle"\nteacher = "smollm2"\nphases = ["blockwise", "global"]\n'
