@@ -185,7 +185,12 @@ def build_folder(target, build: Callable[[FolderBuilder], dict | None], *,
             aside = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), dir=target.parent))
             os.replace(target, aside / "old")   # a folder rename cannot replace a non-empty folder
             shutil.rmtree(aside, ignore_errors=True)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:   # a concurrent build published in between: a folder rename cannot replace it
+            if keep is None or not keep(target):
+                raise
+            return target
         fsync_path(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -3,7 +3,7 @@
 Runs the teacher once over the training batches a distill run will see (``batches.get(cursor)`` for cursor
 0 .. steps-1 with the same data, seed, batch_size, block_size and grad_accum, so the cache is keyed by
 cursor) and stores a sparse signal per position, since full logits are out of reach (1B tokens x 128k
-vocab x 2 B = 256 TB; ``reference/algorithms.md`` 3.4):
+vocab x 2 B = 256 TB):
 
 - ``mode=topk``: the teacher's k most likely ids, their log-probs (fp16) and the missing mass
   1 - sum(top-k p) (fp32), used as an "other" bucket by ``models.losses.topk_kd_loss``
