@@ -35,7 +35,9 @@ from typing import Mapping, Sequence
 import click
 
 from core.checkpoint import FINAL
-from core.config import ConfigError, UserError, flatten_keys, format_help, load_toml, resolve
+from core.config import ConfigError, UserError, flatten_keys, resolve
+from core.config_files import load_toml
+from core.config_help import format_help
 from core.runs import check_name, run_folder
 
 PROG = "bin/run"

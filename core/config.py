@@ -14,6 +14,9 @@ against dataclass annotations instead of globals:
   matches for a misspelt key (difflib) and the valid choices.
 - ``resolve`` layers the sources: defaults < preset < config file < command line.
 
+Reading a TOML config file is ``core.config_files``; the ``--help`` and README key tables are
+``core.config_help``.
+
 ``UserError`` lives here too: the class of errors that are the user's to fix (bad config, missing file,
 bad data). ``bin/run`` prints them as one ``error:`` line and exits 2; anything else is a bug and keeps
 its traceback.
@@ -30,8 +33,8 @@ import types
 import typing
 from typing import Any, Literal, Mapping, Union
 
-__all__ = ["UserError", "ConfigError", "option", "same_as", "markdown_table", "apply_overrides", "resolve", "load_toml", "describe",
-           "format_help", "to_dict", "from_dict", "type_str", "show_value"]
+__all__ = ["UserError", "ConfigError", "option", "same_as", "apply_overrides", "resolve", "flatten_keys", "to_dict",
+           "from_dict", "type_str", "show_value"]
 
 
 class UserError(Exception):
@@ -61,15 +64,6 @@ def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | 
     if choices is not None and default is not dataclasses.MISSING and default not in metadata["choices"]:
         raise ValueError(f"default {default!r} is not one of the choices {choices!r}")
     return dataclasses.field(default=default, metadata=metadata)
-
-
-def markdown_table(cls) -> str:
-    """The key table of a config class as Markdown (the README's tables are checked against this)."""
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for key, tp, default, help_ in describe(cls):
-        tp = tp.replace("|", " \\| ")  # a choice list like auto|cpu must not split the Markdown cell
-        rows.append(f"| `{key}` | {tp} | `{default}` | {help_} |")
-    return "\n".join(rows)
 
 
 def same_as(cls, name: str):
@@ -393,67 +387,7 @@ def resolve(cls, *, presets: Mapping[str, Mapping] | None = None, preset: str | 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# files, help, dicts
-
-def load_toml(path) -> dict[str, Any]:
-    """A TOML config file as a flat dict of dotted keys (``[model]`` + ``n_layers`` -> ``model.n_layers``)."""
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} not found") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"bad config file {path}: {e}") from None
-    return flatten_keys(data)
-
-
-def describe(cfg_cls_or_instance) -> list[tuple[str, str, str, str]]:
-    """``(key, type, default, help)`` for every leaf field, nested ones under dotted keys.
-
-    Given an instance, the "default" column shows that instance's values.
-    """
-    rows = []
-
-    def walk(cls, obj, prefix):
-        for f, tp in _fields(cls):
-            value = getattr(obj, f.name) if obj is not None else _default(f)
-            if _is_section(tp):
-                nested = value if not isinstance(value, type) else None
-                walk(tp, nested, f"{prefix}{f.name}.")
-                continue
-            choices = f.metadata.get("choices")
-            tstr = "|".join(show_value(c) for c in choices) if choices else type_str(tp)
-            shown = "(required)" if value is dataclasses.MISSING else show_value(value)
-            rows.append((prefix + f.name, tstr, shown, f.metadata.get("help", "")))
-
-    is_cls = isinstance(cfg_cls_or_instance, type)
-    walk(cfg_cls_or_instance if is_cls else type(cfg_cls_or_instance),
-         None if is_cls else cfg_cls_or_instance, "")
-    return rows
-
-
-def format_help(cfg_cls_or_instance, presets: Mapping[str, Mapping] | None = None) -> str:
-    """The keys table (key, type, default, meaning) and the presets, as text for ``--help``.
-
-    Given an instance, the third column shows its values instead of the defaults.
-    """
-    rows = describe(cfg_cls_or_instance)
-    header = ("key", "type", "default" if isinstance(cfg_cls_or_instance, type) else "value", "meaning")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(3)]
-    lines = ["keys:"]
-    for key, tstr, default, help_ in [header] + rows:
-        cells = [key.ljust(widths[0]), tstr.ljust(widths[1]), default.ljust(widths[2]), help_]
-        lines.append(("  " + "  ".join(cells)).rstrip())
-    if presets:
-        lines += ["", "presets (applied before the config file and key=value):"]
-        width = max(len(p) for p in presets)
-        for name, values in presets.items():
-            settings = " ".join(f"{k}={show_value(v)}" for k, v in flatten_keys(values).items())
-            lines.append(f"  {name.ljust(width)}  {settings}")
-    return "\n".join(lines)
-
+# dicts
 
 def to_dict(cfg) -> dict[str, Any]:
     """The config as plain nested dicts (for checkpoints and TensorBoard hparams)."""

@@ -29,8 +29,8 @@ The cache lives in ``$PURESTEP_CACHE/tokens/<name>-<key>/`` (default ``~/.cache/
 ``train.bin``, ``val.bin`` (uint16 when every id fits, else uint32) and ``meta.json``. The key hashes
 the file list with sizes and mtimes, the tokenizer identity (its ``to_dict``; for ``char`` the word
 itself, since the vocabulary is a function of those files) and the cache format version. A cache is
-built in a temporary folder and renamed into place, so an interrupted run never leaves a cache that
-is later trusted; a cache whose file sizes disagree with its ``meta.json`` is rebuilt.
+built by ``core.cache.build_folder`` (a temporary folder renamed into place), so an interrupted run never
+leaves a cache that is later trusted; a cache whose file sizes disagree with its ``meta.json`` is rebuilt.
 """
 from __future__ import annotations
 
@@ -38,16 +38,14 @@ import glob
 import hashlib
 import json
 import os
-import shutil
 import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from core.checkpoint import fsync_path
+from core import cache
 from core.logging import progress
 from core.tokenizers import CharTokenizer, DataError, decode_utf8, make_tokenizer, tokenizer_from_dict
 
@@ -177,22 +175,11 @@ def _slug(source: Source, data: str, tokenizer_spec: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in f"{name}-{tok}")[:60]
 
 
-def _load(folder: str):
-    """``(meta, train, val)`` if ``folder`` holds a complete cache, else None."""
-    try:
-        with open(os.path.join(folder, "meta.json"), encoding="utf-8") as f:
-            meta = json.load(f)
-        if meta["version"] != CACHE_VERSION:
-            return None
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        for split in ("train", "val"):
-            if os.path.getsize(os.path.join(folder, f"{split}.bin")) != meta[f"{split}_tokens"] * itemsize:
-                return None
-    except (OSError, ValueError, KeyError):
-        return None
-    train, val = (np.memmap(os.path.join(folder, f"{s}.bin"), dtype=meta["dtype"], mode="r")
-                  for s in ("train", "val"))
-    return meta, train, val
+def _layout(meta: dict) -> dict:
+    """``{file stem: (dtype, shape)}`` of a token cache described by ``meta`` (another version is not one)."""
+    if meta["version"] != CACHE_VERSION:
+        raise ValueError(f"version {meta['version']}")
+    return {split: (meta["dtype"], [meta[f"{split}_tokens"]]) for split in ("train", "val")}
 
 
 class _Progress:
@@ -219,8 +206,8 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def _build(source: Source, tok, folder: str) -> dict:
-    """Tokenize ``source`` into ``folder``/{train,val}.bin and meta.json; return the meta dict.
+def _build(source: Source, tok, folder) -> dict:
+    """Tokenize ``source`` into ``folder``/{train,val}.bin; return the meta dict (``core.cache`` writes it).
 
     ``tok`` None means a char tokenizer, built here over the whole corpus (nanoGPT) plus "\n" for the
     separator when there are several files.
@@ -261,9 +248,6 @@ def _build(source: Source, tok, folder: str) -> dict:
             split_rule = ("by file: validation when the first 8 bytes of sha256(path relative to the root) "
                           "/ 2**64 < 0.1, at least one file each side")
             n_val_files = len(val_files)
-        for f in (ftrain, fval):
-            f.flush()
-            os.fsync(f.fileno())
     status.done(counts["train"], counts["val"])
     meta = {
         "version": CACHE_VERSION, "dtype": np.dtype(dtype).name,
@@ -272,10 +256,6 @@ def _build(source: Source, tok, folder: str) -> dict:
         "files": len(source.files), "val_files": n_val_files, "split": split_rule,
         "separator": [int(i) for i in separator],
     }
-    with open(os.path.join(folder, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
     return meta
 
 
@@ -318,25 +298,11 @@ def prepare(data: str, tokenizer_spec="byte", cache_dir: str | None = None) -> C
     identity = {"type": "char"} if tok is None else tok.to_dict()
     root = cache_dir or cache_root()
     folder = os.path.join(root, f"{_slug(source, data, tokenizer_spec)}-{_cache_key(source, identity)}")
-    loaded = _load(folder)
-    if loaded is None:
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(folder)}.tmp-", dir=root)
-        try:
-            _build(source, tok, tmp)
-            if os.path.exists(folder):  # a stale or broken cache (or a concurrent build): replace it
-                if _load(folder) is None:
-                    shutil.rmtree(folder)
-            if not os.path.exists(folder):
-                os.replace(tmp, folder)
-                fsync_path(root)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        loaded = _load(folder)
-        if loaded is None:
-            raise DataError(f"token cache {folder} is unreadable after tokenizing {source.description}")
-    meta, train, val = loaded
-    return Corpus(train, val, tokenizer_from_dict(meta["tokenizer"]), meta, folder)
+    try:
+        meta, arrays = cache.open_or_build(folder, _layout, lambda builder: _build(source, tok, builder.path))
+    except cache.CacheError as e:
+        raise DataError(f"token cache {folder} is unreadable after tokenizing {source.description}: {e}") from None
+    return Corpus(arrays["train"], arrays["val"], tokenizer_from_dict(meta["tokenizer"]), meta, folder)
 
 
 # ----------------------------------------------------------------------------------------------- batches

@@ -87,36 +87,22 @@ def _mean_aux(auxes: list[dict]) -> dict:
     return {k: _mean([a[k] for a in auxes]) for k in auxes[0]} if auxes and auxes[0] else {}
 
 
-def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precision: str = "fp32",
-                    device_type: str = "cpu", grad_mode: str = "func", compile: bool = False,
-                    extra_metrics: Optional[Callable] = None, spike: Optional[SpikeConfig] = None,
-                    remat: bool = False, reduce: Optional[Callable] = None) -> Callable:
-    """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
-
-    ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the
-    metrics from inside the step, e.g. gradient health statistics. ``spike`` runs the spike detector
-    (``core.spike``) on the step's loss and gradient norm; its state must exist in ``state.monitor``
-    (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation checkpointing, which
-    ``torch.func`` cannot differentiate: it selects the autograd path. ``reduce(list of tensors) -> list``
-    averages the gradients, loss and aux across data-parallel ranks before the update
-    (``core.distributed.Dist.all_reduce_mean``).
-    """
-    if remat:
-        grad_mode = "autograd"
-    if grad_mode not in GRAD_MODES:
-        raise ValueError(f"unknown grad_mode {grad_mode!r}; choose one of {', '.join(GRAD_MODES)}")
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-    call = loss_caller(loss_fn)
-
+def _make_objective(call: Callable, grad_accum: int, precision: str, device_type: str) -> Callable:
+    """``objective(params, batch, key, frozen, scale) -> (scaled loss / grad_accum, (loss, aux))``."""
     def objective(params, batch, key, frozen, scale):
         with autocast(precision, device_type):
             loss, aux = call(params, batch, key, frozen)
         loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         return loss * scale / grad_accum, (loss.detach(), aux)
 
-    def func_grads(params, batch, key, frozen, scale):
-        grad_fn = torch.func.grad_and_value(objective, has_aux=True)
+    return objective
+
+
+def _func_gradients(objective: Callable, grad_accum: int) -> Callable:
+    """Summed gradients, mean loss and aux over the micro-batches through ``torch.func.grad_and_value``."""
+    grad_fn = torch.func.grad_and_value(objective, has_aux=True)
+
+    def gradients(params, batch, key, frozen, scale):
         total, losses, auxes = None, [], []
         for i, micro in enumerate(_micro_batches(batch, grad_accum)):
             grads, (_, (loss, aux)) = grad_fn(params, micro, rng.fold_in(key, i), frozen, scale)
@@ -125,15 +111,18 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
             auxes.append(aux)
         return total, _mean(losses), _mean_aux(auxes)
 
-    compiled_objective = maybe_compile(objective, compile, fullgraph=False)
+    return gradients
 
-    def autograd_grads(params, batch, key, frozen, scale):
+
+def _autograd_gradients(objective: Callable, grad_accum: int) -> Callable:
+    """The same through ``torch.autograd.grad`` on leaves that require grad (activation checkpointing works)."""
+    def gradients(params, batch, key, frozen, scale):
         leaves, spec = tree_flatten(params)
         live = [p.detach().requires_grad_() for p in leaves]
         live_params = tree_unflatten(spec, live)
         total, losses, auxes = None, [], []
         for i, micro in enumerate(_micro_batches(batch, grad_accum)):
-            obj, (loss, aux) = compiled_objective(live_params, micro, rng.fold_in(key, i), frozen, scale)
+            obj, (loss, aux) = objective(live_params, micro, rng.fold_in(key, i), frozen, scale)
             grads = torch.autograd.grad(obj, live, allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves)]
             total = grads if total is None else [a + b for a, b in zip(total, grads)]
@@ -141,6 +130,11 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
             auxes.append({k: v.detach() for k, v in aux.items()})
         return tree_unflatten(spec, total), _mean(losses), _mean_aux(auxes)
 
+    return gradients
+
+
+def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: Optional[SpikeConfig]) -> Callable:
+    """``apply_gradients(state, grads, loss, aux) -> (state, metrics)``: unscale, norm, update, skip if not finite."""
     def apply_gradients(state: TrainState, grads, loss, aux):
         scale = state.loss_scale.get("scale") if state.loss_scale else None
         if scale is not None:
@@ -175,32 +169,60 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         )
         return new_state, metrics
 
+    return apply_gradients
+
+
+def _make_reduce(reduce: Optional[Callable]) -> Callable:
+    """``reduced(grads, loss, aux)``: averaged across data-parallel ranks by ``reduce``, or as they are."""
     def reduced(grads, loss, aux):
         if reduce is None:
             return grads, loss, aux
         return map_flat(reduce, (grads, loss, aux))
 
-    def _scale(state):
-        if state.loss_scale:
-            return state.loss_scale["scale"]
-        return torch.ones((), device=state.step.device)
+    return reduced
 
-    if grad_mode == "func":
-        def train_step(state: TrainState, batch, frozen=None):
-            key = rng.fold_in(state.key, state.step)
-            grads, loss, aux = func_grads(state.params, batch, key, frozen, _scale(state))
-            return apply_gradients(state, *reduced(grads, loss, aux))
 
-        return maybe_compile(train_step, compile)
+def _loss_scale(state: TrainState) -> torch.Tensor:
+    if state.loss_scale:
+        return state.loss_scale["scale"]
+    return torch.ones((), device=state.step.device)
 
-    compiled_apply = maybe_compile(apply_gradients, compile)
+
+def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precision: str = "fp32",
+                    device_type: str = "cpu", grad_mode: str = "func", compile: bool = False,
+                    extra_metrics: Optional[Callable] = None, spike: Optional[SpikeConfig] = None,
+                    remat: bool = False, reduce: Optional[Callable] = None) -> Callable:
+    """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
+
+    ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the
+    metrics from inside the step, e.g. gradient health statistics. ``spike`` runs the spike detector
+    (``core.spike``) on the step's loss and gradient norm; its state must exist in ``state.monitor``
+    (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation checkpointing, which
+    ``torch.func`` cannot differentiate: it selects the autograd path. ``reduce(list of tensors) -> list``
+    averages the gradients, loss and aux across data-parallel ranks before the update
+    (``core.distributed.Dist.all_reduce_mean``).
+    """
+    if remat:
+        grad_mode = "autograd"
+    if grad_mode not in GRAD_MODES:
+        raise ValueError(f"unknown grad_mode {grad_mode!r}; choose one of {', '.join(GRAD_MODES)}")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type)
+    apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike)
+    reduced = _make_reduce(reduce)
+    if grad_mode == "func":      # one graph: forward, backward, the update
+        gradients = _func_gradients(objective, grad_accum)
+    else:                        # the loss and the update compiled apart, autograd between them
+        gradients = _autograd_gradients(maybe_compile(objective, compile, fullgraph=False), grad_accum)
+        apply_gradients = maybe_compile(apply_gradients, compile)
 
     def train_step(state: TrainState, batch, frozen=None):
         key = rng.fold_in(state.key, state.step)
-        grads, loss, aux = autograd_grads(state.params, batch, key, frozen, _scale(state))
-        return compiled_apply(state, *reduced(grads, loss, aux))
+        grads, loss, aux = gradients(state.params, batch, key, frozen, _loss_scale(state))
+        return apply_gradients(state, *reduced(grads, loss, aux))
 
-    return train_step
+    return maybe_compile(train_step, compile) if grad_mode == "func" else train_step
 
 
 def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: str = "cpu",

@@ -22,12 +22,11 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from core.cache import build_folder
 from core.config import UserError
 from core.data import cache_root
 
@@ -73,16 +72,14 @@ def hf_folder() -> Path:
               "dtype": str(CACHE_DTYPE).removeprefix("torch.")}
     if _marker(target) == source:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
-    try:
-        _convert(gguf_path, tmp)
-        (tmp / MARKER).write_text(json.dumps({**source, "sha256": _sha256(gguf_path)}, indent=2) + "\n")
-        _usual_modes(tmp)
-        _publish(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    def build(builder) -> None:
+        _convert(gguf_path, builder.path)
+        (builder.path / MARKER).write_text(json.dumps({**source, "sha256": _sha256(gguf_path)}, indent=2) + "\n")
+        _usual_modes(builder.path)
+
+    # a stale target (older conversion, other GGUF) is replaced; one another process just published is kept
+    return build_folder(target, build, keep=lambda folder: _marker(folder) == source)
 
 
 def _marker(folder: Path) -> dict | None:
@@ -106,21 +103,6 @@ def _convert(gguf_path: Path, out: Path) -> None:
     conf = json.loads(conf_path.read_text(encoding="utf-8"))
     conf.update(gguf.special_tokens(reader))
     conf_path.write_text(json.dumps(conf, indent=2) + "\n", encoding="utf-8")
-
-
-def _publish(tmp: Path, target: Path) -> None:
-    """Rename the finished ``tmp`` to ``target``. A stale ``target`` (older conversion, other GGUF) is moved aside
-    first, since a directory rename cannot replace a non-empty directory; if another process publishes in between,
-    its (equal) folder is kept."""
-    if target.exists():
-        aside = Path(tempfile.mkdtemp(prefix=".stale-", dir=target.parent))
-        os.replace(target, aside / "old")
-        shutil.rmtree(aside, ignore_errors=True)
-    try:
-        os.replace(tmp, target)
-    except OSError:
-        if _marker(target) is None:
-            raise
 
 
 def _usual_modes(folder: Path) -> None:

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from core import cache
 from core import checkpoint as ckpt
+from core import checkpoint_format as fmt
 from core.checkpoint import CheckpointError, CheckpointManager
 from core.state import TrainState
 
@@ -155,7 +157,7 @@ def test_plain_msgpack_reader_with_flax_ext_rule_sees_the_same_arrays(tmp_path):
 def test_flax_reads_our_file_and_writes_the_same_bytes(tmp_path, monkeypatch, chunk):
     serialization = pytest.importorskip("flax.serialization")
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    monkeypatch.setattr(ckpt, "MAX_CHUNK_SIZE", chunk)
+    monkeypatch.setattr(fmt, "MAX_CHUNK_SIZE", chunk)
     monkeypatch.setattr(serialization, "MAX_CHUNK_SIZE", chunk)
     state = make_state()
     ckpt.save(tmp_path / "a.msgpack", state, step=7, extra={"config": {"lr": 0.1}})
@@ -186,19 +188,19 @@ def test_flax_reads_our_file_and_writes_the_same_bytes(tmp_path, monkeypatch, ch
 def test_save_writes_tensor_memory_without_copying_it(tmp_path, monkeypatch):
     big = torch.randn(1000, 100)
     seen = []
-    real = ckpt._write_bytes
+    real = fmt._write_bytes
 
     def spy(f, data):
         seen.append(np.frombuffer(data, dtype=np.uint8).ctypes.data)
         real(f, data)
 
-    monkeypatch.setattr(ckpt, "_write_bytes", spy)
+    monkeypatch.setattr(fmt, "_write_bytes", spy)
     ckpt.save(tmp_path / "a.msgpack", {"big": big, "bf": big.bfloat16()}, step=0)
     assert big.data_ptr() in seen
 
 
 def test_chunked_arrays_follow_flax_layout(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "MAX_CHUNK_SIZE", 64)
+    monkeypatch.setattr(fmt, "MAX_CHUNK_SIZE", 64)
     tree = {"big": torch.arange(100, dtype=torch.float32).reshape(10, 10),
             "bf": torch.randn(5, 9).bfloat16(), "small": torch.arange(16, dtype=torch.float32)}
     ckpt.save(tmp_path / "a.msgpack", tree, step=0)
@@ -258,18 +260,18 @@ def test_error_while_writing_leaves_no_temp(tmp_path):
 
 CHILD = textwrap.dedent("""
     import sys, time, torch
-    from core import checkpoint as ckpt
+    from core import checkpoint as ckpt, checkpoint_format as fmt
     folder, marker = sys.argv[1], sys.argv[2]
     manager = ckpt.CheckpointManager(folder, keep_last=1)
     manager.save(1, {"w": torch.full((1000,), 1.0)})
     open(marker, "w").close()
-    real = ckpt._write_bytes
+    real = fmt._write_bytes
     def slow(f, data):  # test-only: make the big write take seconds so the kill lands mid-write
         for i in range(0, len(data), 1 << 16):
             real(f, data[i:i + (1 << 16)])
             f.flush()
             time.sleep(0.01)
-    ckpt._write_bytes = slow
+    fmt._write_bytes = slow
     manager.save(2, {"w": torch.zeros(4 << 20)})
     open(marker + ".finished", "w").close()
 """)
@@ -391,9 +393,9 @@ def test_publish_without_hard_links_writes_a_fsynced_copy(tmp_path, monkeypatch)
     def no_link(src, dst):
         raise OSError("links not supported")
     synced = []
-    real_fsync_path = ckpt.fsync_path
-    monkeypatch.setattr(ckpt.os, "link", no_link)
-    monkeypatch.setattr(ckpt, "fsync_path", lambda p: (synced.append(os.fspath(p)), real_fsync_path(p)))
+    real_fsync_path = cache.fsync_path
+    monkeypatch.setattr(cache.os, "link", no_link)
+    monkeypatch.setattr(cache, "fsync_path", lambda p: (synced.append(os.fspath(p)), real_fsync_path(p)))
     manager = CheckpointManager(tmp_path, keep_last=0)
     src = manager.save(5, {"w": torch.arange(3.0)}, final=True)
     final = tmp_path / ckpt.FINAL

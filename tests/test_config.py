@@ -7,8 +7,9 @@ from typing import Literal, Optional
 
 import pytest
 
-from core.config import (ConfigError, UserError, apply_overrides, describe, format_help, from_dict,
-                         load_toml, option, resolve, to_dict)
+from core.config import ConfigError, UserError, apply_overrides, from_dict, option, resolve, to_dict
+from core.config_files import load_toml
+from core.config_help import describe, format_help
 from models.llama import LlamaConfig
 
 

@@ -159,13 +159,15 @@ def test_missing_smollm2_package_says_how_to_install(monkeypatch, tmp_path):
 
 
 def test_publish_replaces_a_stale_cache(tmp_path):
+    from core.cache import build_folder
     target = tmp_path / "models" / "smollm2"
     target.mkdir(parents=True)
     (target / "old.txt").write_text("stale")
-    new = tmp_path / "models" / ".new"
-    new.mkdir()
-    (new / "model.safetensors").write_text("fresh")
-    smollm2._publish(new, target)
+
+    def build(builder):
+        (builder.path / "model.safetensors").write_text("fresh")
+
+    build_folder(target, build, keep=smollm2._marker)
     assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]
     assert sorted(p.name for p in target.parent.iterdir()) == ["smollm2"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import markdown_table
+from core.config_help import markdown_table
 from recipes import RECIPES
 
 REPO = Path(__file__).resolve().parent.parent

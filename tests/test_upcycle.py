@@ -190,10 +190,10 @@ def test_teacher_cache_is_keyed_by_cursor_built_once_and_matches_recomputation(t
     t, _, _, _, _, source, _ = setup_blockwise(teacher, corpus)
     said = []
     identity = {"teacher": fingerprint(t.params), "data": "x", "seed": 0}
-    cache = bw.TeacherCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
+    cache = bw.BlockIOCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
     assert "building 3 batches" in said[0] and not list(tmp_path.glob(".*tmp*"))
     assert cache.nbytes == 2 * 3 * 2 * 8 * 32 * 64 * 2
-    again = bw.TeacherCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
+    again = bw.BlockIOCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
     assert "reusing" in said[-1] and again.folder == cache.folder
     cached = bw.TeacherSource(t.params, t.config, source.batches, cache)
     for cursor in (1, 4):                                    # cursor 4 is entry 1 again
@@ -346,7 +346,8 @@ def test_bad_input_is_one_line_and_loses_nothing(teacher, corpus, tmp_path, caps
 
 
 def test_a_config_file_lists_phases_with_their_own_steps_and_lr(tmp_path):
-    from core.config import load_toml, resolve
+    from core.config import resolve
+    from core.config_files import load_toml
     from recipes.upcycle.recipe import Config, PRESETS
     path = tmp_path / "up.toml"
     path.write_text('recipe = "upcycle"\nteacher = "smollm2"\nphases = ["blockwise", "global"]\n'

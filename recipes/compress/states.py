@@ -6,7 +6,7 @@ same windows every time), so a set is a pure function of (teacher weights, layer
 
 - ``cache=true``: computed once into a raw float32 memmap under ``$PURESTEP_CACHE/states/<name>-<key>/``
   (``states.bin`` + ``meta.json``; the key hashes those inputs, the teacher by a SHA-256 of its weights),
-  built in a temporary folder and renamed into place (``core.data``'s token cache, for states). Every
+  built atomically by ``core.cache.build_folder`` (as ``core.data``'s token cache is). Every
   width of a sweep and every later run with the same inputs reads it instead of running the teacher.
 - ``cache=false``: :class:`TeacherStates` runs the teacher (under ``torch.no_grad``) each time windows
   are asked for; nothing is written. Same numbers, teacher cost on every batch.
@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,6 +28,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from core.cache import FolderBuilder, open_or_build
 from core.config import UserError
 from core.data import cache_root, eval_batches
 from core.tree import fingerprint, tree_map
@@ -164,47 +162,27 @@ def open_states(teacher: Teacher, windows: Windows, corpus_key: str, *, cache: b
                 "starts": hashlib.sha256(np.ascontiguousarray(windows.starts, dtype=np.int64).tobytes()).hexdigest()}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(cache_root("states"))
-    folder = root / f"{_slug(teacher, corpus_key)}-{key}"
     shape = (len(windows), windows.block_size, teacher.d_model)
-    if _open(folder, shape) is None:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=root))
-        try:
-            _build(tmp, computed, shape, {**identity, "teacher_source": teacher.source})
-            if folder.exists() and _open(folder, shape) is None:   # a broken cache (or a concurrent build)
-                shutil.rmtree(folder)
-            if not folder.exists():
-                os.replace(tmp, folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return StoredStates(_open(folder, shape), device)
+
+    def layout(meta: dict) -> dict:
+        if meta["shape"] != list(shape):
+            raise ValueError(f"shape {meta['shape']}")
+        return {"states": ("float32", shape)}
+
+    def build(builder: FolderBuilder) -> dict:
+        _fill(builder.array("states", np.float32, shape), computed)
+        return {**identity, "teacher_source": teacher.source, "shape": list(shape), "dtype": "float32"}
+
+    _, arrays = open_or_build(root / f"{_slug(teacher, corpus_key)}-{key}", layout, build)
+    return StoredStates(arrays["states"], device)
 
 
-def _build(tmp: Path, computed: TeacherStates, shape: tuple, meta: dict) -> None:
-    """Run the teacher over every window into ``tmp/states.bin``, then write ``meta.json`` (both fsynced)."""
-    array = np.memmap(tmp / "states.bin", dtype=np.float32, mode="w+", shape=shape)
+def _fill(array: np.ndarray, computed: TeacherStates) -> None:
+    """Run the teacher over every window into ``array`` ([n, T, D])."""
     i = 0
     for x in _progress(chunks(computed), computed, "caching"):
         array[i:i + len(x)] = x.cpu().numpy()
         i += len(x)
-    array.flush()
-    del array
-    with open(tmp / "meta.json", "w", encoding="utf-8") as f:
-        json.dump({**meta, "shape": list(shape), "dtype": "float32"}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    with open(tmp / "states.bin", "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _open(folder: Path, shape) -> np.memmap | None:
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-        if meta["shape"] != list(shape) or os.path.getsize(folder / "states.bin") != int(np.prod(shape)) * 4:
-            return None
-    except (OSError, ValueError, KeyError):
-        return None
-    return np.memmap(folder / "states.bin", dtype=np.float32, mode="r", shape=tuple(shape))
 
 
 def _slug(teacher: Teacher, corpus_key: str) -> str:

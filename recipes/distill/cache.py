@@ -17,15 +17,11 @@ captured at ``temperature``, which the distill run must use (a softened top-k ca
 exactly). Layout: ``meta.json`` (format, mode, k/samples, dtypes and shapes, batch/block/seed/grad_accum/
 steps, temperature, teacher identity with a hash of its weights, data identity) and one raw numpy memmap
 per array (``ids.bin``, ``logprobs.bin``, ``missing.bin`` or ``ids.bin``, ``counts.bin``) of shape
-``[steps, *batch_x_shape, width]``. It is written into a temporary folder next to ``out`` and renamed into
-place, so an interrupted build never leaves a cache that a run would trust.
+``[steps, *batch_x_shape, width]``. It is written by ``core.cache.build_folder`` (a temporary folder next to
+``out``, renamed into place), so an interrupted build never leaves a cache that a run would trust.
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.checkpoint import fsync_path
+from core import cache
 from core.config import UserError, option, same_as
 from core.device import resolve_device
 from core.step import autocast
@@ -96,24 +92,17 @@ class TeacherCache:
     def open(cls, path) -> "TeacherCache":
         path = Path(path).expanduser()
         try:
-            meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            meta = cache.read_meta(path)
+        except cache.CacheError:
             raise UserError(f"cache={path}: not a teacher cache (no readable meta.json); build one with "
                             f"recipe=distill_cache") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        if meta.get("format") != FORMAT:
             raise UserError(f"cache={path}: not a teacher cache of format {FORMAT} (meta.json says "
-                            f"{meta.get('format') if isinstance(meta, dict) else meta!r})")
+                            f"{meta.get('format')})")
         try:
-            layout = _layout(meta)
-        except (KeyError, TypeError) as e:
-            raise UserError(f"cache={path}: meta.json lacks {e}; rebuild it with recipe=distill_cache") from None
-        arrays = {}
-        for stem, (dtype, shape) in layout.items():
-            f = path / f"{stem}.bin"
-            want = np.dtype(dtype).itemsize * int(np.prod(shape))
-            if not f.is_file() or f.stat().st_size != want:
-                raise UserError(f"cache={path}: {f.name} is missing or truncated (expected {want:,} bytes)")
-            arrays[stem] = np.memmap(f, dtype=dtype, mode="r", shape=tuple(shape))
+            meta, arrays = cache.read_folder(path, _layout)
+        except cache.CacheError as e:
+            raise UserError(f"cache={path}: {e}; rebuild it with recipe=distill_cache") from None
         return cls(path, meta, arrays)
 
     def describe(self) -> str:
@@ -194,25 +183,12 @@ def run(cfg: Config) -> TeacherCache:
           f"({'k' if cfg.mode == 'topk' else 'samples'}={meta['width']}, T={cfg.temperature:g}) over {cfg.steps} "
           f"batches of {x_shape} = {tokens:,} tokens; {per_token} B/token, {per_token * tokens / 1e6:.1f} MB",
           flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        arrays = {stem: np.memmap(tmp / f"{stem}.bin", dtype=dt, mode="w+", shape=tuple(shape))
-                  for stem, (dt, shape) in layout.items()}
-        _fill(cfg, teacher, batches, arrays, device)
-        for a in arrays.values():
-            a.flush()
-        del arrays
-        for stem in layout:
-            fsync_path(tmp / f"{stem}.bin")
-        with open(tmp / "meta.json", "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-        fsync_path(out.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    def build(builder: cache.FolderBuilder) -> dict:
+        _fill(cfg, teacher, batches, {stem: builder.array(stem, dt, shape) for stem, (dt, shape) in layout.items()},
+              device)
+        return meta
+
+    cache.build_folder(out, build)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"distill_cache: wrote {out}: {size / 1e6:.2f} MB for {tokens:,} tokens = {per_token} bytes/token",
           flush=True)

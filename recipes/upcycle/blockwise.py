@@ -15,7 +15,7 @@ math (teacher block I/O, student blocks, per-block losses) is ``models/blockwise
   stopped or at ``blockwise.steps``.
 - **Teacher I/O** is recomputed per batch under ``no_grad``, or cached once on disk (``cache_teacher=true``):
   a bf16 memmap of ``cache_batches`` entries where entry i is the teacher's I/O on training batch number i (the
-  data cursor, not ``id(x)``, which Python reuses), built in a temporary folder and renamed into place, shared by every
+  data cursor, not ``id(x)``), built atomically by ``core.cache.build_folder``, shared by every
   run with the same teacher, data, seed and shapes, and cycled by ``cursor % cache_batches``.
 - Checkpoints (``blockwise/step_*.msgpack``, ``final.msgpack``) hold the full student, the optimizer state of
   the trainable part, the convergence state and the data cursor; a killed run continues from the newest one.
@@ -25,9 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -36,6 +33,7 @@ import numpy as np
 import torch
 
 import optim
+from core import cache
 from core import checkpoint as ckpt
 from core.compile import maybe_compile
 from core.data import cache_root
@@ -180,7 +178,7 @@ def init_state(params: dict, optimizer, train: str, n_layers: int) -> BlockwiseS
 class TeacherSource:
     """Training batch number ``cursor`` with the teacher's block inputs and targets (``match``)."""
 
-    def __init__(self, teacher_params, tcfg, batches, cache: Optional["TeacherCache"] = None, match: str = "block"):
+    def __init__(self, teacher_params, tcfg, batches, cache: Optional["BlockIOCache"] = None, match: str = "block"):
         self.teacher_params, self.tcfg, self.batches, self.cache = teacher_params, tcfg, batches, cache
         self.match = match
 
@@ -194,20 +192,24 @@ class TeacherSource:
         return {"x": self.batches.get(i)["x"], "inputs": inputs, "targets": targets}
 
 
-class TeacherCache:
+class BlockIOCache:
     """A bf16 memmap of the teacher's block inputs and targets for training batches 0..n-1.
 
     ``<root>/<key>/`` holds ``inputs.bin``, ``targets.bin`` ([n, L, B, T, d] bf16 stored as int16) and
-    ``meta.json``; the key hashes everything the contents depend on. Built in a temporary folder and renamed
-    into place, so a killed build never leaves a cache that is later trusted.
+    ``meta.json``; the key hashes everything the contents depend on. Written by ``core.cache.build_folder``
+    (a temporary folder renamed into place), so a killed build never leaves a cache that is later trusted.
     """
     VERSION = 1
 
-    def __init__(self, folder: Path, meta: dict):
+    def __init__(self, folder: Path, meta: dict, arrays: dict):
         self.folder, self.meta, self.n = folder, meta, meta["n"]
-        shape = tuple(meta["shape"])
-        self.inputs = np.memmap(folder / "inputs.bin", dtype=np.int16, mode="r", shape=shape)
-        self.targets = np.memmap(folder / "targets.bin", dtype=np.int16, mode="r", shape=shape)
+        self.inputs, self.targets = arrays["inputs"], arrays["targets"]
+
+    @staticmethod
+    def layout(meta: dict) -> dict:
+        if meta["version"] != BlockIOCache.VERSION:
+            raise ValueError(f"version {meta['version']}")
+        return {name: ("int16", meta["shape"]) for name in ("inputs", "targets")}
 
     @property
     def nbytes(self) -> int:
@@ -220,50 +222,39 @@ class TeacherCache:
 
     @classmethod
     def open_or_build(cls, source: TeacherSource, n: int, identity: dict, root: Optional[Path] = None,
-                      say=print) -> "TeacherCache":
+                      say=print) -> "BlockIOCache":
         root = Path(root or cache_root("teacher"))
         identity = {**identity, "target": source.match}
         key = hashlib.sha256(json.dumps({**identity, "n": n, "version": cls.VERSION}, sort_keys=True)
                              .encode()).hexdigest()[:20]
         folder = root / key
-        if (folder / "meta.json").exists():
-            cache = cls(folder, json.loads((folder / "meta.json").read_text()))
-            say(f"teacher cache: reusing {folder} ({cache.nbytes / 2**30:.2f} GiB, {n} batches)")
-            return cache
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
-        try:
-            start, last = time.perf_counter(), 0.0
-            first = source.get(0)
-            shape = (n, *first["inputs"].shape)
-            nbytes = 2 * math.prod(shape) * 2
-            say(f"teacher cache: building {n} batches x 2 x {list(shape[1:])} bf16 = {nbytes / 2**30:.2f} GiB "
-                f"in {folder}")
-            files = {name: np.memmap(tmp / f"{name}.bin", dtype=np.int16, mode="w+", shape=shape)
-                     for name in ("inputs", "targets")}
-            for i in range(n):
-                batch = first if i == 0 else source.get(i)
-                for name, arr in files.items():
-                    arr[i] = batch[name].to("cpu", torch.bfloat16).view(torch.int16).numpy()
-                now = time.perf_counter()
-                if now - last > 10 or i == n - 1:
-                    last = now
-                    say(f"teacher cache: {i + 1}/{n} batches, {format_duration(now - start)}")
-            for arr in files.values():
-                arr.flush()
-                del arr
-            files.clear()
-            meta = {**identity, "n": n, "shape": list(shape), "dtype": "bfloat16", "version": cls.VERSION}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            for p in tmp.iterdir():
-                with open(p, "rb+") as f:
-                    os.fsync(f.fileno())
-            if not (folder / "meta.json").exists():        # another process may have finished first
-                shutil.rmtree(folder, ignore_errors=True)
-                os.replace(tmp, folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return cls(folder, json.loads((folder / "meta.json").read_text()))
+        found = cache.open_folder(folder, cls.layout)
+        if found is not None:
+            opened = cls(folder, *found)
+            say(f"teacher cache: reusing {folder} ({opened.nbytes / 2**30:.2f} GiB, {n} batches)")
+            return opened
+        cache.build_folder(folder, lambda builder: _build_block_io(builder, source, n, identity, folder, say),
+                           keep=lambda f: cache.open_folder(f, cls.layout) is not None)
+        return cls(folder, *cache.read_folder(folder, cls.layout))
+
+
+def _build_block_io(builder, source: TeacherSource, n: int, identity: dict, folder: Path, say) -> dict:
+    """Teacher block I/O of batches 0..n-1 into ``inputs.bin`` / ``targets.bin``; returns the meta."""
+    start, last = time.perf_counter(), 0.0
+    first = source.get(0)
+    shape = (n, *first["inputs"].shape)
+    nbytes = 2 * math.prod(shape) * 2
+    say(f"teacher cache: building {n} batches x 2 x {list(shape[1:])} bf16 = {nbytes / 2**30:.2f} GiB in {folder}")
+    files = {name: builder.array(name, np.int16, shape) for name in ("inputs", "targets")}
+    for i in range(n):
+        batch = first if i == 0 else source.get(i)
+        for name, arr in files.items():
+            arr[i] = batch[name].to("cpu", torch.bfloat16).view(torch.int16).numpy()
+        now = time.perf_counter()
+        if now - last > 10 or i == n - 1:
+            last = now
+            say(f"teacher cache: {i + 1}/{n} batches, {format_duration(now - start)}")
+    return {**identity, "n": n, "shape": list(shape), "dtype": "bfloat16", "version": BlockIOCache.VERSION}
 
 
 # ----------------------------------------------------------------------------------------------------------

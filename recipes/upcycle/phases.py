@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Callable
 import torch
 
 from core import checkpoint as ckpt
+from core.cache import write_json
 from core.config import UserError, to_dict
 from core.data import Corpus, EvalBatches
 from core.step import make_eval_step
@@ -49,17 +48,6 @@ class Context:
         """What every student checkpoint carries, so ``load_model``/``recipe=generate`` read it as a model."""
         return {"model": model_entry(scfg), "tokenizer": self.corpus.tokenizer.to_dict(), "recipe": "upcycle",
                 "phase": phase, "config": to_dict(self.cfg)}
-
-
-def write_json(path: Path, data) -> None:
-    """Atomically (temp file in the same folder, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.name)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @torch.no_grad()

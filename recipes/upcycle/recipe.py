@@ -186,7 +186,7 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
         n = bw.cache_batches or bw.steps
         identity = {"teacher": fingerprint(t.params), "data": ctx.corpus.path, "seed": cfg.seed,
                     "batch_size": bw.batch_size, "block_size": cfg.block_size}
-        source.cache = bw_loop.TeacherCache.open_or_build(source, n, identity, say=say)
+        source.cache = bw_loop.BlockIOCache.open_or_build(source, n, identity, say=say)
     step_fn = bw_loop.make_step(scfg, optimizer, loss=bw.loss, mode=bw.mode, train=bw.train, ema=bw.ema,
                                 target=bw.convergence_target, patience=bw.patience, min_delta=bw.min_delta,
                                 match=bw.match, precision=cfg.dtype, device_type=ctx.device.type, compile=cfg.compile)
