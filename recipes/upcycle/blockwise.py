@@ -50,7 +50,7 @@ from optim import schedules
 from optim.common import current_lr
 from recipes.train.config import TrainConfig
 from recipes.train.hooks import Hook, StepContext, Stop
-from recipes.train.loop import LoopIO, Steps, fit
+from recipes.train.loop import LoopIO, LoopState, Steps, fit
 
 
 class BlockwiseState(NamedTuple):
@@ -288,8 +288,15 @@ def run(bw, state: BlockwiseState, step_fn, source: TeacherSource, folder: Path,
     steps = Steps(train=lambda s, batch, frozen=None: step_fn(s, batch), eval=None, health=None, batches=source)
     io = LoopIO(logger, manager, checkpoint_extra=extra, resume_folder=resume_folder,
                 log=BlockConvergence(state, bw.steps, bw.log_every, logger))
-    result = fit(loop_config(bw), state, steps, io)
+    result = fit(loop_config(bw), state, steps, io, loop=resumed_loop(folder, int(state.step)))
     return result.state, f"blockwise: {result.stop_reason}" if result.stop_reason else ""
+
+
+def resumed_loop(folder: Path, step: int) -> Optional[LoopState]:
+    """The loop counters (wall time, ticks) of ``folder``'s newest checkpoint when the phase resumes from it."""
+    path = ckpt.latest(folder) if step > 0 else None
+    meta = ckpt.read_meta(path) if path is not None else {}
+    return LoopState.from_dict(meta.get("loop")) if meta.get("step") == step else None
 
 
 class BlockConvergence(Hook):
