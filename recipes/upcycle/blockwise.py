@@ -271,7 +271,7 @@ class TeacherCache:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the loop
+# the phase: the shared training loop with the per-block convergence hook
 
 def loop_config(bw) -> TrainConfig:
     """The shared loop's settings for the blockwise phase: ``bw.steps``, a log every ``bw.log_every`` steps, no
