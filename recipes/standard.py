@@ -30,7 +30,7 @@ from models.sampling import generate
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import setup
 from recipes.train.config import TrainConfig
-from recipes.train.loop import build_steps, evaluate, fit
+from recipes.train.loop import LoopIO, build_steps, evaluate, fit
 from recipes.train.setup import run_folder
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
@@ -102,15 +102,14 @@ def run(cfg: Config):
             saved=run_setup.saved_orchestrator,
             make_step=lambda opt: build_steps(cfg, loss_fn, opt, params, batches, device, vocab, dist).train,
             main_process=dist.is_main)
-        result = fit(cfg, state, steps, logger=logger,
-                     checkpoints=checkpoints, orchestrator=orchestrator,
-                     checkpoint_extra=lambda: extra, loop=loop,
-                     evaluate_fn=lambda p: evaluate(steps.eval, p, val_batches, dist=dist),
-                     sample_fn=sampler(cfg, model_cfg, tok, corpus.val, device) if dist.is_main else None,
-                     tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size, dist=dist,
-                     flops_per_token=flops_per_token(llama.matmul_params(params), model_cfg.n_layers,
-                                                     cfg.block_size, model_cfg.d_model),
-                     expected_initial_loss=None if (start or resume) else math.log(model_cfg.vocab_size))
+        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra,
+                    evaluate_fn=lambda p: evaluate(steps.eval, p, val_batches, dist=dist),
+                    sample_fn=sampler(cfg, model_cfg, tok, corpus.val, device) if dist.is_main else None,
+                    tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
+                    flops_per_token=flops_per_token(llama.matmul_params(params), model_cfg.n_layers,
+                                                    cfg.block_size, model_cfg.d_model),
+                    expected_initial_loss=None if (start or resume) else math.log(model_cfg.vocab_size))
+        result = fit(cfg, state, steps, io, loop=loop, hooks=[orchestrator], dist=dist)
         report(logger, result, folder)
     distributed.shutdown()
     return result

@@ -314,7 +314,7 @@ def test_nowcasting_is_never_kept_when_the_probe_gets_worse(tmp_path):
     for step in range(11, 41):
         state, metrics = orch.train_step(state, batch(step))
         kept = clone(state)
-        jump = orch.after_step(state, metrics, step=step, cursor=step)
+        jump = orch.observe(state, metrics, step=step, cursor=step)
         if step in (20, 40):
             row = [json.loads(x) for x in (tmp_path / "orchestrator.jsonl").read_text().splitlines()][-1]
             assert row["kind"] == "nowcast" and row["probe_after"] > row["probe_before"] and not row["accepted"]

@@ -41,7 +41,7 @@ from core.state import init_state
 from models import compressor
 from recipes.compress import states
 from recipes.train.config import TrainConfig, train_config
-from recipes.train.loop import LoopState, build_steps, fit
+from recipes.train.loop import LoopIO, LoopState, build_steps, fit
 from recipes.train.optimizer import make_optimizer, optimizer_spec
 from recipes.train.setup import run_folder
 
@@ -210,10 +210,9 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
                      f"{data.pca.explained(d):.1%} of the training variance; run folder {folder}")
         if latest is not None:
             logger.print(f"resuming from {latest} at step {int(state.step)}")
-        result = fit(tcfg, state, steps, logger=logger, checkpoints=checkpoints, checkpoint_extra=lambda: extra,
-                     perplexity=False,
-                     loop=loop, frozen=frozen, evaluate_fn=lambda p: held_out(p)["unexplained"],
-                     tokens_per_step=cfg.batch_size * cfg.block_size)
+        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra, perplexity=False,
+                    evaluate_fn=lambda p: held_out(p)["unexplained"], tokens_per_step=cfg.batch_size * cfg.block_size)
+        result = fit(tcfg, state, steps, io, loop=loop, frozen=frozen)
         best = ckpt.load(checkpoints.best(), template=state, device=device)
         ours = held_out(best["state"].params)
         row = {"stage": data.name, "d_compressed": d, "ratio": round(ccfg.ratio, 4),

@@ -67,7 +67,7 @@ from recipes.distill.teacher import data_identity, load_teacher, teacher_data, t
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import setup
 from recipes.train.config import TrainConfig
-from recipes.train.loop import Steps, build_steps, evaluate, fit
+from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit
 from recipes.train.setup import RunSetup, run_folder
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
@@ -361,12 +361,12 @@ def run(cfg: Config):
         orchestrator, steps = orchestrate(cfg, p.steps, make_step=p.make_train, val_tokens=p.corpus.val, device=device,
                                           logger=logger, folder=folder, saved=p.run.saved_orchestrator,
                                           main_process=dist.is_main)
-        result = fit(cfg, state, steps, logger=logger, checkpoints=checkpoints, orchestrator=orchestrator,
-                     checkpoint_extra=lambda: extra, loop=loop, frozen=p.frozen, dist=dist,
-                     evaluate_fn=lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
-                     sample_fn=standard.sampler(cfg, scfg, tok, p.corpus.val, device) if dist.is_main else None,
-                     tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
-                     flops_per_token=train_flops_per_token(p, cfg))
+        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra,
+                    evaluate_fn=lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
+                    sample_fn=standard.sampler(cfg, scfg, tok, p.corpus.val, device) if dist.is_main else None,
+                    tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
+                    flops_per_token=train_flops_per_token(p, cfg))
+        result = fit(cfg, state, steps, io, loop=loop, frozen=p.frozen, hooks=[orchestrator], dist=dist)
         learned = f", final T {learned_temperature(result.state.params, cfg):.3f}" \
             if cfg.temperature_mode == "learnable" else ""
         standard.report(logger, result, folder, label="student val loss", suffix=learned)

@@ -1,9 +1,9 @@
 """Orchestrated training: speculative branches on the same batches, bandit selection, safety, nowcasting.
 
 The strategy layer any training recipe switches on with ``orchestrator.enabled=true``. It lives beside
-``recipes/train/loop.py::fit``, which calls :meth:`Orchestrator.after_step` once per step and
-:meth:`Orchestrator.on_rollback` from its spike rollback; the math is beside it (``strategies.py``, ``bandit.py``,
-``nowcast.py``) and in ``optim/`` (SWATS). In a functional design a branch is a copy of the state pytree
+``recipes/train/loop.py::fit`` as one of its hooks (``recipes/train/hooks.py``): ``after_step`` once per
+step, ``on_rollback`` from its spike rollback, ``state_dict`` in every checkpoint; the math is beside it
+(``strategies.py``, ``bandit.py``, ``nowcast.py``) and in ``optim/`` (SWATS). In a functional design a branch is a copy of the state pytree
 (here not even a copy: steps are pure, so every branch starts from the very same state object), which
 makes the following exact and cheap:
 
@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -56,6 +56,7 @@ from core.tree import clone
 from recipes.orchestrator.bandit import PHASES, DiscountedUCB, Telemetry, normalized_rewards
 from recipes.orchestrator.nowcast import extrapolate
 from recipes.orchestrator.strategies import NAMES, build, strategy_of, transfer
+from recipes.train.hooks import Hook, Jump, StepContext
 from recipes.train.optimizer import optimizer_spec
 
 
@@ -80,17 +81,10 @@ def probe_batches(val_tokens, cfg, device=None):
                         device=device)
 
 
-@dataclass
-class Jump:
-    """What ``after_step`` hands back when the main state moved: ``ticks`` kept steps with ``metrics``."""
-    state: TrainState
-    step: int
-    cursor: int
-    metrics: list
-    ticks: int
+class Orchestrator(Hook):
+    """The training loop's orchestration hook: decisions, safety and nowcasting (module docstring)."""
+    key = "orchestrator"   # its state in every checkpoint
 
-
-class Orchestrator:
     def __init__(self, cfg, *, make_step: Callable, batches, probe, eval_step: Callable, logger, folder,
                  saved: Optional[dict] = None, main_process: bool = True):
         o = cfg.orchestrator
@@ -129,8 +123,12 @@ class Orchestrator:
         return replace(steps, train=self.train_step)
 
     # ------------------------------------------------------------------ the loop's hooks
-    def after_step(self, state: TrainState, metrics: dict, *, step: int, cursor: int, frozen=None) -> Optional[Jump]:
-        """Called by ``fit`` after every step. Buffers the step's metrics; at the loop's log steps it reads
+    def after_step(self, ctx: StepContext) -> Optional[Jump]:
+        """The loop's hook after every step (``recipes.train.hooks``)."""
+        return self.observe(ctx.state, ctx.metrics, step=ctx.step, cursor=ctx.cursor, frozen=ctx.frozen)
+
+    def observe(self, state: TrainState, metrics: dict, *, step: int, cursor: int, frozen=None) -> Optional[Jump]:
+        """Buffers the step's metrics; at the loop's log steps it reads
         them (one host transfer), checks safety, and may nowcast or run a decision. Returns a :class:`Jump`
         when the main state changed. On a safety trigger it sets this step's ``metrics["spike"]`` (and the
         state's detector flag and onset), so the loop's rollback runs at this same log step."""

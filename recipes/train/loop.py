@@ -5,32 +5,33 @@ only place that talks to the host: it pulls the step's 0-d metrics every ``log_e
 transfer (Levanter's deferred metrics), evaluates on fixed validation windows, keeps checkpoints
 (every ``save_every``, the best by validation loss, a final one) and stops early after ``patience``
 evaluations without improvement. Everything needed to resume exactly is in the checkpoint: the train
-state (with its data cursor) and the loop's own counters.
+state (with its data cursor), the loop's own counters and its hooks' state. Each of those pieces is a hook
+(``recipes/train/hooks.py``: metrics in ``metrics.py``, rollback in ``rollback.py``, checkpoints and stops in
+``checkpointing.py``), and so is anything a recipe adds (the orchestrator).
 """
 from __future__ import annotations
 
 import math
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
-import optim
 from core import checkpoint as ckpt
 from core.config import UserError
 from core.distributed import Dist
-from core.logging import Logger, memory_mb
-from core.spike import clear as clear_monitor
+from core.logging import Logger
 from core.state import TrainState
-from core.telemetry import Preemption, peak_flops
+from core.telemetry import Preemption
 from core.step import make_eval_step, make_train_step
-from core.tree import cast, tree_map
 from optim.health import GradientHealth
-from recipes.train.faults import FaultyBatches, with_faults
+from recipes.train.checkpointing import Checkpointing, Stopping
 from recipes.train.config import TrainConfig
+from recipes.train.faults import FaultyBatches, with_faults
+from recipes.train.hooks import Hook, Jump, StepContext, Stop
+from recipes.train.metrics import Evaluation, FirstStepCheck, TrainLog
+from recipes.train.rollback import Rollback
 
 
 def evaluate(eval_step: Callable, params, batches, frozen=None, dist: Dist = Dist()) -> float:
@@ -114,254 +115,91 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     return Steps(train, evaluate_step, health, batches)
 
 
-class SnapshotRing:
-    """Recent copies of the train state in host memory, for rolling back past a loss spike."""
+@dataclass
+class LoopIO:
+    """Where a run's results go and what the loop needs to measure them.
 
-    def __init__(self, every: int, keep: int):
-        self.every, self.keep = max(every, 1), max(keep, 1)
-        self.snaps: list[tuple[int, TrainState]] = []   # (step, state on the CPU)
+    ``checkpoints`` is None on data-parallel ranks other than 0 (rank 0 alone writes); ``checkpoint_extra()``
+    adds the recipe's own entries to every checkpoint. ``perplexity`` says the validation loss is a
+    next-token NLL, so ``exp`` of it is reported too. ``log`` replaces the standard metrics log (a phase
+    with its own metrics, e.g. the upcycle recipe's per-block convergence); ``resume_folder`` is the ``out=``
+    that resumes the run when it is not the checkpoints' folder."""
+    logger: Logger
+    checkpoints: Optional[ckpt.CheckpointManager]
+    checkpoint_extra: Callable[[], dict] = dict
+    evaluate_fn: Optional[Callable[[object], float]] = None
+    sample_fn: Optional[Callable[[object], str]] = None
+    tokens_per_step: int = 0
+    flops_per_token: float = 0.0
+    expected_initial_loss: Optional[float] = None
+    perplexity: bool = True
+    log: Optional[Hook] = None
+    resume_folder: Optional[Path] = None
 
-    def offer(self, step: int, state: TrainState) -> None:
-        if step % self.every == 0 and (not self.snaps or self.snaps[-1][0] != step):
-            self.snaps.append((step, tree_map(lambda t: t.detach().to("cpu", copy=True), state)))
-            del self.snaps[:-self.keep]
 
-    def before(self, step: int) -> Optional[tuple[int, TrainState]]:
-        """The newest snapshot at or before ``step`` (else the oldest one), dropping everything newer."""
-        if not self.snaps:
-            return None
-        older = [i for i, (s, _) in enumerate(self.snaps) if s <= step]
-        i = older[-1] if older else 0
-        del self.snaps[i + 1:]
-        return self.snaps[i]
-
-
-def fit(cfg: TrainConfig, state: TrainState, steps: Steps, *, logger: Logger,
-        checkpoints: Optional[ckpt.CheckpointManager], checkpoint_extra: Callable[[], dict],
-        evaluate_fn: Optional[Callable[[object], float]] = None, sample_fn: Optional[Callable[[object], str]] = None,
-        loop: Optional[LoopState] = None, frozen=None, tokens_per_step: int = 0, flops_per_token: float = 0.0,
-        expected_initial_loss: Optional[float] = None, dist: Dist = Dist(), orchestrator=None,
-        perplexity: bool = True) -> FitResult:
+def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: Optional[LoopState] = None,
+        frozen=None, hooks: Sequence[Optional[Hook]] = (), dist: Dist = Dist()) -> FitResult:
     """Train ``state`` until ``cfg.steps``; returns the final state and what happened.
 
-    ``checkpoints`` is None on data-parallel ranks other than 0 (rank 0 alone writes); ``dist`` makes
-    the ranks agree on host-side stops (preemption, budget) at log steps. ``perplexity`` says the
-    validation loss is a next-token NLL, so ``exp`` of it is reported too.
+    After every step the hooks run in order (``recipes.train.hooks``): the first-step checks, the recipe's
+    ``hooks`` (None entries skipped, so an optional orchestrator is passed as is), the metrics log, the spike
+    rollback, evaluation, checkpointing and the stop conditions. ``dist`` makes the ranks agree on host-side
+    stops (preemption, budget) at log steps.
 
     Stops early, always with a checkpoint, on: ``patience`` evaluations without improvement, SIGTERM or
-    SIGINT (preemption: finish the step, save, return so the program exits 0), the cost ``budget``, or
-    too many rollbacks. ``orchestrator`` (``recipes/orchestrator/driver.py``, built by the recipe when
-    ``orchestrator.enabled``) is called after every step and from the rollback; its state is checkpointed.
+    SIGINT (preemption: finish the step, save, return so the program exits 0), the cost ``budget``, too many
+    rollbacks, or a hook's :class:`~recipes.train.hooks.Stop`.
     """
-    if cfg.orchestrator.enabled and orchestrator is None:   # orchestrator: never silently ignored
+    hooks = [h for h in hooks if h is not None]
+    if cfg.orchestrator.enabled and not any(h.key == "orchestrator" for h in hooks):   # never silently ignored
         raise UserError("orchestrator.enabled=true, but this recipe does not build an orchestrator "
                         "(recipes/orchestrator/driver.py; recipes/standard.py shows the wiring)")
     loop = loop or LoopState()
-    session_start, wall_before = time.perf_counter(), loop.wall_seconds
-    peak = peak_flops(state.step.device, cfg.peak_flops)
-    step, cursor = int(state.step), int(state.cursor)
-    result = FitResult(state, loop)
-    device = state.step.device
-    spike = cfg.spike if cfg.spike.enabled else None
-    ring = SnapshotRing(spike.snapshot_every, spike.rollback_back // spike.snapshot_every + 2) if spike else None
-    pending: list[dict] = []
-    last_log_time, last_log_tokens = time.perf_counter(), loop.tokens
-    excluded = 0.0   # seconds spent evaluating/saving since the last log (not training throughput)
-
-    def save(val_loss=None, final=False):
-        nonlocal excluded
-        t0 = time.perf_counter()
-        loop.wall_seconds = wall_before + (t0 - session_start)
-        if checkpoints is None:
-            return None
-        extra = {**checkpoint_extra(), "loop": loop.to_dict()}
-        if orchestrator is not None:  # orchestrator: its strategy, bandit and counters resume with the run
-            extra["orchestrator"] = orchestrator.state_dict()
-        path = checkpoints.save(step, result.state, extra=extra, val_loss=val_loss, final=final)
-        excluded += time.perf_counter() - t0
-        return path
-
-    def run_eval():
-        nonlocal excluded
-        t0 = time.perf_counter()
-        val = evaluate_fn(result.state.params)
-        result.val_loss = val
-        result.history.append((step, val))
-        improved = val < loop.best_val
-        loop.best_val, loop.bad_evals = (val, 0) if improved else (loop.best_val, loop.bad_evals + 1)
-        values = {"val/loss": val}
-        if perplexity:
-            values["val/perplexity"] = math.exp(min(val, 50.0))
-        logger.scalars(step, values)
-        shown = f"{val:.4f}, perplexity {values['val/perplexity']:.2f}" if perplexity else f"{val:.6g}"
-        logger.print(f"step {step}: val loss {shown}"
-                     + ("" if improved else f" (no improvement for {loop.bad_evals} evaluation(s))"))
-        if sample_fn is not None:
-            text = sample_fn(result.state.params)
-            logger.text(step, "samples", "```\n" + text + "\n```")
-            logger.print(f"sample at step {step}:\n{text}\n")
-        excluded += time.perf_counter() - t0
-
-    def roll_back() -> bool:
-        """Restore a snapshot from before the spike's onset, skip the batches since, maybe lower the LR.
-        Returns False when the rollback cap is reached (the run then stops)."""
-        nonlocal step, cursor
-        onset = int(result.state.monitor["onset"])
-        recent = [t for t in loop.rollbacks if loop.ticks - t < spike.window]
-        target = ring.before(onset - spike.rollback_back)
-        if target is None:
-            return False
-        to_step, snap = target
-        cursor += spike.skip_ahead
-        skipped = cursor - int(snap.cursor)
-        restored = cast(snap, device=device)
-        if orchestrator is not None:  # orchestrator: continue the restored state with the safety strategy
-            restored = orchestrator.on_rollback(step, to_step, restored)
-        restored = restored._replace(cursor=torch.tensor(cursor, dtype=torch.int64, device=device),
-                                     monitor=clear_monitor(restored.monitor),
-                                     opt_state=optim.scale_lr(restored.opt_state, spike.lr_factor))
-        logger.event(step, "rollback", onset=onset, to_step=to_step, skipped_batches=skipped,
-                     lr_factor=spike.lr_factor, number=len(recent) + 1)
-        logger.print(f"loss spike (onset step {onset}) detected at step {step}: rolled back to step {to_step}, "
-                     f"skipping {skipped} batches" + (f", lr x{spike.lr_factor}" if spike.lr_factor != 1 else ""))
-        result.state, step = restored, to_step
-        loop.rollbacks.append(loop.ticks)
-        return len(recent) + 1 < spike.max_rollbacks
-
-    if ring is not None:
-        ring.offer(step - step % ring.every, result.state)   # a starting point to roll back to
+    ctx = StepContext(state, int(state.step), int(state.cursor), frozen=frozen, total=cfg.steps, loop=loop,
+                      result=FitResult(state, loop), tokens_per_step=io.tokens_per_step,
+                      wall_before=loop.wall_seconds)
+    ctx.hooks = _pieces(cfg, io, steps, hooks, ctx, dist)
     with Preemption() as preemption:
-        while step < cfg.steps:
-            batch = steps.batches.get(cursor)
-            result.state, metrics = steps.train(result.state, batch, frozen)
-            step, cursor = step + 1, cursor + 1
-            loop.tokens += tokens_per_step
-            loop.ticks += 1
-            pending.append(metrics)
-
-            if loop.ticks == 1:
-                _first_step_checks(metrics, steps.health, logger, expected_initial_loss)
-
-            # --- orchestrator hook (recipes/orchestrator/driver.py): decisions, safety, nowcasting -----------------
-            if orchestrator is not None:
-                jump = orchestrator.after_step(result.state, metrics, step=step, cursor=cursor, frozen=frozen)
-                if jump is not None:  # the winner's branch (its steps kept), a nowcast, or a safety flag
-                    result.state, step, cursor = jump.state, jump.step, jump.cursor
-                    pending.extend(jump.metrics)
-                    loop.ticks += jump.ticks
-                    loop.tokens += jump.ticks * tokens_per_step
-            # --- end of the orchestrator hook --------------------------------------------------------------
-
-            last = step == cfg.steps
-            if step % cfg.log_every == 0 or last:
-                values, health = _pull(pending)
-                interval = len(pending)
-                pending.clear()
-                now = time.perf_counter()
-                seconds = max(now - last_log_time - excluded, 1e-9)
-                tps = (loop.tokens - last_log_tokens) / seconds
-                wall = wall_before + (now - session_start)
-                values.update({"tokens_per_sec": tps, "memory_mb": memory_mb(device), "wall_hours": wall / 3600})
-                if peak and flops_per_token:
-                    values["mfu"] = tps * flops_per_token / peak
-                if cfg.cost_per_hour:
-                    values["cost"] = wall / 3600 * cfg.cost_per_hour
-                logged = logger.scalars(step, {f"train/{k}" if k in ("loss", "grad_norm") else k: v
-                                               for k, v in values.items()})
-                if health is not None and steps.health is not None:
-                    logger.scalars(step, steps.health.to_scalars(health))
-                    for tag, hist in steps.health.histograms(health).items():
-                        logger.histogram(step, tag, hist)
-                logger.progress(step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
-                                extra={"lr": logged["lr"]} if "lr" in logged else None)
-                last_log_time, last_log_tokens, excluded = now, loop.tokens, 0.0
-                if values.get("spike", 0.0) > 0:
-                    if not roll_back():
-                        result.stop_reason = (f"{spike.max_rollbacks} rollbacks within {spike.window} steps: stopping "
-                                              f"(the state is the last rollback's; lower lr or inspect the data)")
-                        logger.event(step, "rollback_cap", max_rollbacks=spike.max_rollbacks, window=spike.window)
-                        logger.print(result.stop_reason)
-                        save(final=True)
-                        break
-                    continue
-                if values.get("skipped", 0.0) > 0:
-                    logger.print(f"warning: {round(values['skipped'] * interval)} non-finite step(s) up to step {step} "
-                                 f"were skipped (parameters untouched)")
-            if ring is not None:
-                ring.offer(step, result.state)
-
-            evaluated = False
-            if evaluate_fn is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
-                run_eval()
-                evaluated = True
-                if cfg.patience and loop.bad_evals >= cfg.patience:
-                    logger.print(f"early stopping at step {step}: no better validation loss in "
-                                 f"{cfg.patience} evaluations (best {loop.best_val:.4f})")
-                    logger.event(step, "early_stop", best_val=loop.best_val, patience=cfg.patience)
-                    result.stopped_early = True
-                    save(val_loss=result.val_loss, final=True)
-                    break
-            if last:
-                path = save(val_loss=result.val_loss if evaluated else None, final=True)
-                logger.print(f"saved final checkpoint {path}")
-            elif evaluated or (checkpoints is not None and checkpoints.should_save(step)):
-                save(val_loss=result.val_loss if evaluated else None)
-            if last:
+        ctx.preemption = preemption
+        while ctx.step < cfg.steps:
+            ctx.advance(*steps.train(ctx.state, steps.batches.get(ctx.cursor), frozen))
+            stop = _after_step(ctx)
+            if stop is not None:
+                _finish(ctx, stop)
                 break
-            cost = (wall_before + time.perf_counter() - session_start) / 3600 * cfg.cost_per_hour
-            stop = preemption.requested or bool(cfg.budget and cost >= cfg.budget)
-            if dist.enabled:   # every rank must stop at the same step: decide together at log steps
-                stop = dist.agree(stop) if step % cfg.log_every == 0 else False
-            if stop:
-                path = save()
-                if preemption.requested:
-                    result.stop_reason = f"{preemption.signal} at step {step}"
-                    logger.event(step, "preempted", signal=preemption.signal)
-                elif cfg.budget and cost >= cfg.budget:
-                    result.stop_reason = f"budget {cfg.budget:g} reached (cost {cost:.4g}) at step {step}"
-                    logger.event(step, "budget", budget=cfg.budget, cost=cost)
-                else:
-                    result.stop_reason = f"another rank stopped (preemption or budget) at step {step}"
-                if checkpoints is not None:
-                    logger.print(f"{result.stop_reason}: checkpoint {path}; to resume, run again: "
-                                 f"{resume_command(checkpoints.folder)}")
-                break
-    logger.flush()
-    return result
+    io.logger.flush()
+    ctx.result.state = ctx.state
+    return ctx.result
 
 
-def resume_command(folder: Path) -> str:
-    """This process's own command line, pointed at ``folder`` (what to run to continue this run)."""
-    args = [a for a in sys.argv[1:] if not a.startswith(("out=", "resume="))]
-    return " ".join(["bin/run", *args, f"out={folder}"])
+def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepContext, dist: Dist) -> list:
+    """The loop's hooks in the order they run after a step."""
+    pieces = [FirstStepCheck(io.logger, steps.health, io.expected_initial_loss), *hooks,
+              io.log or TrainLog(cfg, io.logger, steps.health, ctx, io.flops_per_token)]
+    if cfg.spike.enabled:
+        pieces.append(Rollback(cfg.spike, io.logger, ctx))
+    if io.evaluate_fn is not None:
+        pieces.append(Evaluation(cfg, io.logger, io.evaluate_fn, io.sample_fn, io.perplexity))
+    return [*pieces, Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger),
+            Stopping(cfg, io.logger, dist, io.resume_folder)]
 
 
-def _first_step_checks(metrics: dict, health: Optional[GradientHealth], logger: Logger,
-                       expected_initial_loss: Optional[float]) -> None:
-    """After the first step: is the loss near ln(vocab), and which parameters got no or a bad gradient."""
-    if expected_initial_loss is not None:
-        first = metrics["loss"].item()
-        if abs(first - expected_initial_loss) > 0.25 * expected_initial_loss:
-            logger.print(f"warning: initial loss {first:.3f} is far from ln(vocab) = {expected_initial_loss:.3f}; "
-                         f"check the init and the data")
-    if health is not None and "health" in metrics:
-        problems = health.report(metrics["health"].cpu())
-        for name, problem in problems:
-            logger.print(f"gradient check after step 1: {name}: {problem}")
-        if problems:
-            logger.event(1, "gradient_report", problems=[f"{n}: {p}" for n, p in problems])
+def _after_step(ctx: StepContext) -> Optional[Stop]:
+    """Run the hooks on this step: apply their jumps; the first stop ends the step (and the run)."""
+    for hook in ctx.hooks:
+        outcome = hook.after_step(ctx)
+        if isinstance(outcome, Stop):
+            return outcome
+        if isinstance(outcome, Jump):
+            ctx.apply(outcome)
+            if outcome.restart:
+                return None
+    return None
 
 
-def _pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor]]:
-    """Means of the buffered 0-d step metrics (the loss, clip activity, ...), the last value of the rest,
-    and the last packed health tensor: one host transfer for the whole interval."""
-    keys = [k for k, v in pending[-1].items() if v.dim() == 0]
-    pending = [m for m in pending if all(k in m for k in keys)]   # a strategy switch may change the keys
-    stacked = torch.stack([torch.stack([m[k].float() for k in keys]) for m in pending]).cpu()
-    means, lasts = stacked.mean(0).tolist(), stacked[-1].tolist()
-    values = {k: (lasts[i] if k in LAST_VALUE else means[i]) for i, k in enumerate(keys)}
-    health = pending[-1].get("health")
-    return values, None if health is None else health.cpu()
-
-
-LAST_VALUE = ("lr", "loss_scale", "spike", "z_loss", "z_grad")
+def _finish(ctx: StepContext, stop: Stop) -> None:
+    ctx.result.stop_reason, ctx.result.stopped_early = stop.reason, stop.early
+    for hook in ctx.hooks:
+        hook.on_stop(ctx, stop)
+    if stop.announce is not None:
+        stop.announce(ctx.checkpoint)

@@ -2,7 +2,7 @@
 
 Block-wise distillation: LoLCATs' attention transfer (Zhang et al., ICLR 2025) and
 MOHAWK's hidden-state alignment (Bick et al. 2024), on MHA2MLA-style partial-RoPE students (Ji et al. 2025). The
-math (teacher block I/O, student blocks, per-block losses) is ``models/blockwise.py``; this file is the loop:
+math (teacher block I/O, student blocks, per-block losses) is ``models/blockwise.py``; this file is the phase:
 
 - **One step trains every block.** The per-block losses are independent (teacher-forced inputs, or the student's
   own stream detached), so one backward of their sum gives each block its own gradient.
@@ -17,8 +17,10 @@ math (teacher block I/O, student blocks, per-block losses) is ``models/blockwise
   a bf16 memmap of ``cache_batches`` entries where entry i is the teacher's I/O on training batch number i (the
   data cursor, not ``id(x)``), built atomically by ``core.cache.build_folder``, shared by every
   run with the same teacher, data, seed and shapes, and cycled by ``cursor % cache_batches``.
-- Checkpoints (``blockwise/step_*.msgpack``, ``final.msgpack``) hold the full student, the optimizer state of
-  the trainable part, the convergence state and the data cursor; a killed run continues from the newest one.
+- The steps run through the shared training loop (``recipes.train.loop.fit``): the per-block log and the end of
+  the phase are its hook :class:`BlockConvergence`; checkpoints (``blockwise/step_*.msgpack``, ``final.msgpack``)
+  are the loop's and hold the full student, the optimizer state of the trainable part, the convergence state and
+  the data cursor; a killed run continues from the newest one.
 """
 from __future__ import annotations
 
@@ -32,18 +34,19 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-import optim
 from core import cache
 from core import checkpoint as ckpt
 from core.compile import maybe_compile
 from core.data import cache_root
 from core.logging import Logger, format_duration
+from core.spike import SpikeConfig
 from core.step import autocast
-from core.telemetry import Preemption
 from core.tree import apply_updates, tree_map
 from models import blockwise, dba
-from optim import schedules
 from optim.common import current_lr
+from recipes.train.config import TrainConfig
+from recipes.train.hooks import Hook, StepContext, Stop
+from recipes.train.loop import LoopIO, LoopState, Steps, fit
 from recipes.train.optimizer import OptimizerSpec
 
 
@@ -258,55 +261,72 @@ def _build_block_io(builder, source: TeacherSource, n: int, identity: dict, fold
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the loop
+# the phase: the shared training loop with the per-block convergence hook
 
-def run(bw, state: BlockwiseState, step_fn, source: TeacherSource, folder: Path, extra, logger: Logger):
-    """Train until every block has stopped or ``bw.steps``; returns (state, stop reason or "")."""
+def loop_config(bw) -> TrainConfig:
+    """The shared loop's settings for the blockwise phase: ``bw.steps``, a log every ``bw.log_every`` steps, no
+    validation and no spike rollback (the per-block convergence decides when the phase ends)."""
+    return TrainConfig(steps=bw.steps, log_every=bw.log_every, eval_every=0, patience=0, health=False,
+                       spike=SpikeConfig(enabled=False))
+
+
+def run(bw, state: BlockwiseState, step_fn, source: TeacherSource, folder: Path, extra, logger: Logger,
+        resume_folder: Optional[Path] = None):
+    """Train through the shared loop (``recipes.train.loop.fit``) until every block has stopped or ``bw.steps``,
+    checkpointing in ``folder``; returns (state, stop reason or "")."""
     manager = ckpt.CheckpointManager(folder, keep_last=bw.keep_last, save_every=bw.save_every)
-    step, cursor = int(state.step), int(state.cursor)
-    active = state.conv["active"].cpu()
-    pending, stopped = [], ""
+    steps = Steps(train=lambda s, batch, frozen=None: step_fn(s, batch), eval=None, health=None, batches=source)
+    io = LoopIO(logger, manager, checkpoint_extra=extra, resume_folder=resume_folder,
+                log=BlockConvergence(state, bw.steps, bw.log_every, logger))
+    result = fit(loop_config(bw), state, steps, io, loop=resumed_loop(folder, int(state.step)))
+    return result.state, f"blockwise: {result.stop_reason}" if result.stop_reason else ""
 
-    def save(final=False):
-        return manager.save(step, state, extra=extra(), final=final)
 
-    with Preemption() as preemption:
-        t_log, steps_at_log = time.perf_counter(), step
-        while step < bw.steps and bool(active.any()):
-            state, metrics = step_fn(state, source.get(cursor))
-            step, cursor = step + 1, cursor + 1
-            pending.append(metrics)
-            last = step == bw.steps
-            if step % bw.log_every == 0 or last:
-                values = _pull(pending)
-                pending.clear()
-                now_active = torch.tensor(values["active"]) > 0.5
-                rate = (step - steps_at_log) / max(time.perf_counter() - t_log, 1e-9)
-                t_log, steps_at_log = time.perf_counter(), step
-                logger.scalars(step, {"train/loss": values["loss"], "lr": values["lr"],
-                                      "active_blocks": float(now_active.sum()), "steps_per_sec": rate,
-                                      **{f"block/{i:02d}/loss": v for i, v in enumerate(values["block_loss"])},
-                                      **{f"block/{i:02d}/ema": v for i, v in enumerate(values["ema"])}})
-                for i in (active & ~now_active).nonzero().flatten().tolist():
-                    ema = values["ema"][i]
-                    logger.event(step, "block_stopped", block=i, ema=ema)
-                    logger.print(f"blockwise: block {i} stopped at step {step} (loss EMA {ema:.4g})")
-                active = now_active
-                logger.progress(step, bw.steps, loss=values["loss"],
-                                extra={"blocks": float(active.sum()), "lr": values["lr"]})
-            if manager.should_save(step) and step < bw.steps and bool(active.any()):
-                save()
-            if preemption.requested:
-                path = save()
-                stopped = f"{preemption.signal} at blockwise step {step}: checkpoint {path}"
-                logger.event(step, "preempted", signal=preemption.signal)
-                break
-    if not stopped:
-        path = save(final=True)
-        why = "every block stopped" if not bool(active.any()) else "step cap"
-        logger.print(f"blockwise: done at step {step} ({why}); {path}")
-    logger.flush()
-    return state, stopped
+def resumed_loop(folder: Path, step: int) -> Optional[LoopState]:
+    """The loop counters (wall time, ticks) of ``folder``'s newest checkpoint when the phase resumes from it."""
+    path = ckpt.latest(folder) if step > 0 else None
+    meta = ckpt.read_meta(path) if path is not None else {}
+    return LoopState.from_dict(meta.get("loop")) if meta.get("step") == step else None
+
+
+class BlockConvergence(Hook):
+    """The blockwise phase's log: every ``log_every`` steps the loss, lr and each block's loss and EMA (one host
+    transfer), a ``block_stopped`` event for every block that froze since the last log, and the end of the phase
+    (a final checkpoint) once every block has stopped or at the step cap."""
+
+    def __init__(self, state: BlockwiseState, total: int, log_every: int, logger: Logger):
+        self.total, self.log_every, self.logger = total, log_every, logger
+        self.active = state.conv["active"].cpu()
+        self.t_log, self.steps_at_log = time.perf_counter(), int(state.step)
+
+    def after_step(self, ctx: StepContext) -> Optional[Stop]:
+        if ctx.step % self.log_every == 0 or ctx.last:
+            self.log(ctx)
+        if ctx.last or not bool(self.active.any()):
+            step, why = ctx.step, "every block stopped" if not bool(self.active.any()) else "step cap"
+            return Stop(final=True, announce=lambda path: self.logger.print(
+                f"blockwise: done at step {step} ({why}); {path}"))
+        return None
+
+    def log(self, ctx: StepContext) -> None:
+        logger, step = self.logger, ctx.step
+        values = _pull(ctx.pending)
+        ctx.pending.clear()
+        ctx.values = values
+        now_active = torch.tensor(values["active"]) > 0.5
+        rate = (step - self.steps_at_log) / max(time.perf_counter() - self.t_log, 1e-9)
+        self.t_log, self.steps_at_log = time.perf_counter(), step
+        logger.scalars(step, {"train/loss": values["loss"], "lr": values["lr"],
+                              "active_blocks": float(now_active.sum()), "steps_per_sec": rate,
+                              **{f"block/{i:02d}/loss": v for i, v in enumerate(values["block_loss"])},
+                              **{f"block/{i:02d}/ema": v for i, v in enumerate(values["ema"])}})
+        for i in (self.active & ~now_active).nonzero().flatten().tolist():
+            ema = values["ema"][i]
+            logger.event(step, "block_stopped", block=i, ema=ema)
+            logger.print(f"blockwise: block {i} stopped at step {step} (loss EMA {ema:.4g})")
+        self.active = now_active
+        logger.progress(step, self.total, loss=values["loss"],
+                        extra={"blocks": float(self.active.sum()), "lr": values["lr"]})
 
 
 def _pull(pending: list[dict]) -> dict:

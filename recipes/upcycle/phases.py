@@ -27,7 +27,7 @@ from models import blockwise, dba, llama, losses, surgery
 from models.loading import LoadedModel, model_entry
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import setup
-from recipes.train.loop import build_steps, evaluate, fit
+from recipes.train.loop import LoopIO, build_steps, evaluate, fit
 from recipes.upcycle.config import Config, global_train_config
 
 FINAL = "final.msgpack"
@@ -167,11 +167,9 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
             tc, steps, make_step=lambda opt: build_steps(tc, loss_fn, opt, student, batches, ctx.device, vocab).train,
             val_tokens=ctx.dev, device=ctx.device, logger=logger, folder=folder, saved=run_setup.saved_orchestrator,
             eval_step=student_ce)
-        result = fit(tc, state, steps, logger=logger, checkpoints=manager, checkpoint_extra=lambda: extra,
-                     orchestrator=orchestrator,
-                     evaluate_fn=lambda p: evaluate(student_ce, p, dev), loop=loop,
-                     frozen=t.params if kd else None,
-                     tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size)
+        io = LoopIO(logger, manager, checkpoint_extra=lambda: extra, evaluate_fn=lambda p: evaluate(student_ce, p, dev),
+                    tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size, resume_folder=ctx.folder)
+        result = fit(tc, state, steps, io, loop=loop, frozen=t.params if kd else None, hooks=[orchestrator])
     if result.stop_reason and not (folder / FINAL).exists():
         return result.state.params, f"global: {result.stop_reason}"
     return result.state.params, ""

@@ -197,6 +197,7 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
     with Logger(folder) as logger:
         if resume is None:
             logger.hparams({"blockwise": vars(bw)})
-        state, stopped = bw_loop.run(bw, state, step_fn, source, folder, lambda: ctx.extra("blockwise", scfg), logger)
+        state, stopped = bw_loop.run(bw, state, step_fn, source, folder, lambda: ctx.extra("blockwise", scfg), logger,
+                                     resume_folder=ctx.folder)
     return state.params, stopped
 

@@ -1,0 +1,93 @@
+"""The training loop's checkpoint and stop hooks.
+
+Checkpoints are written every ``save_every`` steps, after every evaluation (the manager keeps the best by
+validation loss), at the end, and whenever the run stops early. Each holds the train state (with its data
+cursor), the loop's counters and every hook's ``state_dict``, so a run resumes exactly. The run stops
+cleanly, with a checkpoint and the command that resumes it, on SIGTERM/SIGINT (preemption) or once the cost
+meter reaches ``budget``; with several ranks they agree at log steps so all stop at the same step.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from core import checkpoint as ckpt
+from core.distributed import Dist
+from core.logging import Logger
+from recipes.train.hooks import Hook, StepContext, Stop
+
+
+def resume_command(folder: Path) -> str:
+    """This process's own command line, pointed at ``folder`` (what to run to continue this run)."""
+    args = [a for a in sys.argv[1:] if not a.startswith(("out=", "resume="))]
+    return " ".join(["bin/run", *args, f"out={folder}"])
+
+
+class Checkpointing(Hook):
+    """Saves at the last step (final), after evaluations and every ``save_every`` steps, and when the run
+    stops. ``manager`` is None on data-parallel ranks other than 0 (rank 0 alone writes)."""
+
+    def __init__(self, manager: Optional[ckpt.CheckpointManager], extra: Callable[[], dict], logger: Logger):
+        self.manager, self.extra, self.logger = manager, extra, logger
+
+    def save(self, ctx: StepContext, val_loss: Optional[float] = None, final: bool = False) -> Optional[Path]:
+        t0 = time.perf_counter()
+        ctx.loop.wall_seconds = ctx.wall(t0)
+        if self.manager is None:
+            return None
+        extra = {**self.extra(), "loop": ctx.loop.to_dict()}
+        for hook in ctx.hooks:   # e.g. the orchestrator's strategy, bandit and counters resume with the run
+            if hook.key is not None:
+                extra[hook.key] = hook.state_dict()
+        ctx.checkpoint = self.manager.save(ctx.step, ctx.state, extra=extra, val_loss=val_loss, final=final)
+        ctx.excluded += time.perf_counter() - t0
+        return ctx.checkpoint
+
+    def after_step(self, ctx: StepContext):
+        val_loss = ctx.result.val_loss if ctx.evaluated else None
+        if ctx.last:
+            path = self.save(ctx, val_loss=val_loss, final=True)
+            self.logger.print(f"saved final checkpoint {path}")
+        elif ctx.evaluated or (self.manager is not None and self.manager.should_save(ctx.step)):
+            self.save(ctx, val_loss=val_loss)
+        return None
+
+    def on_stop(self, ctx: StepContext, stop: Stop) -> None:
+        self.save(ctx, val_loss=stop.val_loss, final=stop.final)
+
+
+class Stopping(Hook):
+    """Stops before the last step on preemption (SIGTERM/SIGINT) or once the cost reaches ``budget``."""
+
+    def __init__(self, cfg, logger: Logger, dist: Dist = Dist(), resume_folder: Optional[Path] = None):
+        self.cfg, self.logger, self.dist, self.resume_folder = cfg, logger, dist, resume_folder
+
+    def after_step(self, ctx: StepContext):
+        cfg = self.cfg
+        if ctx.last:
+            return None
+        cost = ctx.wall() / 3600 * cfg.cost_per_hour
+        stop = ctx.preemption.requested or bool(cfg.budget and cost >= cfg.budget)
+        if self.dist.enabled:   # every rank must stop at the same step: decide together at log steps
+            stop = self.dist.agree(stop) if ctx.step % cfg.log_every == 0 else False
+        if not stop:
+            return None
+        if ctx.preemption.requested:
+            reason = f"{ctx.preemption.signal} at step {ctx.step}"
+            event = ("preempted", {"signal": ctx.preemption.signal})
+        elif cfg.budget and cost >= cfg.budget:
+            reason = f"budget {cfg.budget:g} reached (cost {cost:.4g}) at step {ctx.step}"
+            event = ("budget", {"budget": cfg.budget, "cost": cost})
+        else:
+            reason, event = f"another rank stopped (preemption or budget) at step {ctx.step}", None
+        step = ctx.step
+
+        def announce(path: Optional[Path]) -> None:
+            if event is not None:
+                self.logger.event(step, event[0], **event[1])
+            if path is not None:
+                self.logger.print(f"{reason}: checkpoint {path}; to resume, run again: "
+                                  f"{resume_command(self.resume_folder or path.parent)}")
+        return Stop(reason, announce=announce)

@@ -1,0 +1,117 @@
+"""The one interface between the training loop and everything that acts on it between steps.
+
+``recipes.train.loop.fit`` steps the state and then hands a :class:`StepContext` to its hooks in order: the
+first-step checks, the recipe's own hooks (the orchestrator, ``recipes/orchestrator/driver.py``), the
+metrics log, the spike rollback, evaluation, checkpointing and the stop conditions. A hook may move the
+state (return a :class:`Jump`) or end the run (return a :class:`Stop`); its ``state_dict`` is saved in
+every checkpoint under its ``key`` and handed back on resume. The structure follows the callback
+interfaces of Keras and PyTorch Lightning, with the loop's own pieces written as callbacks too.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+@dataclass
+class Jump:
+    """The main state moved: continue from ``state`` at ``step``/``cursor``, ``ticks`` kept steps with
+    ``metrics`` (an orchestrator branch), or, with ``restart``, skip this step's remaining hooks (a rollback)."""
+    state: Any
+    step: int
+    cursor: int
+    metrics: list = field(default_factory=list)
+    ticks: int = 0
+    restart: bool = False
+
+
+@dataclass
+class Stop:
+    """End the run after this step with a checkpoint (``final``: kept as the run's final one). ``reason`` is
+    the run's stop reason ("" when it ended normally); ``announce(path)`` runs once the checkpoint is written."""
+    reason: str = ""
+    final: bool = False
+    val_loss: Optional[float] = None
+    early: bool = False
+    announce: Optional[Callable[[Optional[Path]], None]] = None
+
+
+class Hook:
+    """A piece of the training loop, called once per step after the train step. Every method is optional."""
+    key: Optional[str] = None   # checkpoint entry for ``state_dict`` (None: nothing to save)
+
+    def after_step(self, ctx: "StepContext") -> "Optional[Jump | Stop]":
+        return None
+
+    def on_rollback(self, step: int, to_step: int, restored):
+        """The loop rolled back from ``step`` to the snapshot of ``to_step``: may adjust ``restored``."""
+        return restored
+
+    def on_stop(self, ctx: "StepContext", stop: Stop) -> None:
+        """The run ends at this step (``stop``)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, d: dict) -> None:
+        pass
+
+
+@dataclass
+class StepContext:
+    """Where the loop is: the state after this step, its position, this step's metrics and what the hooks
+    share during the step (the pulled metrics at log steps, whether it evaluated)."""
+    state: Any
+    step: int
+    cursor: int
+    metrics: Optional[dict] = None
+    frozen: Any = None
+    total: int = 0                          # the run's last step
+    loop: Any = None                        # recipes.train.loop.LoopState
+    result: Any = None                      # recipes.train.loop.FitResult
+    tokens_per_step: int = 0
+    hooks: list = field(default_factory=list)
+    pending: list = field(default_factory=list)      # step metrics not yet pulled to the host
+    values: Optional[dict] = None           # this step's pulled metrics (log steps only)
+    evaluated: bool = False                 # validation ran at this step
+    excluded: float = 0.0                   # seconds evaluating/saving since the last log (not throughput)
+    checkpoint: Optional[Path] = None       # the newest checkpoint written
+    preemption: Any = None                  # core.telemetry.Preemption
+    session_start: float = field(default_factory=time.perf_counter)
+    wall_before: float = 0.0                # wall seconds of the run's earlier sessions
+
+    @property
+    def last(self) -> bool:
+        return self.step == self.total
+
+    def wall(self, now: Optional[float] = None) -> float:
+        """Wall seconds of the whole run so far, earlier sessions included."""
+        return self.wall_before + ((time.perf_counter() if now is None else now) - self.session_start)
+
+    def advance(self, state, metrics: dict) -> None:
+        """One train step happened."""
+        self.state, self.metrics = state, metrics
+        self.step, self.cursor = self.step + 1, self.cursor + 1
+        self.loop.tokens += self.tokens_per_step
+        self.loop.ticks += 1
+        self.pending.append(metrics)
+        self.values, self.evaluated = None, False
+
+    def apply(self, jump: Jump) -> None:
+        self.state, self.step, self.cursor = jump.state, jump.step, jump.cursor
+        self.pending.extend(jump.metrics)
+        self.loop.ticks += jump.ticks
+        self.loop.tokens += jump.ticks * self.tokens_per_step
+
+    @contextmanager
+    def timed(self):
+        """Time spent inside is not training time (excluded from the throughput)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - t0
+

@@ -1,0 +1,143 @@
+"""The training loop's host-side reporting hooks: first-step checks, the metrics log and evaluation.
+
+The step's metrics stay 0-d device tensors; every ``log_every`` steps they are pulled in one transfer (the
+deferred metrics of Levanter) and logged with the throughput, memory, MFU and cost. Evaluation runs on
+fixed validation windows; ``patience`` evaluations without improvement stop the run (early stopping).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Optional
+
+import torch
+
+from core.logging import Logger, memory_mb
+from core.telemetry import peak_flops
+from optim.health import GradientHealth
+from recipes.train.hooks import Hook, StepContext, Stop
+
+LAST_VALUE = ("lr", "loss_scale", "spike", "z_loss", "z_grad")
+
+
+def pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor]]:
+    """Means of the buffered 0-d step metrics (the loss, clip activity, ...), the last value of the rest,
+    and the last packed health tensor: one host transfer for the whole interval."""
+    keys = [k for k, v in pending[-1].items() if v.dim() == 0]
+    pending = [m for m in pending if all(k in m for k in keys)]   # a strategy switch may change the keys
+    stacked = torch.stack([torch.stack([m[k].float() for k in keys]) for m in pending]).cpu()
+    means, lasts = stacked.mean(0).tolist(), stacked[-1].tolist()
+    values = {k: (lasts[i] if k in LAST_VALUE else means[i]) for i, k in enumerate(keys)}
+    health = pending[-1].get("health")
+    return values, None if health is None else health.cpu()
+
+
+class FirstStepCheck(Hook):
+    """After the first step: is the loss near ln(vocab), and which parameters got no or a bad gradient."""
+
+    def __init__(self, logger: Logger, health: Optional[GradientHealth], expected_initial_loss: Optional[float]):
+        self.logger, self.health, self.expected = logger, health, expected_initial_loss
+
+    def after_step(self, ctx: StepContext):
+        if ctx.loop.ticks != 1:
+            return None
+        metrics = ctx.metrics
+        if self.expected is not None:
+            first = metrics["loss"].item()
+            if abs(first - self.expected) > 0.25 * self.expected:
+                self.logger.print(f"warning: initial loss {first:.3f} is far from ln(vocab) = {self.expected:.3f}; "
+                                  f"check the init and the data")
+        if self.health is not None and "health" in metrics:
+            problems = self.health.report(metrics["health"].cpu())
+            for name, problem in problems:
+                self.logger.print(f"gradient check after step 1: {name}: {problem}")
+            if problems:
+                self.logger.event(1, "gradient_report", problems=[f"{n}: {p}" for n, p in problems])
+        return None
+
+
+class TrainLog(Hook):
+    """Every ``log_every`` steps (and the last): the interval's metrics, throughput, memory, MFU, cost,
+    gradient health and the progress line. Leaves the pulled values in ``ctx.values`` for the rollback."""
+
+    def __init__(self, cfg, logger: Logger, health: Optional[GradientHealth], ctx: StepContext,
+                 flops_per_token: float = 0.0):
+        self.cfg, self.logger, self.health, self.flops_per_token = cfg, logger, health, flops_per_token
+        self.device = ctx.state.step.device
+        self.peak = peak_flops(self.device, cfg.peak_flops)
+        self.last_time, self.last_tokens = time.perf_counter(), ctx.loop.tokens
+
+    def after_step(self, ctx: StepContext):
+        cfg, logger = self.cfg, self.logger
+        if ctx.step % cfg.log_every != 0 and not ctx.last:
+            return None
+        values, health = pull(ctx.pending)
+        interval = len(ctx.pending)
+        ctx.pending.clear()
+        now = time.perf_counter()
+        seconds = max(now - self.last_time - ctx.excluded, 1e-9)
+        tps = (ctx.loop.tokens - self.last_tokens) / seconds
+        wall = ctx.wall(now)
+        values.update({"tokens_per_sec": tps, "memory_mb": memory_mb(self.device), "wall_hours": wall / 3600})
+        if self.peak and self.flops_per_token:
+            values["mfu"] = tps * self.flops_per_token / self.peak
+        if cfg.cost_per_hour:
+            values["cost"] = wall / 3600 * cfg.cost_per_hour
+        logged = logger.scalars(ctx.step, {f"train/{k}" if k in ("loss", "grad_norm") else k: v
+                                           for k, v in values.items()})
+        if health is not None and self.health is not None:
+            logger.scalars(ctx.step, self.health.to_scalars(health))
+            for tag, hist in self.health.histograms(health).items():
+                logger.histogram(ctx.step, tag, hist)
+        logger.progress(ctx.step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
+                        extra={"lr": logged["lr"]} if "lr" in logged else None)
+        self.last_time, self.last_tokens, ctx.excluded = now, ctx.loop.tokens, 0.0
+        ctx.values = values
+        if values.get("skipped", 0.0) > 0 and not values.get("spike", 0.0) > 0:
+            logger.print(f"warning: {round(values['skipped'] * interval)} non-finite step(s) up to step {ctx.step} "
+                         f"were skipped (parameters untouched)")
+        return None
+
+
+class Evaluation(Hook):
+    """Every ``eval_every`` steps and at the last: the validation loss (and perplexity), a sample, and
+    early stopping after ``patience`` evaluations without improvement."""
+
+    def __init__(self, cfg, logger: Logger, evaluate_fn: Callable[[object], float],
+                 sample_fn: Optional[Callable[[object], str]] = None, perplexity: bool = True):
+        self.cfg, self.logger, self.evaluate_fn, self.sample_fn = cfg, logger, evaluate_fn, sample_fn
+        self.perplexity = perplexity
+
+    def after_step(self, ctx: StepContext):
+        cfg = self.cfg
+        if not ((cfg.eval_every and ctx.step % cfg.eval_every == 0) or ctx.last):
+            return None
+        with ctx.timed():
+            self.evaluate(ctx)
+        ctx.evaluated = True
+        loop = ctx.loop
+        if cfg.patience and loop.bad_evals >= cfg.patience:
+            self.logger.print(f"early stopping at step {ctx.step}: no better validation loss in "
+                              f"{cfg.patience} evaluations (best {loop.best_val:.4f})")
+            self.logger.event(ctx.step, "early_stop", best_val=loop.best_val, patience=cfg.patience)
+            return Stop(early=True, final=True, val_loss=ctx.result.val_loss)
+        return None
+
+    def evaluate(self, ctx: StepContext) -> None:
+        step, loop, logger = ctx.step, ctx.loop, self.logger
+        val = self.evaluate_fn(ctx.state.params)
+        ctx.result.val_loss = val
+        ctx.result.history.append((step, val))
+        improved = val < loop.best_val
+        loop.best_val, loop.bad_evals = (val, 0) if improved else (loop.best_val, loop.bad_evals + 1)
+        values = {"val/loss": val}
+        if self.perplexity:
+            values["val/perplexity"] = math.exp(min(val, 50.0))
+        logger.scalars(step, values)
+        shown = f"{val:.4f}, perplexity {values['val/perplexity']:.2f}" if self.perplexity else f"{val:.6g}"
+        logger.print(f"step {step}: val loss {shown}"
+                     + ("" if improved else f" (no improvement for {loop.bad_evals} evaluation(s))"))
+        if self.sample_fn is not None:
+            text = self.sample_fn(ctx.state.params)
+            logger.text(step, "samples", "```\n" + text + "\n```")
+            logger.print(f"sample at step {step}:\n{text}\n")
