@@ -9,6 +9,7 @@ seed, the state's layout) cannot change mid-run: :func:`check` refuses them in o
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 import torch
@@ -27,7 +28,16 @@ def changes(saved: Mapping[str, Any], cfg) -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (checkpoint's value, new value)}`` for every key both configs have and that differs."""
     old, new = flatten_keys(saved), flatten_keys(to_dict(cfg))
     return {k: (old[k], v) for k, v in new.items()
-            if k in old and old[k] != v and not _matches(k, WHERE)}
+            if k in old and not _same(old[k], v) and not _matches(k, WHERE)}
+
+
+def _same(a, b) -> bool:
+    """Equal values, or two spellings of one existing file or folder (``data=x.txt`` vs its absolute path)."""
+    if a == b:
+        return True
+    if isinstance(a, str) and isinstance(b, str) and a and b and os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return False
 
 
 def _matches(key: str, names) -> bool:

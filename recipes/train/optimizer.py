@@ -10,16 +10,13 @@ unit-wise clipping (``optim.agc``); schedules are ``optim.schedules``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import optim
 from core.config import option
 from optim import schedules
 from optim.base import GradientTransformation
 from optim.schedules import Schedule
-
-if TYPE_CHECKING:
-    from recipes.train.config import TrainConfig
 
 
 @dataclass
@@ -50,7 +47,7 @@ class OptimizerSpec:
     swats_scope: str = "global"
 
 
-def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
+def optimizer_spec(cfg) -> OptimizerSpec:
     """The optimizer settings of a training run (``decay_steps`` 0 means the run's ``steps``)."""
     return OptimizerSpec(lr=cfg.lr, min_lr=cfg.min_lr, lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                          decay_steps=cfg.decay_steps or cfg.steps, beta1=cfg.beta1, beta2=cfg.beta2,
