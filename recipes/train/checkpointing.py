@@ -8,6 +8,7 @@ meter reaches ``budget``; with several ranks they agree at log steps so all stop
 """
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from recipes.train.hooks import Hook, StepContext, Stop
 def resume_command(folder: Path) -> str:
     """This process's own command line, pointed at ``folder`` (what to run to continue this run)."""
     args = [a for a in sys.argv[1:] if not a.startswith(("out=", "resume="))]
-    return " ".join(["bin/run", *args, f"out={folder}"])
+    return shlex.join(["bin/run", *args, f"out={folder}"])     # quoted: "sample_prompt=it's a b" survives a shell
 
 
 class Checkpointing(Hook):

@@ -28,8 +28,10 @@ class SnapshotRing:
         self.every, self.keep = max(every, 1), max(keep, 1)
         self.snaps: list[tuple[int, TrainState]] = []   # (step, state on the CPU)
 
-    def offer(self, step: int, state: TrainState) -> None:
-        if step % self.every == 0 and (not self.snaps or self.snaps[-1][0] != step):
+    def offer(self, step: int, state: TrainState, start: bool = False) -> None:
+        """Keep a copy of ``state`` at every ``every``-th step, and at the ``start`` of a session (resumed
+        anywhere), under its own step."""
+        if (start or step % self.every == 0) and (not self.snaps or self.snaps[-1][0] != step):
             self.snaps.append((step, tree_map(lambda t: t.detach().to("cpu", copy=True), state)))
             del self.snaps[:-self.keep]
 
@@ -50,7 +52,7 @@ class Rollback(Hook):
     def __init__(self, spike, logger: Logger, ctx: StepContext):
         self.spike, self.logger = spike, logger
         self.ring = SnapshotRing(spike.snapshot_every, spike.rollback_back // spike.snapshot_every + 2)
-        self.ring.offer(ctx.step - ctx.step % self.ring.every, ctx.state)   # a starting point to roll back to
+        self.ring.offer(ctx.step, ctx.state, start=True)   # a starting point to roll back to
 
     def after_step(self, ctx: StepContext):
         if ctx.values is not None and ctx.values.get("spike", 0.0) > 0:
