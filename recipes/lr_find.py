@@ -19,6 +19,7 @@ from core.config import UserError, option, same_as, to_dict
 from core.data import prepare
 from core.device import resolve_device
 from core.logging import Logger
+from core.runs import claim
 from core.state import init_state
 from core.step import make_train_step
 from core.tree import cast, clone
@@ -110,7 +111,13 @@ def run(cfg: Config) -> dict:
     lrs = [cfg.start_lr * (cfg.end_lr / cfg.start_lr) ** (i / max(n - 1, 1)) for i in range(n)]
     rows = lr_range_test(state, step, batches, lrs)
     at_min, steepest = suggest(rows)
-    folder.mkdir(parents=True, exist_ok=True)
+    with claim(folder):   # a second run on this folder stops here, naming this one
+        _write(folder, cfg, rows, at_min, steepest)
+    return {"suggested_lr": at_min, "steepest_lr": steepest, "rows": rows}
+
+
+def _write(folder, cfg: Config, rows: list, at_min: float, steepest: float) -> None:
+    """``lr_find.csv``, the curve on TensorBoard and the suggestion."""
     with open(folder / "lr_find.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["lr", "loss", "smoothed_loss"])
@@ -122,4 +129,3 @@ def run(cfg: Config) -> dict:
                                "lr_find/log10_lr": math.log10(lr)})
         logger.print(f"lr_find: {len(rows)} steps from {rows[0][0]:.2e} to {rows[-1][0]:.2e}; suggested lr "
                      f"{at_min:.2e} (minimum / 10), steepest descent at {steepest:.2e}; curve in {folder / 'lr_find.csv'}")
-    return {"suggested_lr": at_min, "steepest_lr": steepest, "rows": rows}

@@ -85,10 +85,9 @@ def run(cfg: Config):
         return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
 
     steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, vocab, dist)
-    checkpoints = run_setup.checkpoints()
     extra = {"config": to_dict(cfg), "model": model_entry(model_cfg), "tokenizer": tok.to_dict(),
              "recipe": "standard"}
-    with run_setup.logger(to_dict(cfg)) as logger:
+    with run_setup.writing(to_dict(cfg)) as (checkpoints, logger):
         logger.print(f"standard: {size(params) / 1e6:.2f}M params, {model_cfg.n_layers} layers, d={model_cfg.d_model}, "
                      f"vocab {tok.vocab_size} ({tok.name}); data {corpus.meta['source']}: "
                      f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens; device {device}, "

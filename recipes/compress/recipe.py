@@ -36,6 +36,7 @@ from core.config import ConfigError, UserError, option, same_as, to_dict
 from core.data import prepare
 from core.device import resolve_device
 from core.logging import Logger
+from core.runs import claim
 from core.spike import SpikeConfig
 from core.state import init_state
 from models import compressor
@@ -139,8 +140,9 @@ def run(cfg: Config) -> list[dict]:
             raise UserError(f"stage=1b fine-tunes {missing[0]}, which does not exist: run stage=1a (same out=) first")
     data = {"1a": cfg.data, "1b": cfg.data_1b}
     stage_data = {s: load_stage(cfg, s, data[s], teacher, device) for s in cfg.stage}
-    rows = [train_stage(cfg, stage_data[s], d, subs[d], teacher, device) for d in cfg.widths for s in cfg.stage]
-    write_summary(folder, rows)
+    with claim(folder):   # the first write: a second run on this folder stops here, naming this one
+        rows = [train_stage(cfg, stage_data[s], d, subs[d], teacher, device) for d in cfg.widths for s in cfg.stage]
+        write_summary(folder, rows)
     click.echo(markdown(rows))
     return rows
 

@@ -334,12 +334,11 @@ def run(cfg: Config):
                         f"use another out=")
 
     scfg, tok, device, dist = p.student_cfg, p.tok, p.device, p.dist
-    checkpoints = p.run.checkpoints()
     extra = {"config": to_dict(cfg), "model": model_entry(scfg), "tokenizer": tok.to_dict(), "recipe": "distill",
              "teacher": p.teacher_id}
     student_params = {k: v for k, v in state.params.items() if k != THETA}
     tcfg = p.teacher.config
-    with p.run.logger(to_dict(cfg)) as logger:
+    with p.run.writing(to_dict(cfg)) as (checkpoints, logger):
         logger.print(f"distill: teacher {p.teacher.format}: {p.teacher.source} ({size(p.teacher.params) / 1e6:.2f}M "
                      f"params, {tcfg.n_layers} layers, d={tcfg.d_model})")
         logger.print(f"student ({'init' if cfg.init else cfg.student}: {p.student_how}): "

@@ -3,14 +3,15 @@ optimizer and train state it starts from, and the checkpoint manager and logger 
 
 ``recipes/standard.py``, ``recipes/distill/recipe.py`` and ``recipes/upcycle/phases.py`` (its global phase)
 call :func:`start` once their inputs are checked; :func:`start` reads, and writes nothing, so a run that
-fails later on bad input leaves no trace. :meth:`RunSetup.checkpoints` and :meth:`RunSetup.logger` are
-the first writes into the run folder.
+fails later on bad input leaves no trace. :meth:`RunSetup.writing` claims the folder (an OS lock, see
+``core.runs.claim``) and opens the checkpoint manager and logger: the first writes into the run folder.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from core import checkpoint as ckpt, runs
 from core.config import UserError, apply_overrides
@@ -54,6 +55,14 @@ class RunSetup:
     saved_orchestrator: Optional[dict]  # the orchestrator's state in the resumed checkpoint
     resumed: dict                       # the resumed checkpoint's top level ({} for a fresh run)
     changed: str = ""                   # the keys changed since that checkpoint, applied from its step
+
+    @contextmanager
+    def writing(self, hparams: dict) -> Iterator[tuple[Optional[ckpt.CheckpointManager], Logger]]:
+        """The run folder claimed for this process (``core.runs.claim``: a second run on it stops, naming this
+        one), then its checkpoint manager and Logger: the first writes into the folder."""
+        with runs.claim(self.folder) if self.dist.is_main else nullcontext():
+            with self.logger(hparams) as logger:
+                yield self.checkpoints(), logger
 
     def checkpoints(self) -> Optional[ckpt.CheckpointManager]:
         """The run's checkpoint manager (None on data-parallel ranks other than 0: rank 0 alone writes)."""

@@ -157,9 +157,8 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     steps = build_steps(tc, loss_fn, run_setup.optimizer, student, batches, ctx.device, vocab)
     # validation and the orchestrator's probe: the student's next-token CE (the training loss adds KD)
     student_ce = make_eval_step(lambda prm, b: dba.loss(prm, b, scfg), precision=tc.dtype, device_type=ctx.device.type)
-    manager = run_setup.checkpoints()
     extra = ctx.extra("global", scfg)
-    with run_setup.logger(to_dict(cfg)) as logger:
+    with run_setup.writing(to_dict(cfg)) as (manager, logger):
         ctx.say(f"global: {g.steps} steps of {g.batch_size * g.grad_accum} x {cfg.block_size} tokens, "
                 + (f"KD alpha {g.kd_alpha} at T={g.temperature} + CE" if kd else "next-token CE")
                 + (f"; resuming from {resume} at step {int(state.step)}" if resume else ""))

@@ -28,7 +28,7 @@ from core.config import UserError
 from core.data import EvalBatches, prepare
 from core.device import resolve_device
 from core.logging import Logger, format_duration
-from core.runs import run_folder
+from core.runs import claim, run_folder
 from core.tree import fingerprint, size
 from models import dba
 from models.loading import load_model
@@ -121,8 +121,14 @@ def run(cfg: Config):
     per = 4 if cfg.eval_windows % 4 == 0 else 2 if cfg.eval_windows % 2 == 0 else 1
     heldout = EvalBatches(test, per, cfg.block_size, cfg.eval_windows // per, device=device)
     ctx = Context(cfg, folder, device, teacher, corpus, dev, heldout, say)
-    folder.mkdir(parents=True, exist_ok=True)
-    _record_time(folder, "load", time.perf_counter() - start)
+    with claim(folder):   # the first write: a second run on this folder stops here, naming this one
+        _record_time(folder, "load", time.perf_counter() - start)
+        return _run_phases(ctx, teacher, corpus, dev, test)
+
+
+def _run_phases(ctx: Context, teacher, corpus, dev, test):
+    """Surgery, then the trained phases, verify and benchmark, each skipped when already done."""
+    cfg, folder = ctx.cfg, ctx.folder
     say(f"upcycle: teacher {teacher.source} ({teacher.format}), {size(teacher.params) / 1e6:.1f}M params, "
         f"{teacher.config.n_layers} layers, {teacher.config.n_heads} heads / {teacher.config.n_kv_heads} KV heads "
         f"x {teacher.config.head_dim}; data {corpus.meta['source']}: {len(corpus.train):,} train / "
