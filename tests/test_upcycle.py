@@ -362,3 +362,22 @@ def test_a_config_file_lists_phases_with_their_own_steps_and_lr(tmp_path):
     from recipes.upcycle.config import global_train_config
     tc = global_train_config(cfg, "x")
     assert (tc.steps, tc.lr, tc.batch_size, tc.block_size) == (12, 2e-4, g.batch_size, cfg.block_size)
+
+
+def test_a_finished_phase_whose_length_grew_continues(teacher, corpus, tmp_path, capsys):
+    """Rerunning with global.steps raised: the global phase continues from its final checkpoint (it used to say
+    "global: done" and report the old figures), says so, and the held-out figures are measured anew."""
+    out = tmp_path / "up"
+    common = ["phases=global,benchmark", "global.eval_every=0", "global.log_every=2", "global.lr=1e-3"]
+    assert upcycle(teacher, corpus, out, *common, "global.steps=4") == 0
+    before = json.loads((out / "global" / "heldout.json").read_text())["loss"]
+    capsys.readouterr()
+    assert upcycle(teacher, corpus, out, *common, "global.steps=8", "global.lr=2e-3") == 0
+    err = capsys.readouterr().err
+    assert "global: continuing from step 4 to 8" in err and "global: done" not in err
+    assert "steps 4 -> 8, lr 0.001 -> 0.002 from step 4" in err
+    top = ckpt.read_meta(out / "global" / "final.msgpack")
+    assert top["step"] == 8
+    after = json.loads((out / "global" / "heldout.json").read_text())["loss"]
+    results = json.loads((out / "benchmark" / "results.json").read_text())
+    assert after != before and results["stages"]["global"] == after

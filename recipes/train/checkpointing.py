@@ -30,8 +30,9 @@ class Checkpointing(Hook):
     """Saves at the last step (final), after evaluations and every ``save_every`` steps, and when the run
     stops. ``manager`` is None on data-parallel ranks other than 0 (rank 0 alone writes)."""
 
-    def __init__(self, manager: Optional[ckpt.CheckpointManager], extra: Callable[[], dict], logger: Logger):
-        self.manager, self.extra, self.logger = manager, extra, logger
+    def __init__(self, manager: Optional[ckpt.CheckpointManager], extra: Callable[[], dict], logger: Logger,
+                 train: Optional[dict] = None):
+        self.manager, self.extra, self.logger, self.train = manager, extra, logger, train
 
     def save(self, ctx: StepContext, val_loss: Optional[float] = None, final: bool = False) -> Optional[Path]:
         t0 = time.perf_counter()
@@ -39,6 +40,8 @@ class Checkpointing(Hook):
         if self.manager is None:
             return None
         extra = {**self.extra(), "loop": ctx.loop.to_dict()}
+        if self.train is not None:   # the training keys this run used: a resume compares them (setup.start)
+            extra["train"] = self.train
         for hook in ctx.hooks:   # e.g. the orchestrator's strategy, bandit and counters resume with the run
             if hook.key is not None:
                 extra[hook.key] = hook.state_dict()

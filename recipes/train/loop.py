@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from core import checkpoint as ckpt
-from core.config import UserError
+from core.config import UserError, to_dict
 from core.distributed import Dist
 from core.logging import Logger
 from core.state import TrainState
@@ -180,7 +180,7 @@ def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepCo
         pieces.append(Rollback(cfg.spike, io.logger, ctx))
     if io.evaluate_fn is not None:
         pieces.append(Evaluation(cfg, io.logger, io.evaluate_fn, io.sample_fn, io.perplexity))
-    return [*pieces, Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger),
+    return [*pieces, Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger, train=to_dict(cfg)),
             Stopping(cfg, io.logger, dist, io.resume_folder)]
 
 

@@ -74,6 +74,27 @@ def phase_summary(ctx: Context, phase: str, params: dict, scfg: dba.DBAConfig) -
     return summary
 
 
+def finished(ctx: Context, phase: str, steps: int) -> bool:
+    """Whether the trained ``phase`` is done: its final checkpoint exists and was trained for ``steps`` (or
+    beyond). A phase whose ``steps`` grew since continues from that checkpoint: its held-out summary is stale
+    then and is dropped, and a blockwise phase that grows under a finished global phase is refused."""
+    folder = ctx.folder / phase
+    if not (folder / FINAL).exists():
+        return False
+    meta = ckpt.read_meta(folder / FINAL)
+    trained_for = (meta.get("train") or {}).get("steps", (meta.get("config") or {}).get(phase, {}).get("steps"))
+    if meta["step"] >= steps or trained_for == steps:
+        ctx.say(f"{phase}: done ({folder / FINAL})")
+        return True
+    if phase == "blockwise" and (ctx.folder / "global" / FINAL).exists():
+        raise UserError(f"blockwise.steps={steps} asks for more than the {meta['step']} steps of {folder}, but the "
+                        f"global phase in {ctx.folder / 'global'} was trained from that student; use another out= "
+                        f"(or move global/ away to retrain it)")
+    (folder / "heldout.json").unlink(missing_ok=True)
+    ctx.say(f"{phase}: continuing from step {meta['step']} to {steps} ({phase}.steps grew)")
+    return False
+
+
 def load_student(path: Path, device) -> tuple[dict, dba.DBAConfig]:
     from core.config import from_dict
     top = ckpt.load(path, device=device)
@@ -133,8 +154,7 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     ``global.orchestrator.enabled`` its strategies are scored on the student's CE on dev windows.
     Returns (params, stop reason: "" when finished)."""
     folder, cfg, g, t = ctx.folder / "global", ctx.cfg, ctx.cfg.global_phase, ctx.teacher
-    if (folder / FINAL).exists():
-        ctx.say(f"global: done ({folder / FINAL})")
+    if finished(ctx, "global", g.steps):
         return load_student(folder / FINAL, ctx.device)[0], ""
     tc = global_train_config(cfg, str(folder))
     run_setup = setup.start(tc, folder, student, device=ctx.device)

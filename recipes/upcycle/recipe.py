@@ -35,7 +35,7 @@ from models.loading import load_model
 from recipes.train.optimizer import make_optimizer
 from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop
 from recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
-from recipes.upcycle.phases import (FINAL, Context, load_student, phase_summary, run_global, run_surgery,
+from recipes.upcycle.phases import (FINAL, Context, finished, load_student, phase_summary, run_global, run_surgery,
                                     run_verify, surgery_settings, write_json)
 
 DESCRIPTION = "teacher -> DBA student (small KV cache): surgery, blockwise, global, verify, benchmark"
@@ -178,8 +178,7 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
     """Set up and run the blockwise phase (resuming from its newest checkpoint). Returns (params, stop reason)."""
     cfg, bw, t = ctx.cfg, ctx.cfg.blockwise, ctx.teacher
     folder = ctx.folder / "blockwise"
-    if (folder / FINAL).exists():
-        say(f"blockwise: done ({folder / FINAL})")
+    if finished(ctx, "blockwise", bw.steps):
         return load_student(folder / FINAL, ctx.device)[0], ""
     optimizer = make_optimizer(bw_loop.optimizer_spec(bw.lr, bw.warmup_steps, bw.steps))
     state = bw_loop.init_state(student, optimizer, bw.train, scfg.n_layers)
