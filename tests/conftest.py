@@ -31,3 +31,15 @@ def corpus(tmp_path_factory):
 def token_cache(tmp_path_factory, monkeypatch):
     """Tokenized data cached in this session's temporary folder, not in the user's ``~/.cache/purestep``."""
     monkeypatch.setenv("PURESTEP_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def one_thread():
+    """In-process runs on one intra-op thread, like the children the tests start with OMP_NUM_THREADS=1: a run
+    split between a child and this process is bitwise comparable only at the same thread count (float
+    reductions split across threads round differently on some CPUs)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

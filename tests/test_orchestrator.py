@@ -379,7 +379,7 @@ def env():
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def test_resume_continues_the_same_strategy_and_bandit(corpus, tmp_path):
+def test_resume_continues_the_same_strategy_and_bandit(corpus, tmp_path, one_thread):
     """SIGTERM mid-run (after a strategy switch), resume: the same final state and orchestrator state as a
     straight run, so the strategy, the bandit statistics and the counters all carried over."""
     common = ["recipe=standard", f"data={corpus}", *TINY_RUN, "steps=60", "eval_every=0", "save_every=0",

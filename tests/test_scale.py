@@ -40,7 +40,7 @@ def test_torchrun_two_ranks_equal_one_process(corpus, tmp_path):
     assert not list((tmp_path / "two").glob("events*"))[1:]      # rank 0 alone logs: one event file
 
 
-def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(corpus, tmp_path):
+def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(corpus, tmp_path, one_thread):
     common = [*TINY, f"data={corpus}", "steps=40", "eval_every=0", "save_every=0", "log_every=1",
               "decay_steps=40", f"out={tmp_path / 'run'}"]
     child = subprocess.Popen([sys.executable, str(REPO / "bin" / "run"), *common], cwd=tmp_path, env=env(),
