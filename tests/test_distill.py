@@ -386,7 +386,7 @@ def test_cache_layout_and_atomic_build(corpus, teacher, caches, capsys):
     assert sorted(p.name for p in caches.iterdir()) == ["sample", "topk"]   # no temporary folder left behind
     capsys.readouterr()
     distill(corpus, teacher, caches / "topk", "mode=topk", "k=8", "steps=60", recipe="distill_cache")
-    assert "nothing to do" in capsys.readouterr().out
+    assert "nothing to do" in capsys.readouterr().err       # progress goes to stderr
     # the cached targets are the teacher's: top-k log-probs sorted, counts summing to the draws
     from recipes.distill.cache import TeacherCache
     t = TeacherCache.open(caches / "topk").targets(3)

@@ -35,7 +35,7 @@ from core import checkpoint as ckpt
 from core.config import ConfigError, UserError, option, same_as, to_dict
 from core.data import prepare
 from core.device import resolve_device
-from core.logging import Logger
+from core.logging import Logger, progress
 from core.runs import claim
 from core.spike import SpikeConfig
 from core.state import init_state
@@ -174,7 +174,7 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
     if best_path.exists():
         top = ckpt.read_meta(best_path)
         _check_signature(best_path, top, sig)
-        click.echo(f"stage {data.name} at D'={d} is finished ({best_path}); skipping it", err=True)
+        progress(f"stage {data.name} at D'={d} is finished ({best_path}); skipping it")
         return top["metrics"]
     ccfg = compressor.CompressorConfig(teacher.d_model, d, cfg.center, cfg.weight_init)
     start, init_from = _start(cfg, data, ccfg, sub, sig, device)
@@ -280,7 +280,7 @@ def write_summary(folder: Path, rows: list[dict]) -> None:
     try:
         import matplotlib
     except ImportError:
-        click.echo("matplotlib is not installed: no summary.png (pip install matplotlib)", err=True)
+        progress("matplotlib is not installed: no summary.png (pip install matplotlib)")
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

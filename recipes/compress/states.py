@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from core.cache import FolderBuilder, open_or_build
 from core.config import UserError
 from core.data import cache_root, eval_batches
 from core.tree import fingerprint, tree_map
+from core.logging import progress
 from models import llama
 from models.compressor import Moments
 from models.loading import load_model
@@ -194,8 +194,8 @@ def _progress(parts, states: TeacherStates, verb: str):
     """Pass ``parts`` (chunks of ``states``) through, with a line on stderr at the start, every 10 s and at the end."""
     w = states.windows
     total = states.n * w.block_size
-    print(f"purestep: {verb} teacher states (layer {states.teacher.layer}) of {states.n} windows x {w.block_size} "
-          f"tokens of {w.description}", file=sys.stderr, flush=True)
+    progress(f"purestep: {verb} teacher states (layer {states.teacher.layer}) of {states.n} windows x {w.block_size} "
+          f"tokens of {w.description}")
     t0 = last = time.monotonic()
     done = 0
     for x in parts:
@@ -203,7 +203,6 @@ def _progress(parts, states: TeacherStates, verb: str):
         yield x
         if time.monotonic() - last > 10:
             last = time.monotonic()
-            print(f"purestep:   {done:,}/{total:,} tokens, {done / (last - t0):.0f} tok/s", file=sys.stderr, flush=True)
+            progress(f"purestep:   {done:,}/{total:,} tokens, {done / (last - t0):.0f} tok/s")
     seconds = time.monotonic() - t0
-    print(f"purestep: {verb} done: {total:,} tokens in {seconds:.1f}s ({total / max(seconds, 1e-9):.0f} tok/s)",
-          file=sys.stderr, flush=True)
+    progress(f"purestep: {verb} done: {total:,} tokens in {seconds:.1f}s ({total / max(seconds, 1e-9):.0f} tok/s)")

@@ -33,6 +33,7 @@ from core import cache
 from core.config import UserError, option, same_as
 from core.device import resolve_device
 from core.step import autocast
+from core.logging import progress
 from models import llama, losses
 from recipes.distill.teacher import data_identity, load_teacher, teacher_data, teacher_identity, teacher_option
 from recipes.train.config import TrainConfig
@@ -172,17 +173,16 @@ def run(cfg: Config) -> TeacherCache:
         except UserError:
             existing = None
         if existing is not None and existing.meta == meta:
-            print(f"distill_cache: {out} already holds this cache; nothing to do", flush=True)
+            progress(f"distill_cache: {out} already holds this cache; nothing to do")
             return existing
         raise UserError(f"out={out} already exists (and is not this cache); remove it or choose another out=")
 
     layout = _layout(meta)
     tokens = cfg.steps * int(np.prod(x_shape))
     per_token = bytes_per_position(meta)
-    print(f"distill_cache: teacher {teacher.format}: {teacher.source}; {cfg.mode} "
+    progress(f"distill_cache: teacher {teacher.format}: {teacher.source}; {cfg.mode} "
           f"({'k' if cfg.mode == 'topk' else 'samples'}={meta['width']}, T={cfg.temperature:g}) over {cfg.steps} "
-          f"batches of {x_shape} = {tokens:,} tokens; {per_token} B/token, {per_token * tokens / 1e6:.1f} MB",
-          flush=True)
+          f"batches of {x_shape} = {tokens:,} tokens; {per_token} B/token, {per_token * tokens / 1e6:.1f} MB")
     def build(builder: cache.FolderBuilder) -> dict:
         _fill(cfg, teacher, batches, {stem: builder.array(stem, dt, shape) for stem, (dt, shape) in layout.items()},
               device)
@@ -190,8 +190,7 @@ def run(cfg: Config) -> TeacherCache:
 
     cache.build_folder(out, build)
     size = sum(f.stat().st_size for f in out.iterdir())
-    print(f"distill_cache: wrote {out}: {size / 1e6:.2f} MB for {tokens:,} tokens = {per_token} bytes/token",
-          flush=True)
+    progress(f"distill_cache: wrote {out}: {size / 1e6:.2f} MB for {tokens:,} tokens = {per_token} bytes/token")
     return TeacherCache.open(out)
 
 
@@ -217,5 +216,5 @@ def _fill(cfg: Config, teacher, batches, arrays: dict, device):
         if now - last >= 5.0 or cursor + 1 == cfg.steps:
             last = now
             rate = (cursor + 1) / max(now - t0, 1e-9)
-            print(f"distill_cache: {cursor + 1}/{cfg.steps} batches, {now - t0:.0f}s, "
-                  f"eta {(cfg.steps - cursor - 1) / rate:.0f}s", flush=True)
+            progress(f"distill_cache: {cursor + 1}/{cfg.steps} batches, {now - t0:.0f}s, "
+                     f"eta {(cfg.steps - cursor - 1) / rate:.0f}s")

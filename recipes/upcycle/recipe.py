@@ -21,13 +21,12 @@ from __future__ import annotations
 import json
 import time
 
-import click
 
 from core import checkpoint as ckpt
 from core.config import UserError
 from core.data import EvalBatches, prepare
 from core.device import resolve_device
-from core.logging import Logger, format_duration
+from core.logging import Logger, format_duration, progress
 from core.runs import claim, run_folder
 from core.tree import fingerprint, size
 from models import dba
@@ -49,8 +48,6 @@ PRESETS = {
 }
 
 
-def say(message: str) -> None:
-    click.echo(message, err=True)
 
 
 def _validate(cfg: Config, teacher, corpus) -> tuple:
@@ -120,7 +117,7 @@ def run(cfg: Config):
     _check_existing(cfg, folder)
     per = 4 if cfg.eval_windows % 4 == 0 else 2 if cfg.eval_windows % 2 == 0 else 1
     heldout = EvalBatches(test, per, cfg.block_size, cfg.eval_windows // per, device=device)
-    ctx = Context(cfg, folder, device, teacher, corpus, dev, heldout, say)
+    ctx = Context(cfg, folder, device, teacher, corpus, dev, heldout, progress)
     with claim(folder):   # the first write: a second run on this folder stops here, naming this one
         _record_time(folder, "load", time.perf_counter() - start)
         return _run_phases(ctx, teacher, corpus, dev, test)
@@ -129,7 +126,7 @@ def run(cfg: Config):
 def _run_phases(ctx: Context, teacher, corpus, dev, test):
     """Surgery, then the trained phases, verify and benchmark, each skipped when already done."""
     cfg, folder = ctx.cfg, ctx.folder
-    say(f"upcycle: teacher {teacher.source} ({teacher.format}), {size(teacher.params) / 1e6:.1f}M params, "
+    progress(f"upcycle: teacher {teacher.source} ({teacher.format}), {size(teacher.params) / 1e6:.1f}M params, "
         f"{teacher.config.n_layers} layers, {teacher.config.n_heads} heads / {teacher.config.n_kv_heads} KV heads "
         f"x {teacher.config.head_dim}; data {corpus.meta['source']}: {len(corpus.train):,} train / "
         f"{len(dev):,} dev / {len(test):,} test tokens; phases surgery,{','.join(cfg.phases)}; run folder {folder}")
@@ -150,7 +147,7 @@ def _run_phases(ctx: Context, teacher, corpus, dev, test):
             continue
         student, stopped = timed(phase, train, ctx, student, scfg)
         if stopped:
-            say(f"{stopped}; rerun the same command to continue")
+            progress(f"{stopped}; rerun the same command to continue")
             return None
         stages[phase] = timed(phase, phase_summary, ctx, phase, student, scfg)["loss"]
         label = phase
@@ -160,13 +157,13 @@ def _run_phases(ctx: Context, teacher, corpus, dev, test):
     if "benchmark" in cfg.phases:
         path = folder / "benchmark" / "results.json"
         if path.exists() and json.loads(path.read_text()).get("stages") == stages:
-            say(f"benchmark: done ({path})")
+            progress(f"benchmark: done ({path})")
             results["benchmark"] = json.loads(path.read_text())
         else:
             results["benchmark"] = timed("benchmark", upcycle_bench.run_benchmark, ctx, student, scfg, stages)
     timings = json.loads((folder / "timings.json").read_text())
     total = sum(timings.values())
-    say("upcycle: done in " + format_duration(total) + " (" + ", ".join(
+    progress("upcycle: done in " + format_duration(total) + " (" + ", ".join(
         f"{k} {format_duration(v)}" for k, v in timings.items()) + "); held-out perplexity " + ", ".join(
         f"{k} {upcycle_bench.ppl(v):.3f}" for k, v in stages.items())
         + f"; student: recipe=generate init={folder / label}")
@@ -191,12 +188,12 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
         n = bw.cache_batches or bw.steps
         identity = {"teacher": fingerprint(t.params), "data": ctx.corpus.path, "seed": cfg.seed,
                     "batch_size": bw.batch_size, "block_size": cfg.block_size}
-        source.cache = bw_loop.BlockIOCache.open_or_build(source, n, identity, say=say)
+        source.cache = bw_loop.BlockIOCache.open_or_build(source, n, identity, say=progress)
     step_fn = bw_loop.make_step(scfg, optimizer, loss=bw.loss, mode=bw.mode, train=bw.train, ema=bw.ema,
                                 target=bw.convergence_target, patience=bw.patience, min_delta=bw.min_delta,
                                 match=bw.match, precision=cfg.dtype, device_type=ctx.device.type, compile=cfg.compile)
     trainable = size(bw_loop.split(student, bw.train)[0])
-    say(f"blockwise: {bw.mode}, {bw.loss} on {bw.match} outputs, training {bw.train} "
+    progress(f"blockwise: {bw.mode}, {bw.loss} on {bw.match} outputs, training {bw.train} "
         f"({trainable / 1e6:.2f}M params) of all {scfg.n_layers} blocks at once, up to {bw.steps} steps of {bw.batch_size} x {cfg.block_size} tokens"
         + (f"; resuming from {resume} at step {int(state.step)}" if resume is not None else ""))
     with Logger(folder) as logger:
