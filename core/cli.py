@@ -51,11 +51,11 @@ USAGE = f"usage: {SYNOPSIS}\n       {PROG} [recipe=NAME] --help"
 
 # OS errors on a path the user chose (the run folder above all): one line with the path and what to do
 PATH_ERRORS = {
-    errno.EACCES: "choose an out= you may write to, or change its permissions",
-    errno.EPERM: "choose an out= you may write to, or change its permissions",
-    errno.EROFS: "choose an out= on a writable filesystem",
-    errno.ENOSPC: "free space, or choose another out= on a disk with room",
-    errno.EDQUOT: "free space within your quota, or choose another out=",
+    errno.EACCES: "choose a path you may write to (another out=) or change its permissions",
+    errno.EPERM: "choose a path you may write to (another out=) or change its permissions",
+    errno.EROFS: "choose a path on a writable filesystem (another out=)",
+    errno.ENOSPC: "free space, or choose another out= (or $PURESTEP_CACHE) on a disk with room",
+    errno.EDQUOT: "free space within your quota, or choose another out= (or $PURESTEP_CACHE)",
     errno.ENOTDIR: "a part of the path is a file, not a folder; choose another out=",
     errno.EISDIR: "a folder stands where a file should go; choose another out= or move that folder",
     errno.ENAMETOOLONG: "choose a shorter out= (or name=)",
@@ -71,9 +71,9 @@ def is_user_error(e: BaseException) -> bool:
 def user_message(e: BaseException) -> str:
     """The one line that tells the user what went wrong (and, for an OS error, with which path and what to do)."""
     if isinstance(e, OSError) and not isinstance(e, UserError) and e.errno in PATH_ERRORS:
-        path = e.filename if e.filename is not None else "(unnamed file)"
         reason = (e.strerror or os.strerror(e.errno)).lower()
-        return f"{path}: {reason}; {PATH_ERRORS[e.errno]}"
+        where = f"{e.filename}: " if e.filename is not None else ""
+        return f"{where}{reason}; {PATH_ERRORS[e.errno]}"
     return " ".join(str(e).split()) or type(e).__name__
 
 

@@ -319,7 +319,9 @@ def _check(key: str, tp, value, metadata: Mapping):
         raise ConfigError(f"bad value for '{key}': {e}") from None
     bad = bounds.violation(out) if bounds is not None and out is not None else None
     if bad is not None:
-        raise ConfigError(f"bad value for '{key}': {show_value(bad)} is out of range; {key} must be {bounds}")
+        what = (f"{show_value(bad)} in {key}={show_value(out)} is out of range; each item must be"
+                if isinstance(out, (tuple, list)) else f"{key}={show_value(out)} is out of range; it must be")
+        raise ConfigError(f"bad value for '{key}': {what} {bounds}")
     return out
 
 

@@ -77,7 +77,8 @@ class Config:
     block_size: int = option(128, "tokens per window the teacher reads", min=1)
     batch_size: int = option(16, "windows per training step (batch_size x block_size states)", min=1)
     steps: int = option(500, "optimizer steps per stage (fewer if early stopping ends it)", min=1)
-    lr: float = option(1e-2, "peak learning rate (the loss is scale-free, so it carries across teachers)", above=0)
+    lr: float = option(1e-2, "peak learning rate (the loss is scale-free, so it carries across teachers; "
+                             "0 holds the weights)", min=0)
     warmup_steps: int = option(50, "linear warmup steps", min=0)
     lr_schedule: str = same_as(TrainConfig, "lr_schedule")
     min_lr: float = option(5e-4, "learning-rate floor of the decay", min=0)

@@ -32,7 +32,7 @@ class OrchestratorConfig:
     eval_horizon: int = option(25, "steps each candidate trains in a decision (the winner's are kept)", min=1)
     candidates: int = option(2, "strategies compared per decision, the current one included", min=1)
     switch_margin: float = option(0.01, "a challenger replaces the current strategy only if its probe loss is "
-                                         "lower by this fraction")
+                                         "lower by this fraction", min=0, below=1)
     probe_batches: int = option(4, "held-out validation batches that score the candidates", min=1)
     max_loss_increase: float = option(1.5, "safety: a loss above this x its EMA (or non-finite) rolls back", above=1)
     spike_z: float = option(3.0, "a step is a soft spike when the step's loss or grad-norm z-score exceeds this",
