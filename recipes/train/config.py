@@ -33,7 +33,7 @@ class TrainConfig:
     batch_size: int = option(16, "sequences per micro-batch", min=1)
     block_size: int = option(128, "tokens per sequence (context length)", min=1)
     grad_accum: int = option(1, "micro-batches averaged per optimizer step", min=1)
-    lr: float = option(1e-3, "peak learning rate", above=0)
+    lr: float = option(1e-3, "peak learning rate (0 holds the weights: an evaluation-only run)", min=0)
     warmup_steps: int = option(100, "linear warmup steps", min=0)
     lr_schedule: str = option("cosine", "decay after warmup", choices=KINDS)
     decay_steps: int = option(0, "step at which the decay reaches min_lr (0: steps)", min=0)
