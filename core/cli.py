@@ -18,7 +18,8 @@ Exit codes: 0 done; 2 a user error (``core.config.UserError`` and its subclasses
 ``core.tokenizers.DataError`` and ``core.checkpoint.CheckpointError``, ``FileNotFoundError``, and the OS
 errors of a path that cannot be written, ``PATH_ERRORS``: no permission, no space, a read-only disk, a file
 in the way), reported as one ``error:`` line on stderr (naming the path and what to do); 130 interrupted;
-1 anything else, which is a bug and prints its traceback. ``bin/run`` is a thin click wrapper around ``main``, which tests also call in-process.
+1 anything else, which is a bug and prints its traceback. ``bin/run`` is a thin click wrapper around
+``main``, which tests also call in-process.
 """
 from __future__ import annotations
 

@@ -305,12 +305,9 @@ def prepare(data: str, tokenizer_spec="byte", cache_dir: str | None = None) -> C
 
 
 def _open_tokens(folder: str, build, description: str):
-    """``(meta, arrays, tokenizer)`` of the token cache at ``folder``, built first if missing or incomplete.
-
-    A cache whose files are complete but whose content is damaged (a tokenizer its ``meta.json`` cannot
-    rebuild, a token id outside that tokenizer's vocabulary) is rebuilt once; a cache still unreadable after
-    that is a DataError naming the folder.
-    """
+    """``(meta, arrays, tokenizer)`` of the token cache at ``folder``, built first if missing or incomplete;
+    rebuilt once if damaged (a tokenizer ``meta.json`` cannot rebuild, a token id outside its vocabulary);
+    a DataError naming the folder if still unreadable."""
     try:
         meta, arrays = cache.open_or_build(folder, _layout, build)
         tokenizer, damage = _read_tokens(meta, arrays)
@@ -323,7 +320,7 @@ def _open_tokens(folder: str, build, description: str):
         damage = str(e)
     if damage:
         raise DataError(f"token cache {folder} is unreadable after tokenizing {description}: {damage}; "
-                        f"delete that folder and run again") from None
+                        "delete it") from None
     return meta, arrays, tokenizer
 
 
@@ -339,8 +336,7 @@ def _read_tokens(meta: dict, arrays: dict, chunk: int = 1 << 24):
         for start in range(0, len(tokens), chunk):
             top = int(tokens[start:start + chunk].max())
             if top >= tokenizer.vocab_size:
-                return None, (f"{split}.bin holds token id {top}, outside the vocabulary of "
-                              f"{tokenizer.vocab_size}")
+                return None, f"{split}.bin holds token id {top}, outside the vocabulary of {tokenizer.vocab_size}"
     return tokenizer, None
 
 

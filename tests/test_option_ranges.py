@@ -119,6 +119,13 @@ def test_a_real_enotdir_from_the_run_folder_lock_is_a_user_error(tmp_path):
     assert cli.is_user_error(e.value) and "a_file" in cli.user_message(e.value)
 
 
+def test_a_real_name_too_long_is_one_line_before_any_work(tmp_path, capsys):
+    assert main(["recipe=standard", f"out={tmp_path / ('x' * 300) / 'run'}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path}") and "shorter out=" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_other_os_errors_stay_bugs(monkeypatch, capsys):
     def fails(cfg):
         raise OSError(errno.ECONNRESET, "Connection reset by peer")
