@@ -15,17 +15,21 @@ A recipe module (imported only when chosen) exposes:
 - ``run(cfg)``: the loop.
 
 Exit codes: 0 done; 2 a user error (``core.config.UserError`` and its subclasses, among them
-``core.tokenizers.DataError`` and ``core.checkpoint.CheckpointError``, and ``FileNotFoundError``),
-reported as one ``error:`` line on stderr; 130 interrupted; 1 anything else, which is a bug and prints
-its traceback. ``bin/run`` is a thin click wrapper around ``main``, which tests also call in-process.
+``core.tokenizers.DataError`` and ``core.checkpoint.CheckpointError``, ``FileNotFoundError``, and the OS
+errors of a path that cannot be written, ``PATH_ERRORS``: no permission, no space, a read-only disk, a file
+in the way), reported as one ``error:`` line on stderr (naming the path and what to do); 130 interrupted;
+1 anything else, which is a bug and prints its traceback. ``bin/run`` is a thin click wrapper around
+``main``, which tests also call in-process.
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
 import difflib
+import errno
 import importlib
 import importlib.util
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -46,9 +50,32 @@ SYNOPSIS = f"{PROG} recipe=NAME [config=FILE.toml] [preset=NAME] [key=value ...]
 USAGE = f"usage: {SYNOPSIS}\n       {PROG} [recipe=NAME] --help"
 
 
+# OS errors on a path the user chose (the run folder above all): one line with the path and what to do
+PATH_ERRORS = {
+    errno.EACCES: "choose a path you may write to (another out=) or change its permissions",
+    errno.EPERM: "choose a path you may write to (another out=) or change its permissions",
+    errno.EROFS: "choose a path on a writable filesystem (another out=)",
+    errno.ENOSPC: "free space, or choose another out= (or $PURESTEP_CACHE) on a disk with room",
+    errno.EDQUOT: "free space within your quota, or choose another out= (or $PURESTEP_CACHE)",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; choose another out=",
+    errno.EISDIR: "a folder stands where a file should go; choose another out= or move that folder",
+    errno.ENAMETOOLONG: "choose a shorter out= (or name=)",
+}
+
+
 def is_user_error(e: BaseException) -> bool:
-    """True for errors the user fixes (bad config, missing file, bad data): no traceback for these."""
-    return isinstance(e, (UserError, FileNotFoundError))
+    """True for errors the user fixes (bad config, missing file, bad data, a run folder that cannot be
+    written: no permission, no space, a read-only disk, a file in the way): no traceback for these."""
+    return isinstance(e, (UserError, FileNotFoundError)) or isinstance(e, OSError) and e.errno in PATH_ERRORS
+
+
+def user_message(e: BaseException) -> str:
+    """The one line that tells the user what went wrong (and, for an OS error, with which path and what to do)."""
+    if isinstance(e, OSError) and not isinstance(e, UserError) and e.errno in PATH_ERRORS:
+        reason = (e.strerror or os.strerror(e.errno)).lower()
+        where = f"{e.filename}: " if e.filename is not None else ""
+        return f"{where}{reason}; {PATH_ERRORS[e.errno]}"
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], bool]:
@@ -244,6 +271,5 @@ def main(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
         if not is_user_error(e):
             traceback.print_exc()
             return 1
-        message = " ".join(str(e).split()) or type(e).__name__
-        click.echo(f"error: {message}", err=True)
+        click.echo(f"error: {user_message(e)}", err=True)
         return 2

@@ -4,12 +4,14 @@ nanoGPT's "Poor Man's Configurator" reads ``--key=value``, ``literal_eval``s the
 fallback, asserts the new type equals the old one and raises on an unknown key. Here the same idea runs
 against dataclass annotations instead of globals:
 
-- A config is a (possibly nested) dataclass. ``option(default, help, choices)`` declares a field with
-  its one-line help and allowed values; nested dataclasses are addressed with dotted keys
+- A config is a (possibly nested) dataclass. ``option(default, help, choices, min=, max=, above=, below=)``
+  declares a field with its one-line help, allowed values and valid range (``min=1``; ``min=0, below=1``
+  is [0, 1)); nested dataclasses are addressed with dotted keys
   (``model.n_layers=4``) and a dict field's entries too (``model.rope_scaling.factor=8``).
 - A string value is parsed against the field's annotated type (int, float, bool, str, ``X | None``,
   tuples and lists from ``a,b,c``, dicts from JSON or a TOML inline table, ``Literal[...]``); a value
   that is already typed (from TOML) is checked the same way: an int is a float, a bool is not an int.
+- A number outside its declared range is refused when the config is resolved, before anything runs.
 - Every mistake is a ``ConfigError``: one line that names the key and what is wrong with it, with close
   matches for a misspelt key (difflib) and the valid choices.
 - ``resolve`` layers the sources: defaults < preset < config file < command line.
@@ -33,8 +35,10 @@ import types
 import typing
 from typing import Any, Literal, Mapping, Union
 
-__all__ = ["UserError", "ConfigError", "option", "same_as", "apply_overrides", "resolve", "flatten_keys", "to_dict",
-           "from_dict", "type_str", "show_value"]
+from core.config_bounds import Bounds
+
+__all__ = ["UserError", "ConfigError", "option", "Bounds", "same_as", "apply_overrides", "resolve", "flatten_keys",
+           "to_dict", "from_dict", "type_str", "show_value"]
 
 
 class UserError(Exception):
@@ -49,31 +53,43 @@ class _BadValue(Exception):
     """Internal: why a value does not fit a type (the text after ``bad value for 'key': ``)."""
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None):
-    """A dataclass field with a one-line ``help`` and optional allowed ``choices``.
+def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | None = None, *,
+           min: float | None = None, max: float | None = None, above: float | None = None,
+           below: float | None = None):
+    """A dataclass field with a one-line ``help``, optional allowed ``choices`` and a valid range.
+
+    The range of a number (of each number of a tuple or list): ``min``/``max`` are closed bounds
+    (``min=1``: at least 1), ``above``/``below`` open ones (``above=0``: more than 0; ``min=0, below=1``:
+    [0, 1)). A value outside it is a ConfigError when the config is resolved; ``None`` is always allowed
+    for an optional field. ``--help`` and the README key table show the range next to the type.
 
     Mutable defaults are turned into a ``default_factory``: a dataclass *class* is its own factory
     (``option(LlamaConfig, "model shape")``, which lets ``__post_init__`` see the overridden values), a
     dataclass instance, list, dict or set is deep-copied for every new config.
     """
-    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None}
+    bounds = Bounds.of(min=min, max=max, above=above, below=below)
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "range": bounds}
     if isinstance(default, type) and dataclasses.is_dataclass(default):
         return dataclasses.field(default_factory=default, metadata=metadata)
     if dataclasses.is_dataclass(default) or isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
     if choices is not None and default is not dataclasses.MISSING and default not in metadata["choices"]:
         raise ValueError(f"default {default!r} is not one of the choices {choices!r}")
+    if bounds is not None and default is not dataclasses.MISSING and bounds.violation(default) is not None:
+        raise ValueError(f"default {default!r} is not {bounds}")
     return dataclasses.field(default=default, metadata=metadata)
 
 
 def same_as(cls, name: str):
-    """The option ``name`` of config class ``cls`` again (same default, help and choices), for a config
+    """The option ``name`` of config class ``cls`` again (same default, help, choices and range), for a config
     that takes some of another's keys without inheriting all of them: defaults stay in one place."""
     f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
     if f is None:
         raise AttributeError(f"{cls.__name__} has no option {name!r}")
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    return option(default, f.metadata.get("help", ""), f.metadata.get("choices"))
+    bounds = f.metadata.get("range")
+    return option(default, f.metadata.get("help", ""), f.metadata.get("choices"),
+                  **(bounds.keywords() if bounds is not None else {}))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -243,14 +259,21 @@ def _convert_dict(args, v):
     return {_convert(key_type, k): _convert(value_type, x) for k, x in v.items()}
 
 
-def _check(key: str, tp, value, choices: tuple | None):
-    """``value`` converted to ``tp`` and checked against ``choices``, or a ConfigError naming ``key``."""
+def _check(key: str, tp, value, metadata: Mapping):
+    """``value`` converted to ``tp`` and checked against the field's ``choices`` and range, or a
+    ConfigError naming ``key``."""
+    choices, bounds = metadata.get("choices"), metadata.get("range")
     try:
         out = _convert(tp, value)
         if choices is not None and out not in choices:
             raise _BadValue(f"{value!r}; choose one of {', '.join(show_value(c) for c in choices)}")
     except _BadValue as e:
         raise ConfigError(f"bad value for '{key}': {e}") from None
+    bad = bounds.violation(out) if bounds is not None and out is not None else None
+    if bad is not None:
+        what = (f"{show_value(bad)} in {key}={show_value(out)} is out of range; each item must be"
+                if isinstance(out, (tuple, list)) else f"{key}={show_value(out)} is out of range; it must be")
+        raise ConfigError(f"bad value for '{key}': {what} {bounds}")
     return out
 
 
@@ -295,7 +318,7 @@ def _apply(target, values: Mapping[str, Any], prefix: str, root, context: str):
                                   f"e.g. {prefix}{name}.{_fields(tp)[0][0].name}=...")
             sections.setdefault(name, {})[rest] = value
         elif not rest:
-            changes[name] = _check(prefix + name, tp, value, f.metadata.get("choices"))
+            changes[name] = _check(prefix + name, tp, value, f.metadata)
         elif _is_dict(tp):                          # one entry of a dict field: merge it in
             current = changes[name] if name in changes else (
                 _default(f) if isinstance(target, type) else getattr(target, name))

@@ -1,5 +1,5 @@
-"""Config help: the key table (key, type, default, meaning) of a config class, as ``--help`` text and as
-the README's Markdown tables (which ``tests/test_readme.py`` checks against it)."""
+"""Config help: the key table (key, type and valid range, default, meaning) of a config class, as ``--help``
+text and as the README's Markdown tables (which ``tests/test_readme.py`` checks against it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +26,8 @@ def describe(cfg_cls_or_instance) -> list[tuple[str, str, str, str]]:
                 continue
             choices = f.metadata.get("choices")
             tstr = "|".join(show_value(c) for c in choices) if choices else type_str(tp)
+            if f.metadata.get("range") is not None:
+                tstr += f" {f.metadata['range']}"
             shown = "(required)" if value is dataclasses.MISSING else show_value(value)
             rows.append((prefix + f.name, tstr, shown, f.metadata.get("help", "")))
 

@@ -25,18 +25,18 @@ from core.config import option
 @dataclass
 class SpikeConfig:
     enabled: bool = option(True, "detect loss/grad-norm spikes in the step and roll back on a hard one")
-    warmup: int = option(50, "observations before any flag is raised")
-    ema: float = option(0.98, "EMA decay of the loss and grad-norm mean/variance")
-    z_threshold: float = option(4.0, "a step is suspect when the loss or grad norm is this many sigmas high")
-    consecutive: int = option(3, "suspect steps in a row that make a hard spike")
-    loss_factor: float = option(1.5, "a loss above this many times its EMA is a hard spike at once")
-    rollback_back: int = option(100, "roll back to a snapshot at least this many steps before the onset")
-    snapshot_every: int = option(50, "steps between in-memory snapshots for rollback")
+    warmup: int = option(50, "observations before any flag is raised", min=0)
+    ema: float = option(0.98, "EMA decay of the loss and grad-norm mean/variance", min=0, below=1)
+    z_threshold: float = option(4.0, "a step is suspect when the loss or grad norm is this many sigmas high", above=0)
+    consecutive: int = option(3, "suspect steps in a row that make a hard spike", min=1)
+    loss_factor: float = option(1.5, "a loss above this many times its EMA is a hard spike at once", above=1)
+    rollback_back: int = option(100, "roll back to a snapshot at least this many steps before the onset", min=0)
+    snapshot_every: int = option(50, "steps between in-memory snapshots for rollback", min=1)
     skip_ahead: int = option(100, "after a rollback also skip this many batches past the spike (bad data "
-                                  "comes in runs; PaLM skipped 200-500 batches in all)")
-    lr_factor: float = option(1.0, "multiply the learning rate by this after a rollback (OPT used 0.9)")
-    max_rollbacks: int = option(3, "at most this many rollbacks per window; then the run stops")
-    window: int = option(1000, "the window (steps) for max_rollbacks")
+                                  "comes in runs; PaLM skipped 200-500 batches in all)", min=0)
+    lr_factor: float = option(1.0, "multiply the learning rate by this after a rollback (OPT used 0.9)", above=0)
+    max_rollbacks: int = option(3, "at most this many rollbacks per window; then the run stops", min=1)
+    window: int = option(1000, "the window (steps) for max_rollbacks", min=1)
 
 
 def init_monitor(device=None) -> dict:

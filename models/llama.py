@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -36,25 +36,26 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from core import rng
+from core.config import option
 from core.tree import unstack
 from models import losses
 
 
 @dataclass
 class LlamaConfig:
-    vocab_size: int = 0          # 0: a recipe sets it from the tokenizer
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 0          # 0 means n_heads (plain multi-head attention)
-    head_dim: int = 0            # 0 means d_model // n_heads
-    ffn_dim: int = 0             # 0 means the Llama rule: 8/3 * d rounded up to a multiple of 64
-    rope_theta: float = 10000.0
-    rope_scaling: dict = field(default_factory=dict)  # {} or llama3: factor, low_freq_factor, ...
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    dropout: float = 0.0
-    init_std: float = 0.02
+    vocab_size: int = option(0, "vocabulary size (0: a recipe sets it from the tokenizer)", min=0)
+    d_model: int = option(128, "model width", min=1)
+    n_layers: int = option(4, "transformer blocks", min=1)
+    n_heads: int = option(4, "query heads", min=1)
+    n_kv_heads: int = option(0, "key/value heads, grouped-query attention (0: n_heads)", min=0)
+    head_dim: int = option(0, "width of a head (0: d_model // n_heads)", min=0)
+    ffn_dim: int = option(0, "SwiGLU hidden width (0: the Llama rule, 8/3 d_model rounded up to 64)", min=0)
+    rope_theta: float = option(10000.0, "RoPE base frequency", above=0)
+    rope_scaling: dict = option({}, "RoPE frequency scaling: {} or llama3's (factor, low_freq_factor, ...)")
+    norm_eps: float = option(1e-5, "RMSNorm epsilon", above=0)
+    tie_embeddings: bool = option(True, "the output head shares the token embedding's weights")
+    dropout: float = option(0.0, "dropout probability (0: off)", min=0, below=1)
+    init_std: float = option(0.02, "standard deviation of the normal init", above=0)
 
     def __post_init__(self):
         if self.n_kv_heads == 0:

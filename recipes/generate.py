@@ -25,11 +25,11 @@ DESCRIPTION = "generate text from a checkpoint with a KV cache (temperature, top
 class Config:
     init: str = option("", "checkpoint (file or run folder) to generate from")
     prompt: str = option("", "text to continue (empty: start from the tokenizer's BOS/newline)")
-    max_new_tokens: int = option(200, "tokens to generate")
-    temperature: float = option(0.8, "softmax temperature (0: greedy)")
-    top_k: int = option(0, "sample among the k most likely tokens (0: all)")
-    top_p: float = option(1.0, "nucleus sampling: smallest set with this much probability (1: all)")
-    seed: int = option(1337, "sampling seed: same seed, same text")
+    max_new_tokens: int = option(200, "tokens to generate", min=1)
+    temperature: float = option(0.8, "softmax temperature (0: greedy)", min=0)
+    top_k: int = option(0, "sample among the k most likely tokens (0: all)", min=0)
+    top_p: float = option(1.0, "nucleus sampling: smallest set with this much probability (1: all)", above=0, max=1)
+    seed: int = option(1337, "sampling seed: same seed, same text", min=0)
     device: str = option("auto", "where to run", choices=DEVICES)
     dtype: str = option("fp32", "compute precision", choices=("fp32", "bf16", "fp16"))
 

@@ -35,9 +35,9 @@ DESCRIPTION = "exponential learning-rate range test on a copy of the state; sugg
 
 @dataclass
 class Config:
-    start_lr: float = option(1e-7, "first learning rate of the sweep")
-    end_lr: float = option(10.0, "last learning rate of the sweep")
-    num_steps: int = option(100, "sweep length in steps")
+    start_lr: float = option(1e-7, "first learning rate of the sweep", above=0)
+    end_lr: float = option(10.0, "last learning rate of the sweep", above=0)
+    num_steps: int = option(100, "sweep length in steps", min=1)
     model: llama.LlamaConfig = option(llama.LlamaConfig, "model shape (vocab_size 0: the tokenizer's)")
     init: str = option("", "sweep from this checkpoint's weights instead of a random init")
     data: str = same_as(TrainConfig, "data")

@@ -39,9 +39,9 @@ DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKP
 @dataclass
 class Config(TrainConfig):
     model: llama.LlamaConfig = option(llama.LlamaConfig, "model shape (vocab_size 0: the tokenizer's)")
-    sample_tokens: int = option(200, "tokens generated as a sample at each evaluation (0: no samples)")
+    sample_tokens: int = option(200, "tokens generated as a sample at each evaluation (0: no samples)", min=0)
     sample_prompt: str = option("", "prompt for samples (default: the start of the validation text)")
-    sample_temperature: float = option(0.8, "sampling temperature for the samples")
+    sample_temperature: float = option(0.8, "sampling temperature for the samples", min=0)
 
 
 PRESETS = {

@@ -276,7 +276,7 @@ def test_describe_lists_every_key():
     assert rows["device"] == ["auto|cpu|cuda|mps", "auto", "where to run"]
     assert rows["dtype"] == ["fp32|bf16|fp16", "fp32", "precision"]
     assert rows["optim.betas"] == ["tuple[float, float]", "0.9,0.95", "Adam betas"]
-    assert rows["model.n_layers"] == ["int", "4", ""]
+    assert rows["model.n_layers"] == ["int >= 1", "4", "transformer blocks"]
     assert len(rows) == 12 + 2 + len(dataclasses.fields(LlamaConfig))
     assert {key: value for key, _, value, _ in describe(over(steps="9"))}["steps"] == "9"
 

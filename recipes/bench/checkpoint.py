@@ -35,8 +35,8 @@ MB = 1e6
 
 @dataclass
 class Config:
-    n_params: int = option(100_000_000, "parameters in the Llama-shaped float32 state dict")
-    repeats: int = option(3, "timed rounds after the warm-up round; the median is reported")
+    n_params: int = option(100_000_000, "parameters in the Llama-shaped float32 state dict", min=1)
+    repeats: int = option(3, "timed rounds after the warm-up round; the median is reported", min=1)
     folder: str = option("", "folder for the temporary files (empty: the system's temporary folder)")
 
 

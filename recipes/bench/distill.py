@@ -27,9 +27,9 @@ class Config:
     data: str = option("stdlib", "text the batches come from (file, folder, glob, or 'stdlib')")
     preset: str = option("smollm2", "the recipe=distill preset whose student and batch shapes are timed",
                          choices=tuple(distill.PRESETS))
-    k: int = option(32, "teacher ids kept per position in the cache")
-    steps: int = option(12, "timed steps per variant")
-    warmup: int = option(2, "untimed steps per variant first")
+    k: int = option(32, "teacher ids kept per position in the cache", min=1)
+    steps: int = option(12, "timed steps per variant", min=1)
+    warmup: int = option(2, "untimed steps per variant first", min=0)
 
 
 def step_time_ratio(online: distill.Config, cached: distill.Config, steps: int = 10, warmup: int = 2) -> dict:

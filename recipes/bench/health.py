@@ -43,18 +43,18 @@ DESCRIPTION = "time AdaGC + gradient health statistics in the compiled step agai
 
 @dataclass
 class Config:
-    d_model: int = option(64, "model width")
-    n_layers: int = option(2, "transformer blocks")
-    n_heads: int = option(4, "attention heads")
-    vocab_size: int = option(256, "vocabulary size (byte-level)")
-    batch_size: int = option(16, "sequences per step")
-    block_size: int = option(64, "tokens per sequence")
-    warmup: int = option(3, "untimed steps per variant (compilation happens here)")
-    steps: int = option(20, "timed steps per variant per round")
-    rounds: int = option(10, "rounds; each variant takes rounds * steps single timed steps, interleaved")
+    d_model: int = option(64, "model width", min=1)
+    n_layers: int = option(2, "transformer blocks", min=1)
+    n_heads: int = option(4, "attention heads", min=1)
+    vocab_size: int = option(256, "vocabulary size (byte-level)", min=1)
+    batch_size: int = option(16, "sequences per step", min=1)
+    block_size: int = option(64, "tokens per sequence", min=1)
+    warmup: int = option(3, "untimed steps per variant (compilation happens here)", min=0)
+    steps: int = option(20, "timed steps per variant per round", min=1)
+    rounds: int = option(10, "rounds; each variant takes rounds * steps single timed steps, interleaved", min=1)
     breakdown: bool = option(False, "also time AdaGC alone and health alone (two more compiled graphs)")
-    threads: int = option(0, "torch.set_num_threads (0 keeps the default)")
-    seed: int = option(0, "seed for weights and the batch")
+    threads: int = option(0, "torch.set_num_threads (0 keeps the default)", min=0)
+    seed: int = option(0, "seed for weights and the batch", min=0)
 
 
 def _functional(cfg: llama.LlamaConfig, params, batch, *, adagc: bool, health: bool):

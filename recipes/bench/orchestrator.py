@@ -130,10 +130,10 @@ def bench_nowcast(root: Path, data: str, steps: int) -> None:
 class Config:
     data: str = option("", "text to train on (empty: the shared tinyshakespeare.txt if present, "
                            "else this Python's json module source)")
-    steps: int = option(300, "steps of the unstable and nowcast runs")
+    steps: int = option(300, "steps of the unstable and nowcast runs", min=1)
     only: tuple[str, ...] = option(PARTS, "parts to run, comma-separated: unstable, healthy, nowcast")
-    healthy_steps: int = option(1000, "steps of each healthy run")
-    repeats: int = option(3, "interleaved fixed/orchestrated pairs of healthy runs")
+    healthy_steps: int = option(1000, "steps of each healthy run", min=1)
+    repeats: int = option(3, "interleaved fixed/orchestrated pairs of healthy runs", min=1)
 
 
 def run(cfg: Config) -> None:

@@ -37,19 +37,19 @@ DESCRIPTION = "time the compiled functional step against nn.Module + torch.optim
 
 @dataclass
 class Config:
-    d_model: int = option(128, "model width")
-    n_layers: int = option(4, "transformer blocks")
-    n_heads: int = option(4, "attention heads")
-    n_kv_heads: int = option(2, "key/value heads (grouped-query attention)")
-    vocab_size: int = option(256, "vocabulary size (byte-level)")
-    batch_size: int = option(16, "sequences per step")
-    block_size: int = option(128, "tokens per sequence")
-    warmup: int = option(3, "untimed steps per variant (compilation happens here)")
-    steps: int = option(10, "timed steps per variant per round")
-    rounds: int = option(3, "interleaved timing rounds; the median step time is reported")
+    d_model: int = option(128, "model width", min=1)
+    n_layers: int = option(4, "transformer blocks", min=1)
+    n_heads: int = option(4, "attention heads", min=1)
+    n_kv_heads: int = option(2, "key/value heads (grouped-query attention)", min=1)
+    vocab_size: int = option(256, "vocabulary size (byte-level)", min=1)
+    batch_size: int = option(16, "sequences per step", min=1)
+    block_size: int = option(128, "tokens per sequence", min=1)
+    warmup: int = option(3, "untimed steps per variant (compilation happens here)", min=0)
+    steps: int = option(10, "timed steps per variant per round", min=1)
+    rounds: int = option(3, "interleaved timing rounds; the median step time is reported", min=1)
     compile: bool = option(True, "include the two compiled variants")
-    threads: int = option(0, "torch.set_num_threads (0 keeps the default)")
-    seed: int = option(0, "seed for weights and the batch")
+    threads: int = option(0, "torch.set_num_threads (0 keeps the default)", min=0)
+    seed: int = option(0, "seed for weights and the batch", min=0)
 
 
 def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool):

@@ -51,9 +51,10 @@ class Config:
     out: str = option("", "cache folder to write (required; built in a temporary folder, then renamed)")
     mode: str = option("topk", "topk (ids + log-probs + missing mass) or sample (Random-Sampling KD ids + counts)",
                        choices=MODES)
-    k: int = option(32, "mode=topk: teacher ids kept per position")
-    samples: int = option(32, "mode=sample: draws from the teacher per position (kept as distinct ids + counts)")
-    temperature: float = option(1.0, "teacher temperature the targets are captured at (the distill run uses it)")
+    k: int = option(32, "mode=topk: teacher ids kept per position", min=1)
+    samples: int = option(32, "mode=sample: draws from the teacher per position (kept as distinct ids + counts)", min=1)
+    temperature: float = option(1.0, "teacher temperature the targets are captured at (the distill run uses it)",
+                                above=0)
     data: str = same_as(TrainConfig, "data")
     tokenizer: str = same_as(TrainConfig, "tokenizer")
     steps: int = same_as(TrainConfig, "steps")

@@ -78,10 +78,14 @@ THETA = "kd_temperature"          # the learnable temperature's logit in the par
 
 
 def _optional_fields(cls, name: str, help_: str):
-    """A copy of dataclass ``cls`` whose every field is ``X | None = None`` ("unset")."""
+    """A copy of dataclass ``cls`` whose every field is ``X | None = None`` ("unset"), in the field's range."""
     hints = typing.get_type_hints(cls)
+
+    def unset(f):
+        bounds = f.metadata.get("range")
+        return option(None, help_, **(bounds.keywords() if bounds is not None else {}))
     return dataclasses.make_dataclass(
-        name, [(f.name, Optional[hints[f.name]], option(None, help_)) for f in dataclasses.fields(cls)])
+        name, [(f.name, Optional[hints[f.name]], unset(f)) for f in dataclasses.fields(cls)])
 
 
 StudentModel = _optional_fields(llama.LlamaConfig, "StudentModel",
@@ -94,17 +98,18 @@ class Config(TrainConfig):
     student: str = option("config", "student: config (model.*), drop_layers (every other teacher layer), "
                                     "shrink (teacher shape, model.* widths)", choices=STUDENTS)
     model: StudentModel = option(StudentModel, "student shape for student=config/shrink")
-    alpha: float = option(0.5, "weight of the KD term: alpha*T^2*KL + (1-alpha)*CE")
-    temperature: float = option(1.0, "softmax temperature T (the start value when scheduled or learnable)")
+    alpha: float = option(0.5, "weight of the KD term: alpha*T^2*KL + (1-alpha)*CE", min=0, max=1)
+    temperature: float = option(1.0, "softmax temperature T (the start value when scheduled or learnable)", above=0)
     temperature_mode: str = option("fixed", "fixed, scheduled (linear to temperature_end), learnable (CTKD)",
                                    choices=TEMPERATURE_MODES)
-    temperature_end: float = option(1.0, "scheduled: the temperature at the last step")
-    temperature_min: float = option(1.0, "learnable: lower bound of T (CTKD: 1)")
-    temperature_max: float = option(21.0, "learnable: upper bound of T (CTKD: 1 + 20)")
-    temperature_ramp_steps: int = option(200, "learnable: steps of the cosine ramp of the gradient reversal (0: none)")
+    temperature_end: float = option(1.0, "scheduled: the temperature at the last step", above=0)
+    temperature_min: float = option(1.0, "learnable: lower bound of T (CTKD: 1)", above=0)
+    temperature_max: float = option(21.0, "learnable: upper bound of T (CTKD: 1 + 20)", above=0)
+    temperature_ramp_steps: int = option(200, "learnable: steps of the cosine ramp of the gradient reversal (0: none)",
+                                         min=0)
     kl: str = option("forward", "KL direction: forward KL(p||q), reverse KL(q||p), symmetric (DistiLLM)",
                      choices=losses.DIRECTIONS)
-    symmetric_lambda: float = option(0.9, "kl=symmetric: weight of the reverse KL")
+    symmetric_lambda: float = option(0.9, "kl=symmetric: weight of the reverse KL", min=0, max=1)
     cache: str = option("", "train from this offline teacher cache (recipe=distill_cache); empty: online teacher")
     sample_tokens: int = same_as(standard.Config, "sample_tokens")
     sample_prompt: str = same_as(standard.Config, "sample_prompt")

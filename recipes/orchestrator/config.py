@@ -12,10 +12,10 @@ from optim.swats import SCOPES
 class NowcastConfig:
     enabled: bool = option(False, "periodically jump the weights along their fitted trajectory (kept only "
                                   "if the held-out probe loss improves)")
-    interval: int = option(100, "steps between nowcast attempts")
-    window: int = option(5, "snapshots in the least-squares line of every weight")
-    stride: int = option(10, "steps between two snapshots")
-    horizon: int = option(20, "steps ahead to extrapolate")
+    interval: int = option(100, "steps between nowcast attempts", min=1)
+    window: int = option(5, "snapshots in the least-squares line of every weight", min=2)
+    stride: int = option(10, "steps between two snapshots", min=1)
+    horizon: int = option(20, "steps ahead to extrapolate", min=1)
 
 
 @dataclass
@@ -26,22 +26,25 @@ class OrchestratorConfig:
     portfolio: str = option(",".join(NAMES), "comma-separated strategies the bandit chooses from")
     safety_strategy: str = option("conservative_adamw", "strategy after a rollback", choices=NAMES)
     decision_interval: int = option(500, "steps between periodic decisions (doubled, up to max_backoff x, "
-                                         "each time the current strategy wins)")
-    max_backoff: int = option(8, "cap of the decision interval's doubling, as a multiple of decision_interval")
-    min_gap: int = option(50, "fewest steps between two decisions (spike and plateau triggers)")
-    eval_horizon: int = option(25, "steps each candidate trains in a decision (the winner's are kept)")
-    candidates: int = option(2, "strategies compared per decision, the current one included")
+                                         "each time the current strategy wins)", min=1)
+    max_backoff: int = option(8, "cap of the decision interval's doubling, as a multiple of decision_interval", min=1)
+    min_gap: int = option(50, "fewest steps between two decisions (spike and plateau triggers)", min=0)
+    eval_horizon: int = option(25, "steps each candidate trains in a decision (the winner's are kept)", min=1)
+    candidates: int = option(2, "strategies compared per decision, the current one included", min=1)
     switch_margin: float = option(0.01, "a challenger replaces the current strategy only if its probe loss is "
-                                         "lower by this fraction")
-    probe_batches: int = option(4, "held-out validation batches that score the candidates")
-    max_loss_increase: float = option(1.5, "safety: a loss above this x its EMA (or non-finite) rolls back")
-    spike_z: float = option(3.0, "a step is a soft spike when the step's loss or grad-norm z-score exceeds this")
-    spike_trigger: int = option(3, "soft spikes within window that make the phase unstable and call a decision")
-    window: int = option(100, "steps of loss history for the slope, the plateau test and the spike count")
-    plateau_tol: float = option(0.002, "plateau: the fitted loss decrease over window is below this fraction")
-    ucb_gamma: float = option(0.9, "discount of the bandit statistics per decision (Garivier & Moulines)")
-    ucb_xi: float = option(0.6, "exploration constant xi of discounted UCB")
-    swats_eps: float = option(1e-5, "SWATS switches when abs(Lambda - gamma) is below this (paper: 1e-9, which rarely fires)")
+                                         "lower by this fraction", min=0, below=1)
+    probe_batches: int = option(4, "held-out validation batches that score the candidates", min=1)
+    max_loss_increase: float = option(1.5, "safety: a loss above this x its EMA (or non-finite) rolls back", above=1)
+    spike_z: float = option(3.0, "a step is a soft spike when the step's loss or grad-norm z-score exceeds this",
+                            above=0)
+    spike_trigger: int = option(3, "soft spikes within window that make the phase unstable and call a decision", min=1)
+    window: int = option(100, "steps of loss history for the slope, the plateau test and the spike count", min=1)
+    plateau_tol: float = option(0.002, "plateau: the fitted loss decrease over window is below this fraction", min=0)
+    ucb_gamma: float = option(0.9, "discount of the bandit statistics per decision (Garivier & Moulines)",
+                              above=0, max=1)
+    ucb_xi: float = option(0.6, "exploration constant xi of discounted UCB", min=0)
+    swats_eps: float = option(1e-5, "SWATS switches when abs(Lambda - gamma) is below this (paper: 1e-9, which rarely fires)",
+                              min=0)
     swats_scope: str = option("global", "SWATS switches the model at once or each tensor on its own",
                               choices=SCOPES)
     nowcast: NowcastConfig = option(NowcastConfig, "weight nowcasting (Jang et al. 2023)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from core.config import ConfigError, option
 from core.device import DEVICES
@@ -22,50 +23,50 @@ CLIPPING = ("global", "adagc", "agc", "none")
 
 @dataclass
 class TrainConfig:
-    steps: int = option(1000, "optimizer steps to train for (the run's length)")
+    steps: int = option(1000, "optimizer steps to train for (the run's length)", min=1)
     out: str = option("", "run folder (default runs/<recipe>-<name or timestamp>)")
     name: str = option("", "run name; names the default run folder")
-    seed: int = option(1337, "seed for init, data order and dropout: same seed, same run")
+    seed: int = option(1337, "seed for init, data order and dropout: same seed, same run", min=0)
     device: str = option("auto", "where to train", choices=DEVICES)
     dtype: str = option("fp32", "compute precision (bf16/fp16 autocast, fp32 master weights)",
                         choices=tuple(PRECISIONS))
-    batch_size: int = option(16, "sequences per micro-batch")
-    block_size: int = option(128, "tokens per sequence (context length)")
-    grad_accum: int = option(1, "micro-batches averaged per optimizer step")
-    lr: float = option(1e-3, "peak learning rate")
-    warmup_steps: int = option(100, "linear warmup steps")
+    batch_size: int = option(16, "sequences per micro-batch", min=1)
+    block_size: int = option(128, "tokens per sequence (context length)", min=1)
+    grad_accum: int = option(1, "micro-batches averaged per optimizer step", min=1)
+    lr: float = option(1e-3, "peak learning rate (0 holds the weights: an evaluation-only run)", min=0)
+    warmup_steps: int = option(100, "linear warmup steps", min=0)
     lr_schedule: str = option("cosine", "decay after warmup", choices=KINDS)
-    decay_steps: int = option(0, "step at which the decay reaches min_lr (0: steps)")
-    min_lr: float = option(1e-4, "learning-rate floor of the cosine/linear decay")
-    weight_decay: float = option(0.1, "AdamW decoupled weight decay (not on norms, biases, embeddings)")
-    beta1: float = option(0.9, "AdamW beta1")
-    beta2: float = option(0.99, "AdamW beta2")
+    decay_steps: int = option(0, "step at which the decay reaches min_lr (0: steps)", min=0)
+    min_lr: float = option(1e-4, "learning-rate floor of the cosine/linear decay", min=0)
+    weight_decay: float = option(0.1, "AdamW decoupled weight decay (not on norms, biases, embeddings)", min=0)
+    beta1: float = option(0.9, "AdamW beta1", min=0, below=1)
+    beta2: float = option(0.99, "AdamW beta2", min=0, below=1)
     clipping: str = option("global", "gradient clipping: global norm, AdaGC (per tensor and layer), AGC "
                            "(unit-wise), none", choices=CLIPPING)
-    grad_clip: float = option(1.0, "global-norm clip threshold (clipping=global; AdaGC's warm-up lambda_abs)")
+    grad_clip: float = option(1.0, "global-norm clip threshold (clipping=global; AdaGC's warm-up lambda_abs)", min=0)
     adagc: AdaGCConfig = option(AdaGCConfig, "AdaGC settings (clipping=adagc; Wang et al. 2025)")
-    agc_clip: float = option(0.01, "AGC threshold on |grad| / |weight| per unit (clipping=agc; NFNets)")
+    agc_clip: float = option(0.01, "AGC threshold on |grad| / |weight| per unit (clipping=agc; NFNets)", above=0)
     health: bool = option(True, "gradient health statistics per tensor and layer, logged every log_every")
     remat: bool = option(False, "activation checkpointing: recompute block activations in backward")
     spike: SpikeConfig = option(SpikeConfig, "loss-spike detection and rollback (PaLM/OPT practice)")
-    peak_flops: float = option(0.0, "device peak FLOP/s for MFU (0: known GPUs by name; none on CPU)")
-    cost_per_hour: float = option(0.0, "price of the machine per hour, for the cost meter (0: off)")
-    budget: float = option(0.0, "stop cleanly with a checkpoint once the cost reaches this (0: no limit)")
+    peak_flops: float = option(0.0, "device peak FLOP/s for MFU (0: known GPUs by name; none on CPU)", min=0)
+    cost_per_hour: float = option(0.0, "price of the machine per hour, for the cost meter (0: off)", min=0)
+    budget: float = option(0.0, "stop cleanly with a checkpoint once the cost reaches this (0: no limit)", min=0)
     fault: FaultConfig = option(FaultConfig, "deliberate faults, for testing the stability machinery")
     orchestrator: OrchestratorConfig = option(OrchestratorConfig, "strategy orchestration: speculative branches, "
                                               "bandit selection, safety rollback, nowcasting")
-    log_every: int = option(10, "steps between metric pulls to TensorBoard/JSONL/console")
-    eval_every: int = option(250, "steps between validation runs (0: only at the end)")
-    eval_batches: int = option(20, "validation batches per evaluation (fixed windows)")
-    patience: int = option(0, "stop after this many evaluations without a better val loss (0: off)")
-    save_every: int = option(500, "steps between checkpoints (0: only final/best)")
-    keep_last: int = option(3, "step checkpoints to keep (best and final are kept besides)")
+    log_every: int = option(10, "steps between metric pulls to TensorBoard/JSONL/console", min=1)
+    eval_every: int = option(250, "steps between validation runs (0: only at the end)", min=0)
+    eval_batches: int = option(20, "validation batches per evaluation (fixed windows)", min=1)
+    patience: int = option(0, "stop after this many evaluations without a better val loss (0: off)", min=0)
+    save_every: int = option(500, "steps between checkpoints (0: only final/best)", min=0)
+    keep_last: int = option(3, "step checkpoints to keep (0: all; best and final are kept besides)", min=0)
     resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
     compile: bool = option(True, "compile the train step with torch.compile(fullgraph=True)")
     data: str = option("stdlib", "text: a file, folder, glob, or 'stdlib' (this Python's own source)")
     tokenizer: str = option("byte", "byte, char, or a tokenizer.json PATH")
     fim_rate: float = option(0.0, "fill-in-the-middle: fraction of windows rearranged prefix/suffix/middle "
-                                  "(code corpora; Bavarian et al. 2022); 0: off")
+                                  "(code corpora; Bavarian et al. 2022); 0: off", min=0, max=1)
     init: str = option("", "start from this checkpoint's weights (fine-tuning) instead of random init")
 
     def __post_init__(self):
@@ -78,9 +79,24 @@ class TrainConfig:
             raise ConfigError(f"fim_rate={self.fim_rate} must be in [0, 1]")
         if self.grad_accum < 1:
             raise ConfigError(f"grad_accum={self.grad_accum} must be >= 1")
+        _check_paths(self.out, self.resume)
         if self.orchestrator.enabled and not self.spike.enabled:
             raise ConfigError("orchestrator.enabled=true needs spike.enabled=true: its safety rollback is the "
                               "spike machinery's (snapshot ring, rollback_back, max_rollbacks)")
+
+
+def _check_paths(out: str, resume: str) -> None:
+    """Refuse at once (before any tokenizing or loading) a run folder that can never be created because a
+    file stands in its path, and a ``resume=PATH`` that does not exist."""
+    if out:
+        for parent in [Path(out), *Path(out).parents]:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise ConfigError(f"out={out}: {parent} is a file, not a folder; choose another out=")
+                break
+    if resume not in ("auto", "never") and not Path(resume).exists():
+        raise ConfigError(f"resume={resume}: no such checkpoint file or run folder (use resume=auto, "
+                          f"resume=never or an existing PATH)")
 
 
 def train_config(section, **overrides) -> TrainConfig:

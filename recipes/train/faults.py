@@ -17,9 +17,9 @@ from core.step import loss_caller
 
 @dataclass
 class FaultConfig:
-    inject_spike_at: int = option(0, "replace the batches of steps S.. with random tokens (0: off)")
-    spike_length: int = option(5, "how many consecutive batches inject_spike_at corrupts")
-    inject_nan_at: int = option(0, "make the loss of the batch of step S NaN (0: off)")
+    inject_spike_at: int = option(0, "replace the batches of steps S.. with random tokens (0: off)", min=0)
+    spike_length: int = option(5, "how many consecutive batches inject_spike_at corrupts", min=1)
+    inject_nan_at: int = option(0, "make the loss of the batch of step S NaN (0: off)", min=0)
 
     @property
     def active(self) -> bool:

@@ -22,9 +22,9 @@ from optim.schedules import Schedule
 @dataclass
 class AdaGCConfig:
     """The ``adagc.*`` keys of a run (``TrainConfig.adagc``)."""
-    lambda_rel: float = option(1.04, "clip each tensor (each layer slice) at lambda_rel x its gamma")
-    beta: float = option(0.99, "EMA decay of gamma, the clipped-norm history")
-    warmup: int = option(100, "warm-up steps of global clipping at grad_clip while gamma is a running min")
+    lambda_rel: float = option(1.04, "clip each tensor (each layer slice) at lambda_rel x its gamma", above=0)
+    beta: float = option(0.99, "EMA decay of gamma, the clipped-norm history", min=0, below=1)
+    warmup: int = option(100, "warm-up steps of global clipping at grad_clip while gamma is a running min", min=0)
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ TRAIN_PARTS = ("attn", "block")
 
 @dataclass
 class BlockwiseConfig:
-    steps: int = option(200, "step cap of the phase (the issue's max_steps): blocks not converged by then stop")
-    lr: float = option(1e-4, "peak AdamW learning rate (cosine decay to lr/10 after warmup)")
-    warmup_steps: int = option(10, "linear warmup steps")
-    batch_size: int = option(8, "training windows per step (block_size tokens each, training split)")
+    steps: int = option(200, "step cap of the phase (the issue's max_steps): blocks not converged by then stop", min=1)
+    lr: float = option(1e-4, "peak AdamW learning rate (cosine decay to lr/10 after warmup)", above=0)
+    warmup_steps: int = option(10, "linear warmup steps", min=0)
+    batch_size: int = option(8, "training windows per step (block_size tokens each, training split)", min=1)
     loss: str = option("l1", "per-block distance between student and teacher outputs", choices=LOSSES)
     match: str = option("block", "what is matched: the block's output (through the MLP), or the attention output "
                         "alone (LoLCATs' attention transfer: no MLP pass, cheaper)", choices=TARGETS)
@@ -37,16 +37,17 @@ class BlockwiseConfig:
                        "own stream, detached (sequential)", choices=MODES)
     train: str = option("attn", "what trains: the new attention params only, or the whole block (MLP, norms too)",
                         choices=TRAIN_PARTS)
-    convergence_target: float = option(0.0, "a block stops when the EMA of its loss is <= this (0: off)")
-    patience: int = option(0, "a block stops after this many steps without its EMA improving by min_delta (0: off)")
-    ema: float = option(0.9, "decay of the per-block loss EMA that convergence reads (bias-corrected)")
-    min_delta: float = option(1e-3, "relative EMA decrease that counts as an improvement (patience)")
+    convergence_target: float = option(0.0, "a block stops when the EMA of its loss is <= this (0: off)", min=0)
+    patience: int = option(0, "a block stops after this many steps without its EMA improving by min_delta (0: off)",
+                           min=0)
+    ema: float = option(0.9, "decay of the per-block loss EMA that convergence reads (bias-corrected)", min=0, below=1)
+    min_delta: float = option(1e-3, "relative EMA decrease that counts as an improvement (patience)", min=0)
     cache_teacher: bool = option(False, "cache the teacher's block inputs/outputs on disk (bf16 memmap) instead "
                                  "of recomputing them per batch")
-    cache_batches: int = option(0, "batches in the teacher cache, cycled by the data cursor (0: one per step)")
-    log_every: int = option(10, "steps between metric pulls (console, TensorBoard, metrics.jsonl)")
-    save_every: int = option(50, "steps between checkpoints (0: only the final one)")
-    keep_last: int = option(3, "step checkpoints to keep")
+    cache_batches: int = option(0, "batches in the teacher cache, cycled by the data cursor (0: one per step)", min=0)
+    log_every: int = option(10, "steps between metric pulls (console, TensorBoard, metrics.jsonl)", min=1)
+    save_every: int = option(50, "steps between checkpoints (0: only the final one)", min=0)
+    keep_last: int = option(3, "step checkpoints to keep (0: all)", min=0)
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.log_every < 1:
@@ -59,26 +60,27 @@ class BlockwiseConfig:
 
 @dataclass
 class GlobalConfig:
-    steps: int = option(100, "optimizer steps of the whole-student fine-tune")
-    lr: float = option(1e-4, "peak learning rate")
-    min_lr: float = option(1e-5, "learning-rate floor of the decay")
-    warmup_steps: int = option(10, "linear warmup steps")
+    steps: int = option(100, "optimizer steps of the whole-student fine-tune", min=1)
+    lr: float = option(1e-4, "peak learning rate", above=0)
+    min_lr: float = option(1e-5, "learning-rate floor of the decay", min=0)
+    warmup_steps: int = option(10, "linear warmup steps", min=0)
     lr_schedule: str = same_as(TrainConfig, "lr_schedule")
-    weight_decay: float = option(0.0, "AdamW decoupled weight decay")
-    batch_size: int = option(8, "sequences per micro-batch (training split)")
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay", min=0)
+    batch_size: int = option(8, "sequences per micro-batch (training split)", min=1)
     grad_accum: int = same_as(TrainConfig, "grad_accum")
     grad_clip: float = same_as(TrainConfig, "grad_clip")
     remat: bool = same_as(TrainConfig, "remat")
     health: bool = option(False, "gradient health statistics per tensor and layer, logged every log_every")
     spike: SpikeConfig = same_as(TrainConfig, "spike")
     orchestrator: OrchestratorConfig = same_as(TrainConfig, "orchestrator")
-    kd_alpha: float = option(0.5, "weight of KD from the teacher's logits: alpha*T^2*KL + (1-alpha)*CE (0: CE only)")
-    temperature: float = option(1.0, "KD temperature")
+    kd_alpha: float = option(0.5, "weight of KD from the teacher's logits: alpha*T^2*KL + (1-alpha)*CE (0: CE only)",
+                             min=0, max=1)
+    temperature: float = option(1.0, "KD temperature", above=0)
     log_every: int = same_as(TrainConfig, "log_every")
-    eval_every: int = option(50, "steps between validation runs on the dev half of the validation split")
-    eval_batches: int = option(4, "validation batches per evaluation")
+    eval_every: int = option(50, "steps between validation runs on the dev half of the validation split", min=0)
+    eval_batches: int = option(4, "validation batches per evaluation", min=1)
     patience: int = same_as(TrainConfig, "patience")
-    save_every: int = option(50, "steps between checkpoints (0: only final/best)")
+    save_every: int = option(50, "steps between checkpoints (0: only final/best)", min=0)
     keep_last: int = same_as(TrainConfig, "keep_last")
 
     def __post_init__(self):
@@ -90,13 +92,15 @@ class GlobalConfig:
 
 @dataclass
 class Thresholds:
-    max_mean_l1: Optional[float] = option(None, "fail/warn when a mean L1 exceeds this (none: no check)")
-    max_max_l1: Optional[float] = option(None, "fail/warn when a max (over windows) L1 exceeds this (none: no check)")
+    max_mean_l1: Optional[float] = option(None, "fail/warn when a mean L1 exceeds this (none: no check)", min=0)
+    max_max_l1: Optional[float] = option(None, "fail/warn when a max (over windows) L1 exceeds this (none: no check)",
+                                         min=0)
 
 
 @dataclass
 class VerifyConfig:
-    windows: int = option(8, "held-out windows compared (evenly spaced over the test half of the validation split)")
+    windows: int = option(8, "held-out windows compared (evenly spaced over the test half of the validation split)",
+                          min=1)
     attention: Thresholds = option(Thresholds, "per-layer attention-output L1 thresholds")
     logits: Thresholds = option(Thresholds, "logit L1 thresholds")
     on_fail: str = option("fail", "a violated threshold stops the run (exit 2) or only warns", choices=("fail", "warn"))
@@ -104,9 +108,9 @@ class VerifyConfig:
 
 @dataclass
 class BenchmarkConfig:
-    prompt_tokens: int = option(64, "prompt length for the latency test (held-out text, same for both models)")
-    new_tokens: int = option(32, "tokens decoded per latency run")
-    repeats: int = option(5, "latency repeats; the median is reported (after one untimed warm-up)")
+    prompt_tokens: int = option(64, "prompt length for the latency test (held-out text, same for both models)", min=1)
+    new_tokens: int = option(32, "tokens decoded per latency run", min=1)
+    repeats: int = option(5, "latency repeats; the median is reported (after one untimed warm-up)", min=1)
 
     def __post_init__(self):
         if self.prompt_tokens < 1 or self.new_tokens < 1 or self.repeats < 1:
@@ -154,15 +158,15 @@ class Config:
     device: str = same_as(TrainConfig, "device")
     dtype: str = option("fp32", "compute precision of the blockwise and global steps", choices=("fp32", "bf16"))
     compile: bool = option(False, "compile the blockwise and global steps (torch.compile; minutes per graph on CPU)")
-    block_size: int = option(128, "tokens per window in every phase")
+    block_size: int = option(128, "tokens per window in every phase", min=1)
     eval_windows: int = option(16, "held-out windows (test half of the validation split) for the perplexity after "
-                               "each phase and in the benchmark")
-    sem_dim: int = option(8, "per head: semantic (no-RoPE) query/key width")
-    geo_dim: int = option(24, "per head: geometric (RoPE) query/key width, geo_dim/2 of the teacher's pairs")
-    v_dim: int = option(32, "per KV head: value width")
+                               "each phase and in the benchmark", min=1)
+    sem_dim: int = option(8, "per head: semantic (no-RoPE) query/key width", min=0)
+    geo_dim: int = option(24, "per head: geometric (RoPE) query/key width, geo_dim/2 of the teacher's pairs", min=0)
+    v_dim: int = option(32, "per KV head: value width", min=1)
     surgery_method: str = option("asvd", "activation-aware SVD (SVD-LLM whitening) or plain weight SVD",
                                  choices=METHODS)
-    calib_tokens: int = option(4096, "training-split tokens for pair selection and asvd whitening")
+    calib_tokens: int = option(4096, "training-split tokens for pair selection and asvd whitening", min=1)
     blockwise: BlockwiseConfig = option(BlockwiseConfig, "blockwise distillation (LoLCATs attention transfer)")
     verify: VerifyConfig = option(VerifyConfig, "held-out teacher/student comparison with thresholds")
     benchmark: BenchmarkConfig = option(BenchmarkConfig, "perplexity, latency, KV bytes, parameter counts")

@@ -1,0 +1,58 @@
+"""The valid range of a numeric config option (``core.config.option``'s ``min``/``max``/``above``/``below``):
+each bound closed or open or absent, written as ``>= 1``, ``> 0`` or ``in [0, 1)`` in ``--help`` and the README."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["Bounds"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The valid range of a numeric option: a lower and an upper bound, each closed or open, or absent."""
+    low: float | None = None
+    low_open: bool = False
+    high: float | None = None
+    high_open: bool = False
+
+    @classmethod
+    def of(cls, *, min=None, max=None, above=None, below=None) -> "Bounds | None":
+        """The range ``option`` declares, or None for no bounds."""
+        if min is not None and above is not None or max is not None and below is not None:
+            raise ValueError("give min or above (and max or below), not both")
+        low, high = (min if above is None else above), (max if below is None else below)
+        if low is None and high is None:
+            return None
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"empty range: lower bound {low} > upper bound {high}")
+        return cls(low, above is not None, high, below is not None)
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            return (f"in {'(' if self.low_open else '['}{self.low}, "
+                    f"{self.high}{')' if self.high_open else ']'}")
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        return f"{'<' if self.high_open else '<='} {self.high}"
+
+    def keywords(self) -> dict[str, float]:
+        """The ``option`` keywords that declare this range (``{"min": 0, "below": 1}``)."""
+        out = {}
+        if self.low is not None:
+            out["above" if self.low_open else "min"] = self.low
+        if self.high is not None:
+            out["below" if self.high_open else "max"] = self.high
+        return out
+
+    def violation(self, value) -> Any:
+        """The first number in ``value`` (a number, or the items of a tuple or list) outside the range, or None."""
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for x in items:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                continue
+            low_ok = self.low is None or (x > self.low if self.low_open else x >= self.low)
+            high_ok = self.high is None or (x < self.high if self.high_open else x <= self.high)
+            if not (low_ok and high_ok) or x != x:          # NaN is in no range
+                return x
+        return None
