@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import optim
 from core.config import option
-from core.logging import progress
+from recipes.bench.common import StepBench, model_and_batch, warm_up
 from core.state import init_state
 from core.step import make_train_step
 from models import llama
@@ -42,19 +42,13 @@ DESCRIPTION = "time AdaGC + gradient health statistics in the compiled step agai
 
 
 @dataclass
-class Config:
+class Config(StepBench):
     d_model: int = option(64, "model width", min=1)
     n_layers: int = option(2, "transformer blocks", min=1)
-    n_heads: int = option(4, "attention heads", min=1)
-    vocab_size: int = option(256, "vocabulary size (byte-level)", min=1)
-    batch_size: int = option(16, "sequences per step", min=1)
     block_size: int = option(64, "tokens per sequence", min=1)
-    warmup: int = option(3, "untimed steps per variant (compilation happens here)", min=0)
     steps: int = option(20, "timed steps per variant per round", min=1)
     rounds: int = option(10, "rounds; each variant takes rounds * steps single timed steps, interleaved", min=1)
     breakdown: bool = option(False, "also time AdaGC alone and health alone (two more compiled graphs)")
-    threads: int = option(0, "torch.set_num_threads (0 keeps the default)", min=0)
-    seed: int = option(0, "seed for weights and the batch", min=0)
 
 
 def _functional(cfg: llama.LlamaConfig, params, batch, *, adagc: bool, health: bool):
@@ -107,14 +101,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run(cfg: Config) -> dict:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model_cfg = llama.LlamaConfig(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                                  n_heads=cfg.n_heads)
-    params = llama.init(model_cfg, seed=cfg.seed)
-    tok = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size + 1),
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    batch = {"x": tok[:, :-1].contiguous(), "y": tok[:, 1:].contiguous()}
+    model_cfg, params, batch = model_and_batch(cfg)
     variants = {
         "compiled, global clip": _functional(model_cfg, params, batch, adagc=False, health=False),
         "compiled, AdaGC + health": _functional(model_cfg, params, batch, adagc=True, health=True),
@@ -125,14 +112,7 @@ def run(cfg: Config) -> dict:
     variants["plain eager"] = _plain(model_cfg, params, batch, item_stats=False)
     variants["plain eager + .item() stats"] = _plain(model_cfg, params, batch, item_stats=True)
 
-    n_params = sum(t.numel() for t in optim.base.tree_leaves(params))
-    print(f"bench_health: Llama d={cfg.d_model} L={cfg.n_layers} H={cfg.n_heads} ({n_params / 1e6:.2f}M params), "
-          f"batch {cfg.batch_size}x{cfg.block_size}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for name, step in variants.items():
-        start = time.perf_counter()
-        for _ in range(cfg.warmup):
-            step().item()
-        progress(f"  warmed up {name:<32} in {time.perf_counter() - start:6.1f}s")
+    warm_up("bench.health", cfg, params, variants)
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(cfg.rounds * cfg.steps):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import optim
 from core.config import option
-from core.logging import progress
+from recipes.bench.common import StepBench, model_and_batch, warm_up
 from core.state import init_state
 from core.step import make_train_step
 from models import llama
@@ -36,20 +36,9 @@ DESCRIPTION = "time the compiled functional step against nn.Module + torch.optim
 
 
 @dataclass
-class Config:
-    d_model: int = option(128, "model width", min=1)
-    n_layers: int = option(4, "transformer blocks", min=1)
-    n_heads: int = option(4, "attention heads", min=1)
-    n_kv_heads: int = option(2, "key/value heads (grouped-query attention)", min=1)
-    vocab_size: int = option(256, "vocabulary size (byte-level)", min=1)
-    batch_size: int = option(16, "sequences per step", min=1)
-    block_size: int = option(128, "tokens per sequence", min=1)
-    warmup: int = option(3, "untimed steps per variant (compilation happens here)", min=0)
-    steps: int = option(10, "timed steps per variant per round", min=1)
-    rounds: int = option(3, "interleaved timing rounds; the median step time is reported", min=1)
+class Config(StepBench):
+    n_kv_heads: int = option(2, "key/value heads (grouped-query attention)", min=0)
     compile: bool = option(True, "include the two compiled variants")
-    threads: int = option(0, "torch.set_num_threads (0 keeps the default)", min=0)
-    seed: int = option(0, "seed for weights and the batch", min=0)
 
 
 def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool):
@@ -89,29 +78,14 @@ def _time(step, n: int) -> float:
 
 
 def run(cfg: Config) -> dict:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model_cfg = llama.LlamaConfig(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                                  n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads)
-    params = llama.init(model_cfg, seed=cfg.seed)
-    tok = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size + 1),
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    batch = {"x": tok[:, :-1].contiguous(), "y": tok[:, 1:].contiguous()}
+    model_cfg, params, batch = model_and_batch(cfg)
     variants = {"plain eager": _plain(model_cfg, params, batch, False),
                 "functional eager": _functional(model_cfg, params, batch, False)}
     if cfg.compile:
         variants["plain compiled"] = _plain(model_cfg, params, batch, True)
         variants["functional compiled"] = _functional(model_cfg, params, batch, True)
 
-    n_params = sum(t.numel() for t in optim.base.tree_leaves(params))
-    print(f"bench_step: Llama d={cfg.d_model} L={cfg.n_layers} H={cfg.n_heads}/{cfg.n_kv_heads} "
-          f"({n_params / 1e6:.2f}M params), batch {cfg.batch_size}x{cfg.block_size}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for name, step in variants.items():
-        start = time.perf_counter()
-        for _ in range(cfg.warmup):
-            step().item()
-        progress(f"  warmed up {name:<20} in {time.perf_counter() - start:6.1f}s")
+    warm_up("bench.step", cfg, params, variants)
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(cfg.rounds):

@@ -75,10 +75,6 @@ class TrainConfig:
                               f"(use clipping=none to turn clipping off)")
         if self.budget > 0 and self.cost_per_hour <= 0:
             raise ConfigError(f"budget={self.budget} needs cost_per_hour > 0 to meter the cost")
-        if not 0.0 <= self.fim_rate <= 1.0:
-            raise ConfigError(f"fim_rate={self.fim_rate} must be in [0, 1]")
-        if self.grad_accum < 1:
-            raise ConfigError(f"grad_accum={self.grad_accum} must be >= 1")
         _check_paths(self.out, self.resume)
         if self.orchestrator.enabled and not self.spike.enabled:
             raise ConfigError("orchestrator.enabled=true needs spike.enabled=true: its safety rollback is the "
