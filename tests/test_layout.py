@@ -19,9 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("core", "models", "optim", "recipes")
-# what each package may import besides itself: models/ and optim/ sit side by side above core/
-LOWER = {"core": set(), "models": {"core", "optim"}, "optim": {"core", "models"},
-         "recipes": {"core", "models", "optim"}}
+# what each package may import besides itself: models/ and optim/ sit side by side above core/ (neither needs
+# the other: a model is not an optimizer's business, nor the reverse)
+LOWER = {"core": set(), "models": {"core"}, "optim": {"core"}, "recipes": {"core", "models", "optim"}}
 MAX_FUNCTION_LINES = 80
 MAX_FILE_LINES = 450
 # "path" or "path:function" -> why it may be longer than the limit. Keep it short; empty is best.
