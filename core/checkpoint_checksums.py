@@ -30,6 +30,9 @@ class Checksums:
     def update(self, path: tuple, data: memoryview) -> None:
         self.crcs[path] = zlib.crc32(data, self.crcs.get(path, 0))
 
+    def busy(self) -> bool:
+        return self.last is not None and not self.last.done()
+
     def wait(self) -> dict[tuple, int]:
         """Every CRC so far (re-raising a worker's error)."""
         if self.last is not None:

@@ -1,34 +1,29 @@
 """The checkpoint wire format: Flax-compatible msgpack, streamed in both directions, with per-tensor CRC-32s.
 
-A checkpoint is one msgpack map
-``{"format": "purestep-checkpoint-1", "step": int, "state": <state dict>, **extra, "checksums": {..}}``
-where the state dict is Flax's ``to_state_dict`` of the train state (str-keyed maps only: NamedTuples by
-field name, tuples and lists as ``{"0": .., "1": ..}``) and every tensor is a msgpack ext of type 1 holding
-``packb((shape, dtype_name, C-order bytes))``, exactly as ``flax.serialization`` writes arrays
-(flax ``serialization.py`` @18f8f31: ``_MsgpackExtType.ndarray``, ``_ndarray_to_bytes``, ``_chunk``):
-bf16 stays bf16 (name ``"bfloat16"``), 0-d tensors stay arrays of shape ``[]`` so their dtype survives,
-and an array above ``MAX_CHUNK_SIZE`` bytes becomes ``{"__msgpack_chunked_array__": True, "shape":
-{"0": d0, ..}, "chunks": {"0": flat_chunk, ..}}``. A Python complex is Flax's ext type 2 (``packb((real,
-imag))``); Flax's numpy scalars (ext type 3, an array payload of shape ``[]``) read back as 0-d tensors.
-So a checkpoint also opens with ``flax.serialization.msgpack_restore`` (``msgpack_serialize(..,
-in_place=True)`` of the same map gives the same bytes), and one written back by Flax, even key-sorted,
-opens here.
+A checkpoint is one msgpack map ``{"format": "purestep-checkpoint-1", "step": int, "state": <state dict>,
+**extra, "checksums": {..}}``; the state dict is Flax's ``to_state_dict`` of the train state (str-keyed
+maps: NamedTuples by field name, tuples and lists as ``{"0": .., "1": ..}``) and every tensor a msgpack
+ext of type 1 holding ``packb((shape, dtype_name, C-order bytes))``, exactly as ``flax.serialization``
+writes arrays (``serialization.py`` @18f8f31: ``_MsgpackExtType``, ``_ndarray_to_bytes``, ``_chunk``):
+bf16 stays bf16, 0-d tensors stay arrays of shape ``[]``, and an array above ``MAX_CHUNK_SIZE`` bytes
+becomes ``{"__msgpack_chunked_array__": True, "shape": {"0": d0, ..}, "chunks": {"0": flat_chunk, ..}}``.
+A Python complex is Flax's ext type 2 (``packb((real, imag))``); Flax's numpy scalars (ext type 3, an
+array of shape ``[]``) read back as 0-d tensors. So ``flax.serialization.msgpack_restore`` opens a
+checkpoint (``msgpack_serialize(.., in_place=True)`` of the same map gives the same bytes), and one
+written back by Flax, even key-sorted, opens here.
 
-``"checksums"``, written last, is a reserved top-level key: the same nesting of str keys as the tensors
-it covers (``{"state": {"params": {"embed": crc, ..}}, ..}``, a chunked array's key holding one value)
-with ``zlib.crc32`` of each tensor's C-order bytes (all its chunks, in order) as the leaf. :func:`read`
-checks every tensor it reads against it, strips it, and calls a mismatch corrupt, as it does a
-truncation; a file without it (written before it existed, or by Flax) loads unchecked. The CRCs run on
-one worker thread, overlapped with the writes and reads of the file (``zlib.crc32``, ``write`` and
-``readinto`` release the GIL on large buffers).
+``"checksums"``, written last, is a reserved top-level key: the nesting of the tensors it covers
+(``{"state": {"params": {"embed": crc, ..}}, ..}``, a chunked array holding one) with ``zlib.crc32`` of
+each tensor's C-order bytes (all its chunks) as the leaf (``core.checkpoint_checksums``). :func:`read`
+checks every tensor it reads against it and strips it; a mismatch is corrupt, like a truncation; a file
+without it (older, or Flax's) loads unchecked.
 
 :class:`Writer` streams: headers go through the file's buffer and each tensor's own memory goes straight
 to the file (no bytes object of the whole file, no second copy of a CPU tensor; a device tensor is copied
-to the host one at a time). :func:`read` parses the msgpack framing itself (a few hundred small objects)
-and ``readinto``s every tensor's bytes straight into its own freshly allocated tensor: one copy from the
-page cache, nothing else. A file whose framing does not end exactly at its last byte is truncated or
-corrupt and raises :class:`CheckpointError`. Where the file goes and how it appears atomically is
-``core.checkpoint``'s business.
+to the host one at a time). :func:`read` parses the msgpack framing itself and ``readinto``s every
+tensor's bytes straight into its own freshly allocated tensor: one copy from the page cache. A file whose
+framing does not end exactly at its last byte is truncated or corrupt and raises
+:class:`CheckpointError`. Where the file goes and how it appears atomically is ``core.checkpoint``'s.
 """
 from __future__ import annotations
 
@@ -36,7 +31,6 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Any
 
 import msgpack
 import torch
@@ -111,6 +105,9 @@ class Writer:
         for k, v in top.items():
             self.f.write(self.pack.pack(k))
             self.value(v, (k,))
+        if self.checksums.busy():  # let the disk take the tensors while the last CRCs finish
+            self.f.flush()
+            os.fsync(self.f.fileno())
         self.f.write(self.pack.pack(CHECKSUMS))
         self.value(self.checksums.tree(), (CHECKSUMS,))
 
@@ -308,11 +305,10 @@ class _Reader:
 
     def complex(self, length: int, at: int) -> complex:
         """Flax's ext type 2: a Python complex as ``packb((real, imag))``."""
+        data = self.take(length)
         try:
-            pair = msgpack.unpackb(self.take(length))
-        except _Truncated:
-            raise
-        except Exception:
+            pair = msgpack.unpackb(data)
+        except Exception:  # whatever a damaged payload makes msgpack raise
             pair = None
         if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) in (int, float) for x in pair)):
             raise _Corrupt(f"complex number at offset {at} is not [real, imag]")
@@ -422,7 +418,17 @@ def read(path, device=None, state: str = "load") -> dict:
         size = os.fstat(f.fileno()).st_size
         reader = _Reader(f, size, checksums, device, scratch)
         try:
-            top = _read_top(path, reader, skip_state=state == "skip")
+            if size == 0:
+                raise _Truncated
+            kind, n = reader.header()
+            if kind != "map":
+                raise CheckpointError(f"{path}: not a purestep checkpoint (it does not hold a msgpack map)")
+            top = {}
+            for _ in range(n):  # ours writes "format" first; Flax's msgpack_serialize may sort the keys
+                key = reader.key()
+                top[key] = reader.value(skip=state == "skip" and key == "state", path=(key,))
+            if reader.pos != size:
+                raise _Corrupt(f"{size - reader.pos} unexpected bytes after the end of the checkpoint")
             if CHECKSUMS in top:
                 problem = check_checksums(top[CHECKSUMS], checksums.wait(), ("state",) if state == "skip" else ())
                 if problem:
@@ -444,17 +450,3 @@ def read(path, device=None, state: str = "load") -> dict:
         raise CheckpointError(f"{path}: corrupt (no integer 'step' or no 'state' entry)")
     return top
 
-
-def _read_top(path: Path, reader: _Reader, skip_state: bool) -> dict:
-    if reader.size == 0:
-        raise _Truncated
-    kind, n = reader.header()
-    if kind != "map":
-        raise CheckpointError(f"{path}: not a purestep checkpoint (it does not hold a msgpack map)")
-    top = {}
-    for _ in range(n):  # ours writes "format" first; Flax's msgpack_serialize may sort the keys
-        key = reader.key()
-        top[key] = reader.value(skip=skip_state and key == "state", path=(key,))
-    if reader.pos != reader.size:
-        raise _Corrupt(f"{reader.size - reader.pos} unexpected bytes after the end of the checkpoint")
-    return top
