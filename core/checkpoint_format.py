@@ -98,9 +98,7 @@ class Writer:
         self.pack = msgpack.Packer(use_bin_type=True, autoreset=True)
 
     def checkpoint(self, top: dict) -> None:
-        """``top`` as one map, then :data:`CHECKSUMS` of every tensor in it."""
-        if CHECKSUMS in top:
-            raise ValueError(f"key {CHECKSUMS!r} is reserved")
+        """``top`` (without the reserved :data:`CHECKSUMS`) as one map, then the CRCs of its tensors."""
         self.f.write(self.pack.pack_map_header(len(top) + 1))
         for k, v in top.items():
             self.f.write(self.pack.pack(k))
