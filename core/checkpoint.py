@@ -116,7 +116,7 @@ def _describe(x) -> str:
     return "a container" if isinstance(x, dict) else f"a {type(x).__name__}"
 
 
-
+# ----------------------------------------------------------------------------- one file
 
 def save(path, tree: Any, *, step: int, extra: dict | None = None) -> int:
     """Write ``tree`` (any pytree of tensors, NamedTuples, tuples, dicts, scalars) atomically to ``path``.
