@@ -228,7 +228,7 @@ class _Reader:
             return "ext", _FIXEXT[tag]
         raise _Corrupt(f"invalid msgpack byte 0x{tag:02x} at offset {at}")
 
-    def value(self, skip: bool = False, path: tuple | None = ()):
+    def value(self, skip: bool = False, path: tuple | None = None):
         kind, n = self.header()
         if kind == "scalar":
             return n
