@@ -190,38 +190,52 @@ def _candidates(folder: Path) -> list[Path]:
     return [p for _, p in _step_files(folder)] + [folder / n for n in (BEST, FINAL) if (folder / n).exists()]
 
 
+def _file_id(p: Path):
+    st = p.stat()
+    return st.st_dev, st.st_ino
+
+
 def latest(folder) -> Path | None:
     """The good checkpoint with the highest step stored in the file. A bad file (truncated, corrupt, a
-    tensor whose CRC does not match) is skipped with one line on stderr naming it and the one used.
+    tensor whose CRC does not match) is skipped with one line on stderr naming it (and its hard links:
+    best/final are links to a step file) and the one used.
 
     Every candidate's framing is read (seeking past the tensors); the newest is then read in full through
     a small buffer to check its tensors' CRCs, and so on down until one passes."""
     folder = Path(folder)
     if not folder.is_dir():
         return None
-    ranked, skipped, bad_files = [], [], {}
+    ranked, bad = [], {}  # bad: file id -> [the error, the names of its other links]
+
+    def skip(p: Path, e: CheckpointError | None = None) -> None:
+        if _file_id(p) in bad:
+            bad[_file_id(p)][1].append(p.name)
+        else:
+            bad[_file_id(p)] = [e, []]
+
     for p in _candidates(folder):
         try:
             top = read(p, state="skip")
         except CheckpointError as e:
-            skipped.append(e)
+            skip(p, e)
             continue
         ranked.append(((top["step"], p.name.startswith("step_")), CHECKSUMS in top, p))
     chosen = None
     for _, checked, p in sorted(ranked, key=lambda r: r[0], reverse=True):
-        same_file = (p.stat().st_dev, p.stat().st_ino)  # best/final are hard links to a step file
+        if _file_id(p) in bad:  # a link to a file found bad already
+            skip(p)
+            continue
         try:
-            if same_file in bad_files:
-                raise CheckpointError(f"{p}: {bad_files[same_file]}")
             if checked:
                 read(p, state="check")
-            chosen = p
-            break
         except CheckpointError as e:
-            bad_files.setdefault(same_file, str(e).removeprefix(f"{p}: "))
-            skipped.append(e)
-    for e in skipped:
-        progress(f"skipping checkpoint {e}; " + (f"using {chosen}" if chosen else "no good checkpoint left"))
+            skip(p, e)
+            continue
+        chosen = p
+        break
+    for e, links in bad.values():
+        also = f" (also {', '.join(links)}: the same file)" if links else ""
+        progress(f"skipping checkpoint {e}{also}; " + (f"using {chosen}" if chosen else "no good checkpoint left"))
     return chosen
 
 
