@@ -4,27 +4,119 @@ The bytes are ``core.checkpoint_format`` (Flax-compatible msgpack, streamed both
 atomically (Orbax ``AtomicRenameTemporaryPath``, reduced to one file, via ``core.cache.write_file``):
 ``mkstemp(dir=folder, prefix=".tmp-")``, write, flush, fsync, ``os.replace``, fsync the folder; the temp
 file is unlinked on any error, and a SIGKILL leaves at most a stale ``.tmp-*`` that discovery ignores and
-:class:`CheckpointManager` cleans up. A truncated or corrupt file raises :class:`CheckpointError`, which
-is how discovery skips a bad newest file.
+:class:`CheckpointManager` cleans up; a save that fails on the way (disk full, I/O error) raises
+:class:`CheckpointSaveError` naming the file and the OS reason. A truncated or corrupt file, or one whose
+tensor bytes do not match their stored CRC-32s, raises :class:`CheckpointError`, which is how discovery
+(:func:`latest`, ``resume=auto``) skips a bad newest file, saying so on stderr; ``resume=auto`` refuses a
+folder of checkpoints none of which is good rather than start over on top of them. ``best.msgpack`` and
+``final.msgpack`` are hard links to a step file, so a damaged step file damages them too and discovery
+falls back past all three. The state dicts are Flax's (``flax.serialization.to_state_dict`` /
+``from_state_dict``), the template check naming the dotted path of any mismatch.
 """
 from __future__ import annotations
 
+import errno
 import math
 import re
-import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from core.cache import fsync_path, publish_file, write_file
-from core.checkpoint_format import (CHUNKED, DTYPES, FORMAT, MAX_CHUNK_SIZE, CheckpointError, Writer,
-                                    from_state_dict, read, to_state_dict)
+import torch
 
-__all__ = ["CHUNKED", "DTYPES", "FORMAT", "MAX_CHUNK_SIZE", "CheckpointError", "from_state_dict", "to_state_dict",
-           "fsync_path", "save", "load", "read_meta", "latest", "CheckpointManager", "resolve_resume", "BEST",
-           "FINAL"]
+from core.cache import fsync_path, publish_file, write_file
+from core.checkpoint_checksums import Checksums
+from core.checkpoint_format import (_NAMES, CHECKSUMS, CHUNKED, DTYPES, FORMAT, MAX_CHUNK_SIZE, CheckpointError,
+                                    Writer, read)
+from core.logging import progress
+
+__all__ = ["CHUNKED", "DTYPES", "FORMAT", "MAX_CHUNK_SIZE", "CheckpointError", "CheckpointSaveError",
+           "from_state_dict", "to_state_dict", "fsync_path", "save", "load", "read_meta", "latest",
+           "CheckpointManager", "resolve_resume", "BEST", "FINAL"]
 
 _BUFFER = 1 << 20                 # file buffer for headers and small tensors
 
+
+class CheckpointSaveError(CheckpointError):
+    """A save that failed on the way to the disk (disk full, I/O error): the file it would have replaced
+    is untouched and its temporary file gone."""
+
+
+# ----------------------------------------------------------------------------- state dicts (flax)
+
+def _is_namedtuple(x) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def to_state_dict(tree: Any, path: str = "state") -> Any:
+    """Flax ``to_state_dict``: containers become str-keyed dicts; tensors and Python scalars stay."""
+    if isinstance(tree, torch.Tensor) or tree is None or isinstance(tree, (bool, int, float, complex, str, bytes)):
+        return tree
+    if _is_namedtuple(tree):
+        return {f: to_state_dict(v, f"{path}.{f}") for f, v in zip(tree._fields, tree)}
+    if isinstance(tree, (tuple, list)):
+        return {str(i): to_state_dict(v, f"{path}.{i}") for i, v in enumerate(tree)}
+    if isinstance(tree, dict):
+        out = {str(k): to_state_dict(v, f"{path}.{k}") for k, v in tree.items()}
+        if len(out) != len(tree):
+            raise ValueError(f"{path}: keys {list(tree)} collide once turned into strings")
+        return out
+    raise TypeError(f"{path}: cannot checkpoint a value of type {type(tree).__name__}")
+
+
+def from_state_dict(template: Any, state_dict: Any, *, device=None, path: str = "state") -> Any:
+    """Rebuild ``template``'s structure (NamedTuples, tuples, dict keys) from a state dict.
+
+    Every tensor must match the template leaf's shape and dtype; it lands on ``device``, or else on the
+    template leaf's device. Any mismatch raises :class:`CheckpointError` naming the dotted path.
+    """
+    if isinstance(template, torch.Tensor):
+        if not isinstance(state_dict, torch.Tensor):
+            raise CheckpointError(f"{path}: {_describe(state_dict)} in file, a tensor expected")
+        if state_dict.shape != template.shape:
+            raise CheckpointError(f"{path}: shape {tuple(state_dict.shape)} in file, "
+                                  f"{tuple(template.shape)} expected")
+        if state_dict.dtype != template.dtype:
+            raise CheckpointError(f"{path}: dtype {_NAMES[state_dict.dtype]} in file, "
+                                  f"{_NAMES.get(template.dtype, template.dtype)} expected")
+        target = device if device is not None else template.device
+        return state_dict.to("cpu" if torch.device(target).type == "meta" else target)
+    if template is None or isinstance(template, (bool, int, float, complex, str, bytes)):
+        if type(state_dict) is not type(template):
+            raise CheckpointError(f"{path}: {_describe(state_dict)} in file, {type(template).__name__} expected")
+        return state_dict
+    if not isinstance(template, (tuple, list, dict)):
+        raise TypeError(f"{path}: cannot restore into a value of type {type(template).__name__}")
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(f"{path}: {_describe(state_dict)} in file, a container expected")
+    if _is_namedtuple(template):
+        children = [(f, f, v) for f, v in zip(template._fields, template)]
+    elif isinstance(template, dict):
+        children = [(str(k), k, v) for k, v in template.items()]
+    else:
+        children = [(str(i), i, v) for i, v in enumerate(template)]
+    wanted = {s for s, _, _ in children}
+    missing = [s for s, _, _ in children if s not in state_dict]
+    unexpected = [s for s in state_dict if s not in wanted]
+    if missing or unexpected:
+        problems = ([f"keys missing from file {missing}"] if missing else []) + \
+                   ([f"unexpected keys in file {unexpected}"] if unexpected else [])
+        raise CheckpointError(f"{path}: {'; '.join(problems)}")
+    values = [from_state_dict(t, state_dict[s], device=device, path=f"{path}.{s}") for s, _, t in children]
+    if _is_namedtuple(template):
+        return type(template)(*values)
+    if isinstance(template, dict):
+        return type(template)(zip((k for _, k, _ in children), values))
+    return type(template)(values)
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {_NAMES[x.dtype]} tensor of shape {tuple(x.shape)}"
+    return "a container" if isinstance(x, dict) else f"a {type(x).__name__}"
+
+
+# ----------------------------------------------------------------------------- one file
 
 def save(path, tree: Any, *, step: int, extra: dict | None = None) -> int:
     """Write ``tree`` (any pytree of tensors, NamedTuples, tuples, dicts, scalars) atomically to ``path``.
@@ -34,14 +126,30 @@ def save(path, tree: Any, *, step: int, extra: dict | None = None) -> int:
     """
     top = {"format": FORMAT, "step": int(step), "state": to_state_dict(tree)}
     for key, value in (extra or {}).items():
-        if key in top:
+        if key in top or key == CHECKSUMS:
             raise ValueError(f"extra key {key!r} is reserved")
         top[key] = value
 
     def write(f) -> int:
-        Writer(f).value(top, "")
+        checksums = Checksums()
+        try:
+            Writer(f, checksums).checkpoint(top)
+        finally:
+            checksums.close()
         return f.tell()
-    return write_file(path, write, buffering=_BUFFER)
+    with _saving(path):
+        return write_file(path, write, buffering=_BUFFER)
+
+
+@contextmanager
+def _saving(path):
+    """Turn an OS error while writing ``path`` (disk full, I/O error) into one :class:`CheckpointSaveError`."""
+    try:
+        yield
+    except OSError as e:
+        reason = f"{e.strerror} (errno {errno.errorcode.get(e.errno, e.errno)})" if e.strerror else str(e)
+        raise CheckpointSaveError(f"{path}: cannot save the checkpoint: {reason}; the files already in "
+                                  f"{Path(path).parent} are untouched") from None
 
 
 def load(path, template: Any = None, device=None) -> dict:
@@ -61,8 +169,9 @@ def load(path, template: Any = None, device=None) -> dict:
 
 def read_meta(path) -> dict:
     """Step and extras of a checkpoint without reading its state (the framing is still fully checked)."""
-    top = read(path, skip_state=True)
+    top = read(path, state="skip")
     del top["state"]
+    top.pop(CHECKSUMS, None)
     return top
 
 
@@ -77,23 +186,57 @@ def _step_files(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _candidates(folder: Path) -> list[Path]:
+    return [p for _, p in _step_files(folder)] + [folder / n for n in (BEST, FINAL) if (folder / n).exists()]
+
+
+def _file_id(p: Path):
+    st = p.stat()
+    return st.st_dev, st.st_ino
+
+
 def latest(folder) -> Path | None:
-    """The readable checkpoint with the highest step stored in the file; bad files are skipped with a warning."""
+    """The good checkpoint with the highest step stored in the file. A bad file (truncated, corrupt, a
+    tensor whose CRC does not match) is skipped with one line on stderr naming it (and its hard links:
+    best/final are links to a step file) and the one used.
+
+    Every candidate's framing is read (seeking past the tensors); the newest is then read in full through
+    a small buffer to check its tensors' CRCs, and so on down until one passes."""
     folder = Path(folder)
     if not folder.is_dir():
         return None
-    candidates = [p for _, p in _step_files(folder)] + [folder / n for n in (BEST, FINAL) if (folder / n).exists()]
-    best_key, best_path = None, None
-    for p in candidates:
+    ranked, bad = [], {}  # bad: file id -> [the error, the names of its other links]
+
+    def skip(p: Path, e: CheckpointError | None = None) -> None:
+        if _file_id(p) in bad:
+            bad[_file_id(p)][1].append(p.name)
+        else:
+            bad[_file_id(p)] = [e, []]
+
+    for p in _candidates(folder):
         try:
-            step = read_meta(p)["step"]
+            top = read(p, state="skip")
         except CheckpointError as e:
-            warnings.warn(f"skipping checkpoint {e}", stacklevel=2)
+            skip(p, e)
             continue
-        key = (step, p.name.startswith("step_"))
-        if best_key is None or key > best_key:
-            best_key, best_path = key, p
-    return best_path
+        ranked.append(((top["step"], p.name.startswith("step_")), CHECKSUMS in top, p))
+    chosen = None
+    for _, checked, p in sorted(ranked, key=lambda r: r[0], reverse=True):
+        if _file_id(p) in bad:  # a link to a file found bad already
+            skip(p)
+            continue
+        try:
+            if checked:
+                read(p, state="check")
+        except CheckpointError as e:
+            skip(p, e)
+            continue
+        chosen = p
+        break
+    for e, links in bad.values():
+        also = f" (also {', '.join(links)}: the same file)" if links else ""
+        progress(f"skipping checkpoint {e}{also}; " + (f"using {chosen}" if chosen else "no good checkpoint left"))
+    return chosen
 
 
 class CheckpointManager:
@@ -114,7 +257,7 @@ class CheckpointManager:
             try:
                 self.best_loss = read_meta(self.folder / BEST).get("val_loss")
             except CheckpointError as e:
-                warnings.warn(f"ignoring best checkpoint {e}", stacklevel=2)
+                progress(f"ignoring best checkpoint {e}")
 
     def should_save(self, step: int) -> bool:
         return self.save_every > 0 and step > 0 and step % self.save_every == 0
@@ -126,11 +269,12 @@ class CheckpointManager:
         if val_loss is not None:
             extra["val_loss"] = float(val_loss)
         save(path, tree, step=step, extra=extra)
-        if val_loss is not None and math.isfinite(val_loss) and (self.best_loss is None or val_loss < self.best_loss):
-            publish_file(path, self.folder / BEST)
-            self.best_loss = float(val_loss)
-        if final:
-            publish_file(path, self.folder / FINAL)
+        with _saving(path):
+            if val_loss is not None and math.isfinite(val_loss) and (self.best_loss is None or val_loss < self.best_loss):
+                publish_file(path, self.folder / BEST)
+                self.best_loss = float(val_loss)
+            if final:
+                publish_file(path, self.folder / FINAL)
         if self.keep_last > 0:
             for _, old in _step_files(self.folder)[:-self.keep_last]:
                 if old != path:  # after resuming from an older step, never drop what was just written
@@ -151,14 +295,21 @@ def resolve_resume(resume: str, folder) -> Path | None:
     if resume == "never":
         return None
     if resume == "auto":
-        return latest(folder)
+        found = latest(folder)
+        if found is None and folder is not None and Path(folder).is_dir() and _candidates(Path(folder)):
+            raise CheckpointError(f"{folder}: resume=auto found checkpoints here but none is good (listed above), "
+                                  f"and will not start over on top of them; resume from a good copy with "
+                                  f"resume=PATH, start a new run with resume=never and another out=, or delete "
+                                  f"the damaged files")
+        return found
     p = Path(resume)
     if p.is_dir():
         found = latest(p)
         if found is None:
-            raise CheckpointError(f"{p}: no readable checkpoint in this folder")
+            raise CheckpointError(f"{p}: no good checkpoint in this folder")
         return found
     if not p.exists():
         raise CheckpointError(f"{p}: no such checkpoint (use resume=auto, resume=never or a file path)")
-    read_meta(p)
+    if CHECKSUMS in read(p, state="skip"):
+        read(p, state="check")
     return p

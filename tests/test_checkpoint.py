@@ -178,7 +178,9 @@ def test_flax_reads_our_file_and_writes_the_same_bytes(tmp_path, monkeypatch, ch
         return x.contiguous().numpy() if isinstance(x, torch.Tensor) else x
 
     # in_place=True keeps our key order (the copying path re-sorts dict keys through jax.tree_util).
-    tree = {"format": ckpt.FORMAT, "step": 7, "state": to_numpy(ckpt.to_state_dict(state)), "config": {"lr": 0.1}}
+    tree = {"format": ckpt.FORMAT, "step": 7, "state": to_numpy(ckpt.to_state_dict(state)), "config": {"lr": 0.1},
+            "checksums": restored["checksums"]}
+    assert set(restored) == set(tree)
     assert serialization.msgpack_serialize(tree, in_place=True) == ours
     # Flax's default path sorts the keys ("config" before "format"); we still read it back.
     (tmp_path / "flax.msgpack").write_bytes(serialization.msgpack_serialize(tree))
@@ -246,7 +248,7 @@ def test_failed_replace_keeps_the_old_file_and_leaves_no_temp(tmp_path, monkeypa
         raise OSError("disk on fire")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError, match="disk on fire"):
+    with pytest.raises(ckpt.CheckpointSaveError, match="a.msgpack: cannot save the checkpoint: disk on fire"):
         ckpt.save(path, {"w": torch.zeros(3)}, step=2)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["a.msgpack"]
@@ -306,7 +308,7 @@ def test_sigkill_mid_write_leaves_the_previous_checkpoint(tmp_path):
 
 # ----------------------------------------------------------------------------- corruption and discovery
 
-def test_truncated_or_corrupt_newest_falls_back_to_previous(tmp_path):
+def test_truncated_or_corrupt_newest_falls_back_to_previous(tmp_path, capsys):
     manager = CheckpointManager(tmp_path, keep_last=5)
     for step in (1, 2, 3):
         manager.save(step, {"w": torch.full((256,), float(step))})
@@ -314,8 +316,10 @@ def test_truncated_or_corrupt_newest_falls_back_to_previous(tmp_path):
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])
 
-    with pytest.warns(UserWarning, match=r"step_000000003\.msgpack: truncated"):
-        assert manager.latest() == tmp_path / "step_000000002.msgpack"
+    assert manager.latest() == tmp_path / "step_000000002.msgpack"
+    assert capsys.readouterr().err == (f"skipping checkpoint {newest}: truncated: the file ends at byte "
+                                       f"{len(data) // 2}, inside the checkpoint (an interrupted write or copy?); "
+                                       f"using {tmp_path / 'step_000000002.msgpack'}\n")
     with pytest.raises(CheckpointError, match=r"step_000000003\.msgpack: truncated") as err:
         ckpt.load(newest)
     assert "\n" not in str(err.value)

@@ -11,8 +11,10 @@ ratio compares the calling thread's CPU seconds, which other processes on a shar
 than wall time. Peak extra memory during a save is the resident set size (sampled from
 ``/proc/self/statm`` by a thread) above its value before the call; tracemalloc does not see tensors.
 
-Both loaders do the same work per tensor (allocate, one ``read`` into it), and that work is mostly the
-kernel faulting in and zeroing fresh pages, so expect load ratios near 1 that move with the machine.
+Both loaders do the same work per tensor (allocate, ``read`` into it), and that work is mostly the
+kernel faulting in and zeroing fresh pages; ours also computes each tensor's CRC-32 (``zlib.crc32``, on
+a worker thread overlapped with the writes and reads: ``core.checkpoint_checksums``), which a warm load
+from the page cache cannot hide, so expect load ratios below 1 that move with the machine.
 """
 from __future__ import annotations
 
