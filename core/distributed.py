@@ -100,5 +100,8 @@ def init(device: torch.device) -> tuple[Dist, torch.device]:
 
 
 def shutdown() -> None:
+    """Leave the process group once every rank is done: a rank that destroys it while rank 0 still writes its
+    last checkpoint can take gloo's worker threads down with it (an abort at exit, seen on 2 CPU ranks)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
