@@ -136,14 +136,14 @@ def test_the_adamw_strategy_is_the_runs_own_optimizer_and_switches_continue_the_
         new = strategies.transfer(a.opt_state, name, run, a.params)
         assert strategies.strategy_of(new) == name
         lr = find_state(new, LearningRateState)
-        assert int(lr.count) == 3                                        # the schedule continues (W2)
-        assert float(lr.lr) == pytest.approx(cfg.lr * strategies.PORTFOLIO[name].lr_mult)   # own lr (W1)
+        assert int(lr.count) == 3                                        # the schedule continues, not restarts
+        assert float(lr.lr) == pytest.approx(cfg.lr * strategies.PORTFOLIO[name].lr_mult)   # the strategy's own lr
         moved = find_state(new, ScaleByAdamState)
         if strategies.PORTFOLIO[name].family in ("adam", "swats"):
             assert torch.equal(moved.mu["embed"], adam.mu["embed"]) and int(moved.count) == 3
     sgd = find_state(strategies.transfer(a.opt_state, "sgd_escape", run, a.params), TraceState)
     unbiased = adam.mu["embed"] / (1 - 0.9 ** 3)
-    assert torch.allclose(sgd.trace["embed"], unbiased / (1 - strategies.SGD_MOMENTUM))   # E[g] / (1 - mu) (W14)
+    assert torch.allclose(sgd.trace["embed"], unbiased / (1 - strategies.SGD_MOMENTUM))   # E[g] / (1 - mu), not Adam's raw m
     back = strategies.transfer(strategies.transfer(a.opt_state, "sgd_escape", run, a.params), "adamw", run, a.params)
     assert int(find_state(back, ScaleByAdamState).count) == 0           # no second moment to carry: fresh Adam
 

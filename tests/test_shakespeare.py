@@ -1,8 +1,8 @@
 """nanoGPT's char-level tiny-shakespeare CPU configuration must beat the 1.90 bar (a trigram gets 2.05).
 
 4 layers, 4 heads, 128 dims, block 64, batch 12, AdamW lr 1e-3 with beta2 0.99, 100 warmup steps, cosine to
-1e-4 over 2000 steps, dropout 0 (algorithms.md 8.2). Compiled: about 4 minutes on 2 CPU cores. Needs
-``tinyshakespeare.txt`` from the shared data (skips with the reason when it is missing).
+1e-4 over 2000 steps, dropout 0 (nanoGPT's config/train_shakespeare_char.py, CPU settings). Compiled: about
+4 minutes on 2 CPU cores. Needs ``tinyshakespeare.txt`` from the shared data (skips with the reason when it is missing).
 """
 import pytest
 
