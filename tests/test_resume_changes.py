@@ -39,3 +39,25 @@ def test_new_hyperparameters_replace_only_what_the_change_touched():
             assert torch.equal(a, b)                                 # moments untouched
     with pytest.raises(ConfigError, match="layout"):
         changes.apply_hyperparameters(scaled, old.init(params), optim.sgd(lr=0.1).init(params))
+
+
+def test_a_resumed_run_takes_the_new_lr_and_says_so(tmp_path, corpus, token_cache, capsys):
+    """The issue's case: 40 steps, then the same out= with lr=0.3 and a constant schedule continued at the
+    checkpoint's lr 0.001 without a word. Now the new lr is in the state from step 40 and the log says so;
+    a changed model is refused by name before anything is written."""
+    from core import checkpoint as ckpt
+    from recipes import main
+    args = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "eval_batches=1", f"data={corpus}",
+            "tokenizer=char", "spike.enabled=false", f"out={tmp_path}"]
+    assert main([*args, "steps=40"]) == 0
+    capsys.readouterr()
+    assert main([*args, "steps=60", "lr=0.3", "lr_schedule=constant", "warmup_steps=0"]) == 0
+    err = capsys.readouterr().err
+    assert "changed keys: steps 40 -> 60, lr 0.001 -> 0.3, warmup_steps 30 -> 0, lr_schedule cosine -> constant " \
+           "from step 40" in err, err
+    assert ckpt.read_meta(tmp_path / "final.msgpack")["step"] == 60
+    assert "| lr 0.3" in err                                         # the progress line's lr, read from the state
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main([*args, "steps=80", "model.d_model=32"]) == 2
+    assert "model.d_model (64 -> 32)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
