@@ -243,12 +243,15 @@ class CheckpointManager:
     """``step_{n:09d}.msgpack`` files in one folder: save every N steps, keep the last K, plus
     ``best.msgpack`` (lowest validation loss, stored in the file so it survives restarts) and
     ``final.msgpack``. ``keep_last=0`` keeps every step file; ``save_every=0`` saves only when asked.
+    With ``keep_back`` set (a loss-spike rollback's reach, ``recipes/train/rollback.py``) the pruning also
+    spares the newest step file at or before ``step - keep_back``; ``pruned`` lists the steps it deleted.
     Stale ``.tmp-*`` files of a killed writer are removed when a manager opens the folder.
     """
 
-    def __init__(self, folder, *, keep_last: int = 3, save_every: int = 0):
+    def __init__(self, folder, *, keep_last: int = 3, save_every: int = 0, keep_back: int | None = None):
         self.folder = Path(folder)
-        self.keep_last, self.save_every = keep_last, save_every
+        self.keep_last, self.save_every, self.keep_back = keep_last, save_every, keep_back
+        self.pruned: list[int] = []
         self.folder.mkdir(parents=True, exist_ok=True)
         for stale in self.folder.glob(".tmp-*"):
             stale.unlink(missing_ok=True)
@@ -276,10 +279,24 @@ class CheckpointManager:
             if final:
                 publish_file(path, self.folder / FINAL)
         if self.keep_last > 0:
-            for _, old in _step_files(self.folder)[:-self.keep_last]:
-                if old != path:  # after resuming from an older step, never drop what was just written
-                    old.unlink(missing_ok=True)
+            self._prune(step, path)
         return path
+
+    def _prune(self, step: int, path: Path) -> None:
+        """Delete all but the last ``keep_last`` step files, never ``path`` (after resuming from an older
+        step, what was just written) nor, with ``keep_back``, the newest at or before ``step - keep_back``."""
+        files = _step_files(self.folder)
+        spared = {path}
+        if self.keep_back is not None:
+            spared.update([p for s, p in files if s <= step - self.keep_back][-1:])
+        for s, old in files[:-self.keep_last]:
+            if old not in spared:
+                old.unlink(missing_ok=True)
+                self.pruned.append(s)
+
+    def step_files(self) -> list[tuple[int, Path]]:
+        """The step files in the folder as ``(step, path)``, oldest first (by the step in the name)."""
+        return _step_files(self.folder)
 
     def latest(self) -> Path | None:
         return latest(self.folder)

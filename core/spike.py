@@ -10,8 +10,8 @@ A step is *suspect* when its loss or gradient norm has ``z > z_threshold``, or i
 *hard spike* is ``consecutive`` suspect steps in a row, or a loss above ``loss_factor`` x its EMA: the
 state then records ``hard = 1`` and the step at which the streak began (``onset``). The loop reads
 ``hard`` with the metrics it pulls anyway (one transfer per log interval) and rolls back to an
-in-memory snapshot taken before the onset (``recipes/train/loop.py``). Everything is ``torch.where``: the
-detector compiles into the step without a graph break.
+in-memory snapshot or an on-disk checkpoint taken before the onset (``recipes/train/rollback.py``).
+Everything is ``torch.where``: the detector compiles into the step without a graph break.
 """
 from __future__ import annotations
 
@@ -30,8 +30,13 @@ class SpikeConfig:
     z_threshold: float = option(4.0, "a step is suspect when the loss or grad norm is this many sigmas high", above=0)
     consecutive: int = option(3, "suspect steps in a row that make a hard spike", min=1)
     loss_factor: float = option(1.5, "a loss above this many times its EMA is a hard spike at once", above=1)
-    rollback_back: int = option(100, "roll back to a snapshot at least this many steps before the onset", min=0)
-    snapshot_every: int = option(50, "steps between in-memory snapshots for rollback", min=1)
+    rollback_back: int = option(100, "roll back to a snapshot or checkpoint at least this many steps before the "
+                                     "onset", min=0)
+    snapshots: int = option(1, "copies of the train state kept in host memory for rollback (each the state's "
+                               "size; 0: on-disk checkpoints only); a fixed number, so runs are reproducible "
+                               "across machines", min=0)
+    snapshot_every: int = option(50, "the in-memory copies are 2*rollback_back/snapshots steps apart, rounded up "
+                                     "to a multiple of this", min=1)
     skip_ahead: int = option(100, "after a rollback also skip this many batches past the spike (bad data "
                                   "comes in runs; PaLM skipped 200-500 batches in all)", min=0)
     lr_factor: float = option(1.0, "multiply the learning rate by this after a rollback (OPT used 0.9)", above=0)

@@ -177,7 +177,8 @@ def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepCo
     pieces = [FirstStepCheck(io.logger, steps.health, io.expected_initial_loss), *hooks,
               io.log or TrainLog(cfg, io.logger, steps.health, ctx, io.flops_per_token)]
     if cfg.spike.enabled:
-        pieces.append(Rollback(cfg.spike, io.logger, ctx))
+        # the disk fallback only in one process: rank 0 alone holds the checkpoint manager
+        pieces.append(Rollback(cfg.spike, io.logger, ctx, None if dist.enabled else io.checkpoints))
     if io.evaluate_fn is not None:
         pieces.append(Evaluation(cfg, io.logger, io.evaluate_fn, io.sample_fn, io.perplexity))
     return [*pieces, Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger, train=to_dict(cfg)),
