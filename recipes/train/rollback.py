@@ -201,10 +201,10 @@ class Rollback(Hook):
         if to_step > limit:
             notes.append(f"nothing in memory or on disk is {back} steps before the onset: the oldest state before it")
         pruned = [s for s in (self.checkpoints.pruned if self.checkpoints is not None else [])
-                  if to_step < s <= limit]
+                  if s <= limit and (to_step > limit or s > to_step)]
         if pruned:
-            notes.append(f"fell back to an older state: checkpoint step {max(pruned)} was deleted by "
-                         f"keep_last={self.checkpoints.keep_last}")
+            notes.append(f"checkpoint step {max(pruned)}, the one to use, was deleted by "
+                         f"keep_last={self.checkpoints.keep_last}: fell back to step {to_step}")
         return "; ".join(notes)
 
     def _disk(self) -> list[tuple[int, Path]]:
