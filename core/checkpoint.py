@@ -243,7 +243,7 @@ class CheckpointManager:
     """``step_{n:09d}.msgpack`` files in one folder: save every N steps, keep the last K, plus
     ``best.msgpack`` (lowest validation loss, stored in the file so it survives restarts) and
     ``final.msgpack``. ``keep_last=0`` keeps every step file; ``save_every=0`` saves only when asked.
-    With ``keep_back`` set (a loss-spike rollback's reach, ``recipes/train/rollback.py``) the pruning also
+    With ``keep_back`` set (how far back a loss-spike rollback must reach) the pruning also
     spares the newest step file at or before ``step - keep_back``; ``pruned`` lists the steps it deleted.
     Stale ``.tmp-*`` files of a killed writer are removed when a manager opens the folder.
     """
