@@ -14,7 +14,7 @@ Where that state comes from:
   whose pulled metrics and detector show no spike and no suspect streak in progress (so it predates every
   onset still to come) once the newest copy is ``2 * rollback_back / snapshots`` steps old (rounded up to a
   multiple of ``snapshot_every``); the oldest is freed before the new one is made. With two or more copies one
-  is always at least ``rollback_back`` steps old. The single default copy (the session's starting state until
+  is always at least ``rollback_back`` steps old (once the session is). The single default copy (the session's starting state until
   the first renewal) is renewed every ``2 * rollback_back`` steps: it reaches back far enough for the onsets in
   the second half of each period, and is never more than ``2 * rollback_back`` steps behind them.
 - The disk, for the onsets the ring does not reach: the run's step checkpoints (``core.checkpoint``), loaded
