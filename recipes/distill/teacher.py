@@ -5,8 +5,11 @@ load their frozen teachers through :func:`load_teacher` too, so ``teacher_dtype=
 
 ``teacher_dtype=auto`` holds a frozen teacher in bfloat16 on CUDA (half the memory and bandwidth, tensor-core
 matmuls, as Hugging Face's ``torch_dtype=torch.bfloat16``) and elsewhere in the dtype it is stored in, half
-types widened to float32 (a CPU without native bf16 matmuls runs bf16 slower than fp32). The params are cast
-once at load; ``models.llama`` keeps norms and ``models.losses`` the softmaxes in float32 whatever the dtype.
+types widened to float32, as every teacher was held before this key (a CPU run's numbers stay the same, and a
+CPU without bf16 matmul instructions runs bf16 slower). On a CPU that has them (AMX/AVX512-BF16, as this
+repository's box) ``teacher_dtype=bf16`` is the faster choice: SmolLM2-135M's forward over 4 x 64 tokens on one
+thread took 0.14 s in bf16 against 0.49 s in fp32. The params are cast once at load, on the host, then moved;
+``models.llama`` keeps norms and ``models.losses`` the softmaxes in float32 whatever the dtype.
 """
 from __future__ import annotations
 
@@ -52,10 +55,10 @@ def load_teacher(path: str, device, teacher_dtype: str = "auto", recipe: str = "
     if not path:
         raise UserError(f"recipe={recipe} needs teacher=PATH (a checkpoint or run folder, a Hugging Face folder, "
                         "a .gguf file, or 'smollm2')")
-    loaded = load_model(path, device=device, dtype=None)
-    device_type = loaded.params["embed"].device.type
+    loaded = load_model(path, dtype=None)       # on the host as stored: one move to the device, already cast
+    device_type = torch.device(device).type if device is not None else "cpu"
     dtype = resolve_teacher_dtype(teacher_dtype, device_type, loaded.params["embed"].dtype)
-    loaded.params = cast(loaded.params, dtype)
+    loaded.params = cast(loaded.params, dtype, device)
     return loaded
 
 
