@@ -90,13 +90,23 @@ def test_distill_online_and_cached_with_a_bf16_teacher(corpus, teacher, tmp_path
     assert main(["recipe=distill", f"data={corpus}", f"teacher={teacher}", f"out={tmp_path / 'mixed'}", *COMMON,
                  *STUDENT, *KD_STEPS, f"cache={c16}"]) == 2
     err = capsys.readouterr().err
-    assert "held the teacher in bfloat16 (teacher_dtype=bf16), this run in float32" in err, err
+    assert "held in bfloat16 (teacher_dtype=bf16) there, in float32 here" in err, err
+
+
+def test_resuming_with_another_teacher_dtype_is_refused_by_name(corpus, teacher, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["recipe=distill", f"data={corpus}", f"teacher={teacher}", f"out={out}", *COMMON, *STUDENT, "eval_every=0"]
+    assert main([*args, "steps=4", "warmup_steps=1", "teacher_dtype=bf16"]) == 0
+    capsys.readouterr()
+    assert main([*args, "steps=8", "warmup_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "held in bfloat16 (teacher_dtype=bf16) there, in float32 here" in err, err
 
 
 def test_a_dtype_change_is_named():
     old = {"source": "t", "fingerprint": "a", "dtype": "bfloat16"}
-    assert held_dtype_hint(old, {"source": "t", "fingerprint": "b", "dtype": "float32"}).endswith(
-        "bfloat16 (teacher_dtype=bf16), this run in float32")
+    assert held_dtype_hint(old, {"source": "t", "fingerprint": "b", "dtype": "float32"}) == \
+        "held in bfloat16 (teacher_dtype=bf16) there, in float32 here"
     assert held_dtype_hint(old, {"source": "other", "fingerprint": "b", "dtype": "float32"}) == ""
     assert held_dtype_hint({"source": "t", "fingerprint": "a"}, {"source": "t", "dtype": "float32"}) == ""
 

@@ -123,9 +123,10 @@ class TeacherCache:
             wrong.append(f"data: cache {m['data']['source']} ({m['data']['tokens']}), run {data_id['source']} "
                          f"({data_id['tokens']})")
         if m["teacher"]["fingerprint"] != teacher_id["fingerprint"]:
-            wrong.append(f"teacher: cache {m['teacher']['source']} (weights {m['teacher']['fingerprint']}), "
-                         f"run {teacher_id['source']} (weights {teacher_id['fingerprint']})"
-                         f"{held_dtype_hint(m['teacher'], teacher_id)}")
+            held = held_dtype_hint(m["teacher"], teacher_id)
+            wrong.append(f"teacher: {held}" if held else
+                         f"teacher: cache {m['teacher']['source']} (weights {m['teacher']['fingerprint']}), "
+                         f"run {teacher_id['source']} (weights {teacher_id['fingerprint']})")
         if wrong:
             raise UserError(f"cache={self.path} does not match this run: {'; '.join(wrong)}; rebuild it with "
                             f"recipe=distill_cache and the run's settings")

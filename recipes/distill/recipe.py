@@ -338,8 +338,9 @@ def run(cfg: Config):
     state, loop, resume = p.run.state, p.run.loop, p.run.resume
     old = p.run.resumed.get("teacher") or {}
     if old.get("fingerprint") and old["fingerprint"] != p.teacher_id["fingerprint"]:
-        raise UserError(f"{resume}: it was distilled from another teacher ({old['source']})"
-                        f"{held_dtype_hint(old, p.teacher_id)}; use another out=")
+        held = held_dtype_hint(old, p.teacher_id)
+        raise UserError(f"{resume}: its teacher was {held}; give that teacher_dtype or use another out=" if held
+                        else f"{resume}: it was distilled from another teacher ({old['source']}); use another out=")
 
     scfg, tok, device, dist = p.student_cfg, p.tok, p.device, p.dist
     extra = {"config": to_dict(cfg), "model": model_entry(scfg), "tokenizer": tok.to_dict(), "recipe": "distill",

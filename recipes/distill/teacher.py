@@ -85,13 +85,13 @@ def teacher_identity(teacher) -> dict:
 
 
 def held_dtype_hint(old: dict, new: dict) -> str:
-    """``; it held the teacher in bfloat16 (teacher_dtype=bf16), this run in float32`` when the two identities
-    name one source held in two dtypes (empty otherwise)."""
+    """``held in bfloat16 (teacher_dtype=bf16) there, in float32 here`` when the two identities name one
+    source held in two dtypes (empty otherwise)."""
     if not old.get("dtype") or old["dtype"] == new["dtype"] or old.get("source") != new["source"]:
         return ""
     names = {str(v).removeprefix("torch."): k for k, v in TEACHER_DTYPES.items()}
     setting = f" (teacher_dtype={names[old['dtype']]})" if old["dtype"] in names else ""
-    return f"; it held the teacher in {old['dtype']}{setting}, this run in {new['dtype']}"
+    return f"held in {old['dtype']}{setting} there, in {new['dtype']} here"
 
 
 def data_identity(corpus) -> dict:
