@@ -115,7 +115,7 @@ def test_upcycle_ci_size_with_a_bf16_teacher(corpus, teacher, tmp_path):
     """Surgery widens the bf16 teacher to fp32 (the student stays fp32); blockwise, global (KD), verify and the
     benchmark run against it."""
     dims = ["sem_dim=2", "geo_dim=6", "v_dim=8", "blockwise.steps=20", "global.steps=20",
-            "verify.attention.max_mean_l1=10", "verify.logits.max_mean_l1=100"]
+            "blockwise.cache_teacher=true", "verify.attention.max_mean_l1=10", "verify.logits.max_mean_l1=100"]
     stages = {}
     for dtype in ("fp32", "bf16"):
         out = tmp_path / dtype
