@@ -130,8 +130,8 @@ def run_surgery(ctx: Context) -> tuple[dict, dba.DBAConfig]:
     ctx.say(f"surgery: {cfg.surgery_method} on {calib.numel():,} calibration tokens (training split), sem_dim "
             f"{cfg.sem_dim}, geo_dim {cfg.geo_dim}, v_dim {cfg.v_dim} per head")
     # the factorizations need the teacher's weights in at least fp32 (a bf16-held teacher is widened here)
-    student, scfg, report = surgery.surgery(compute_view(t.params), t.config, calib, sem_dim=cfg.sem_dim, geo_dim=cfg.geo_dim,
-                                            v_dim=cfg.v_dim, method=cfg.surgery_method)
+    student, scfg, report = surgery.surgery(compute_view(t.params), t.config, calib, sem_dim=cfg.sem_dim,
+                                            geo_dim=cfg.geo_dim, v_dim=cfg.v_dim, method=cfg.surgery_method)
     ctx.say("surgery: evaluating the teacher on the held-out windows")
     teacher_loss = heldout_loss(llama, t.params, t.config, ctx.heldout)
     kv_t, kv_s = llama.kv_bytes_per_token(t.config), dba.kv_bytes_per_token(scfg)
