@@ -47,11 +47,14 @@ TARGETS = ("block", "attention")
 @torch.no_grad()
 def teacher_io(params: dict, cfg: llama.LlamaConfig, tokens: torch.Tensor,
                target: str = "block") -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher's block inputs and targets (block contributions or attention outputs), each [L, B, T, d]."""
+    """The teacher's block inputs and targets (block contributions or attention outputs), each [L, B, T, d],
+    in at least float32 (a bf16-held teacher runs in bf16; its states are widened before the differences)."""
     hidden = torch.stack(llama.apply(params, tokens, cfg, return_hidden="only"))     # [L + 1, B, T, d]
-    inputs = hidden[:-1]
+    wide = llama.upcast(hidden.dtype)
     if target == "attention":
-        return inputs, attention_outputs(params, cfg, inputs)
+        return hidden[:-1].to(wide), attention_outputs(params, cfg, hidden[:-1]).to(wide)
+    hidden = hidden.to(wide)
+    inputs = hidden[:-1]
     return inputs, hidden[1:] - inputs
 
 

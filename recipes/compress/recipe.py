@@ -41,6 +41,7 @@ from core.spike import SpikeConfig
 from core.state import init_state
 from models import compressor
 from recipes.compress import states
+from recipes.distill.teacher import teacher_dtype_option
 from recipes.train.config import TrainConfig, train_config
 from recipes.train.loop import LoopIO, LoopState, build_steps, fit
 from recipes.train.optimizer import make_optimizer, optimizer_spec
@@ -58,6 +59,7 @@ METRICS = ("mse", "cosine", "rel_error", "explained_variance")
 @dataclass
 class Config:
     teacher: str = option("", "teacher: checkpoint or run folder, Hugging Face folder, .gguf, or 'smollm2'")
+    teacher_dtype: str = teacher_dtype_option()
     layer: int = option(-1, "hidden state to compress: 0 the embeddings, i the input of block i, -1 (= n_layers) "
                             "the last block's output", min=-1)
     d_compressed: int = option(0, "compressed width D' of a single run (set this or sweep)", min=0)
@@ -130,7 +132,7 @@ def run(cfg: Config) -> list[dict]:
         raise ConfigError("set d_compressed=D' (one run) or sweep=D'1,D'2,... (one run per width)")
     device = resolve_device(cfg.device)
     folder = run_folder(cfg, "compress")
-    teacher = states.Teacher(cfg.teacher, cfg.layer, device)
+    teacher = states.Teacher(cfg.teacher, cfg.layer, device, cfg.teacher_dtype)
     too_wide = [d for d in cfg.widths if d > teacher.d_model]
     if too_wide:
         raise UserError(f"D'={too_wide[0]} is wider than the teacher's hidden states (D={teacher.d_model})")

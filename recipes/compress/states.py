@@ -34,7 +34,7 @@ from core.tree import fingerprint, tree_map
 from core.logging import progress
 from models import llama
 from models.compressor import Moments
-from models.loading import load_model
+from recipes.distill.teacher import load_teacher
 
 FORMAT = "purestep-states-1"
 
@@ -50,11 +50,8 @@ def resolve_layer(layer: int, n_layers: int) -> int:
 class Teacher:
     """A frozen Llama teacher cut after block ``layer``: ``states(tokens) -> [B, T, D]``."""
 
-    def __init__(self, path: str, layer: int, device):
-        if not path:
-            raise UserError("recipe=compress needs teacher=PATH (a checkpoint or run folder, a Hugging Face folder, "
-                            "a .gguf file, or 'smollm2')")
-        loaded = load_model(path, device=device)
+    def __init__(self, path: str, layer: int, device, teacher_dtype: str = "auto"):
+        loaded = load_teacher(path, device, teacher_dtype, recipe="compress")   # states() returns float32 anyway
         if loaded.tokenizer is None:
             raise UserError(f"teacher={path}: it has no tokenizer to turn the text into its tokens")
         self.source, self.format, self.tokenizer = loaded.source, loaded.format, loaded.tokenizer

@@ -35,7 +35,8 @@ from core.device import resolve_device
 from core.step import autocast
 from core.logging import progress
 from models import llama, losses
-from recipes.distill.teacher import data_identity, load_teacher, teacher_data, teacher_identity, teacher_option
+from recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, teacher_data,
+                                     teacher_dtype_option, teacher_identity, teacher_option)
 from recipes.train.config import TrainConfig
 
 DESCRIPTION = "run a teacher once over a distill run's batches and cache top-k or sampled targets"
@@ -48,6 +49,7 @@ RUN_KEYS = ("batch_size", "block_size", "seed", "grad_accum", "temperature")
 @dataclass
 class Config:
     teacher: str = teacher_option()
+    teacher_dtype: str = teacher_dtype_option()
     out: str = option("", "cache folder to write (required; built in a temporary folder, then renamed)")
     mode: str = option("topk", "topk (ids + log-probs + missing mass) or sample (Random-Sampling KD ids + counts)",
                        choices=MODES)
@@ -121,7 +123,9 @@ class TeacherCache:
             wrong.append(f"data: cache {m['data']['source']} ({m['data']['tokens']}), run {data_id['source']} "
                          f"({data_id['tokens']})")
         if m["teacher"]["fingerprint"] != teacher_id["fingerprint"]:
-            wrong.append(f"teacher: cache {m['teacher']['source']} (weights {m['teacher']['fingerprint']}), "
+            held = held_dtype_hint(m["teacher"], teacher_id)
+            wrong.append(f"teacher: {held}" if held else
+                         f"teacher: cache {m['teacher']['source']} (weights {m['teacher']['fingerprint']}), "
                          f"run {teacher_id['source']} (weights {teacher_id['fingerprint']})")
         if wrong:
             raise UserError(f"cache={self.path} does not match this run: {'; '.join(wrong)}; rebuild it with "
@@ -155,7 +159,7 @@ def _check(cfg: Config, vocab_size: int):
 
 def run(cfg: Config) -> TeacherCache:
     device = resolve_device(cfg.device)
-    teacher = load_teacher(cfg.teacher, device)
+    teacher = load_teacher(cfg.teacher, device, cfg.teacher_dtype, recipe="distill_cache")
     tcfg = teacher.config
     _check(cfg, tcfg.vocab_size)
     corpus, tok = teacher_data(teacher, cfg.tokenizer, cfg.data)

@@ -63,7 +63,8 @@ from models import llama, losses
 from models.loading import LoadedModel, load_model, model_entry
 from recipes import standard
 from recipes.distill.cache import TeacherCache
-from recipes.distill.teacher import data_identity, load_teacher, teacher_data, teacher_identity, teacher_option
+from recipes.distill.teacher import (compute_view, data_identity, held_dtype_hint, load_teacher, teacher_data,
+                                     teacher_dtype_option, teacher_identity, teacher_option)
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import setup
 from recipes.train.config import TrainConfig
@@ -95,6 +96,7 @@ StudentModel = _optional_fields(llama.LlamaConfig, "StudentModel",
 @dataclass
 class Config(TrainConfig):
     teacher: str = teacher_option()
+    teacher_dtype: str = teacher_dtype_option()
     student: str = option("config", "student: config (model.*), drop_layers (every other teacher layer), "
                                     "shrink (teacher shape, model.* widths)", choices=STUDENTS)
     model: StudentModel = option(StudentModel, "student shape for student=config/shrink")
@@ -166,8 +168,9 @@ def _drop_layers(teacher: LoadedModel, device):
     """Every other teacher layer (0, 2, 4, ...) with the teacher's embeddings and norms (DistilBERT's init)."""
     n = teacher.config.n_layers
     keep = list(range(0, n, 2))
-    layers = tree_map(lambda w: w[keep].clone(), teacher.params["layers"])
-    params = {**{k: v.clone() for k, v in teacher.params.items() if k != "layers"}, "layers": layers}
+    weights = compute_view(teacher.params)   # a bf16 teacher still gives an fp32 student
+    layers = tree_map(lambda w: w[keep].clone(), weights["layers"])
+    params = {**{k: v.clone() for k, v in weights.items() if k != "layers"}, "layers": layers}
     return (replace(teacher.config, n_layers=len(keep)), cast(params, device=device),
             f"teacher layers 0, 2, ..., {keep[-1]} ({len(keep)} of {n}), initialized from their weights")
 
@@ -289,7 +292,7 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     dist, device = distributed.init(resolve_device(cfg.device))
     check_keys(cfg, dist.world_size)
     theta0 = check_temperature(cfg)
-    teacher = load_teacher(cfg.teacher, device)
+    teacher = load_teacher(cfg.teacher, device, cfg.teacher_dtype)
     with dist.main_first():   # rank 0 tokenizes into the cache, the others then read it
         corpus, tok = teacher_data(teacher, cfg.tokenizer, cfg.data)
     student_cfg, params, how = build_student(cfg, teacher, device)
@@ -333,10 +336,11 @@ def run(cfg: Config):
     # everything that can fail on bad input happens before the run folder is touched
     p = prepare_run(cfg, folder)
     state, loop, resume = p.run.state, p.run.loop, p.run.resume
-    old = (p.run.resumed.get("teacher") or {}).get("fingerprint")
-    if old and old != p.teacher_id["fingerprint"]:
-        raise UserError(f"{resume}: it was distilled from another teacher ({p.run.resumed['teacher']['source']}); "
-                        f"use another out=")
+    old = p.run.resumed.get("teacher") or {}
+    if old.get("fingerprint") and old["fingerprint"] != p.teacher_id["fingerprint"]:
+        held = held_dtype_hint(old, p.teacher_id)
+        raise UserError(f"{resume}: its teacher was {held}; give that teacher_dtype or use another out=" if held
+                        else f"{resume}: it was distilled from another teacher ({old['source']}); use another out=")
 
     scfg, tok, device, dist = p.student_cfg, p.tok, p.device, p.dist
     extra = {"config": to_dict(cfg), "model": model_entry(scfg), "tokenizer": tok.to_dict(), "recipe": "distill",

@@ -25,7 +25,7 @@ import torch
 
 from core.device import synchronize
 from core.logging import Logger
-from core.tree import size
+from core.tree import cast, size
 from models import dba, llama
 from recipes.upcycle.phases import Context, ppl, write_json
 
@@ -62,7 +62,8 @@ def run_benchmark(ctx: Context, student: dict, scfg: dba.DBAConfig, stages: dict
     # held-out losses on ctx.heldout were computed once, by the phases (the student is the last of them)
     losses = {"teacher": stages["teacher"], "student": list(stages.values())[-1]}
     prompt = torch.as_tensor(ctx.heldout.tokens[:bc.prompt_tokens].astype("int64"), device=ctx.device)[None]
-    models = {"teacher": (llama, t.params, t.config), "student": (dba, student, scfg)}
+    teacher = cast(t.params, student["embed"].dtype)    # timed in the student's dtype, whatever it is held in
+    models = {"teacher": (llama, teacher, t.config), "student": (dba, student, scfg)}
     runs = {name: [] for name in models}
     ctx.say(f"benchmark: latency, {bc.prompt_tokens}-token prompt + {bc.new_tokens} decoded tokens, "
             f"median of {bc.repeats}")

@@ -17,6 +17,7 @@ from core.config import ConfigError, option, same_as
 from core.spike import SpikeConfig
 from models.blockwise import LOSSES, MODES, TARGETS
 from models.surgery import METHODS
+from recipes.distill.teacher import teacher_dtype_option
 from recipes.orchestrator.config import OrchestratorConfig
 from recipes.train.config import TrainConfig, train_config
 
@@ -130,6 +131,7 @@ def keyword_dataclass(cls):
 class Config:
     teacher: str = option("", "teacher: a purestep checkpoint or run folder (recipe=standard), a Hugging Face "
                           "folder, a .gguf file, or smollm2")
+    teacher_dtype: str = teacher_dtype_option()
     data: str = option("stdlib", "text (file, folder, glob, stdlib), tokenized with the teacher's tokenizer")
     phases: tuple[str, ...] = option(PHASES, "phases after the surgery (which always runs), run in pipeline order")
     out: str = same_as(TrainConfig, "out")

@@ -25,6 +25,7 @@ from core.data import Corpus, EvalBatches
 from core.step import make_eval_step
 from models import blockwise, dba, llama, losses, surgery
 from models.loading import LoadedModel, model_entry
+from recipes.distill.teacher import compute_view
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import setup
 from recipes.train.loop import LoopIO, build_steps, evaluate, fit
@@ -128,8 +129,9 @@ def run_surgery(ctx: Context) -> tuple[dict, dba.DBAConfig]:
     calib = calibration_tokens(ctx)
     ctx.say(f"surgery: {cfg.surgery_method} on {calib.numel():,} calibration tokens (training split), sem_dim "
             f"{cfg.sem_dim}, geo_dim {cfg.geo_dim}, v_dim {cfg.v_dim} per head")
-    student, scfg, report = surgery.surgery(t.params, t.config, calib, sem_dim=cfg.sem_dim, geo_dim=cfg.geo_dim,
-                                            v_dim=cfg.v_dim, method=cfg.surgery_method)
+    # the factorizations need the teacher's weights in at least fp32 (a bf16-held teacher is widened here)
+    student, scfg, report = surgery.surgery(compute_view(t.params), t.config, calib, sem_dim=cfg.sem_dim,
+                                            geo_dim=cfg.geo_dim, v_dim=cfg.v_dim, method=cfg.surgery_method)
     ctx.say("surgery: evaluating the teacher on the held-out windows")
     teacher_loss = heldout_loss(llama, t.params, t.config, ctx.heldout)
     kv_t, kv_s = llama.kv_bytes_per_token(t.config), dba.kv_bytes_per_token(scfg)
@@ -201,13 +203,14 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
 def compare(ctx: Context, student: dict, scfg: dba.DBAConfig, windows: EvalBatches) -> dict:
     """Per-layer attention-output L1 (both attentions on the teacher's block inputs) and logit L1, per window;
     mean and max over windows, plus the teacher's mean |value| for scale."""
-    t = ctx.teacher
+    t, wide = ctx.teacher, student["embed"].dtype     # a bf16-held teacher is compared in the student's dtype
     attn, attn_scale, logit, logit_scale = [], [], [], []
     for batch in windows:
         logits_t, hidden = llama.apply(t.params, batch["x"], t.config, return_hidden=True)
         inputs = torch.stack(hidden[:-1])
-        a_t = blockwise.attention_outputs(t.params, t.config, inputs)
-        a_s = blockwise.attention_outputs(student, scfg, inputs)
+        a_t = blockwise.attention_outputs(t.params, t.config, inputs).to(wide)
+        a_s = blockwise.attention_outputs(student, scfg, inputs.to(wide))
+        logits_t = logits_t.to(wide)
         attn.append((a_s - a_t).abs().flatten(1).mean(1))
         attn_scale.append(a_t.abs().flatten(1).mean(1))
         logit.append((dba.apply(student, batch["x"], scfg) - logits_t).abs().mean())

@@ -30,7 +30,7 @@ from core.logging import Logger, format_duration, progress
 from core.runs import claim, run_folder
 from core.tree import fingerprint, size
 from models import dba
-from models.loading import load_model
+from recipes.distill.teacher import load_teacher
 from recipes.train.optimizer import make_optimizer
 from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop
 from recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
@@ -108,7 +108,7 @@ def run(cfg: Config):
     device = resolve_device(cfg.device)
     folder = run_folder(cfg.out, cfg.name, "upcycle")
     start = time.perf_counter()
-    teacher = load_model(cfg.teacher, device=device)
+    teacher = load_teacher(cfg.teacher, device, cfg.teacher_dtype, recipe="upcycle")
     if teacher.tokenizer is None:
         raise UserError(f"teacher={cfg.teacher} ({teacher.format}) has no tokenizer; upcycle tokenizes data= "
                         f"with the teacher's own")
