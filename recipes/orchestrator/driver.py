@@ -20,9 +20,9 @@ makes the following exact and cheap:
   strategy wins, the result is bitwise what training on without the orchestrator would have produced.
   A decision is deferred rather than let its horizon jump over an evaluation or checkpoint step.
 - Safety (PaLM 540B, OPT-175B practice): a non-finite loss, or one above ``max_loss_increase`` x its EMA,
-  raises the step's hard-spike flag, so the loop's own rollback machinery (``spike.*``: in-memory snapshot
-  ring, ``rollback_back``, ``skip_ahead``, ``max_rollbacks`` per ``window``) restores the newest snapshot at
-  least ``rollback_back`` steps before the onset and skips the batches; every rollback, whoever detected the
+  raises the step's hard-spike flag, so the loop's own rollback machinery (``spike.*``: an in-memory snapshot
+  or the run's checkpoints, ``rollback_back``, ``skip_ahead``, ``max_rollbacks`` per ``window``) restores the
+  newest state at least ``rollback_back`` steps before the onset and skips the batches; every rollback, whoever detected the
   spike, then switches the restored state to ``safety_strategy``.
 - Nowcasting (Jang et al. 2023; opt-in ``nowcast.*``): every ``stride`` steps a snapshot of the weights;
   at the first log step ``interval`` steps after the last attempt, the least-squares line through the last ``window`` snapshots is extrapolated
