@@ -21,16 +21,26 @@ tree_flatten = optree.tree_flatten
 tree_unflatten = optree.tree_unflatten
 
 
+def leaves_of(tree: Tree) -> list:
+    """``tree``'s leaves in optree's order, collected with a ``tree_map`` (see :func:`map_flat`)."""
+    leaves: list = []
+    tree_map(leaves.append, tree)
+    return leaves
+
+
+def like(tree: Tree, leaves: Iterable) -> Tree:
+    """``leaves`` (in :func:`leaves_of` order) put back in ``tree``'s shape."""
+    out = iter(leaves)
+    return tree_map(lambda _: next(out), tree)
+
+
 def map_flat(fn: Callable[[list], list], tree: Tree) -> Tree:
     """``fn`` applied to the list of ``tree``'s leaves at once, the result put back in ``tree``'s shape.
 
     The same as ``tree_unflatten(spec, fn(leaves))``, written with two ``tree_map``s because dynamo traces
     those but not a ``TreeSpec`` constant nor ``tree_leaves`` of a tree holding an empty dict (torch 2.13).
     """
-    leaves: list = []
-    tree_map(leaves.append, tree)
-    out = iter(fn(leaves))
-    return tree_map(lambda _: next(out), tree)
+    return like(tree, fn(leaves_of(tree)))
 
 
 def named_leaves(tree: Tree) -> list[tuple[str, Any]]:
@@ -104,12 +114,22 @@ def squared_norms(tree: Tree) -> list[torch.Tensor]:
 
 
 def global_norm(tree: Tree) -> torch.Tensor:
-    """L2 norm over every element of every leaf, in at least float32 (no host sync)."""
-    sq = squared_norms(tree)
-    if not sq:
+    """L2 norm over every element of every leaf, in at least float32 (no host sync).
+
+    Leaves of one dtype take one ``torch._foreach_norm`` (one multi-tensor kernel, as
+    ``torch.nn.utils.clip_grad_norm_(foreach=True)``); the per-leaf norms are squared, summed and
+    square-rooted in the same order as :func:`squared_norms`, so the CPU result is the same to the bit.
+    """
+    leaves = tree_leaves(tree)
+    if not leaves:
         return torch.zeros(())
-    wide = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
-    return torch.stack([s.to(wide) for s in sq]).sum().sqrt()
+    dtypes = {t.dtype for t in leaves}
+    if len(dtypes) > 1:
+        sq = squared_norms(tree)
+        wide = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
+        return torch.stack([s.to(wide) for s in sq]).sum().sqrt()
+    accumulate = torch.promote_types(leaves[0].dtype, torch.float32)
+    return torch.stack(torch._foreach_norm(leaves, 2, dtype=accumulate)).square().sum().sqrt()
 
 
 def size(tree: Tree) -> int:
@@ -118,8 +138,11 @@ def size(tree: Tree) -> int:
 
 
 def apply_updates(params: Tree, updates: Tree) -> Tree:
-    """``params + updates``, cast back to each param's dtype (optax ``apply_updates``)."""
-    return tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+    """``params + updates``, cast back to each param's dtype (optax ``apply_updates``), as one
+    ``torch._foreach_add`` over the leaves."""
+    ps = leaves_of(params)
+    sums = torch._foreach_add(ps, leaves_of(updates)) if ps else []
+    return like(params, [s.to(p.dtype) for s, p in zip(sums, ps)])
 
 
 def where(cond: torch.Tensor, on_true: Tree, on_false: Tree) -> Tree:
