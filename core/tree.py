@@ -22,16 +22,38 @@ tree_unflatten = optree.tree_unflatten
 
 
 def leaves_of(tree: Tree) -> list:
-    """``tree``'s leaves in optree's order, collected with a ``tree_map`` (see :func:`map_flat`)."""
+    """``tree``'s leaves in ``tree_map``'s order, collected with a ``tree_map`` (see :func:`map_flat`).
+
+    That order is sorted keys in eager optree but dict insertion order under dynamo: to pair the leaves of
+    two trees, use :func:`zip_leaves`, never two calls of this.
+    """
     leaves: list = []
     tree_map(leaves.append, tree)
     return leaves
 
 
-def like(tree: Tree, leaves: Iterable) -> Tree:
-    """``leaves`` (in :func:`leaves_of` order) put back in ``tree``'s shape."""
-    out = iter(leaves)
-    return tree_map(lambda _: next(out), tree)
+def zip_leaves(tree: Tree, *rest: Tree) -> tuple[list, ...]:
+    """The leaves of ``tree`` and, matched to them by path as ``tree_map`` matches them, those of every tree
+    in ``rest``: one list per tree, all in ``tree``'s leaf order."""
+    columns: tuple[list, ...] = tuple([] for _ in range(1 + len(rest)))
+
+    def collect(*leaves):
+        for column, leaf in zip(columns, leaves):
+            column.append(leaf)
+
+    tree_map(collect, tree, *rest)
+    return columns
+
+
+def like(tree: Tree, leaves: Iterable, order: Tree | None = None) -> Tree:
+    """``leaves`` put back in ``tree``'s shape. They are in ``tree``'s leaf order (:func:`leaves_of`), or
+    in ``order``'s, a tree of the same structure they were collected from with :func:`zip_leaves` (the two
+    orders may differ under dynamo when the dicts were built in different key orders)."""
+    if order is None:
+        out = iter(leaves)
+        return tree_map(lambda _: next(out), tree)
+    leaves = list(leaves)
+    return tree_map(lambda _, i: leaves[i], tree, like(order, range(len(leaves))))
 
 
 def map_flat(fn: Callable[[list], list], tree: Tree) -> Tree:
@@ -140,8 +162,8 @@ def size(tree: Tree) -> int:
 def apply_updates(params: Tree, updates: Tree) -> Tree:
     """``params + updates``, cast back to each param's dtype (optax ``apply_updates``), as one
     ``torch._foreach_add`` over the leaves."""
-    ps = leaves_of(params)
-    sums = torch._foreach_add(ps, leaves_of(updates)) if ps else []
+    ps, us = zip_leaves(params, updates)
+    sums = torch._foreach_add(ps, us) if ps else []
     return like(params, [s.to(p.dtype) for s, p in zip(sums, ps)])
 
 

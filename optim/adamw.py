@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import leaves_of, like, zeros_like
+from core.tree import like, zeros_like, zip_leaves
 from optim import foreach
 from optim.base import GradientTransformation, chain, counter, hparams
 from optim.common import add_decayed_weights, decay_mask, scale_by_learning_rate
@@ -31,7 +31,7 @@ def _adam_directions(mu: list, nu: list, bc1: torch.Tensor, bc2_sqrt: torch.Tens
         return []
     denominators = torch._foreach_sqrt(nu)
     torch._foreach_div_(denominators, bc2_sqrt)
-    torch._foreach_add_(denominators, eps)
+    foreach.add_scalar_(denominators, eps)
     return foreach.div_into(torch._foreach_div(mu, bc1), denominators)
 
 
@@ -44,12 +44,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         h = state.hparams
         beta1, beta2 = h["b1"], h["b2"]
         count = state.count + 1
-        grads = leaves_of(updates)
-        mu = foreach.moving_average(leaves_of(state.mu), grads, beta1)
-        nu = foreach.moving_average_of_squares(leaves_of(state.nu), grads, beta2)
+        grads, old_mu, old_nu = zip_leaves(updates, state.mu, state.nu)
+        mu = foreach.moving_average(old_mu, grads, beta1)
+        nu = foreach.moving_average_of_squares(old_nu, grads, beta2)
         directions = _adam_directions(mu, nu, 1 - beta1 ** count, (1 - beta2 ** count).sqrt(), h["eps"])
         return (like(updates, directions),
-                ScaleByAdamState(count, like(state.mu, mu), like(state.nu, nu), h))
+                ScaleByAdamState(count, like(state.mu, mu, updates), like(state.nu, nu, updates), h))
 
     return GradientTransformation(init, update)
 

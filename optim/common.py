@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import Tree, leaves_of, like, tree_map_with_name
+from core.tree import Tree, leaves_of, like, tree_map_with_name, zip_leaves
 from optim import foreach
 from optim.base import (GradientTransformation, counter, find_state, hparams, replace_states,
                         resolve_mask)
@@ -34,9 +34,13 @@ def decay_mask(params: Tree) -> Tree:
 def decay_weights(updates: Tree, params: Tree, rate: torch.Tensor, mask=None) -> Tree:
     """``u + rate * p`` on the leaves ``mask`` keeps (every leaf if None): the term of
     :func:`add_decayed_weights`, shared with transforms that decay inside their own update (SWATS)."""
-    us, ps = leaves_of(updates), leaves_of(params)
     keep = resolve_mask(mask, params)
-    chosen = list(range(len(us))) if keep is None else [i for i, k in enumerate(leaves_of(keep)) if k]
+    if keep is None:
+        us, ps = zip_leaves(updates, params)
+        chosen = list(range(len(us)))
+    else:
+        us, ps, kept = zip_leaves(updates, params, keep)
+        chosen = [i for i, k in enumerate(kept) if k]
     decayed = foreach.add_scaled([us[i] for i in chosen], [ps[i] for i in chosen], rate)
     for i, u in zip(chosen, decayed):
         us[i] = u

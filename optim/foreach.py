@@ -39,6 +39,17 @@ def div_into(owned: list, other: list) -> list:
     return _into(torch._foreach_div_, torch._foreach_div, owned, other)
 
 
+def add_scalar_(xs: list, value: torch.Tensor) -> list:
+    """``x + value`` into every ``x`` (a list the caller allocated; ``value`` a 0-d tensor, on the right).
+
+    Eager takes the one multi-tensor kernel; dynamo (torch 2.13) reads a 0-d tensor passed to
+    ``_foreach_add_`` with ``.item()`` (a graph break), so a compiled step passes it once per leaf.
+    """
+    if xs:
+        torch._foreach_add_(xs, [value] * len(xs) if torch.compiler.is_compiling() else value)
+    return xs
+
+
 def scale(xs: list, factor: torch.Tensor) -> list:
     """``factor * x`` for every ``x`` (``factor`` a 0-d tensor, on the left).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from core.tree import leaves_of, like, zeros_like
+from core.tree import like, zeros_like, zip_leaves
 from optim import foreach
 from optim.base import GradientTransformation, chain, hparams
 from optim.common import add_decayed_weights, scale_by_learning_rate
@@ -27,10 +27,10 @@ def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
 
     def update(updates, state, params=None):
         mu = state.hparams["momentum"]
-        grads = leaves_of(updates)
-        buf = foreach.add_into(foreach.scale(leaves_of(state.trace), mu), grads)
+        grads, old = zip_leaves(updates, state.trace)
+        buf = foreach.add_into(foreach.scale(old, mu), grads)
         out = foreach.add_scaled(grads, buf, mu) if nesterov else buf
-        return like(updates, out), TraceState(like(state.trace, buf), state.hparams)
+        return like(updates, out), TraceState(like(state.trace, buf, updates), state.hparams)
 
     return GradientTransformation(init, update)
 
