@@ -140,7 +140,8 @@ def global_norm(tree: Tree) -> torch.Tensor:
 
     Leaves of one dtype take one ``torch._foreach_norm`` (one multi-tensor kernel, as
     ``torch.nn.utils.clip_grad_norm_(foreach=True)``); the per-leaf norms are squared, summed and
-    square-rooted in the same order as :func:`squared_norms`, so the CPU result is the same to the bit.
+    square-rooted in the same order as :func:`squared_norms`, so the CPU result is the same to the bit
+    (CUDA's multi-tensor norm reduces in its own order, as ``clip_grad_norm_`` does).
     """
     leaves = tree_leaves(tree)
     if not leaves:

@@ -2,8 +2,9 @@
 
 ``adamw = chain(scale_by_adam, add_decayed_weights(mask), scale_by_learning_rate)`` computes exactly
 ``torch.optim.AdamW``: ``p <- p - lr_t * (m_hat / (sqrt(v_hat) + eps) + wd * p)`` with
-``m_hat = m / (1 - b1**t)`` and ``v_hat = v / (1 - b2**t)``; tested against it in float64. The math runs on the list of leaves with ``torch._foreach_*`` ops
-(:mod:`optim.foreach`), the same ops in the same order as one leaf at a time.
+``m_hat = m / (1 - b1**t)`` and ``v_hat = v / (1 - b2**t)``; tested against it in float64. The math runs
+on the list of leaves with ``torch._foreach_*`` ops (:mod:`optim.foreach`), the same ops in the same
+order as one leaf at a time.
 """
 from __future__ import annotations
 
