@@ -4,10 +4,10 @@ leaves instead of one kernel per leaf per op, as ``torch.optim``'s ``foreach=Tru
 
 Each helper takes the same elementwise ops in the same order as the per-leaf expression it replaces,
 so every rounding, hence every bit, is the same (checked on CPU for float32, float64, bfloat16, float16
-and mixed trees; torch's CUDA multi-tensor kernels may read a 0-d tensor at a wider precision). A helper writes in place only into a list it has just
-allocated, and only where the in-place result keeps the dtype the out-of-place op would give; otherwise
-it allocates. Scalars are 0-d tensors (the hyperparameters in the states), never Python floats, so a
-compiled step does not specialise on their values.
+and mixed trees; torch's CUDA multi-tensor kernels may read a 0-d tensor at a wider precision). A
+helper writes in place only into a list it has just allocated, and only where the in-place result keeps
+the dtype the out-of-place op would give; otherwise it allocates. Scalars are 0-d tensors (the
+hyperparameters in the states), never Python floats, so a compiled step does not specialise on them.
 """
 from __future__ import annotations
 
