@@ -21,16 +21,48 @@ tree_flatten = optree.tree_flatten
 tree_unflatten = optree.tree_unflatten
 
 
+def leaves_of(tree: Tree) -> list:
+    """``tree``'s leaves in ``tree_map``'s order, collected with a ``tree_map`` (see :func:`map_flat`).
+
+    That order is sorted keys in eager optree but dict insertion order under dynamo: to pair the leaves of
+    two trees, use :func:`zip_leaves`, never two calls of this.
+    """
+    leaves: list = []
+    tree_map(leaves.append, tree)
+    return leaves
+
+
+def zip_leaves(tree: Tree, *rest: Tree) -> tuple[list, ...]:
+    """The leaves of ``tree`` and, matched to them by path as ``tree_map`` matches them, those of every tree
+    in ``rest``: one list per tree, all in ``tree``'s leaf order."""
+    columns: tuple[list, ...] = tuple([] for _ in range(1 + len(rest)))
+
+    def collect(*leaves):
+        for column, leaf in zip(columns, leaves):
+            column.append(leaf)
+
+    tree_map(collect, tree, *rest)
+    return columns
+
+
+def like(tree: Tree, leaves: Iterable, order: Tree | None = None) -> Tree:
+    """``leaves`` put back in ``tree``'s shape. They are in ``tree``'s leaf order (:func:`leaves_of`), or
+    in ``order``'s, a tree of the same structure they were collected from with :func:`zip_leaves` (the two
+    orders may differ under dynamo when the dicts were built in different key orders)."""
+    if order is None:
+        out = iter(leaves)
+        return tree_map(lambda _: next(out), tree)
+    leaves = list(leaves)
+    return tree_map(lambda _, i: leaves[i], tree, like(order, range(len(leaves))))
+
+
 def map_flat(fn: Callable[[list], list], tree: Tree) -> Tree:
     """``fn`` applied to the list of ``tree``'s leaves at once, the result put back in ``tree``'s shape.
 
     The same as ``tree_unflatten(spec, fn(leaves))``, written with two ``tree_map``s because dynamo traces
     those but not a ``TreeSpec`` constant nor ``tree_leaves`` of a tree holding an empty dict (torch 2.13).
     """
-    leaves: list = []
-    tree_map(leaves.append, tree)
-    out = iter(fn(leaves))
-    return tree_map(lambda _: next(out), tree)
+    return like(tree, fn(leaves_of(tree)))
 
 
 def named_leaves(tree: Tree) -> list[tuple[str, Any]]:
@@ -104,12 +136,23 @@ def squared_norms(tree: Tree) -> list[torch.Tensor]:
 
 
 def global_norm(tree: Tree) -> torch.Tensor:
-    """L2 norm over every element of every leaf, in at least float32 (no host sync)."""
-    sq = squared_norms(tree)
-    if not sq:
+    """L2 norm over every element of every leaf, in at least float32 (no host sync).
+
+    Leaves of one dtype take one ``torch._foreach_norm`` (one multi-tensor kernel, as
+    ``torch.nn.utils.clip_grad_norm_(foreach=True)``); the per-leaf norms are squared, summed and
+    square-rooted in the same order as :func:`squared_norms`, so the CPU result is the same to the bit
+    (CUDA's multi-tensor norm reduces in its own order, as ``clip_grad_norm_`` does).
+    """
+    leaves = tree_leaves(tree)
+    if not leaves:
         return torch.zeros(())
-    wide = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
-    return torch.stack([s.to(wide) for s in sq]).sum().sqrt()
+    dtypes = {t.dtype for t in leaves}
+    if len(dtypes) > 1:
+        sq = squared_norms(tree)
+        wide = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
+        return torch.stack([s.to(wide) for s in sq]).sum().sqrt()
+    accumulate = torch.promote_types(leaves[0].dtype, torch.float32)
+    return torch.stack(torch._foreach_norm(leaves, 2, dtype=accumulate)).square().sum().sqrt()
 
 
 def size(tree: Tree) -> int:
@@ -118,8 +161,11 @@ def size(tree: Tree) -> int:
 
 
 def apply_updates(params: Tree, updates: Tree) -> Tree:
-    """``params + updates``, cast back to each param's dtype (optax ``apply_updates``)."""
-    return tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+    """``params + updates``, cast back to each param's dtype (optax ``apply_updates``), as one
+    ``torch._foreach_add`` over the leaves."""
+    ps, us = zip_leaves(params, updates)
+    sums = torch._foreach_add(ps, us) if ps else []
+    return like(params, [s.to(p.dtype) for s, p in zip(sums, ps)])
 
 
 def where(cond: torch.Tensor, on_true: Tree, on_false: Tree) -> Tree:

@@ -2,7 +2,9 @@
 
 ``adamw = chain(scale_by_adam, add_decayed_weights(mask), scale_by_learning_rate)`` computes exactly
 ``torch.optim.AdamW``: ``p <- p - lr_t * (m_hat / (sqrt(v_hat) + eps) + wd * p)`` with
-``m_hat = m / (1 - b1**t)`` and ``v_hat = v / (1 - b2**t)``; tested against it in float64.
+``m_hat = m / (1 - b1**t)`` and ``v_hat = v / (1 - b2**t)``; tested against it in float64. The math runs
+on the list of leaves with ``torch._foreach_*`` ops (:mod:`optim.foreach`), the same ops in the same
+order as one leaf at a time.
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import tree_map, zeros_like
+from core.tree import like, zeros_like, zip_leaves
+from optim import foreach
 from optim.base import GradientTransformation, chain, counter, hparams
 from optim.common import add_decayed_weights, decay_mask, scale_by_learning_rate
 from optim.schedules import Schedule
@@ -23,6 +26,16 @@ class ScaleByAdamState(NamedTuple):
     hparams: dict   # b1, b2, eps as 0-d tensors
 
 
+def _adam_directions(mu: list, nu: list, bc1: torch.Tensor, bc2_sqrt: torch.Tensor, eps: torch.Tensor) -> list:
+    """``(m / bc1) / (sqrt(v) / bc2_sqrt + eps)`` leaf by leaf, one multi-tensor op at a time."""
+    if not mu:
+        return []
+    denominators = torch._foreach_sqrt(nu)
+    torch._foreach_div_(denominators, bc2_sqrt)
+    foreach.add_scalar_(denominators, eps)
+    return foreach.div_into(torch._foreach_div(mu, bc1), denominators)
+
+
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     def init(params):
         return ScaleByAdamState(counter(params), zeros_like(params), zeros_like(params),
@@ -32,12 +45,12 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         h = state.hparams
         beta1, beta2 = h["b1"], h["b2"]
         count = state.count + 1
-        mu = tree_map(lambda m, g: beta1 * m + (1 - beta1) * g, state.mu, updates)
-        nu = tree_map(lambda v, g: beta2 * v + (1 - beta2) * g * g, state.nu, updates)
-        bc1 = 1 - beta1 ** count
-        bc2_sqrt = (1 - beta2 ** count).sqrt()
-        updates = tree_map(lambda m, v: (m / bc1) / (v.sqrt() / bc2_sqrt + h["eps"]), mu, nu)
-        return updates, ScaleByAdamState(count, mu, nu, h)
+        grads, old_mu, old_nu = zip_leaves(updates, state.mu, state.nu)
+        mu = foreach.moving_average(old_mu, grads, beta1)
+        nu = foreach.moving_average_of_squares(old_nu, grads, beta2)
+        directions = _adam_directions(mu, nu, 1 - beta1 ** count, (1 - beta2 ** count).sqrt(), h["eps"])
+        return (like(updates, directions),
+                ScaleByAdamState(count, like(state.mu, mu, updates), like(state.nu, nu, updates), h))
 
     return GradientTransformation(init, update)
 

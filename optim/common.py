@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import Tree, tree_map, tree_map_with_name
+from core.tree import Tree, leaves_of, like, tree_map_with_name, zip_leaves
+from optim import foreach
 from optim.base import (GradientTransformation, counter, find_state, hparams, replace_states,
                         resolve_mask)
 from optim.schedules import Schedule, constant
@@ -35,8 +36,15 @@ def decay_weights(updates: Tree, params: Tree, rate: torch.Tensor, mask=None) ->
     :func:`add_decayed_weights`, shared with transforms that decay inside their own update (SWATS)."""
     keep = resolve_mask(mask, params)
     if keep is None:
-        return tree_map(lambda u, p: u + rate * p, updates, params)
-    return tree_map(lambda u, p, k: u + rate * p if k else u, updates, params, keep)
+        us, ps = zip_leaves(updates, params)
+        chosen = list(range(len(us)))
+    else:
+        us, ps, kept = zip_leaves(updates, params, keep)
+        chosen = [i for i, k in enumerate(kept) if k]
+    decayed = foreach.add_scaled([us[i] for i in chosen], [ps[i] for i in chosen], rate)
+    for i, u in zip(chosen, decayed):
+        us[i] = u
+    return like(updates, us)
 
 
 class DecayState(NamedTuple):
@@ -69,7 +77,8 @@ def scale_by_learning_rate(lr: float, schedule: Schedule | None = None) -> Gradi
     def update(updates, state, params=None):
         count = state.count + 1
         current = state.lr * schedule(count).to(state.lr.dtype)
-        return tree_map(lambda u: -current * u, updates), LearningRateState(count, state.lr, current)
+        steps = foreach.scale(leaves_of(updates), -current)
+        return like(updates, steps), LearningRateState(count, state.lr, current)
 
     return GradientTransformation(init, update, lambda state: {"lr": state.current.float()})
 

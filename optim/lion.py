@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import tree_map, zeros_like
+from core.tree import like, zeros_like, zip_leaves
+from optim import foreach
 from optim.base import GradientTransformation, chain, hparams
 from optim.common import add_decayed_weights, decay_mask, scale_by_learning_rate
 from optim.schedules import Schedule
@@ -27,9 +28,12 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
 
     def update(updates, state, params=None):
         beta1, beta2 = state.hparams["b1"], state.hparams["b2"]
-        direction = tree_map(lambda m, g: torch.sign(beta1 * m + (1 - beta1) * g), state.mu, updates)
-        mu = tree_map(lambda m, g: beta2 * m + (1 - beta2) * g, state.mu, updates)
-        return direction, ScaleByLionState(mu, state.hparams)
+        grads, old = zip_leaves(updates, state.mu)
+        direction = foreach.moving_average(old, grads, beta1)
+        if direction:
+            torch._foreach_sign_(direction)
+        mu = foreach.moving_average(old, grads, beta2)
+        return like(updates, direction), ScaleByLionState(like(state.mu, mu, updates), state.hparams)
 
     return GradientTransformation(init, update)
 

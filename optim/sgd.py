@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from core.tree import tree_map, zeros_like
+from core.tree import like, zeros_like, zip_leaves
+from optim import foreach
 from optim.base import GradientTransformation, chain, hparams
 from optim.common import add_decayed_weights, scale_by_learning_rate
 from optim.schedules import Schedule
@@ -26,9 +27,10 @@ def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
 
     def update(updates, state, params=None):
         mu = state.hparams["momentum"]
-        buf = tree_map(lambda b, g: mu * b + g, state.trace, updates)
-        out = tree_map(lambda g, b: g + mu * b, updates, buf) if nesterov else buf
-        return out, TraceState(buf, state.hparams)
+        grads, old = zip_leaves(updates, state.trace)
+        buf = foreach.add_into(foreach.scale(old, mu), grads)
+        out = foreach.add_scaled(grads, buf, mu) if nesterov else buf
+        return like(updates, out), TraceState(like(state.trace, buf, updates), state.hparams)
 
     return GradientTransformation(init, update)
 
