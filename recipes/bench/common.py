@@ -48,7 +48,7 @@ def warm_up(label: str, cfg: StepBench, params: dict, variants: dict) -> None:
     print(f"{label}: Llama d={cfg.d_model} L={cfg.n_layers} H={cfg.n_heads}/{cfg.n_kv_heads or cfg.n_heads} "
           f"({size(params) / 1e6:.2f}M params), batch {cfg.batch_size}x{cfg.block_size}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    width = max(map(len, variants))
+    width = max(map(len, variants), default=0)
     for name, step in variants.items():
         start = time.perf_counter()
         for _ in range(cfg.warmup):

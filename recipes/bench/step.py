@@ -10,22 +10,36 @@ Four ways to take the same training step on the same Llama and the same batch:
 - ``functional compiled`` the same step under ``torch.compile(fullgraph=True)``: forward, backward,
                           clipping and AdamW in one graph
 
-Each variant is warmed up (compiles happen there), then the variants are timed in interleaved rounds
-(A B C D A B C D ...) so machine noise hits all of them alike, and the median time per step is
-reported with tokens/s and the ratio to ``plain eager`` and to ``plain compiled``. Ratios, not bare
-times, are the result: this machine is shared and noisy.
+With ``isolate=true`` (the default) each variant runs alone in a fresh Python process (``python -c`` of
+:func:`measure_variant`), so its peak memory is its own: the child's peak RSS (``getrusage(RUSAGE_SELF)
+.ru_maxrss``, read after its steps; the model, the batch and the imported torch included). The child times
+its first step (the compile, for the compiled variants), its ``warmup - 1`` further untimed steps, then
+``rounds`` rounds of ``steps`` steps; the median round is the time per step. The variants run one after the
+other, so machine noise is not shared by them as with ``isolate=false``: there all four are built in this
+process, warmed up, then timed in interleaved rounds (A B C D A B C D ...), and the process-wide RSS gives no
+per-variant memory (its column is then empty).
+
+The table gives ms/step, tokens/s, peak MB, and the ratios of time and memory to ``plain eager``. Ratios,
+not bare times, are the result: this machine is shared and noisy. ``preset=100m`` is the ~100M-parameter
+shape (d=768, 12 layers, 12 query / 4 KV heads, 32k vocabulary, batch 2 x 128) with few steps.
 """
 from __future__ import annotations
 
+import json
+import os
+import resource
 import statistics
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 import optim
 from core.config import option
+from core.logging import progress
 from recipes.bench.common import StepBench, model_and_batch, warm_up
 from core.state import init_state
 from core.step import make_train_step
@@ -39,6 +53,13 @@ DESCRIPTION = "time the compiled functional step against nn.Module + torch.optim
 class Config(StepBench):
     n_kv_heads: int = option(2, "key/value heads (grouped-query attention)", min=0)
     compile: bool = option(True, "include the two compiled variants")
+    isolate: bool = option(True, "each variant in its own fresh process (gives per-variant peak memory)")
+
+
+PRESETS = {
+    "100m": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4,
+             "batch_size": 2, "block_size": 128, "warmup": 1, "steps": 3, "rounds": 1},
+}
 
 
 def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool):
@@ -77,30 +98,91 @@ def _time(step, n: int) -> float:
     return (time.perf_counter() - start) / n
 
 
-def run(cfg: Config) -> dict:
+def _build(cfg: Config, name: str, model_cfg, params, batch):
+    plain_or_functional, mode = name.split()
+    build = _plain if plain_or_functional == "plain" else _functional
+    return build(model_cfg, params, batch, mode == "compiled")
+
+
+def _names(cfg: Config) -> list[str]:
+    extra = ["plain compiled", "functional compiled"] if cfg.compile else []
+    return ["plain eager", "functional eager"] + extra
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident set size in MB (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def measure_variant(cfg: Config, name: str) -> dict:
+    """Build variant ``name`` alone, time its first step and its median round, and read the peak RSS."""
     model_cfg, params, batch = model_and_batch(cfg)
-    variants = {"plain eager": _plain(model_cfg, params, batch, False),
-                "functional eager": _functional(model_cfg, params, batch, False)}
-    if cfg.compile:
-        variants["plain compiled"] = _plain(model_cfg, params, batch, True)
-        variants["functional compiled"] = _functional(model_cfg, params, batch, True)
+    step = _build(cfg, name, model_cfg, params, batch)
+    start = time.perf_counter()
+    step().item()
+    first = time.perf_counter() - start
+    for _ in range(cfg.warmup - 1):
+        step().item()
+    per_step = statistics.median(_time(step, cfg.steps) for _ in range(cfg.rounds))
+    return {"seconds_per_step": per_step, "first_step_s": first, "peak_mb": _peak_rss_mb()}
 
+
+def _child_main() -> None:
+    """Entry of a child process: a JSON ``[config, variant]`` on stdin, the JSON result as stdout's last line."""
+    fields, name = json.loads(sys.stdin.read())
+    print(json.dumps(measure_variant(Config(**fields), name)))
+
+
+def _in_fresh_process(cfg: Config, name: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    code = "from recipes.bench.step import _child_main; _child_main()"
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps([asdict(cfg), name]), env=env,
+                          stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _isolated(cfg: Config) -> dict[str, dict]:
+    model_cfg, params, _ = model_and_batch(cfg)
+    warm_up("bench.step (one process per variant)", cfg, params, {})
+    results = {}
+    for name in _names(cfg):
+        results[name] = _in_fresh_process(cfg, name)
+        progress(f"  {name}: first step {results[name]['first_step_s']:.1f}s, "
+                 f"{results[name]['seconds_per_step'] * 1e3:.1f} ms/step, peak {results[name]['peak_mb']:,.0f} MB")
+    return results
+
+
+def _interleaved(cfg: Config) -> dict[str, dict]:
+    model_cfg, params, batch = model_and_batch(cfg)
+    variants = {name: _build(cfg, name, model_cfg, params, batch) for name in _names(cfg)}
     warm_up("bench.step", cfg, params, variants)
-
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(cfg.rounds):
         for name, step in variants.items():
             times[name].append(_time(step, cfg.steps))
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: {"seconds_per_step": statistics.median(ts)} for name, ts in times.items()}
 
+
+def _table(cfg: Config, results: dict[str, dict]) -> dict:
     tokens = cfg.batch_size * cfg.block_size
-    base = medians["plain eager"]
-    base_c = medians.get("plain compiled")
+    base_t = results["plain eager"]["seconds_per_step"]
+    base_m = results["plain eager"].get("peak_mb")
     print()
-    print("| variant | ms/step | tokens/s | vs plain eager | vs plain compiled |")
-    print("|---|---:|---:|---:|---:|")
-    for name, t in medians.items():
-        vs_c = f"{t / base_c:.2f}" if base_c else "-"
-        print(f"| {name} | {t * 1e3:.1f} | {tokens / t:,.0f} | {t / base:.2f} | {vs_c} |")
-    return {name: {"ms_per_step": t * 1e3, "tokens_per_sec": tokens / t, "ratio_vs_plain_eager": t / base}
-            for name, t in medians.items()}
+    print("| variant | ms/step | tokens/s | peak MB | vs plain eager (time) | vs plain eager (memory) | first step s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    rows = {}
+    for name, r in results.items():
+        t, mb = r["seconds_per_step"], r.get("peak_mb")
+        rows[name] = {"ms_per_step": t * 1e3, "tokens_per_sec": tokens / t, "ratio_vs_plain_eager": t / base_t}
+        memory = ["-", "-", "-"]
+        if mb is not None:
+            rows[name].update(peak_mb=mb, memory_vs_plain_eager=mb / base_m, first_step_s=r["first_step_s"])
+            memory = [f"{mb:,.0f}", f"{mb / base_m:.2f}", f"{r['first_step_s']:.1f}"]
+        print(f"| {name} | {t * 1e3:.1f} | {tokens / t:,.0f} | {memory[0]} | {t / base_t:.2f} | {memory[1]} "
+              f"| {memory[2]} |")
+    return rows
+
+
+def run(cfg: Config) -> dict:
+    return _table(cfg, _isolated(cfg) if cfg.isolate else _interleaved(cfg))
