@@ -18,3 +18,24 @@ def test_benchmark_answers_help(name, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: bin/run recipe={name} ") and "\nkeys:\n" in out
     assert importlib.import_module(RECIPES[name]).DESCRIPTION in out
+
+
+def test_step_bench_gives_every_variant_its_own_peak_memory(capsys):
+    """``isolate=true`` runs each variant in a fresh process; every row has a positive peak RSS and time."""
+    from recipes.bench import step
+    cfg = step.Config(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, batch_size=2, block_size=16,
+                      warmup=1, steps=2, rounds=1, compile=False, isolate=True)
+    rows = step.run(cfg)
+    assert set(rows) == {"plain eager", "functional eager"}
+    for row in rows.values():
+        assert row["peak_mb"] > 0 and row["ms_per_step"] > 0 and row["first_step_s"] > 0
+    assert rows["plain eager"]["memory_vs_plain_eager"] == 1.0
+    assert "| peak MB |" in capsys.readouterr().out
+
+
+def test_step_bench_has_the_100m_preset():
+    from core.config import resolve
+    from recipes.bench import step
+    cfg = resolve(step.Config, presets=step.PRESETS, preset="100m", overrides={})
+    assert (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads) == (32000, 768, 12, 12, 4)
+    assert (cfg.batch_size, cfg.block_size) == (2, 128)
