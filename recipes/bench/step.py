@@ -46,7 +46,8 @@ from core.step import make_train_step
 from models import llama
 from models.llama_module import LlamaModule, load_params
 
-DESCRIPTION = "time the compiled functional step against nn.Module + torch.optim.AdamW (ratios, same process)"
+DESCRIPTION = ("time, peak memory and compile time of the functional step against nn.Module + torch.optim.AdamW "
+               "(one process per variant)")
 
 
 @dataclass
