@@ -14,9 +14,8 @@ With ``isolate=true`` (the default) each variant runs alone in a fresh Python pr
 :func:`measure_variant`), so its peak memory is its own: the child's peak RSS (``getrusage(RUSAGE_SELF)
 .ru_maxrss``, read after its steps; the model, the batch and the imported torch included). The child times
 its first step (the compile, for the compiled variants; run even with ``warmup=0``), its ``warmup - 1``
-further untimed steps, then
-``rounds`` rounds of ``steps`` steps; the median round is the time per step. The variants run one after the
-other, so machine noise is not shared by them as with ``isolate=false``: there all four are built in this
+further untimed steps, then ``rounds`` rounds of ``steps`` steps; the median round is the time per step. The
+variants run one after the other, so machine noise is not shared by them as with ``isolate=false``: there all four are built in this
 process, warmed up, then timed in interleaved rounds (A B C D A B C D ...), and the process-wide RSS gives no
 per-variant memory (its column is then empty).
 
