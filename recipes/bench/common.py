@@ -20,7 +20,7 @@ class StepBench:
     n_layers: int = same_as(llama.LlamaConfig, "n_layers")
     n_heads: int = same_as(llama.LlamaConfig, "n_heads")
     n_kv_heads: int = same_as(llama.LlamaConfig, "n_kv_heads")
-    vocab_size: int = option(256, "vocabulary size (byte-level)", min=1)
+    vocab_size: int = option(256, "vocabulary size of the random token batch (256: byte-level)", min=1)
     batch_size: int = option(16, "sequences per step", min=1)
     block_size: int = option(128, "tokens per sequence", min=1)
     warmup: int = option(3, "untimed steps per variant (compilation happens here)", min=0)
