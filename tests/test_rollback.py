@@ -3,7 +3,6 @@ the default ring holds one copy of the state, a rollback past its reach restores
 least ``rollback_back`` steps before the onset (PaLM's restart from a checkpoint before the spike), and the
 checkpoint manager's pruning keeps that checkpoint or the log says the rollback fell back."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
