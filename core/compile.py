@@ -4,9 +4,16 @@ Compiling a small train step on a 2-core CPU takes one to two minutes cold; indu
 and AOT-autograd cache (on disk, keyed by graph and environment) make the second process start in
 seconds. ``compile_count()`` reads dynamo's counter of compiled graphs, so tests and benchmarks can prove
 that a changing learning rate (a 0-d tensor in the state) never recompiles.
+
+Regional compilation (torchtitan compiles each ``TransformerBlock`` on its own; PyTorch's "regional
+compilation" recipe): a model marks its repeated block with :func:`region`; inside :func:`regions` the block
+runs as one ``torch.compile`` of it, shared by every layer (the layers' params have the same shapes, so one
+graph serves them all), while the loop over layers runs in Python. Compile time then does not grow with
+depth. Gradients flow through ``torch.autograd`` (each call's backward is the compiled block's backward).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable
 
@@ -34,3 +41,31 @@ def compile_count() -> int:
     """How many graphs dynamo has compiled in this process (recompiles included)."""
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
+
+
+_regions = {"active": False}
+_compiled_regions: dict = {}
+
+
+@contextlib.contextmanager
+def regions(enabled: bool = True):
+    """Inside, functions passed through :func:`region` run compiled (nested uses keep the outer setting on)."""
+    was = _regions["active"]
+    _regions["active"] = was or enabled
+    try:
+        yield
+    finally:
+        _regions["active"] = was
+
+
+def region(fn: Callable) -> Callable:
+    """``fn`` itself, or inside :func:`regions` its one shared ``torch.compile(fn, fullgraph=True)``.
+
+    A region called while something else is being compiled (a whole-step graph) is ``fn`` as well: the outer
+    graph traces straight through it."""
+    if not _regions["active"] or torch.compiler.is_compiling():
+        return fn
+    if fn not in _compiled_regions:
+        enable_caches()
+        _compiled_regions[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+    return _compiled_regions[fn]

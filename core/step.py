@@ -16,6 +16,11 @@ Two gradient paths give the same numbers (tested):
   and the update is compiled on its own. This is the path for what ``func.grad`` cannot do today,
   activation checkpointing above all (pytorch/pytorch#122729).
 
+``compile_scope="step"`` compiles as above; ``"block"`` compiles the model's repeated block once for all
+its layers (``core.compile.region``; regional compilation, so compile time does not grow with depth) and
+the update on its own, with gradients through ``torch.autograd``: ``func.grad`` cannot trace a compiled
+region on torch 2.13 (pytorch/pytorch ``nested_compile_region`` under ``torch.func``).
+
 Inside the step: micro-batches (``grad_accum``; the batch has a leading micro-batch axis) are averaged;
 ``bf16``/``fp16`` run the loss under autocast with fp32 master weights; fp16 multiplies the loss by the
 dynamic loss scale and unscales the gradients before anything reads them; a non-finite loss or gradient
@@ -32,7 +37,8 @@ from typing import Callable, Optional
 import torch
 
 from core import rng
-from core.compile import maybe_compile
+from core.compile import maybe_compile, regions
+from core.donate import owned, write_into
 from core.loss_scale import update_loss_scale
 from core.spike import SpikeConfig, update_monitor
 from core.state import TrainState
@@ -40,6 +46,7 @@ from core.tree import apply_updates, global_norm, map_flat, tree_flatten, tree_m
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_MODES = ("func", "autograd")
+COMPILE_SCOPES = ("step", "block")
 
 
 def autocast(precision: str, device_type: str):
@@ -87,10 +94,12 @@ def _mean_aux(auxes: list[dict]) -> dict:
     return {k: _mean([a[k] for a in auxes]) for k in auxes[0]} if auxes and auxes[0] else {}
 
 
-def _make_objective(call: Callable, grad_accum: int, precision: str, device_type: str) -> Callable:
-    """``objective(params, batch, key, frozen, scale) -> (scaled loss / grad_accum, (loss, aux))``."""
+def _make_objective(call: Callable, grad_accum: int, precision: str, device_type: str,
+                    in_regions: bool = False) -> Callable:
+    """``objective(params, batch, key, frozen, scale) -> (scaled loss / grad_accum, (loss, aux))``; with
+    ``in_regions`` the model's blocks run compiled (``core.compile.regions``)."""
     def objective(params, batch, key, frozen, scale):
-        with autocast(precision, device_type):
+        with autocast(precision, device_type), regions(in_regions):
             loss, aux = call(params, batch, key, frozen)
         loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         return loss * scale / grad_accum, (loss.detach(), aux)
@@ -133,8 +142,10 @@ def _autograd_gradients(objective: Callable, grad_accum: int) -> Callable:
     return gradients
 
 
-def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: Optional[SpikeConfig]) -> Callable:
-    """``apply_gradients(state, grads, loss, aux) -> (state, metrics)``: unscale, norm, update, skip if not finite."""
+def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: Optional[SpikeConfig],
+                          donate: bool) -> Callable:
+    """``apply_gradients(state, grads, loss, aux) -> (state, metrics)``: unscale, norm, update, skip if not finite;
+    with ``donate`` the new params and optimizer state are written into ``state``'s (``core.donate``)."""
     def apply_gradients(state: TrainState, grads, loss, aux):
         scale = state.loss_scale.get("scale") if state.loss_scale else None
         if scale is not None:
@@ -167,7 +178,7 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
             loss_scale=loss_scale,
             monitor=monitor,
         )
-        return new_state, metrics
+        return (write_into(state, new_state) if donate else new_state), metrics
 
     return apply_gradients
 
@@ -191,7 +202,8 @@ def _loss_scale(state: TrainState) -> torch.Tensor:
 def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precision: str = "fp32",
                     device_type: str = "cpu", grad_mode: str = "func", compile: bool = False,
                     extra_metrics: Optional[Callable] = None, spike: Optional[SpikeConfig] = None,
-                    remat: bool = False, reduce: Optional[Callable] = None) -> Callable:
+                    remat: bool = False, reduce: Optional[Callable] = None, donate: bool = False,
+                    compile_scope: str = "step") -> Callable:
     """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
 
     ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the
@@ -200,21 +212,29 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation checkpointing, which
     ``torch.func`` cannot differentiate: it selects the autograd path. ``reduce(list of tensors) -> list``
     averages the gradients, loss and aux across data-parallel ranks before the update
-    (``core.distributed.Dist.all_reduce_mean``).
+    (``core.distributed.Dist.all_reduce_mean``). ``donate=True`` lets the step write the new params and
+    optimizer state into the state it is given (``core.donate``: JAX's buffer donation; the same numbers, about
+    half the peak memory under ``torch.compile``); the caller must not read the old state again. The default
+    keeps the step pure: research code may branch several steps from one state. ``compile_scope`` is what one
+    graph covers under ``compile`` (module docstring).
     """
-    if remat:
+    if compile_scope not in COMPILE_SCOPES:
+        raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
+    by_block = compile and compile_scope == "block"
+    if remat or by_block:
         grad_mode = "autograd"
     if grad_mode not in GRAD_MODES:
         raise ValueError(f"unknown grad_mode {grad_mode!r}; choose one of {', '.join(GRAD_MODES)}")
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-    objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type)
-    apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike)
+    objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type, in_regions=by_block)
+    apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike, donate)
     reduced = _make_reduce(reduce)
     if grad_mode == "func":      # one graph: forward, backward, the update
         gradients = _func_gradients(objective, grad_accum)
     else:                        # the loss and the update compiled apart, autograd between them
-        gradients = _autograd_gradients(maybe_compile(objective, compile, fullgraph=False), grad_accum)
+        gradients = _autograd_gradients(maybe_compile(objective, compile and not by_block, fullgraph=False),
+                                        grad_accum)
         apply_gradients = maybe_compile(apply_gradients, compile)
 
     def train_step(state: TrainState, batch, frozen=None):
@@ -222,17 +242,25 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         grads, loss, aux = gradients(state.params, batch, key, frozen, _loss_scale(state))
         return apply_gradients(state, *reduced(grads, loss, aux))
 
-    return maybe_compile(train_step, compile) if grad_mode == "func" else train_step
+    step = maybe_compile(train_step, compile) if grad_mode == "func" else train_step
+    if not donate:
+        return step
+
+    def donating_step(state: TrainState, batch, frozen=None):
+        return step(owned(state, frozen), batch, frozen)
+
+    return donating_step
 
 
 def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: str = "cpu",
-                   compile: bool = False) -> Callable:
+                   compile: bool = False, compile_scope: str = "step") -> Callable:
     """``eval_step(params, batch, frozen=None) -> metrics`` (no gradients, no dropout)."""
     call = loss_caller(loss_fn)
+    by_block = compile and compile_scope == "block"
 
     def eval_step(params, batch, frozen=None):
-        with torch.no_grad(), autocast(precision, device_type):
+        with torch.no_grad(), autocast(precision, device_type), regions(by_block):
             loss, aux = call(params, batch, None, frozen)
         return {"loss": loss, **aux}
 
-    return maybe_compile(eval_step, compile)
+    return maybe_compile(eval_step, compile and not by_block)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from core import rng
+from core.compile import region
 from core.config import option
 from core.tree import unstack
 from models import losses
@@ -252,7 +253,7 @@ def apply_with(params: dict, tokens: torch.Tensor, cfg, layer_tables: Iterable, 
     x = F.embedding(tokens, params["embed"])
     if key is not None:
         x = rng.dropout(rng.fold_in(key, 0), x, cfg.dropout)
-    hidden = []
+    hidden, block_fn = [], region(block_fn)   # compiled once for every layer inside core.compile.regions
     for i, (lp, (cos, sin)) in enumerate(zip(unstack(params["layers"]), layer_tables)):
         hidden.append(x)
         layer_key = None if key is None else rng.fold_in(key, 1000 + i)

@@ -12,7 +12,7 @@ from core import checkpoint as ckpt
 from core.logging import Logger
 from core.spike import SpikeConfig
 from core.state import init_state
-from core.tree import max_abs_diff, tree_map
+from core.tree import clone, max_abs_diff, tree_map
 from models import llama
 from recipes import main
 from recipes.train import rollback
@@ -137,7 +137,8 @@ def test_a_one_snapshot_run_rolls_back_to_its_checkpoint_end_to_end(corpus, toke
     def recording(self, onset, template, device):
         found = real(self, onset, template, device)
         if found is not None and found[2] is not None:
-            restored.append((found[0], found[1], ckpt.load(found[2], template=template)["state"], found[2]))
+            # a copy: the run's donating train step goes on to write into the restored state
+            restored.append((found[0], clone(found[1]), ckpt.load(found[2], template=template)["state"], found[2]))
         return found
     monkeypatch.setattr(rollback.Rollback, "restore", recording)
     out = tmp_path / "run"

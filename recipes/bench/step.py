@@ -42,7 +42,7 @@ from core.config import option
 from core.logging import progress
 from recipes.bench.common import StepBench, model_and_batch, warm_up
 from core.state import init_state
-from core.step import make_train_step
+from core.step import COMPILE_SCOPES, make_train_step
 from models import llama
 from models.llama_module import LlamaModule, load_params
 
@@ -55,6 +55,10 @@ class Config(StepBench):
     n_kv_heads: int = option(2, "key/value heads (grouped-query attention)", min=0)
     compile: bool = option(True, "include the two compiled variants")
     isolate: bool = option(True, "each variant in its own fresh process (gives per-variant peak memory)")
+    donate: bool = option(True, "the functional step writes the new state into the old buffers, as the recipes run it "
+                                "(false: the pure step)")
+    compile_scope: str = option("block", "what one graph covers in the functional compiled variant: the whole step, "
+                                "or one block shared by every layer (core.step)", choices=COMPILE_SCOPES)
 
 
 PRESETS = {
@@ -79,9 +83,10 @@ def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool):
     return step
 
 
-def _functional(cfg: llama.LlamaConfig, params, batch, compiled: bool):
+def _functional(cfg: llama.LlamaConfig, params, batch, compiled: bool, bench: Config):
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3, weight_decay=0.1, mask=None))
-    train_step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=compiled)
+    train_step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=compiled, donate=bench.donate,
+                                 compile_scope=bench.compile_scope)
     holder = {"state": init_state(params, opt)}
 
     def step():
@@ -101,8 +106,9 @@ def _time(step, n: int) -> float:
 
 def _build(cfg: Config, name: str, model_cfg, params, batch):
     plain_or_functional, mode = name.split()
-    build = _plain if plain_or_functional == "plain" else _functional
-    return build(model_cfg, params, batch, mode == "compiled")
+    if plain_or_functional == "plain":
+        return _plain(model_cfg, params, batch, mode == "compiled")
+    return _functional(model_cfg, params, batch, mode == "compiled", cfg)
 
 
 def _names(cfg: Config) -> list[str]:

@@ -315,7 +315,7 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
 
     steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist)
     eval_step = make_eval_step(lambda prm, b: llama.loss(prm, b, student_cfg), precision=cfg.dtype,
-                               device_type=device.type, compile=cfg.compile)
+                               device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope)
     steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
     return Prepared(dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
                     val_batches, None if cache else {"teacher": teacher.params}, cache)

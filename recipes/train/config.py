@@ -12,7 +12,7 @@ from pathlib import Path
 from core.config import ConfigError, option
 from core.device import DEVICES
 from core.spike import SpikeConfig
-from core.step import PRECISIONS
+from core.step import COMPILE_SCOPES, PRECISIONS
 from optim.schedules import KINDS
 from recipes.train.faults import FaultConfig
 from recipes.train.optimizer import AdaGCConfig   # the adagc.* keys, declared with the optimizer factory
@@ -62,7 +62,9 @@ class TrainConfig:
     save_every: int = option(500, "steps between checkpoints (0: only final/best)", min=0)
     keep_last: int = option(3, "step checkpoints to keep (0: all; best and final are kept besides)", min=0)
     resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
-    compile: bool = option(True, "compile the train step with torch.compile(fullgraph=True)")
+    compile: bool = option(True, "compile the train and eval steps with torch.compile")
+    compile_scope: str = option("block", "what one compiled graph covers: the model's block, compiled once for "
+                                "every layer (compile time flat in depth), or the whole step", choices=COMPILE_SCOPES)
     data: str = option("stdlib", "text: a file, folder, glob, or 'stdlib' (this Python's own source)")
     tokenizer: str = option("byte", "byte, char, or a tokenizer.json PATH")
     fim_rate: float = option(0.0, "fill-in-the-middle: fraction of windows rearranged prefix/suffix/middle "

@@ -106,12 +106,15 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     if cfg.fault.active:
         train_loss = with_faults(loss_fn)
         batches = FaultyBatches(batches, cfg.fault, vocab_size, cfg.seed)
+    # donate: the loop never reads a state after stepping it; the orchestrator's branches do (one state, many steps)
     train = make_train_step(train_loss, optimizer, grad_accum=cfg.grad_accum, precision=cfg.dtype,
-                            device_type=device.type, compile=cfg.compile, remat=cfg.remat,
-                            extra_metrics=health.metrics if health else None,
+                            device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope,
+                            remat=cfg.remat, extra_metrics=health.metrics if health else None,
                             spike=cfg.spike if cfg.spike.enabled else None,
-                            reduce=dist.all_reduce_mean if dist.enabled else None)
-    evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile)
+                            reduce=dist.all_reduce_mean if dist.enabled else None,
+                            donate=not cfg.orchestrator.enabled)
+    evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile,
+                                   compile_scope=cfg.compile_scope)
     return Steps(train, evaluate_step, health, batches)
 
 

@@ -40,7 +40,7 @@ from core import checkpoint as ckpt
 from core.logging import Logger
 from core.spike import SpikeConfig, clear as clear_monitor
 from core.state import TrainState
-from core.tree import cast, tree_map
+from core.tree import tree_map
 from recipes.train.hooks import Hook, Jump, StepContext, Stop
 
 
@@ -182,7 +182,8 @@ class Rollback(Hook):
         problems = []
         for to_step, path in self.candidates(onset):
             if path is None:
-                restored = cast(self.ring.get(to_step), device=device)
+                # a copy: the train step donates (writes into) the state it is given, and the ring keeps its own
+                restored = tree_map(lambda t: t.to(device, copy=True), self.ring.get(to_step))
             else:
                 try:
                     restored = ckpt.load(path, template=template, device=device)["state"]

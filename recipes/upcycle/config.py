@@ -142,6 +142,7 @@ class Config:
     device: str = same_as(TrainConfig, "device")
     dtype: str = option("fp32", "compute precision of the blockwise and global steps", choices=("fp32", "bf16"))
     compile: bool = option(False, "compile the blockwise and global steps (torch.compile; minutes per graph on CPU)")
+    compile_scope: str = same_as(TrainConfig, "compile_scope")
     block_size: int = option(128, "tokens per window in every phase", min=2)
     eval_windows: int = option(16, "held-out windows (test half of the validation split) for the perplexity after "
                                "each phase and in the benchmark", min=1)
@@ -182,4 +183,4 @@ Config = keyword_dataclass(Config)
 def global_train_config(cfg: Config, out: str) -> TrainConfig:
     """The TrainConfig the global phase runs ``recipes.train.loop.fit`` with (every ``global.*`` key lands here)."""
     return train_config(cfg.global_phase, out=out, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
-                        compile=cfg.compile, block_size=cfg.block_size, clipping="global", resume="auto")
+                        compile=cfg.compile, compile_scope=cfg.compile_scope, block_size=cfg.block_size, clipping="global", resume="auto")

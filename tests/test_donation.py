@@ -1,0 +1,126 @@
+"""Buffer donation (``make_train_step(donate=True)``, ``core.donate``) and regional compilation
+(``compile_scope="block"``, ``core.compile.region``): the same numbers as the pure, uncompiled step.
+
+Eager donated steps equal pure ones bitwise; compiled donated steps equal compiled pure ones within 1e-6. The skip on a non-finite loss leaves
+the donated params and optimizer state as they were. A state that shares storage with the frozen inputs
+is copied before anything is written. The block graph's gradients equal eager ``torch.func``'s to 1e-6,
+and a deeper model of the same width compiles nothing new.
+"""
+import math
+
+import pytest
+import torch
+
+import optim
+from core.compile import compile_count, regions
+from core.donate import owned
+from core.spike import SpikeConfig
+from core.state import init_state
+from core.step import make_train_step
+from core.tree import clone, leaves_of, max_abs_diff, tree_flatten, tree_unflatten
+from models import llama
+from optim.health import GradientHealth
+
+CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def loss_fn(p, b):
+    """Cross entropy times ``b["poison"]`` (1, or NaN for the step that must be skipped)."""
+    return llama.loss(p, b, CFG) * b["poison"]
+
+
+def batches(n, poisoned=()):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        tok = torch.randint(0, CFG.vocab_size, (4, 17), generator=g)
+        out.append({"x": tok[:, :-1], "y": tok[:, 1:], "poison": torch.tensor(math.nan if i in poisoned else 1.0)})
+    return out
+
+
+def optimizer():
+    return optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-2, weight_decay=0.1))
+
+
+def run(step, state, data):
+    for batch in data:
+        state, metrics = step(state, batch)
+    return state, metrics
+
+
+def test_donated_eager_steps_equal_pure_bitwise_in_the_same_buffers():
+    opt, params = optimizer(), llama.init(CFG, seed=1)
+    health = GradientHealth(params, clip_norm=1.0)
+    kw = dict(spike=SpikeConfig(), extra_metrics=health.metrics)
+    pure = make_train_step(loss_fn, opt, **kw)
+    donated = make_train_step(loss_fn, opt, donate=True, **kw)
+    start = init_state(clone(params), opt, spike=True)
+    buffers = [t.data_ptr() for t in leaves_of((start.params, start.opt_state))]
+    data = batches(20, poisoned={7})
+    a, ma = run(pure, init_state(clone(params), opt, spike=True), data)
+    b, mb = run(donated, start, data)
+    assert [t.data_ptr() for t in leaves_of((b.params, b.opt_state))] == buffers
+    assert all(torch.equal(x, y) for x, y in zip(leaves_of(a), leaves_of(b)))
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_a_non_finite_step_leaves_the_donated_state_unchanged():
+    opt = optimizer()
+    step = make_train_step(loss_fn, opt, donate=True)
+    state, _ = run(step, init_state(llama.init(CFG, seed=2), opt), batches(3))
+    before = clone((state.params, state.opt_state))
+    state, metrics = step(state, batches(1, poisoned={0})[0])
+    assert metrics["skipped"].item() == 1.0 and int(state.step) == 4
+    assert all(torch.equal(x, y) for x, y in zip(leaves_of(before), leaves_of((state.params, state.opt_state))))
+
+
+def test_donation_never_writes_into_the_frozen_inputs():
+    """A student whose leaf is the teacher's tensor (or a view of it) gets its own copy first."""
+    opt = optimizer()
+    teacher = llama.init(CFG, seed=3)
+    student = {**clone(teacher), "embed": teacher["embed"], "norm": teacher["layers"]["mlp_norm"][0]}
+    kept = clone(teacher)
+    state = init_state(student, opt)
+    assert owned(state, teacher) is not state and owned(init_state(clone(teacher), opt), teacher) is not None
+
+    def kd(p, b, frozen):
+        return loss_fn(p, b) + 0 * llama.loss(frozen, b, CFG)
+
+    step = make_train_step(kd, opt, donate=True)
+    state, _ = step(state, batches(1)[0], teacher)
+    assert all(torch.equal(x, y) for x, y in zip(leaves_of(kept), leaves_of(teacher)))
+    assert not torch.equal(state.params["embed"], teacher["embed"])
+
+
+def _gradients(params, batch, compiled_block: bool):
+    leaves, spec = tree_flatten(params)
+    live = [p.detach().requires_grad_() for p in leaves]
+    with regions(compiled_block):
+        loss = llama.loss(tree_unflatten(spec, live), batch, CFG)
+    return torch.autograd.grad(loss, live)
+
+
+def test_the_compiled_block_gives_eager_gradients_and_depth_compiles_nothing_new():
+    params, batch = llama.init(CFG, seed=4), batches(1)[0]
+    reference = torch.func.grad(lambda p: llama.loss(p, batch, CFG))(params)
+    grads = _gradients(params, batch, compiled_block=True)
+    assert max(float((g - r).abs().max()) for g, r in zip(grads, leaves_of(reference))) < 1e-6
+    deeper = llama.init(llama.LlamaConfig(**{**vars(CFG), "n_layers": 5}), seed=5)
+    before = compile_count()
+    _gradients(deeper, batch, compiled_block=True)
+    assert compile_count() == before, "a deeper model of the same width recompiled the block"
+
+
+@pytest.mark.parametrize("scope", ["step", "block"])
+def test_compiled_donated_steps_match_the_pure_compiled_step(scope):
+    """Twenty compiled steps (one of them skipped), donated and pure, to 1e-6: donation changes no number."""
+    opt, params = optimizer(), llama.init(CFG, seed=6)
+    data = batches(20, poisoned={5})
+    results = []
+    for donate in (False, True):
+        step = make_train_step(loss_fn, opt, donate=donate, compile=True, compile_scope=scope)
+        results.append(run(step, init_state(clone(params), opt), data)[0])
+    pure, donated = results
+    assert int(donated.step) == 20
+    assert max_abs_diff(pure.params, donated.params) < 1e-6
+    assert max_abs_diff(pure.opt_state, donated.opt_state) < 1e-6
