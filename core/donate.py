@@ -6,8 +6,13 @@ as the pure step does (same ops, same bits), then :func:`write_into` copies the 
 state into the state it was given and returns those very tensors. Under ``torch.compile`` the copy is
 part of the graph (AOTAutograd keeps input mutations in an inference graph), so inductor fuses each
 leaf's update, the finite/skip select and the store into the input's buffer, and the step's peak memory
-is params + grads + moments + activations, as with ``torch.optim``. In eager mode the copies run after
-the update.
+is params + grads + moments + activations, as with ``torch.optim``.
+
+Eager mode has no compiler to plan buffers, so the donated step checks on the host whether the step is
+finite (one sync, as ``torch.amp.GradScaler`` does) and then runs :func:`update_in_place`: the optimizer's
+transforms write their moving averages into the donated moments (:func:`donating`) and the
+updates are added into the params, with the same ops in the same order as the pure step, hence the same
+bits. A non-finite step takes the pure path, whose select keeps the old values.
 
 The caller must not read the old state afterwards: it *is* the new one. :func:`owned` makes a state safe
 to donate: a leaf that shares storage with another leaf or with the ``frozen`` inputs (a teacher the
@@ -15,10 +20,32 @@ student was copied from) is cloned first, so donation never writes through an al
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from core.state import TrainState
-from core.tree import leaves_of, tree_leaves, tree_map
+from core.tree import apply_updates, leaves_of, tree_leaves, tree_map
+
+_donated: set = set()   # ids of the tensors an eager donated step gave up (see update_in_place)
+
+
+@contextlib.contextmanager
+def donating(tensors: list):
+    """Inside, ``optim.foreach.rescale`` (and the moving averages built on it) writes into these tensors
+    instead of allocating: the caller gave them up. Eager only: under ``torch.compile`` the helpers stay
+    out of place and the compiler reuses the buffers."""
+    ids = {id(t) for t in tensors} - _donated
+    _donated.update(ids)
+    try:
+        yield
+    finally:
+        _donated.difference_update(ids)
+
+
+def donated(xs: list) -> bool:
+    """Every tensor of ``xs`` was given up to the running eager step (:func:`donating`)."""
+    return bool(_donated) and not torch.compiler.is_compiling() and all(id(x) in _donated for x in xs)
 
 
 def _trained(state: TrainState) -> list:
@@ -39,6 +66,21 @@ def write_into(state: TrainState, new: TrainState) -> TrainState:
     if pairs:
         torch._foreach_copy_([o for o, _ in pairs], [n for _, n in pairs])
     return new._replace(params=state.params, opt_state=state.opt_state)
+
+
+def update_in_place(optimizer, state: TrainState, grads, keep: bool = False):
+    """``(updates, opt_state, new_params)`` of an eager donated step: the optimizer state's tensors are
+    written in place; the params too, unless ``keep`` (someone reads the old params and the gradients after
+    the update: health statistics), when the new params are computed apart and :func:`write_into` copies
+    them. Without ``keep`` the gradients are donated as well (clipping scales them in place)."""
+    given = leaves_of(state.opt_state) + ([] if keep else leaves_of(grads))
+    with donating(given):
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params, steps = leaves_of(state.params), leaves_of(updates)
+    if keep or any(p.dtype != u.dtype for p, u in zip(params, steps)):
+        return updates, opt_state, apply_updates(state.params, updates)
+    torch._foreach_add_(params, steps)
+    return updates, opt_state, state.params
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -38,7 +38,7 @@ import torch
 
 from core import rng
 from core.compile import maybe_compile, regions
-from core.donate import owned, write_into
+from core.donate import owned, update_in_place, write_into
 from core.loss_scale import update_loss_scale
 from core.spike import SpikeConfig, update_monitor
 from core.state import TrainState
@@ -152,10 +152,14 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
             grads = tree_map(lambda g: g / scale.to(g.dtype), grads)   # unscale before clipping or stats
         grad_norm = global_norm(grads)
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_params = apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(),
                    "param_norm": global_norm(state.params), **aux}
+        in_place = donate and not torch.compiler.is_compiling() and bool(finite)   # eager: one host sync
+        if in_place:   # eager donated step: moments and (without health statistics) params updated in place
+            updates, opt_state, new_params = update_in_place(optimizer, state, grads, keep=extra_metrics is not None)
+        else:
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            new_params = apply_updates(state.params, updates)
         if getattr(optimizer, "metrics", None) is not None:   # what the transforms report: lr, clip activity
             metrics.update(optimizer.metrics(opt_state))
         if extra_metrics is not None:
@@ -171,8 +175,8 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
             metrics["loss_scale"] = loss_scale["scale"]
         new_state = TrainState(
             step=state.step + 1,
-            params=where(finite, new_params, state.params),
-            opt_state=where(finite, opt_state, state.opt_state),
+            params=new_params if in_place else where(finite, new_params, state.params),
+            opt_state=opt_state if in_place else where(finite, opt_state, state.opt_state),
             key=state.key,
             cursor=state.cursor + 1,
             loss_scale=loss_scale,

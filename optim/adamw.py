@@ -46,8 +46,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         beta1, beta2 = h["b1"], h["b2"]
         count = state.count + 1
         grads, old_mu, old_nu = zip_leaves(updates, state.mu, state.nu)
-        mu = foreach.moving_average(old_mu, grads, beta1)
-        nu = foreach.moving_average_of_squares(old_nu, grads, beta2)
+        mu = foreach.next_moving_average(old_mu, grads, beta1)
+        nu = foreach.next_moving_average_of_squares(old_nu, grads, beta2)
         directions = _adam_directions(mu, nu, 1 - beta1 ** count, (1 - beta2 ** count).sqrt(), h["eps"])
         return (like(updates, directions),
                 ScaleByAdamState(count, like(state.mu, mu, updates), like(state.nu, nu, updates), h))

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
 
 from core.tree import global_norm, leaves_of, like
+from optim import foreach
 from optim.base import GradientTransformation, hparams
 
 
@@ -22,19 +22,12 @@ def clip_factor(norm, max_norm):
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
-def _scale(grads: list, factor) -> list:
-    """``g * factor.to(g.dtype)`` for every leaf: one ``torch._foreach_mul`` when the leaves share a dtype."""
-    if len({g.dtype for g in grads}) == 1:
-        return torch._foreach_mul(grads, factor.to(grads[0].dtype))
-    return [g * factor.to(g.dtype) for g in grads]
-
-
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params):
         return ClipState(hparams(params, max_norm=max_norm))
 
     def update(updates, state, params=None):
         factor = clip_factor(global_norm(updates), state.hparams["max_norm"])
-        return like(updates, _scale(leaves_of(updates), factor)), state
+        return like(updates, foreach.rescale(leaves_of(updates), factor)), state   # in place when donated
 
     return GradientTransformation(init, update)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from core.donate import donated
+
 
 def _into(in_place, out_of_place, owned: list, other: list) -> list:
     """``op(owned[i], other[i])``, written into ``owned`` (a list the caller allocated) when the result
@@ -66,14 +68,33 @@ def scale(xs: list, factor: torch.Tensor) -> list:
     return torch._foreach_mul(xs, [factor.to(x.dtype) for x in xs])
 
 
+def rescale(xs: list, factor: torch.Tensor) -> list:
+    """:func:`scale`, written into ``xs`` when the step donated them (``core.donate.donating``): the same bits."""
+    if not xs or not donated(xs):
+        return scale(xs, factor)
+    dtypes = {x.dtype for x in xs}
+    if len(dtypes) == 1:
+        torch._foreach_mul_(xs, factor.to(xs[0].dtype))
+    else:
+        torch._foreach_mul_(xs, [factor.to(x.dtype) for x in xs])
+    return xs
+
+
 def moving_average(old: list, new: list, decay: torch.Tensor) -> list:
     """``decay * old + (1 - decay) * new``, leaf by leaf (an exponential moving average)."""
     return add_into(scale(old, decay), scale(new, 1 - decay))
 
 
-def moving_average_of_squares(old: list, new: list, decay: torch.Tensor) -> list:
-    """``decay * old + (1 - decay) * new * new``, leaf by leaf (Adam's second moment)."""
-    return add_into(scale(old, decay), mul_into(scale(new, 1 - decay), new))
+def next_moving_average(old: list, new: list, decay: torch.Tensor) -> list:
+    """:func:`moving_average` for a state's next value: written into ``old`` when the step donated it, so the
+    caller must not read ``old`` afterwards."""
+    return add_into(rescale(old, decay), scale(new, 1 - decay))
+
+
+def next_moving_average_of_squares(old: list, new: list, decay: torch.Tensor) -> list:
+    """``decay * old + (1 - decay) * new * new``, leaf by leaf (Adam's second moment), written into ``old``
+    when the step donated it (as :func:`next_moving_average`)."""
+    return add_into(rescale(old, decay), mul_into(scale(new, 1 - decay), new))
 
 
 def add_scaled(xs: list, ys: list, factor: torch.Tensor) -> list:

@@ -32,7 +32,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
         direction = foreach.moving_average(old, grads, beta1)
         if direction:
             torch._foreach_sign_(direction)
-        mu = foreach.moving_average(old, grads, beta2)
+        mu = foreach.next_moving_average(old, grads, beta2)   # old read above: last
         return like(updates, direction), ScaleByLionState(like(state.mu, mu, updates), state.hparams)
 
     return GradientTransformation(init, update)

@@ -48,10 +48,16 @@ def run(step, state, data):
     return state, metrics
 
 
-def test_donated_eager_steps_equal_pure_bitwise_in_the_same_buffers():
-    opt, params = optimizer(), llama.init(CFG, seed=1)
-    health = GradientHealth(params, clip_norm=1.0)
-    kw = dict(spike=SpikeConfig(), extra_metrics=health.metrics)
+OPTIMIZERS = {"adamw": optimizer, "lion": lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.lion(lr=1e-3)),
+              "sgd": lambda: optim.sgd(lr=1e-2, momentum=0.9)}
+
+
+@pytest.mark.parametrize("name,health", [("adamw", True), ("adamw", False), ("lion", False), ("sgd", False)])
+def test_donated_eager_steps_equal_pure_bitwise_in_the_same_buffers(name, health):
+    """With health statistics the params are updated apart and copied; without, in place with the moments."""
+    opt, params = OPTIMIZERS[name](), llama.init(CFG, seed=1)
+    extra = GradientHealth(params, clip_norm=1.0).metrics if health else None
+    kw = dict(spike=SpikeConfig(), extra_metrics=extra)
     pure = make_train_step(loss_fn, opt, **kw)
     donated = make_train_step(loss_fn, opt, donate=True, **kw)
     start = init_state(clone(params), opt, spike=True)

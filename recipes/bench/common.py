@@ -9,6 +9,7 @@ import time
 import torch
 
 from core.config import option, same_as
+from core.device import DEVICES, resolve_device
 from core.logging import progress
 from core.tree import size
 from models import llama
@@ -28,17 +29,21 @@ class StepBench:
     rounds: int = option(3, "interleaved timing rounds", min=1)
     threads: int = option(0, "torch.set_num_threads (0 keeps the default)", min=0)
     seed: int = option(0, "seed for weights and the batch", min=0)
+    device: str = option("cpu", "where the steps run (peak memory: RSS on CPU, max_memory_allocated on CUDA)",
+                         choices=DEVICES)
 
 
 def model_and_batch(cfg: StepBench) -> tuple[llama.LlamaConfig, dict, dict]:
-    """The Llama of ``cfg`` (its threads set), its seeded params, and one seeded batch of random tokens."""
+    """The Llama of ``cfg`` (its threads set), its seeded params, and one seeded batch of random tokens, on
+    ``cfg.device``."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
     model_cfg = llama.LlamaConfig(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
                                   n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads)
-    params = llama.init(model_cfg, seed=cfg.seed)
+    params = llama.init(model_cfg, seed=cfg.seed, device=device)
     tok = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size + 1),
-                        generator=torch.Generator().manual_seed(cfg.seed))
+                        generator=torch.Generator().manual_seed(cfg.seed)).to(device)
     return model_cfg, params, {"x": tok[:, :-1].contiguous(), "y": tok[:, 1:].contiguous()}
 
 

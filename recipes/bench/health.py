@@ -66,7 +66,7 @@ def _functional(cfg: llama.LlamaConfig, params, batch, *, adagc: bool, health: b
 
 
 def _plain(cfg: llama.LlamaConfig, params, batch, *, item_stats: bool):
-    module = load_params(LlamaModule(cfg), params)
+    module = load_params(LlamaModule(cfg).to(params["embed"].device), params)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
     named = list(module.named_parameters())
     log: dict[str, list[float]] = {}

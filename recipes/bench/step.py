@@ -31,6 +31,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -55,6 +56,10 @@ class Config(StepBench):
     n_kv_heads: int = option(2, "key/value heads (grouped-query attention)", min=0)
     compile: bool = option(True, "include the two compiled variants")
     isolate: bool = option(True, "each variant in its own fresh process (gives per-variant peak memory)")
+    repeats: int = option(1, "processes per variant with isolate=true (medians of time, the largest peak memory)",
+                          min=1)
+    cold_compile: bool = option(True, "with isolate=true, each process compiles into a new, empty inductor cache "
+                                      "(TORCHINDUCTOR_CACHE_DIR), so the first step times a cold compile")
     donate: bool = option(True, "the functional step writes the new state into the old buffers, as the recipes run it "
                                 "(false: the pure step)")
     compile_scope: str = option("block", "what one graph covers in the functional compiled variant: the whole step, "
@@ -63,12 +68,12 @@ class Config(StepBench):
 
 PRESETS = {
     "100m": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4,
-             "batch_size": 2, "block_size": 128, "warmup": 1, "steps": 3, "rounds": 1},
+             "batch_size": 2, "block_size": 128, "warmup": 2, "steps": 3, "rounds": 2, "repeats": 2},
 }
 
 
 def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool):
-    module = load_params(LlamaModule(cfg), params)
+    module = load_params(LlamaModule(cfg).to(params["embed"].device), params)
     forward = torch.compile(module) if compiled else module
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
 
@@ -116,23 +121,27 @@ def _names(cfg: Config) -> list[str]:
     return ["plain eager", "functional eager"] + extra
 
 
-def _peak_rss_mb() -> float:
-    """This process's peak resident set size in MB (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+def _peak_mb(device: torch.device) -> float:
+    """This process's peak memory in MB: ``torch.cuda.max_memory_allocated`` on CUDA, else the peak resident set
+    size (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
 def measure_variant(cfg: Config, name: str) -> dict:
-    """Build variant ``name`` alone, time its first step and its median round, and read the peak RSS."""
+    """Build variant ``name`` alone, time its first step and its median round, and read the peak memory."""
     model_cfg, params, batch = model_and_batch(cfg)
     step = _build(cfg, name, model_cfg, params, batch)
+    del params   # the variant holds its own copy (a module, or the train state)
     start = time.perf_counter()
     step().item()
     first = time.perf_counter() - start
     for _ in range(cfg.warmup - 1):
         step().item()
     per_step = statistics.median(_time(step, cfg.steps) for _ in range(cfg.rounds))
-    return {"seconds_per_step": per_step, "first_step_s": first, "peak_mb": _peak_rss_mb()}
+    return {"seconds_per_step": per_step, "first_step_s": first, "peak_mb": _peak_mb(batch["x"].device)}
 
 
 def _child_main() -> None:
@@ -144,20 +153,28 @@ def _child_main() -> None:
 def _in_fresh_process(cfg: Config, name: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     code = "from recipes.bench.step import _child_main; _child_main()"
-    done = subprocess.run([sys.executable, "-c", code], input=json.dumps([asdict(cfg), name]), env=env,
-                          stdout=subprocess.PIPE, text=True, check=True)
+    with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
+        if cfg.cold_compile:
+            env["TORCHINDUCTOR_CACHE_DIR"] = cache
+        done = subprocess.run([sys.executable, "-c", code], input=json.dumps([asdict(cfg), name]), env=env,
+                              stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _isolated(cfg: Config) -> dict[str, dict]:
+    """Every variant ``repeats`` times, each run in its own process, the variants taking turns."""
     model_cfg, params, _ = model_and_batch(cfg)
     warm_up("bench.step (one process per variant)", cfg, params, {})
-    results = {}
-    for name in _names(cfg):
-        results[name] = _in_fresh_process(cfg, name)
-        progress(f"  {name}: first step {results[name]['first_step_s']:.1f}s, "
-                 f"{results[name]['seconds_per_step'] * 1e3:.1f} ms/step, peak {results[name]['peak_mb']:,.0f} MB")
-    return results
+    runs: dict[str, list[dict]] = {name: [] for name in _names(cfg)}
+    for repeat in range(cfg.repeats):
+        for name in runs:
+            r = _in_fresh_process(cfg, name)
+            runs[name].append(r)
+            progress(f"  {name} ({repeat + 1}/{cfg.repeats}): first step {r['first_step_s']:.1f}s, "
+                     f"{r['seconds_per_step'] * 1e3:.1f} ms/step, peak {r['peak_mb']:,.0f} MB")
+    return {name: {"seconds_per_step": statistics.median(r["seconds_per_step"] for r in rs),
+                   "first_step_s": statistics.median(r["first_step_s"] for r in rs),
+                   "peak_mb": max(r["peak_mb"] for r in rs)} for name, rs in runs.items()}
 
 
 def _interleaved(cfg: Config) -> dict[str, dict]:
