@@ -1,7 +1,7 @@
 """The train step compiles into one graph, and a learning-rate schedule never recompiles it.
 
-The one test in the suite that pays for a real inductor compile (cached on disk by inductor's FX graph
-cache, so a second run is fast).
+One of the two test files that pay for real inductor compiles (with ``tests/test_donation.py``; cached on
+disk by inductor's FX graph cache, so a second run is fast).
 """
 import torch
 

@@ -63,8 +63,8 @@ class TrainConfig:
     keep_last: int = option(3, "step checkpoints to keep (0: all; best and final are kept besides)", min=0)
     resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
     compile: bool = option(True, "compile the train and eval steps with torch.compile")
-    compile_scope: str = option("block", "what one compiled graph covers: the model's block, compiled once for "
-                                "every layer (compile time flat in depth), or the whole step", choices=COMPILE_SCOPES)
+    compile_scope: str = option("block", "what one compiled graph covers: the whole step, or the model's block, "
+                                "compiled once for every layer (compile time flat in depth)", choices=COMPILE_SCOPES)
     data: str = option("stdlib", "text: a file, folder, glob, or 'stdlib' (this Python's own source)")
     tokenizer: str = option("byte", "byte, char, or a tokenizer.json PATH")
     fim_rate: float = option(0.0, "fill-in-the-middle: fraction of windows rearranged prefix/suffix/middle "
