@@ -118,8 +118,11 @@ def test_the_compiled_block_gives_eager_gradients_and_depth_compiles_nothing_new
 
 
 @pytest.mark.parametrize("scope", ["step", "block"])
-def test_compiled_donated_steps_match_the_pure_compiled_step(scope):
-    """Twenty compiled steps (one of them skipped), donated and pure, to 1e-6: donation changes no number."""
+def test_compiled_donated_steps_match_the_pure_compiled_step(scope, one_thread):
+    """Twenty compiled steps (one of them skipped), donated and pure, to 1e-6: donation changes no number.
+
+    The two are different graphs, so inductor may split a reduction differently between them; on one thread
+    they agree to 1e-6 after 20 AdamW steps at lr 1e-2 (on two threads this CPU drifted to 2e-6)."""
     opt, params = optimizer(), llama.init(CFG, seed=6)
     data = batches(20, poisoned={5})
     results = []
