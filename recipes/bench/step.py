@@ -7,8 +7,12 @@ Four ways to take the same training step on the same Llama and the same batch:
 - ``plain eager``        ``nn.Module`` forward, ``.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(foreach=True)``
 - ``plain compiled``     the same with ``torch.compile(module)`` (the optimizer stays eager, the usual way)
 - ``functional eager``   ``core.step.make_train_step`` (``torch.func.grad_and_value``), not compiled
-- ``functional compiled`` the same step under ``torch.compile(fullgraph=True)``: forward, backward,
-                          clipping and AdamW in one graph
+- ``functional compiled`` the same step compiled: with ``compile_scope=block`` (the default, as the recipes
+                          run) one block graph shared by every layer plus the update graph; with ``step``
+                          forward, backward, clipping and AdamW in one graph
+
+Both functional variants donate the state (``donate=true``, as the recipes run); ``donate=false`` times the
+pure step.
 
 With ``isolate=true`` (the default) each variant runs alone in a fresh Python process (``python -c`` of
 :func:`measure_variant`), so its peak memory is its own: the child's peak RSS (``getrusage(RUSAGE_SELF)
