@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -134,18 +135,45 @@ def _peak_mb(device: torch.device) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
+def _reset_steady_peak(device: torch.device) -> bool:
+    """Start measuring the peak afresh (after the first step, so a compile's own memory is left out): CUDA's
+    peak statistics, or Linux's resident high-water mark (``/proc/self/clear_refs``); False where neither is."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _steady_peak_mb(device: torch.device) -> float:
+    """The peak since :func:`_reset_steady_peak`, in MB (``VmHWM`` of ``/proc/self/status`` on Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**10
+    raise OSError("no VmHWM in /proc/self/status")
+
+
 def measure_variant(cfg: Config, name: str) -> dict:
-    """Build variant ``name`` alone, time its first step and its median round, and read the peak memory."""
+    """Build variant ``name`` alone, time its first step and its median round, and read the peak memory: over
+    the whole process, and over the steps after the first (the steady state, when this platform can say)."""
     model_cfg, params, batch = model_and_batch(cfg)
     step = _build(cfg, name, model_cfg, params, batch)
     del params   # the variant holds its own copy (a module, or the train state)
+    device = batch["x"].device
     start = time.perf_counter()
     step().item()
     first = time.perf_counter() - start
+    steady = _reset_steady_peak(device)
     for _ in range(cfg.warmup - 1):
         step().item()
     per_step = statistics.median(_time(step, cfg.steps) for _ in range(cfg.rounds))
-    return {"seconds_per_step": per_step, "first_step_s": first, "peak_mb": _peak_mb(batch["x"].device)}
+    return {"seconds_per_step": per_step, "first_step_s": first, "peak_mb": _peak_mb(device),
+            "steady_mb": _steady_peak_mb(device) if steady else None}
 
 
 def _child_main() -> None:
@@ -175,10 +203,13 @@ def _isolated(cfg: Config) -> dict[str, dict]:
             r = _in_fresh_process(cfg, name)
             runs[name].append(r)
             progress(f"  {name} ({repeat + 1}/{cfg.repeats}): first step {r['first_step_s']:.1f}s, "
-                     f"{r['seconds_per_step'] * 1e3:.1f} ms/step, peak {r['peak_mb']:,.0f} MB")
+                     f"{r['seconds_per_step'] * 1e3:.1f} ms/step, peak {r['peak_mb']:,.0f} MB"
+                     + (f", after the first step {r['steady_mb']:,.0f} MB" if r["steady_mb"] else ""))
     return {name: {"seconds_per_step": statistics.median(r["seconds_per_step"] for r in rs),
                    "first_step_s": statistics.median(r["first_step_s"] for r in rs),
-                   "peak_mb": max(r["peak_mb"] for r in rs)} for name, rs in runs.items()}
+                   "peak_mb": max(r["peak_mb"] for r in rs),
+                   "steady_mb": None if None in (steady := [r["steady_mb"] for r in rs]) else max(steady)}
+            for name, rs in runs.items()}
 
 
 def _interleaved(cfg: Config) -> dict[str, dict]:
@@ -194,21 +225,27 @@ def _interleaved(cfg: Config) -> dict[str, dict]:
 
 def _table(cfg: Config, results: dict[str, dict]) -> dict:
     tokens = cfg.batch_size * cfg.block_size
-    base_t = results["plain eager"]["seconds_per_step"]
-    base_m = results["plain eager"].get("peak_mb")
+    base = results["plain eager"]
     print()
-    print("| variant | ms/step | tokens/s | peak MB | vs plain eager (time) | vs plain eager (memory) | first step s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| variant | ms/step | tokens/s | peak MB | steady MB | vs plain eager (time) | vs plain eager (peak) "
+          "| vs plain eager (steady) | first step s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = {}
     for name, r in results.items():
-        t, mb = r["seconds_per_step"], r.get("peak_mb")
-        rows[name] = {"ms_per_step": t * 1e3, "tokens_per_sec": tokens / t, "ratio_vs_plain_eager": t / base_t}
-        memory = ["-", "-", "-"]
-        if mb is not None:
-            rows[name].update(peak_mb=mb, memory_vs_plain_eager=mb / base_m, first_step_s=r["first_step_s"])
-            memory = [f"{mb:,.0f}", f"{mb / base_m:.2f}", f"{r['first_step_s']:.1f}"]
-        print(f"| {name} | {t * 1e3:.1f} | {tokens / t:,.0f} | {memory[0]} | {t / base_t:.2f} | {memory[1]} "
-              f"| {memory[2]} |")
+        t = r["seconds_per_step"]
+        rows[name] = {"ms_per_step": t * 1e3, "tokens_per_sec": tokens / t,
+                      "ratio_vs_plain_eager": t / base["seconds_per_step"]}
+        cells = {k: ["-", "-"] for k in ("peak_mb", "steady_mb")}
+        for key, ratio in (("peak_mb", "memory_vs_plain_eager"), ("steady_mb", "steady_vs_plain_eager")):
+            if r.get(key) is not None:
+                rows[name].update({key: r[key], ratio: r[key] / base[key]})
+                cells[key] = [f"{r[key]:,.0f}", f"{r[key] / base[key]:.2f}"]
+        first = "-"
+        if "first_step_s" in r:
+            rows[name]["first_step_s"] = r["first_step_s"]
+            first = f"{r['first_step_s']:.1f}"
+        print(f"| {name} | {t * 1e3:.1f} | {tokens / t:,.0f} | {cells['peak_mb'][0]} | {cells['steady_mb'][0]} "
+              f"| {t / base['seconds_per_step']:.2f} | {cells['peak_mb'][1]} | {cells['steady_mb'][1]} | {first} |")
     return rows
 
 
