@@ -1,4 +1,4 @@
-"""Hugging Face Llama folders (``config.json`` + safetensors) to and from purestep params.
+"""Hugging Face Llama and Qwen2 folders (``config.json`` + safetensors) to and from purestep params.
 
 Follows transformers' ``models/llama/modeling_llama.py`` / ``configuration_llama.py`` (tensor names
 ``model.layers.N.self_attn.q_proj.weight`` ..., config fields ``hidden_size``, ``num_key_value_heads``,
@@ -8,8 +8,11 @@ Follows transformers' ``models/llama/modeling_llama.py`` / ``configuration_llama
 "rotate half" RoPE order (``convert_llama_weights_to_hf.py`` permuted Meta's Q/K once, for good), so a
 tensor maps one to one onto a slice of our stacked ``layers.*`` leaves.
 
-Anything ``models.llama`` does not compute (another architecture, attention or MLP biases, an activation
-other than SiLU, RoPE scaling other than llama3) is refused with a ``UserError`` naming the field.
+Qwen2 (transformers' ``models/qwen2/modeling_qwen2.py``) is the same decoder with biases on the q/k/v
+projections (``LlamaConfig.qkv_bias``); a model with those biases is written back as Qwen2, since Llama's
+``attention_bias`` would add an ``o_proj`` bias too. Anything ``models.llama`` does not compute (another
+architecture, Llama's attention or MLP biases, sliding-window attention, an activation other than SiLU,
+RoPE scaling other than llama3) is refused with a ``UserError`` naming the field.
 Needs the optional ``safetensors`` (and, for ``tokenizer.json``, ``tokenizers``) package.
 """
 from __future__ import annotations
@@ -36,6 +39,9 @@ LAYER_NAMES = {
     "mlp.w_up": "mlp.up_proj.weight",
     "mlp.w_down": "mlp.down_proj.weight",
 }
+BIAS_NAMES = {"attn.q_bias": "self_attn.q_proj.bias", "attn.k_bias": "self_attn.k_proj.bias",
+              "attn.v_bias": "self_attn.v_proj.bias"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TOP_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 ROPE_TYPES = ("default", "llama3")
@@ -72,13 +78,17 @@ def _read_json(path: Path) -> dict:
 
 def config_from_hf(hf: dict, source="config.json") -> LlamaConfig:
     """``LlamaConfig`` from a transformers ``LlamaConfig`` dict (transformers 4 or 5 spelling)."""
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    if hf.get("model_type", "llama") != "llama" or "LlamaForCausalLM" not in archs:
-        raise UserError(f"{source}: model_type={hf.get('model_type')!r}, architectures={archs}; only "
-                        f"'llama' / LlamaForCausalLM is supported")
+    family = hf.get("model_type", "llama")
+    archs = hf.get("architectures") or [ARCHITECTURES.get(family, "?")]
+    if ARCHITECTURES.get(family) not in archs:
+        raise UserError(f"{source}: model_type={family!r}, architectures={archs}; supported: "
+                        + ", ".join(f"{k!r} / {a}" for k, a in ARCHITECTURES.items()))
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            raise UserError(f"{source}: {flag}=true is not supported (models.llama has no biases)")
+            raise UserError(f"{source}: {flag}=true is not supported (models.llama has no o_proj or MLP biases)")
+    if hf.get("use_sliding_window"):
+        raise UserError(f"{source}: use_sliding_window=true is not supported (models.llama attends to the whole "
+                        f"causal context)")
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     rope = dict(hf.get("rope_parameters") or {})                 # transformers 5
@@ -103,6 +113,7 @@ def config_from_hf(hf: dict, source="config.json") -> LlamaConfig:
             rope_scaling=_llama3(scaling) if kind == "llama3" else {},
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2",
         )
     except KeyError as e:
         raise UserError(f"{source}: missing field {e.args[0]!r}") from None
@@ -119,11 +130,16 @@ def _llama3(scaling: dict) -> dict:
 
 def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype, max_position_embeddings: int,
                  bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """A ``config.json`` transformers 4 and 5 both read as ``LlamaForCausalLM``."""
+    """A ``config.json`` transformers 4 and 5 both read as ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with
+    q/k/v biases)."""
     scaling = cfg.rope_scaling or {}
+    kind = "qwen2" if cfg.qkv_bias else "llama"
+    qwen2 = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers} \
+        if cfg.qkv_bias else {}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
+        **qwen2,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_dim,
@@ -157,7 +173,7 @@ def state_dict(params: dict, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     flat = flatten_dict(params["layers"])
     out = {TOP_NAMES["embed"]: params["embed"]}
     for i in range(cfg.n_layers):
-        for ours, theirs in LAYER_NAMES.items():
+        for ours, theirs in layer_names(cfg).items():
             out[f"model.layers.{i}.{theirs}"] = flat[ours][i]
     out[TOP_NAMES["norm"]] = params["norm"]
     if "lm_head" in params:
@@ -171,7 +187,8 @@ def params_from_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig, source
     expected = _shapes(cfg, untied=TOP_NAMES["lm_head"] in sd)
     unknown = sorted(set(sd) - set(expected))
     if unknown:
-        hint = " (biases are not supported)" if any(k.endswith(".bias") for k in unknown) else ""
+        hint = " (biases are not supported here; Qwen2's q/k/v biases are, with model_type 'qwen2')" \
+            if any(k.endswith(".bias") for k in unknown) else ""
         raise UserError(f"{source}: unexpected tensor(s) {', '.join(unknown[:3])}{hint}")
     missing = [k for k in expected if k not in sd]
     if missing:
@@ -180,19 +197,27 @@ def params_from_state_dict(sd: dict[str, torch.Tensor], cfg: LlamaConfig, source
         if tuple(sd[name].shape) != shape:
             raise UserError(f"{source}: {name} has shape {tuple(sd[name].shape)}, config.json implies {shape}")
     flat = {f"layers.{ours}": torch.stack([sd[f"model.layers.{i}.{theirs}"] for i in range(cfg.n_layers)])
-            for ours, theirs in LAYER_NAMES.items()}
+            for ours, theirs in layer_names(cfg).items()}
     flat.update({ours: sd[theirs] for ours, theirs in TOP_NAMES.items() if theirs in sd})
     params = unflatten_dict(flat)
     return {k: params[k] for k in ("embed", "layers", "norm", "lm_head") if k in params}
+
+
+def layer_names(cfg: LlamaConfig) -> dict[str, str]:
+    """Our leaf under ``layers`` -> its Hugging Face name inside ``model.layers.N.`` for this config."""
+    return {**LAYER_NAMES, **BIAS_NAMES} if cfg.qkv_bias else LAYER_NAMES
 
 
 def _shapes(cfg: LlamaConfig, untied: bool) -> dict[str, tuple]:
     d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
     per_layer = {"attn_norm": (d,), "attn.wq": (q, d), "attn.wk": (kv, d), "attn.wv": (kv, d), "attn.wo": (d, q),
                  "mlp_norm": (d,), "mlp.w_gate": (f, d), "mlp.w_up": (f, d), "mlp.w_down": (d, f)}
+    if cfg.qkv_bias:
+        per_layer.update({"attn.q_bias": (q,), "attn.k_bias": (kv,), "attn.v_bias": (kv,)})
+    names = layer_names(cfg)
     out = {TOP_NAMES["embed"]: (cfg.vocab_size, d), TOP_NAMES["norm"]: (d,)}
     for i in range(cfg.n_layers):
-        out.update({f"model.layers.{i}.{LAYER_NAMES[k]}": s for k, s in per_layer.items()})
+        out.update({f"model.layers.{i}.{names[k]}": s for k, s in per_layer.items()})
     if untied:
         out[TOP_NAMES["lm_head"]] = (cfg.vocab_size, d)
     return out

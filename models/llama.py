@@ -14,6 +14,9 @@ Params (weights in torch's ``(out, in)`` layout, so Hugging Face tensors map one
     layers.attn.wk       [L, n_kv_heads * head_dim, d]
     layers.attn.wv       [L, n_kv_heads * head_dim, d]
     layers.attn.wo       [L, d, n_heads * head_dim]
+    layers.attn.q_bias   [L, n_heads * head_dim]      (q/k/v biases only when qkv_bias, as Qwen2)
+    layers.attn.k_bias   [L, n_kv_heads * head_dim]
+    layers.attn.v_bias   [L, n_kv_heads * head_dim]
     layers.mlp_norm      [L, d]
     layers.mlp.w_gate    [L, ffn, d]
     layers.mlp.w_up      [L, ffn, d]
@@ -55,6 +58,7 @@ class LlamaConfig:
     rope_scaling: dict = option({}, "RoPE frequency scaling: {} or llama3's (factor, low_freq_factor, ...)")
     norm_eps: float = option(1e-5, "RMSNorm epsilon", above=0)
     tie_embeddings: bool = option(True, "the output head shares the token embedding's weights")
+    qkv_bias: bool = option(False, "biases on the query/key/value projections (Qwen2)")
     dropout: float = option(0.0, "dropout probability (0: off)", min=0, below=1)
     init_std: float = option(0.02, "standard deviation of the normal init", above=0)
 
@@ -110,6 +114,10 @@ def init(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
         },
         "norm": ones(d),
     }
+    if cfg.qkv_bias:   # zeros, as transformers' Qwen2 initializes them
+        params["layers"]["attn"].update(q_bias=torch.zeros(L, cfg.n_heads * hd, dtype=dtype, device=device),
+                                        k_bias=torch.zeros(L, cfg.n_kv_heads * hd, dtype=dtype, device=device),
+                                        v_bias=torch.zeros(L, cfg.n_kv_heads * hd, dtype=dtype, device=device))
     if not cfg.tie_embeddings:
         params["lm_head"] = normal(cfg.vocab_size, d)
     return params
@@ -194,9 +202,9 @@ def causal_attention(q, k, v, past_len: int = 0, scale: Optional[float] = None) 
 def attention(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, cache: Optional[dict] = None,
               past_len: int = 0) -> torch.Tensor:
     B, T, _ = x.shape
-    q = F.linear(x, p["wq"]).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
-    k = F.linear(x, p["wk"]).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-    v = F.linear(x, p["wv"]).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+    q = F.linear(x, p["wq"], p.get("q_bias")).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+    k = F.linear(x, p["wk"], p.get("k_bias")).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+    v = F.linear(x, p["wv"], p.get("v_bias")).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cache is not None:
         k, v = cache_append(cache, k, v, past_len)

@@ -41,9 +41,9 @@ class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x, cos, sin):
@@ -124,6 +124,8 @@ def load_params(module: LlamaModule, params: dict) -> LlamaModule:
             layer.self_attn.k_proj.weight.copy_(L["attn"]["wk"][i])
             layer.self_attn.v_proj.weight.copy_(L["attn"]["wv"][i])
             layer.self_attn.o_proj.weight.copy_(L["attn"]["wo"][i])
+            for name in ("q", "k", "v") if "q_bias" in L["attn"] else ():
+                getattr(layer.self_attn, f"{name}_proj").bias.copy_(L["attn"][f"{name}_bias"][i])
             layer.mlp.gate_proj.weight.copy_(L["mlp"]["w_gate"][i])
             layer.mlp.up_proj.weight.copy_(L["mlp"]["w_up"][i])
             layer.mlp.down_proj.weight.copy_(L["mlp"]["w_down"][i])
@@ -146,6 +148,9 @@ def grads_as_params(module: LlamaModule) -> dict:
                     "w_down": stack(lambda l: l.mlp.down_proj.weight)},
         },
     }
+    if module.cfg.qkv_bias:
+        grads["layers"]["attn"].update({f"{n}_bias": stack(lambda l, n=n: getattr(l.self_attn, f"{n}_proj").bias)
+                                        for n in ("q", "k", "v")})
     if not module.cfg.tie_embeddings:
         grads["lm_head"] = module.lm_head.weight.grad
     return grads

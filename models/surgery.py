@@ -44,6 +44,7 @@ from typing import Literal
 
 import torch
 
+from core.config import UserError
 from core.tree import clone
 from models import llama
 from models.dba import DBAConfig
@@ -174,6 +175,9 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r}; choose one of {', '.join(METHODS)}")
+    if cfg.qkv_bias:
+        raise UserError("the teacher has q/k/v biases (Qwen2): surgery into the DBA student supports bias-free "
+                        "Llama teachers only")
     student_cfg = DBAConfig.from_teacher(cfg, sem_dim=sem_dim, geo_dim=geo_dim, v_dim=v_dim)
     L, d, H, G, hd = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     n, m = H // G, hd - geo_dim

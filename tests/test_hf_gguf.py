@@ -282,7 +282,7 @@ def test_bias_tensors_and_wrong_shapes_are_refused(tmp_path):
     biased = dict(sd, **{"model.layers.0.self_attn.q_proj.bias": torch.zeros(48)})
     safetensors.torch.save_file(biased, str(tmp_path / "model.safetensors"))
     with pytest.raises(UserError, match=r"unexpected tensor\(s\) model.layers.0.self_attn.q_proj.bias "
-                                        r"\(biases are not supported\)"):
+                                        r"\(biases are not supported here; Qwen2's q/k/v biases are"):
         load_model(str(tmp_path))
     sd["model.norm.weight"] = torch.ones(47)
     safetensors.torch.save_file(sd, str(tmp_path / "model.safetensors"))

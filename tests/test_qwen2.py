@@ -1,0 +1,82 @@
+"""Qwen2 against transformers' own implementation: a random tiny ``Qwen2ForCausalLM`` (biases made
+non-zero), saved with ``save_pretrained``, loads into ``models.llama`` with equal logits and greedy tokens,
+and a purestep model with q/k/v biases exports to a folder transformers loads as Qwen2.
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the reference implementation: pip install purestep[reference]")
+pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
+
+from core.config import UserError  # noqa: E402
+from models import hf, llama  # noqa: E402
+from models.loading import load_model  # noqa: E402
+
+
+def qwen2(tie: bool):
+    cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)   # transformers initializes them to zero: make them matter
+    return model
+
+
+def greedy(step, tokens: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        tokens = torch.cat([tokens, step(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_qwen2_folder_loads_with_transformers_logits_and_greedy_tokens(tie, tmp_path):
+    model = qwen2(tie)
+    model.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    params, cfg = loaded.params, loaded.config
+    assert cfg.qkv_bias and cfg.tie_embeddings == tie and cfg.n_kv_heads == 2
+    tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model(tokens).logits
+        ours = llama.apply(params, tokens, cfg)
+        assert (ours - theirs).abs().max() < 1e-5
+        prompt = tokens[:1, :8]
+        assert torch.equal(greedy(lambda t: llama.apply(params, t, cfg), prompt, 32),
+                           greedy(lambda t: model(t).logits, prompt, 32))
+
+
+def test_biased_model_exports_as_qwen2_and_transformers_reads_it(tmp_path):
+    cfg = llama.LlamaConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                            qkv_bias=True, tie_embeddings=False, norm_eps=1e-6)
+    params = llama.init(cfg, seed=2)
+    for leaf in ("q_bias", "k_bias", "v_bias"):
+        params["layers"]["attn"][leaf].normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+    hf.export_hf(params, cfg, tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (model(tokens).logits - llama.apply(params, tokens, cfg)).abs().max() < 1e-5
+    loaded = load_model(str(tmp_path))
+    reloaded, again = loaded.params, loaded.config
+    assert again == cfg and all(torch.equal(a, b) for a, b in zip(hf.state_dict(reloaded, cfg).values(),
+                                                                  hf.state_dict(params, cfg).values()))
+
+
+def test_sliding_window_qwen2_is_refused_by_name(tmp_path):
+    model = qwen2(False)
+    model.config.use_sliding_window, model.config.sliding_window = True, 16
+    model.save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="use_sliding_window=true is not supported"):
+        load_model(str(tmp_path))
+
+
+def test_upcycle_surgery_refuses_a_biased_teacher_by_name():
+    from models.surgery import surgery
+    cfg = llama.LlamaConfig(vocab_size=96, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, qkv_bias=True)
+    with pytest.raises(UserError, match="q/k/v biases"):
+        surgery(llama.init(cfg), cfg, torch.zeros(1, 8, dtype=torch.long), sem_dim=4, geo_dim=8, v_dim=8)
