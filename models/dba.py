@@ -150,7 +150,8 @@ def attention(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, cache: Optiona
     q, k = torch.cat([q_s, q_g], dim=-1), torch.cat([k_s, k_g], dim=-1)
     if cache is not None:
         k, v = llama.cache_append(cache, k, v, past_len)
-    y = llama.causal_attention(q, k, v, past_len, scale=1.0)     # the scale is folded into the query weights
+    y = llama.causal_attention(q, k, v, past_len, scale=1.0,       # the scale is folded into the query weights
+                               window=cfg.sliding_window)
     return F.linear(y.transpose(1, 2).reshape(B, T, H * cfg.v_dim), p["wo"])
 
 

@@ -10,9 +10,11 @@ tensor maps one to one onto a slice of our stacked ``layers.*`` leaves.
 
 Qwen2 (transformers' ``models/qwen2/modeling_qwen2.py``) is the same decoder with biases on the q/k/v
 projections (``LlamaConfig.qkv_bias``); a model with those biases is written back as Qwen2, since Llama's
-``attention_bias`` would add an ``o_proj`` bias too. Anything ``models.llama`` does not compute (another
-architecture, Llama's attention or MLP biases, sliding-window attention, an activation other than SiLU,
-RoPE scaling other than llama3) is refused with a ``UserError`` naming the field.
+``attention_bias`` would add an ``o_proj`` bias too. Mistral (``models/mistral``) is the same decoder with
+a sliding attention window on every layer (``LlamaConfig.sliding_window``); a windowed model is written
+back as Mistral. Anything ``models.llama`` does not compute (another architecture, Llama's attention or MLP
+biases, Qwen2's per-layer sliding windows, an activation other than SiLU, RoPE scaling other than llama3)
+is refused with a ``UserError`` naming the field.
 Needs the optional ``safetensors`` (and, for ``tokenizer.json``, ``tokenizers``) package.
 """
 from __future__ import annotations
@@ -41,7 +43,7 @@ LAYER_NAMES = {
 }
 BIAS_NAMES = {"attn.q_bias": "self_attn.q_proj.bias", "attn.k_bias": "self_attn.k_proj.bias",
               "attn.v_bias": "self_attn.v_proj.bias"}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 TOP_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 ROPE_TYPES = ("default", "llama3")
@@ -86,9 +88,9 @@ def config_from_hf(hf: dict, source="config.json") -> LlamaConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise UserError(f"{source}: {flag}=true is not supported (models.llama has no o_proj or MLP biases)")
-    if hf.get("use_sliding_window"):
-        raise UserError(f"{source}: use_sliding_window=true is not supported (models.llama attends to the whole "
-                        f"causal context)")
+    if family == "qwen2" and hf.get("use_sliding_window"):
+        raise UserError(f"{source}: use_sliding_window=true is not supported (Qwen2 slides on some layers only; "
+                        f"models.llama has one window for all layers, as Mistral)")
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     rope = dict(hf.get("rope_parameters") or {})                 # transformers 5
@@ -114,6 +116,7 @@ def config_from_hf(hf: dict, source="config.json") -> LlamaConfig:
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",
+            sliding_window=int(hf.get("sliding_window") or 0) if family == "mistral" else 0,
         )
     except KeyError as e:
         raise UserError(f"{source}: missing field {e.args[0]!r}") from None
@@ -131,15 +134,18 @@ def _llama3(scaling: dict) -> dict:
 def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype, max_position_embeddings: int,
                  bos_id: int | None = None, eos_id: int | None = None) -> dict:
     """A ``config.json`` transformers 4 and 5 both read as ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with
-    q/k/v biases)."""
+    q/k/v biases, ``MistralForCausalLM`` with a sliding window)."""
     scaling = cfg.rope_scaling or {}
-    kind = "qwen2" if cfg.qkv_bias else "llama"
-    qwen2 = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers} \
-        if cfg.qkv_bias else {}
+    if cfg.qkv_bias and cfg.sliding_window:
+        raise UserError("a model with q/k/v biases and a sliding window has no Hugging Face architecture here "
+                        "(Qwen2 slides on some layers only, Mistral has no biases)")
+    kind = "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
+    extra = {"qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers},
+             "mistral": {"sliding_window": cfg.sliding_window}, "llama": {}}[kind]
     return {
         "architectures": [ARCHITECTURES[kind]],
         "model_type": kind,
-        **qwen2,
+        **extra,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_dim,

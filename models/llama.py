@@ -59,6 +59,8 @@ class LlamaConfig:
     norm_eps: float = option(1e-5, "RMSNorm epsilon", above=0)
     tie_embeddings: bool = option(True, "the output head shares the token embedding's weights")
     qkv_bias: bool = option(False, "biases on the query/key/value projections (Qwen2)")
+    sliding_window: int = option(0, "each token attends to at most this many positions, itself included "
+                                    "(Mistral; 0: the whole causal context)", min=0)
     dropout: float = option(0.0, "dropout probability (0: off)", min=0, below=1)
     init_std: float = option(0.02, "standard deviation of the normal init", above=0)
 
@@ -182,21 +184,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def causal_attention(q, k, v, past_len: int = 0, scale: Optional[float] = None) -> torch.Tensor:
+def attention_mask(T: int, S: int, past_len: int = 0, window: int = 0, device=None) -> Optional[torch.Tensor]:
+    """Which of ``S`` keys each of ``T`` queries (at positions ``past_len .. past_len + T - 1``) may see:
+    causal, and with ``window`` > 0 only the last ``window`` positions, itself included (Mistral's sliding
+    window: key ``j`` is visible to query ``i`` iff ``i - window < j <= i``). None when SDPA's own
+    ``is_causal`` (``T == S``, no past) or no mask at all (one query, the whole cache visible) says it."""
+    if not window or window >= past_len + T:
+        if past_len == 0 and T == S:
+            return None
+        if T == 1:
+            return None
+    qpos = torch.arange(past_len, past_len + T, device=device)[:, None]
+    kpos = torch.arange(S, device=device)[None, :]
+    mask = kpos <= qpos
+    return mask & (kpos > qpos - window) if window else mask
+
+
+def causal_attention(q, k, v, past_len: int = 0, scale: Optional[float] = None, window: int = 0) -> torch.Tensor:
     """Causal SDPA over [B, H, T, D] queries and [B, Hkv, S, D] keys/values (GQA via ``enable_gqa``).
 
-    With a KV cache the queries sit at positions ``past_len .. past_len + T - 1`` of the ``S`` keys.
-    ``scale`` multiplies the scores (None: SDPA's 1/sqrt(D)); values may be narrower or wider than keys.
+    With a KV cache the queries sit at positions ``past_len .. past_len + T - 1`` of the ``S`` keys; ``window``
+    limits each query to its last ``window`` positions (:func:`attention_mask`). ``scale`` multiplies the
+    scores (None: SDPA's 1/sqrt(D)); values may be narrower or wider than keys.
     """
     T, S = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
-    if past_len == 0 and T == S:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
-    if T == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
-    qpos = torch.arange(past_len, past_len + T, device=q.device)[:, None]
-    mask = torch.arange(S, device=q.device)[None, :] <= qpos
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    mask = attention_mask(T, S, past_len, window, q.device)
+    causal = mask is None and past_len == 0 and T == S
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
 
 
 def attention(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, cache: Optional[dict] = None,
@@ -208,7 +223,7 @@ def attention(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, cache: Optio
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cache is not None:
         k, v = cache_append(cache, k, v, past_len)
-    y = causal_attention(q, k, v, past_len)
+    y = causal_attention(q, k, v, past_len, window=cfg.sliding_window)
     return F.linear(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim), p["wo"])
 
 

@@ -252,7 +252,7 @@ def test_llama3_rope_scaling_in_both_config_spellings(tmp_path):
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type='mistral'"),
+    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "model_type='gemma'"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"mlp_bias": True}, "mlp_bias=true"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
