@@ -8,10 +8,11 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the reference implementation: pip install purestep[reference]")
 pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
 
-from models import hf, llama  # noqa: E402
+from models import llama  # noqa: E402
 from models.llama_module import LlamaModule, load_params  # noqa: E402
 from models.loading import load_model  # noqa: E402
 from models.sampling import generate  # noqa: E402
+from tests.hf_reference import export_and_read_back, tiny_config  # noqa: E402
 
 WINDOW = 8
 
@@ -45,13 +46,6 @@ def test_mistral_window_shorter_than_the_sequence_matches_transformers(tmp_path)
 
 
 def test_windowed_model_exports_as_mistral(tmp_path):
-    cfg = llama.LlamaConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                            sliding_window=WINDOW, tie_embeddings=False, norm_eps=1e-6)
+    cfg = tiny_config(sliding_window=WINDOW)
     params = llama.init(cfg, seed=2)
-    hf.export_hf(params, cfg, tmp_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(model).__name__ == "MistralForCausalLM"
-    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        assert (model(tokens).logits - llama.apply(params, tokens, cfg)).abs().max() < 1e-5
-    assert load_model(str(tmp_path)).config == cfg
+    assert export_and_read_back(params, cfg, tmp_path, "MistralForCausalLM").config == cfg

@@ -11,6 +11,7 @@ pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install pur
 from core.config import UserError  # noqa: E402
 from models import hf, llama  # noqa: E402
 from models.loading import load_model  # noqa: E402
+from tests.hf_reference import export_and_read_back, tiny_config  # noqa: E402
 
 
 def qwen2(tie: bool):
@@ -50,21 +51,13 @@ def test_qwen2_folder_loads_with_transformers_logits_and_greedy_tokens(tie, tmp_
 
 
 def test_biased_model_exports_as_qwen2_and_transformers_reads_it(tmp_path):
-    cfg = llama.LlamaConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                            qkv_bias=True, tie_embeddings=False, norm_eps=1e-6)
+    cfg = tiny_config(qkv_bias=True)
     params = llama.init(cfg, seed=2)
     for leaf in ("q_bias", "k_bias", "v_bias"):
         params["layers"]["attn"][leaf].normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
-    hf.export_hf(params, cfg, tmp_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(model).__name__ == "Qwen2ForCausalLM"
-    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        assert (model(tokens).logits - llama.apply(params, tokens, cfg)).abs().max() < 1e-5
-    loaded = load_model(str(tmp_path))
-    reloaded, again = loaded.params, loaded.config
-    assert again == cfg and all(torch.equal(a, b) for a, b in zip(hf.state_dict(reloaded, cfg).values(),
-                                                                  hf.state_dict(params, cfg).values()))
+    loaded = export_and_read_back(params, cfg, tmp_path, "Qwen2ForCausalLM")
+    assert loaded.config == cfg and all(torch.equal(a, b) for a, b in zip(hf.state_dict(loaded.params, cfg).values(),
+                                                                          hf.state_dict(params, cfg).values()))
 
 
 def test_sliding_window_qwen2_is_refused_by_name(tmp_path):

@@ -1,0 +1,23 @@
+"""What the tests against transformers share: a tiny config, and a purestep model exported to a Hugging Face
+folder that transformers opens as ``architecture`` with logits equal to ours."""
+import torch
+
+from models import hf, llama
+from models.loading import LoadedModel, load_model
+
+
+def tiny_config(**changes) -> llama.LlamaConfig:
+    return llama.LlamaConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                             tie_embeddings=False, norm_eps=1e-6, **changes)
+
+
+def export_and_read_back(params: dict, cfg: llama.LlamaConfig, folder, architecture: str) -> LoadedModel:
+    """Export, open with ``AutoModelForCausalLM`` (checking the class and the logits to 1e-5), then reload here."""
+    import transformers
+    hf.export_hf(params, cfg, folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(model).__name__ == architecture
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (model(tokens).logits - llama.apply(params, tokens, cfg)).abs().max() < 1e-5
+    return load_model(str(folder))
