@@ -122,6 +122,7 @@ def config_from_gguf(reader, path="GGUF file") -> LlamaConfig:
         rope_theta=_float(metadata(reader, "llama.rope.freq_base", 10000.0)),
         norm_eps=_float(_need(reader, path, "llama.attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in names,
+        max_context=int(metadata(reader, "llama.context_length", 0)),
     )
 
 

@@ -47,6 +47,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mist
 TOP_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
 ROPE_TYPES = ("default", "llama3")
+DEFAULT_CONTEXT = 2048   # what an export states for a model whose config records no maximum context
 
 
 def _safetensors():
@@ -116,6 +117,7 @@ def config_from_hf(hf: dict, source="config.json") -> LlamaConfig:
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",
+            max_context=int(hf.get("max_position_embeddings") or 0),
             sliding_window=int(hf.get("sliding_window") or 0) if family == "mistral" else 0,
         )
     except KeyError as e:
@@ -299,9 +301,11 @@ def load_hf(folder, device=None, dtype: torch.dtype | None = None):
 
 
 def export_hf(params: dict, cfg: LlamaConfig, folder, tokenizer=None, dtype: torch.dtype | None = None,
-              max_position_embeddings: int = 2048) -> Path:
+              max_position_embeddings: int | None = None) -> Path:
     """Write ``config.json``, ``generation_config.json``, ``model.safetensors`` (in ``dtype``, default the
-    params' own) and, for a BPE tokenizer, ``tokenizer.json`` + ``tokenizer_config.json`` into ``folder``."""
+    params' own) and, for a BPE tokenizer, ``tokenizer.json`` + ``tokenizer_config.json`` into ``folder``.
+    The stated maximum context is ``max_position_embeddings``, else ``cfg.max_context``, else 2048."""
+    max_position_embeddings = max_position_embeddings or cfg.max_context or DEFAULT_CONTEXT
     st = _safetensors()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,8 @@ class LlamaConfig:
     norm_eps: float = option(1e-5, "RMSNorm epsilon", above=0)
     tie_embeddings: bool = option(True, "the output head shares the token embedding's weights")
     qkv_bias: bool = option(False, "biases on the query/key/value projections (Qwen2)")
+    max_context: int = option(0, "the longest context the model was released or trained for, carried to exported "
+                                 "configs (0: not recorded; an export then states 2048)", min=0)
     sliding_window: int = option(0, "each token attends to at most this many positions, itself included "
                                     "(Mistral; 0: the whole causal context)", min=0)
     dropout: float = option(0.0, "dropout probability (0: off)", min=0, below=1)

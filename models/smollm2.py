@@ -97,8 +97,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     cfg = gguf.config_from_gguf(reader, gguf_path)
     params = gguf.params_from_gguf(reader, cfg, gguf_path)
     tok = gguf.tokenizer_from_gguf(reader, gguf_path)
-    context = int(gguf.metadata(reader, "llama.context_length", 8192))
-    hf.export_hf(params, cfg, out, tokenizer=tok, dtype=CACHE_DTYPE, max_position_embeddings=context)
+    hf.export_hf(params, cfg, out, tokenizer=tok, dtype=CACHE_DTYPE)   # the GGUF's context_length: cfg.max_context
     conf_path = out / "tokenizer_config.json"  # add what the GGUF also knows: unk/pad tokens, the chat template
     conf = json.loads(conf_path.read_text(encoding="utf-8"))
     conf.update(gguf.special_tokens(reader))

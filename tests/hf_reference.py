@@ -8,7 +8,7 @@ from models.loading import LoadedModel, load_model
 
 def tiny_config(**changes) -> llama.LlamaConfig:
     return llama.LlamaConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                             tie_embeddings=False, norm_eps=1e-6, **changes)
+                             tie_embeddings=False, norm_eps=1e-6, max_context=128, **changes)
 
 
 def export_and_read_back(params: dict, cfg: llama.LlamaConfig, folder, architecture: str) -> LoadedModel:

@@ -31,9 +31,9 @@ needs_smollm2 = pytest.mark.skipif(smollm2.find_gguf() is None,
                                    reason=f"SmolLM2 not installed: {smollm2.INSTALL}")
 
 SMALL = {
-    "gqa_tied": llama.LlamaConfig(vocab_size=97, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2),
+    "gqa_tied": llama.LlamaConfig(vocab_size=97, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2, max_context=256),
     "mha_untied": llama.LlamaConfig(vocab_size=80, d_model=32, n_layers=2, n_heads=4, tie_embeddings=False,
-                                    rope_theta=500.0, norm_eps=1e-6),
+                                    rope_theta=500.0, norm_eps=1e-6, max_context=256),
 }
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
@@ -131,6 +131,7 @@ def test_tokenizer_matches_transformers_and_round_trips(smol_gguf, smol_cached, 
 @needs_smollm2
 def test_smollm2_export_reload_is_bitwise(smol_gguf, tmp_path):
     hf.export_hf(smol_gguf.params, smol_gguf.config, tmp_path, tokenizer=smol_gguf.tokenizer)
+    assert json.loads((tmp_path / "config.json").read_text())["max_position_embeddings"] == 8192   # carried
     loaded = load_model(str(tmp_path), dtype=None)
     assert loaded.format == "Hugging Face folder (1 safetensors file, float32)"
     assert loaded.config == smol_gguf.config
@@ -188,9 +189,10 @@ def random_params(cfg, seed=0):
 def test_export_and_reload_small_model(name, dtype, tmp_path):
     cfg = SMALL[name]
     params = cast(random_params(cfg), dtype)
-    hf.export_hf(params, cfg, tmp_path, max_position_embeddings=128)
+    hf.export_hf(params, cfg, tmp_path)
     conf = json.loads((tmp_path / "config.json").read_text())
     assert conf["tie_word_embeddings"] == cfg.tie_embeddings and conf["num_key_value_heads"] == cfg.n_kv_heads
+    assert conf["max_position_embeddings"] == cfg.max_context == 256   # the config's maximum context, carried
     with safetensors.safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert ("lm_head.weight" in f.keys()) == (not cfg.tie_embeddings)
         assert f.metadata() == {"format": "pt"}
@@ -231,7 +233,7 @@ def test_sharded_folder(tmp_path):
 
 def test_llama3_rope_scaling_in_both_config_spellings(tmp_path):
     cfg = llama.LlamaConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, rope_theta=500000.0,
-                            rope_scaling=dict(LLAMA3), tie_embeddings=False)
+                            rope_scaling=dict(LLAMA3), tie_embeddings=False, max_context=hf.DEFAULT_CONTEXT)
     params = random_params(cfg, seed=5)
     hf.export_hf(params, cfg, tmp_path)
     conf = json.loads((tmp_path / "config.json").read_text())
