@@ -105,6 +105,7 @@ def config_from_gguf(reader, path="GGUF file") -> LlamaConfig:
     if scaling != "none":
         raise UserError(f"{path}: llama.rope.scaling.type={scaling!r} is not supported (only llama3 rope scaling "
                         f"is, and it comes from a Hugging Face config.json)")
+    factors = _rope_factors(reader, head_dim, path)
     tokens = metadata(reader, "tokenizer.ggml.tokens")
     vocab = _embedding_rows(reader, path)
     if tokens and len(tokens) != vocab:
@@ -123,7 +124,23 @@ def config_from_gguf(reader, path="GGUF file") -> LlamaConfig:
         norm_eps=_float(_need(reader, path, "llama.attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in names,
         max_context=int(metadata(reader, "llama.context_length", 0)),
+        rope_scaling={"rope_type": "factors", "factors": factors} if factors else {},
     )
+
+
+def _rope_factors(reader, head_dim: int, path="GGUF file") -> list:
+    """The ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1's rope scaling: each rotary pair's angle
+    divided by its factor) as a list of floats, or [] when the file has none."""
+    gguf = _require_gguf()
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            factors = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1).tolist()
+            if len(factors) != head_dim // 2:
+                raise UserError(f"{path}: rope_freqs.weight has {len(factors)} entries, head_dim / 2 is {head_dim // 2}")
+            if not all(f > 0 for f in factors):
+                raise UserError(f"{path}: rope_freqs.weight holds a factor <= 0 (each divides a rotary frequency)")
+            return factors
+    return []
 
 
 def _embedding_rows(reader, path="GGUF file") -> int:
@@ -148,6 +165,8 @@ def hf_state_dict(reader, cfg: LlamaConfig, path="GGUF file") -> dict[str, torch
     heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
     sd = {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":   # read into the config (rope_scaling "factors")
+            continue
         w = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))  # a copy
         block, layer, part = (t.name.split(".") + ["", "", ""])[:3]
         if t.name in TOP_TENSORS:
@@ -161,7 +180,6 @@ def hf_state_dict(reader, cfg: LlamaConfig, path="GGUF file") -> dict[str, torch
             sd[f"model.layers.{layer}.{BLOCK_TENSORS[part]}.weight"] = w
         else:
             hint = " (attention/MLP biases are not supported)" if t.name.endswith(".bias") else ""
-            hint = " (llama3 rope factors are not supported)" if t.name == "rope_freqs.weight" else hint
             raise UserError(f"{path}: unsupported tensor {t.name!r}{hint}")
     return sd
 

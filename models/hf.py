@@ -138,6 +138,9 @@ def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype, max_position_embeddings: 
     """A ``config.json`` transformers 4 and 5 both read as ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with
     q/k/v biases, ``MistralForCausalLM`` with a sliding window)."""
     scaling = cfg.rope_scaling or {}
+    if (cfg.rope_scaling or {}).get("rope_type") == "factors":
+        raise UserError("rope scaling given as per-pair factors (a GGUF file's rope_freqs) has no Hugging Face "
+                        "config.json form: export to GGUF instead")
     if cfg.qkv_bias and cfg.sliding_window:
         raise UserError("a model with q/k/v biases and a sliding window has no Hugging Face architecture here "
                         "(Qwen2 slides on some layers only, Mistral has no biases)")

