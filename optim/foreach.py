@@ -5,8 +5,9 @@ leaves instead of one kernel per leaf per op, as ``torch.optim``'s ``foreach=Tru
 Each helper takes the same elementwise ops in the same order as the per-leaf expression it replaces,
 so every rounding, hence every bit, is the same (checked on CPU for float32, float64, bfloat16, float16
 and mixed trees; torch's CUDA multi-tensor kernels may read a 0-d tensor at a wider precision). A
-helper writes in place only into a list it has just allocated, and only where the in-place result keeps
-the dtype the out-of-place op would give; otherwise it allocates. Scalars are 0-d tensors (the
+helper writes in place only into a list it has just allocated, or one an eager donated step gave up
+(:func:`rescale`, ``core.donate``), and only where the in-place result keeps the dtype the out-of-place op
+would give; otherwise it allocates. Scalars are 0-d tensors (the
 hyperparameters in the states), never Python floats, so a compiled step does not specialise on them.
 """
 from __future__ import annotations
@@ -60,24 +61,22 @@ def scale(xs: list, factor: torch.Tensor) -> list:
     right (which is how ``torch._foreach_mul`` takes it) it would enter the kernel at float32. Casting it
     to each leaf's dtype here keeps the per-leaf ``factor * x`` to the bit.
     """
-    if not xs:
-        return []
-    dtypes = {x.dtype for x in xs}
-    if len(dtypes) == 1:
-        return torch._foreach_mul(xs, factor.to(xs[0].dtype))
-    return torch._foreach_mul(xs, [factor.to(x.dtype) for x in xs])
+    return torch._foreach_mul(xs, _per_leaf(xs, factor)) if xs else []
 
 
 def rescale(xs: list, factor: torch.Tensor) -> list:
     """:func:`scale`, written into ``xs`` when the step donated them (``core.donate.donating``): the same bits."""
     if not xs or not donated(xs):
         return scale(xs, factor)
-    dtypes = {x.dtype for x in xs}
-    if len(dtypes) == 1:
-        torch._foreach_mul_(xs, factor.to(xs[0].dtype))
-    else:
-        torch._foreach_mul_(xs, [factor.to(x.dtype) for x in xs])
+    torch._foreach_mul_(xs, _per_leaf(xs, factor))
     return xs
+
+
+def _per_leaf(xs: list, factor: torch.Tensor):
+    """``factor`` cast to the leaves' dtype (one tensor when they share it, else one per leaf)."""
+    if len({x.dtype for x in xs}) == 1:
+        return factor.to(xs[0].dtype)
+    return [factor.to(x.dtype) for x in xs]
 
 
 def moving_average(old: list, new: list, decay: torch.Tensor) -> list:
