@@ -42,3 +42,17 @@ def test_step_bench_has_the_100m_preset():
     cfg = resolve(step.Config, presets=step.PRESETS, preset="100m", overrides={})
     assert (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads) == (32000, 768, 12, 12, 4)
     assert (cfg.batch_size, cfg.block_size) == (2, 128)
+
+
+def test_step_bench_interleaved_refuses_repeats_and_leaves_the_inductor_cache_setting(monkeypatch):
+    """``repeats`` means processes (isolate=true); in one process the cold cache is a temporary one, undone after."""
+    import os
+    from core.config import ConfigError
+    from recipes.bench import step
+    small = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, batch_size=2, block_size=16, warmup=1, steps=1,
+                 rounds=1, compile=False, isolate=False)
+    with pytest.raises(ConfigError, match="repeats=2 .* needs isolate=true"):
+        step.Config(**small, repeats=2)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/kept")
+    assert set(step.run(step.Config(**small))) == {"plain eager", "functional eager"}
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/kept"

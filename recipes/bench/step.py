@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import optim
-from core.config import option
+from core.config import ConfigError, option
 from core.logging import progress
 from recipes.bench.common import StepBench, model_and_batch, warm_up
 from core.state import init_state
@@ -63,12 +63,17 @@ class Config(StepBench):
     isolate: bool = option(True, "each variant in its own fresh process (gives per-variant peak memory)")
     repeats: int = option(1, "processes per variant with isolate=true (medians of time, the largest peak memory)",
                           min=1)
-    cold_compile: bool = option(True, "with isolate=true, each process compiles into a new, empty inductor cache "
-                                      "(TORCHINDUCTOR_CACHE_DIR), so the first step times a cold compile")
+    cold_compile: bool = option(True, "compile into a new, empty inductor cache (TORCHINDUCTOR_CACHE_DIR): each "
+                                      "process with isolate=true, so the first step times a cold compile")
     donate: bool = option(True, "the functional step writes the new state into the old buffers, as the recipes run it "
                                 "(false: the pure step)")
     compile_scope: str = option("block", "what one graph covers in the functional compiled variant: the whole step, "
                                 "or one block shared by every layer (core.step)", choices=COMPILE_SCOPES)
+
+    def __post_init__(self):
+        if self.repeats > 1 and not self.isolate:
+            raise ConfigError(f"repeats={self.repeats} runs each variant in that many processes: it needs "
+                              f"isolate=true (isolate=false times the variants in rounds: set repeats=1, more rounds=)")
 
 
 PRESETS = {
@@ -250,4 +255,15 @@ def _table(cfg: Config, results: dict[str, dict]) -> dict:
 
 
 def run(cfg: Config) -> dict:
-    return _table(cfg, _isolated(cfg) if cfg.isolate else _interleaved(cfg))
+    if cfg.isolate:
+        return _table(cfg, _isolated(cfg))
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
+        if cfg.cold_compile:   # this process compiles every variant into one new, empty cache
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        try:
+            return _table(cfg, _interleaved(cfg))
+        finally:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            if before is not None:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
