@@ -68,8 +68,8 @@ def test_the_default_ring_holds_at_most_one_state_copy(tmp_path, monkeypatch):
         return real_copy(state)
     base, ctx, hook = hook_and_context(tmp_path, spike)
     assert hook.ring.steps() == [0]                         # the session's starting state
-    real_copy = rollback.host_copy
-    monkeypatch.setattr(rollback, "host_copy", counting_copy)
+    real_copy = rollback.state_copy
+    monkeypatch.setattr(rollback, "state_copy", counting_copy)
     most = 0
     for end in range(10, 1001, 10):
         advance(ctx, hook, base, end, log_every=10)

@@ -44,9 +44,9 @@ from core.tree import tree_map
 from recipes.train.hooks import Hook, Jump, StepContext, Stop
 
 
-def host_copy(state: TrainState) -> TrainState:
-    """A copy of ``state`` in host memory."""
-    return tree_map(lambda t: t.detach().to("cpu", copy=True), state)
+def state_copy(state: TrainState, device="cpu") -> TrainState:
+    """A copy of ``state`` on ``device`` (host memory by default)."""
+    return tree_map(lambda t: t.detach().to(device, copy=True), state)
 
 
 def ring_gap(spike: SpikeConfig) -> int:
@@ -74,7 +74,7 @@ class SnapshotRing:
         if self.keep == 0 or (self.snaps and self.snaps[-1][0] == step):
             return
         del self.snaps[:max(len(self.snaps) - self.keep + 1, 0)]
-        self.snaps.append((step, host_copy(state)))
+        self.snaps.append((step, state_copy(state)))
 
     def steps(self) -> list[int]:
         return [s for s, _ in self.snaps]
@@ -183,7 +183,7 @@ class Rollback(Hook):
         for to_step, path in self.candidates(onset):
             if path is None:
                 # a copy: the train step donates (writes into) the state it is given, and the ring keeps its own
-                restored = tree_map(lambda t: t.to(device, copy=True), self.ring.get(to_step))
+                restored = state_copy(self.ring.get(to_step), device)
             else:
                 try:
                     restored = ckpt.load(path, template=template, device=device)["state"]
