@@ -15,6 +15,7 @@ from typing import Optional
 
 from core.config import ConfigError, option, same_as
 from core.spike import SpikeConfig
+from core.step import COMPILE_SCOPES
 from models.blockwise import LOSSES, MODES, TARGETS
 from models.surgery import METHODS
 from recipes.distill.teacher import teacher_dtype_option
@@ -142,7 +143,9 @@ class Config:
     device: str = same_as(TrainConfig, "device")
     dtype: str = option("fp32", "compute precision of the blockwise and global steps", choices=("fp32", "bf16"))
     compile: bool = option(False, "compile the blockwise and global steps (torch.compile; minutes per graph on CPU)")
-    compile_scope: str = same_as(TrainConfig, "compile_scope")
+    compile_scope: str = option("block", "the global phase's compiled graph: the whole step, or the student's block "
+                                "compiled once for every layer (the blockwise phase compiles its per-block step "
+                                "whole)", choices=COMPILE_SCOPES)
     block_size: int = option(128, "tokens per window in every phase", min=2)
     eval_windows: int = option(16, "held-out windows (test half of the validation split) for the perplexity after "
                                "each phase and in the benchmark", min=1)
