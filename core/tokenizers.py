@@ -155,7 +155,7 @@ class BPETokenizer(_Tokenizer):
     name = "bpe"
 
     def __init__(self, json_str: str, source: str = "tokenizer.json", bos_id: int | None = None,
-                 eos_id: int | None = None):
+                 eos_id: int | None = None, chat_template: str | None = None):
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -169,6 +169,7 @@ class BPETokenizer(_Tokenizer):
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = eos_id if eos_id is not None else self._first_id(EOS_TOKENS)
         self.bos_id = bos_id if bos_id is not None else self._first_id(BOS_TOKENS)
+        self.chat_template = chat_template
 
     @classmethod
     def from_file(cls, path: str) -> BPETokenizer:
@@ -196,7 +197,8 @@ class BPETokenizer(_Tokenizer):
         return self._tok.decode(ids, skip_special_tokens=False)
 
     def to_dict(self) -> dict:
-        return {"type": "bpe", "json": self.json, "bos_id": self.bos_id, "eos_id": self.eos_id}
+        out = {"type": "bpe", "json": self.json, "bos_id": self.bos_id, "eos_id": self.eos_id}
+        return out if self.chat_template is None else {**out, "chat_template": self.chat_template}
 
 
 def tokenizer_from_dict(d: dict) -> _Tokenizer:
@@ -207,7 +209,8 @@ def tokenizer_from_dict(d: dict) -> _Tokenizer:
     if kind == "char":
         return CharTokenizer(d["chars"])
     if kind == "bpe":
-        return BPETokenizer(d["json"], source="saved tokenizer", bos_id=d.get("bos_id"), eos_id=d.get("eos_id"))
+        return BPETokenizer(d["json"], source="saved tokenizer", bos_id=d.get("bos_id"), eos_id=d.get("eos_id"),
+                            chat_template=d.get("chat_template"))
     raise ValueError(f"unknown tokenizer type {kind!r}; expected one of byte, char, bpe")
 
 

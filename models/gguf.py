@@ -272,7 +272,8 @@ def _template(reader, tokens):
 
 def tokenizer_from_gguf(reader, path="GGUF file") -> BPETokenizer:
     """The embedded tokenizer with the file's own BOS/EOS ids (``tokenizer.ggml.bos_token_id``/``eos_token_id``)."""
-    tok = BPETokenizer(tokenizer_json(reader, path), source=str(path))
+    tok = BPETokenizer(tokenizer_json(reader, path), source=str(path),
+                       chat_template=metadata(reader, "tokenizer.chat_template"))
     for attr, key in (("bos_id", "tokenizer.ggml.bos_token_id"), ("eos_id", "tokenizer.ggml.eos_token_id")):
         value = metadata(reader, key)
         if value is not None:

@@ -256,7 +256,8 @@ def safetensors_files(folder: Path) -> list[Path]:
 # tokenizer
 
 def load_tokenizer(folder: Path) -> BPETokenizer | None:
-    """``tokenizer.json`` with BOS/EOS from ``tokenizer_config.json`` when given, else None without one."""
+    """``tokenizer.json`` with BOS/EOS and the chat template from ``tokenizer_config.json`` when given, else
+    None without one."""
     path = folder / "tokenizer.json"
     if not path.is_file():
         return None
@@ -269,6 +270,8 @@ def load_tokenizer(folder: Path) -> BPETokenizer | None:
         ids = tok.encode(name) if name else []
         if len(ids) == 1:
             setattr(tok, attr, ids[0])
+    if isinstance(conf.get("chat_template"), str):
+        tok.chat_template = conf["chat_template"]
     return tok
 
 
@@ -327,6 +330,7 @@ def export_hf(params: dict, cfg: LlamaConfig, folder, tokenizer=None, dtype: tor
             "eos_token": _token_name(tokenizer, eos),
             "model_max_length": max_position_embeddings,
             "clean_up_tokenization_spaces": False,
+            **({"chat_template": tokenizer.chat_template} if tokenizer.chat_template else {}),
         })
     return folder
 
