@@ -11,6 +11,7 @@ from core import cli
 RECIPES = {
     "standard": "recipes.standard",
     "generate": "recipes.generate",
+    "export": "recipes.export",
     "lr_find": "recipes.lr_find",
     "distill": "recipes.distill.recipe",
     "distill_cache": "recipes.distill.cache",

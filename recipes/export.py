@@ -1,0 +1,135 @@
+"""Take a model elsewhere: ``bin/run recipe=export init=RUN_OR_CKPT format=hf|gguf out=DIR [dtype=...]``.
+
+``init`` is anything ``models.loading.load_model`` reads (a purestep checkpoint or run folder from any recipe, a
+Hugging Face folder, a GGUF file, ``smollm2``). What is written:
+
+- ``format=hf``: a Hugging Face folder (``config.json`` of the family that computes the model: Llama, Qwen2 for
+  q/k/v biases, Mistral for a sliding window; ``model.safetensors``; ``generation_config.json``; tokenizer files
+  with the special tokens and chat template) that ``transformers.AutoModelForCausalLM.from_pretrained`` opens
+  (``models.hf.export_hf``). The upcycle recipe's DBA student is written with its own self-contained modeling
+  file, opened with ``trust_remote_code=True`` the way DeepSeek ships its MLA models (``models.dba_hf``).
+- ``format=gguf``: one llama.cpp file ``model-<DTYPE>.gguf`` written with the ``gguf`` package's writer
+  (``models.gguf_export``); ``dtype=q8_0`` quantizes the matrices.
+
+Byte and char tokenizers are converted to a Hugging Face ``tokenizer.json`` with the same ids
+(``models.tokenizer_export``) or refused with the reason. The folder ``out`` is built in a temporary folder next
+to it and renamed into place (``core.cache.build_folder``): a failed export leaves nothing, and an existing
+``out`` is replaced only with ``overwrite=true``. ``verify=true`` reads the export back (transformers for HF
+folders when it is installed, else purestep's own loader) and prints the largest logit difference against the
+model that was exported, on one fixed random sequence.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.cache import build_folder
+from core.config import UserError, option
+from core.logging import progress
+from core.tree import cast
+from models.loading import LoadedModel, load_model
+
+DESCRIPTION = "a model out to a Hugging Face folder (transformers) or a GGUF file (llama.cpp)"
+FORMATS = ("hf", "gguf")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "q8_0": None}
+CHECK_TOKENS = 32
+
+
+@dataclass
+class Config:
+    init: str = option("", "the model: a checkpoint, a run folder, an HF folder, a GGUF file or 'smollm2'")
+    format: str = option("hf", "hf: a Hugging Face folder; gguf: one llama.cpp file in the out folder",
+                         choices=FORMATS)
+    out: str = option("", "the folder to write (built aside, then renamed into place)")
+    dtype: str = option("fp32", "weights' dtype in the export (q8_0: GGUF only, matrices quantized)",
+                        choices=tuple(DTYPES))
+    overwrite: bool = option(False, "replace an existing, non-empty out folder")
+    verify: bool = option(True, "read the export back and print its largest logit difference from the model")
+
+
+def run(cfg: Config) -> dict:
+    out = _check(cfg)
+    model = load_model(cfg.init, device="cpu", dtype=None)
+    progress(f"[{model.format}: {model.source}]")
+    write = _writer(model, cfg)
+    progress(f"writing {cfg.format} ({cfg.dtype}) to {out} ...")
+    build_folder(out, lambda builder: write(builder.path))
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
+    for name, size in files.items():
+        progress(f"  {name}  {size / 2**20:,.1f} MiB")
+    result = {"out": str(out), "files": files}
+    if cfg.verify:
+        result["max_logit_diff"] = _verify(model, out, cfg)
+    return result
+
+
+def _check(cfg: Config) -> Path:
+    if not cfg.init:
+        raise UserError("recipe=export needs init=PATH (a checkpoint, run folder, HF folder, GGUF file or smollm2)")
+    if not cfg.out:
+        raise UserError("recipe=export needs out=DIR (the folder to write)")
+    if cfg.dtype == "q8_0" and cfg.format != "gguf":
+        raise UserError("dtype=q8_0 is a GGUF quantization: use format=gguf, or dtype=fp32|bf16|f16 for format=hf")
+    out = Path(cfg.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out={cfg.out} is a file; out names the folder to write")
+    if out.is_dir() and any(out.iterdir()) and not cfg.overwrite:
+        raise UserError(f"out={cfg.out} exists and is not empty: choose another folder or pass overwrite=true")
+    return out
+
+
+def _writer(model: LoadedModel, cfg: Config):
+    """``write(folder)`` for this model, format and dtype; what cannot be exported is refused here, first."""
+    tok = model.tokenizer
+    if cfg.format == "gguf":
+        from models.gguf_export import export_gguf
+        name = f"model-{cfg.dtype.upper().replace('FP32', 'F32')}.gguf"
+        return lambda folder: export_gguf(model.params, model.config, folder / name, tokenizer=tok,
+                                          dtype=_gguf_dtype(cfg.dtype))
+    from models.tokenizer_export import as_bpe
+    bpe = as_bpe(tok) if tok is not None else None
+    if tok is None:
+        progress(f"note: {model.source} has no tokenizer; the folder gets none")
+    dtype = DTYPES[cfg.dtype]
+    if model.arch == "dba":
+        from models.dba_hf import export_dba_hf
+        return lambda folder: export_dba_hf(model.params, model.config, folder, tokenizer=bpe, dtype=dtype)
+    from models.hf import export_hf
+    return lambda folder: export_hf(model.params, model.config, folder, tokenizer=bpe, dtype=dtype)
+
+
+def _gguf_dtype(dtype: str) -> str:
+    return {"fp32": "f32"}.get(dtype, dtype)
+
+
+@torch.no_grad()
+def _verify(model: LoadedModel, out: Path, cfg: Config) -> float | None:
+    """Largest |logit difference| between the exported model and ``model`` (in fp32) on one fixed random
+    sequence, or None when nothing here can read the export."""
+    tokens = torch.randint(0, model.config.vocab_size, (1, CHECK_TOKENS), generator=torch.Generator().manual_seed(0))
+    read = _read_back(model, out, cfg)
+    if read is None:
+        progress("note: not verified (the DBA folder's remote code needs transformers: pip install transformers)")
+        return None
+    reader, logits = read
+    diff = (logits(tokens).float() - model.module.apply(cast(model.params, torch.float32), tokens, model.config))
+    diff = diff.abs().max().item()
+    progress(f"verified with {reader}: max |logit diff| {diff:.3g} on {CHECK_TOKENS} tokens (exported in {cfg.dtype})")
+    return diff
+
+
+def _read_back(model: LoadedModel, out: Path, cfg: Config):
+    """``(reader name, tokens -> logits)`` of the export: transformers for an HF folder when installed (remote
+    code for the DBA student), else purestep's loader; None for a DBA folder without transformers."""
+    if cfg.format == "hf" and importlib.util.find_spec("transformers") is not None:
+        import transformers
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            out, trust_remote_code=model.arch == "dba").float().eval()
+        return "transformers", lambda tokens: hf_model(tokens).logits
+    if model.arch == "dba":
+        return None
+    back = load_model(str(out if cfg.format == "hf" else next(out.glob("*.gguf"))))
+    return "purestep's loader", lambda tokens: back.module.apply(back.params, tokens, back.config)

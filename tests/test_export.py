@@ -1,0 +1,121 @@
+"""``recipe=export``: trained models out to Hugging Face folders (read by transformers) and GGUF files (read back by
+our loader and the ``gguf`` package), byte/char tokenizers included, and every refusal a one-line error, exit 2."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
+pytest.importorskip("gguf", reason="needs the 'hf' extra: pip install purestep[hf]")
+pytest.importorskip("tokenizers", reason="needs the 'hf' extra: pip install purestep[hf]")
+
+from core import checkpoint as ckpt  # noqa: E402
+from core.tokenizers import ByteTokenizer  # noqa: E402
+from models import dba, smollm2  # noqa: E402
+from models.loading import load_model, model_entry  # noqa: E402
+from recipes import main  # noqa: E402
+from recipes.export import Config, run  # noqa: E402
+
+FIXTURE = Path(__file__).parent / "fixtures" / "behaviour" / "step_000000030.msgpack"   # a char-level tiny run
+TINY = ["recipe=standard", "preset=tiny", "compile=false", "steps=2", "warmup_steps=1", "sample_tokens=0",
+        "eval_batches=1", "eval_every=0", "save_every=0", "log_every=1", "tokenizer=byte"]
+
+
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("byte-run")
+    assert main([*TINY, f"data={corpus}", f"out={out}"]) == 0
+    return out
+
+
+def equal_params(a: dict, b: dict) -> bool:
+    from core.tree import flatten_dict
+    fa, fb = flatten_dict(a), flatten_dict(b)
+    return fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_char_run_to_hf_folder_that_transformers_reads(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the reference implementation: "
+                                                              "pip install purestep[reference]")
+    result = run(Config(init=str(FIXTURE), format="hf", out=str(tmp_path / "hf")))
+    assert result["max_logit_diff"] < 1e-4                      # transformers' logits against ours
+    source, back = load_model(str(FIXTURE)), load_model(str(tmp_path / "hf"))
+    assert equal_params(source.params, back.params) and back.config.vocab_size == source.config.vocab_size
+    text = "First Citizen:\nBefore we proceed any further, hear me speak."
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok(text, add_special_tokens=False)["input_ids"] == source.tokenizer.encode(text)
+    assert tok.decode(source.tokenizer.encode(text)) == text
+
+
+def test_byte_run_to_gguf_and_back_bitwise(byte_run, tmp_path):
+    import gguf
+    result = run(Config(init=str(byte_run), format="gguf", out=str(tmp_path / "g")))
+    assert result["max_logit_diff"] == 0.0 and list(result["files"]) == ["model-F32.gguf"]
+    source, back = load_model(str(byte_run)), load_model(str(tmp_path / "g" / "model-F32.gguf"))
+    assert equal_params(source.params, back.params)
+    text = "naïve café, 3 × 4 = 12\n\tdef f(): pass"
+    assert back.tokenizer.encode(text) == ByteTokenizer().encode(text)
+    reader = gguf.GGUFReader(str(tmp_path / "g" / "model-F32.gguf"))
+    assert reader.fields["general.architecture"].contents() == "llama"
+
+
+def test_byte_run_to_hf_bf16_tokenizer_for_transformers(byte_run, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the reference implementation: "
+                                                              "pip install purestep[reference]")
+    result = run(Config(init=str(byte_run), format="hf", dtype="bf16", out=str(tmp_path / "hf")))
+    assert result["max_logit_diff"] < 0.1                       # bf16 weights, fp32 compute
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "naïve café ✓ 日本"
+    assert tok(text, add_special_tokens=False)["input_ids"] == ByteTokenizer().encode(text)
+
+
+def user_error(capsys, *args: str) -> str:
+    assert main(["recipe=export", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: "), lines
+    return lines[-1]
+
+
+def test_refusals_name_the_reason_and_write_nothing(tmp_path, capsys):
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    message = user_error(capsys, f"init={tmp_path / 'gpt2'}", f"out={tmp_path / 'x'}")
+    assert "gpt2" in message and "'llama'" in message and "'qwen2'" in message and "'mistral'" in message
+    assert "format=gguf" in user_error(capsys, f"init={FIXTURE}", "dtype=q8_0", f"out={tmp_path / 'x'}")
+    assert "format=hf" in user_error(capsys, f"init={FIXTURE}", "format=gguf", f"out={tmp_path / 'x'}")  # char
+    assert "needs out=" in user_error(capsys, f"init={FIXTURE}")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    assert "overwrite=true" in user_error(capsys, f"init={FIXTURE}", f"out={tmp_path / 'full'}")
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "gpt2"]     # no out folder, no temporary left
+
+
+def test_dba_student_to_gguf_is_refused_with_the_reason(tmp_path, capsys):
+    cfg = dba.DBAConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, sem_dim=8,
+                        geo_dim=8, v_dim=16)
+    ckpt.save(tmp_path / "student.msgpack", {"params": dba.init(cfg, seed=0)}, step=0,
+              extra={"model": model_entry(cfg)})
+    message = user_error(capsys, f"init={tmp_path / 'student.msgpack'}", "format=gguf", f"out={tmp_path / 'x'}")
+    assert "format=hf" in message and not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(smollm2.find_gguf() is None, reason=f"SmolLM2 not installed: {smollm2.INSTALL}")
+def test_smollm2_fine_tuned_then_exported_to_hf_and_q8_0(corpus, tmp_path):
+    pytest.importorskip("transformers", reason="the reference implementation: pip install purestep[reference]")
+    args = ["recipe=standard", "init=smollm2", f"data={corpus}", "steps=10", "batch_size=1", "block_size=64",
+            "lr=1e-4", "warmup_steps=2", "compile=false", "sample_tokens=0", "eval_every=0", "eval_batches=1",
+            "save_every=0", "log_every=5", "health=false", "spike.enabled=false", f"out={tmp_path / 'ft'}"]
+    assert main(args) == 0
+    hf = run(Config(init=str(tmp_path / "ft"), format="hf", out=str(tmp_path / "hf")))
+    assert hf["max_logit_diff"] < 1e-3
+    conf = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert conf["chat_template"].startswith("{% for message in messages %}") and conf["eos_token"] == "<|im_end|>"
+    run(Config(init=str(tmp_path / "ft"), format="gguf", dtype="q8_0", out=str(tmp_path / "q8"), verify=False))
+    tuned, q8 = load_model(str(tmp_path / "ft")), load_model(str(tmp_path / "q8" / "model-Q8_0.gguf"))
+    text = corpus.read_text()[20000:40000]
+    ids = torch.tensor(tuned.tokenizer.encode(text)[:2 * 129]).view(2, 129)
+    nll = [m.module.loss(m.params, {"x": ids[:, :-1], "y": ids[:, 1:]}, m.config).item() for m in (tuned, q8)]
+    assert abs(nll[1] - nll[0]) < 0.02, nll
