@@ -13,7 +13,7 @@ projections (``LlamaConfig.qkv_bias``); a model with those biases is written bac
 ``attention_bias`` would add an ``o_proj`` bias too. Mistral (``models/mistral``) is the same decoder with
 a sliding attention window on every layer (``LlamaConfig.sliding_window``); a windowed model is written
 back as Mistral. Anything ``models.llama`` does not compute (another architecture, Llama's attention or MLP
-biases, Qwen2's per-layer sliding windows, an activation other than SiLU, RoPE scaling other than llama3)
+biases, a Qwen2 window on some layers only, an activation other than SiLU, RoPE scaling other than llama3)
 is refused with a ``UserError`` naming the field.
 Needs the optional ``safetensors`` (and, for ``tokenizer.json``, ``tokenizers``) package.
 """
@@ -89,9 +89,7 @@ def config_from_hf(hf: dict, source="config.json") -> LlamaConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise UserError(f"{source}: {flag}=true is not supported (models.llama has no o_proj or MLP biases)")
-    if family == "qwen2" and hf.get("use_sliding_window"):
-        raise UserError(f"{source}: use_sliding_window=true is not supported (Qwen2 slides on some layers only; "
-                        f"models.llama has one window for all layers, as Mistral)")
+    window = _window(hf, family, source)
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     rope = dict(hf.get("rope_parameters") or {})                 # transformers 5
@@ -118,12 +116,32 @@ def config_from_hf(hf: dict, source="config.json") -> LlamaConfig:
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",
             max_context=int(hf.get("max_position_embeddings") or 0),
-            sliding_window=int(hf.get("sliding_window") or 0) if family == "mistral" else 0,
+            sliding_window=window,
         )
     except KeyError as e:
         raise UserError(f"{source}: missing field {e.args[0]!r}") from None
     except ValueError as e:
         raise UserError(f"{source}: {e}") from None
+
+
+def _window(hf: dict, family: str, source) -> int:
+    """The one sliding window of every layer (0: none). Mistral slides on every layer; Qwen2 with
+    ``use_sliding_window`` slides on layers ``max_window_layers`` and up (transformers' ``layer_types``), which
+    ``models.llama`` computes when that is every layer or none; a mix is refused by name."""
+    if family == "mistral":
+        return int(hf.get("sliding_window") or 0)
+    if family != "qwen2" or not hf.get("use_sliding_window") or not hf.get("sliding_window"):
+        return 0
+    n = int(hf.get("num_hidden_layers", 0))
+    first = int(hf.get("max_window_layers", n) or 0)
+    kinds = hf.get("layer_types") or ["full_attention"] * min(first, n) + ["sliding_attention"] * max(n - first, 0)
+    if set(kinds) == {"sliding_attention"}:
+        return int(hf["sliding_window"])
+    if set(kinds) <= {"full_attention"}:
+        return 0
+    raise UserError(f"{source}: use_sliding_window=true with max_window_layers={first} slides on layers "
+                    f"{kinds.index('sliding_attention')}-{n - 1} only; models.llama has one window for all layers "
+                    f"(supported: every layer or none)")
 
 
 def _llama3(scaling: dict) -> dict:

@@ -60,11 +60,29 @@ def test_biased_model_exports_as_qwen2_and_transformers_reads_it(tmp_path):
                                                                           hf.state_dict(params, cfg).values()))
 
 
-def test_sliding_window_qwen2_is_refused_by_name(tmp_path):
+def qwen2_sliding(max_window_layers: int):
     model = qwen2(False)
-    model.config.use_sliding_window, model.config.sliding_window = True, 16
+    cfg = model.config.to_dict()
+    cfg.update(use_sliding_window=True, sliding_window=8, max_window_layers=max_window_layers)
+    cfg.pop("layer_types", None)                              # recomputed from max_window_layers
+    sliding = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg)).eval()
+    sliding.load_state_dict(model.state_dict())
+    return sliding
+
+
+def test_qwen2_sliding_on_every_layer_is_honoured(tmp_path):
+    model = qwen2_sliding(max_window_layers=0)
     model.save_pretrained(tmp_path)
-    with pytest.raises(UserError, match="use_sliding_window=true is not supported"):
+    loaded = load_model(str(tmp_path))
+    assert loaded.config.sliding_window == 8
+    tokens = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (llama.apply(loaded.params, tokens, loaded.config) - model(tokens).logits).abs().max() < 1e-5
+
+
+def test_qwen2_sliding_on_some_layers_is_refused_by_name(tmp_path):
+    qwen2_sliding(max_window_layers=1).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="max_window_layers=1 slides on layers 1-1 only"):
         load_model(str(tmp_path))
 
 
