@@ -33,18 +33,18 @@ Steps (per layer l and KV head g; query heads h of g's group, n = n_heads / n_kv
    up-projection U_r is folded into the W_o columns of **every** query head of the group, W_o,h <- W_o,h U_r.
    Exact at r = head_dim (U_r U_r^T = I), optimal in Frobenius norm below it (Eckart-Young).
 
-**Biases (Qwen2)** enter by the affine (augmented-input) trick, the homogeneous coordinates of an affine map: a
-bias is a weight column on a constant input 1, W x + b = [W | b] [x; 1]. A teacher with q/k/v biases runs steps
-1-3 on the augmented weights [W | b] (d + 1 columns; the query bias carries 1/sqrt(head_dim) as its rows do)
-and the augmented inputs [x; 1] (``asvd``: the Gram matrix of [X | 1] and a (d+1) x (d+1) whitening), so the
-pair scores, the factorization and its errors include the biases; the last column of each student matrix
-(A_h, B, the kept rows, U_r^T [W_v | b_v]) is the student's bias (``q_s_bias``, ``k_s_bias``, ``q_g_bias``,
-``k_g_bias``, ``v_bias``) and the rest its weight. Nothing else changes (W_o has no bias) and full rank stays
-exact. A bias-free teacher keeps d columns: augmenting with a zero bias would let ``asvd`` give its student
-biases it does not have.
-
 4. Embeddings, norms, MLPs and the head are copied. All linear algebra runs in float64; the result takes the
    teacher's dtype and device. DeepSeek-V2 (MLA with decoupled RoPE) is the architecture this mirrors.
+
+**Biases (Qwen2)** enter by the affine (augmented-input) trick, the homogeneous coordinates of an affine map: a
+bias is a weight column on a constant input 1, W x + b = [W | b] [x; 1]. A teacher with q/k/v biases runs steps 1-3
+on the augmented weights [W | b] (d + 1 columns; the query bias carries 1/sqrt(head_dim) as its rows do) and the
+augmented inputs [x; 1] (``asvd``: the Gram matrix of [X | 1] and a (d+1) x (d+1) whitening), so the pair scores,
+the factorization and its errors include the biases; the last column of each student matrix (A_h, B, the kept rows,
+U_r^T [W_v | b_v]) is the student's bias (``q_s_bias``, ``k_s_bias``, ``q_g_bias``, ``k_g_bias``, ``v_bias``) and
+the rest its weight. Nothing else changes (W_o has no bias), and what is exact at full rank stays exact (the kept
+pairs, the no-RoPE score, the values). A bias-free teacher keeps d columns: augmenting with a zero bias would let
+``asvd`` give its student biases it does not have.
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import torch
 from core import checkpoint as ckpt
 from core.tree import max_abs_diff
 from models import dba, llama, surgery
+from optim.common import decay_mask
 from recipes import main
 
 HD = 16
@@ -53,13 +54,15 @@ def without_biases(params):
 # ----------------------------------------------------------------------------------------------------------
 # the student's bias leaves
 
-def test_init_has_zero_bias_leaves_of_the_documented_shapes():
+def test_init_has_zero_bias_leaves_of_the_documented_shapes_without_weight_decay():
     scfg = dba.DBAConfig.from_teacher(config(), sem_dim=4, geo_dim=6, v_dim=8)
     attn = dba.init(scfg)["layers"]["attn"]
     H, G, L = 4, 2, 2
     want = {"q_s_bias": H * 4, "q_g_bias": H * 6, "k_s_bias": G * 4, "k_g_bias": G * 6, "v_bias": G * 8}
     assert {k: tuple(v.shape) for k, v in attn.items() if k.endswith("_bias")} == {k: (L, w) for k, w in want.items()}
     assert all(not attn[k].any() for k in want)
+    decays = decay_mask(dba.init(scfg))["layers"]["attn"]        # [L, width] leaves: "bias" in the name decides
+    assert not any(decays[k] for k in want) and decays["wq_s"]
     plain = dba.init(dba.DBAConfig.from_teacher(config(qkv_bias=False), sem_dim=4, geo_dim=6, v_dim=8))
     assert not [k for k in plain["layers"]["attn"] if k.endswith("bias")]
 
