@@ -36,6 +36,11 @@ exactly the teacher's names and shapes, so surgery copies it)::
     layers.attn.wk_g   [L, n_kv_heads * geo_dim, d]
     layers.attn.wv     [L, n_kv_heads * v_dim, d]
     layers.attn.wo     [L, d, n_heads * v_dim]
+    layers.attn.q_s_bias  [L, n_heads * sem_dim]       (the biases only when qkv_bias, a Qwen2 teacher's: zeros
+    layers.attn.q_g_bias  [L, n_heads * geo_dim]        from ``init``, set by surgery; each is added to its
+    layers.attn.k_s_bias  [L, n_kv_heads * sem_dim]     projection before RoPE, as Qwen2's q/k/v biases are;
+    layers.attn.k_g_bias  [L, n_kv_heads * geo_dim]     "bias" in the name keeps them out of weight decay)
+    layers.attn.v_bias    [L, n_kv_heads * v_dim]
 
 KV cache per layer: ``k`` = [k_s | k_g (rotated)] of shape [B, n_kv_heads, max_len, sem_dim + geo_dim] and
 ``v`` [B, n_kv_heads, max_len, v_dim]: n_kv_heads * (sem_dim + geo_dim + v_dim) values per token and layer,
@@ -98,7 +103,8 @@ class DBAConfig(LlamaConfig):
 
 def init(cfg: DBAConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
          device: torch.device | str | None = None) -> dict:
-    """The teacher's init (``llama.init``) with the attention replaced; queries carry 1/sqrt(sem_dim + geo_dim)."""
+    """The teacher's init (``llama.init``) with the attention replaced; queries carry 1/sqrt(sem_dim + geo_dim);
+    the q/k/v biases (``qkv_bias``) start at zero, as the teacher's do."""
     params = llama.init(cfg, seed, dtype, device)
     g = torch.Generator().manual_seed(seed + 1)
     L, d, H, G = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads
@@ -115,6 +121,10 @@ def init(cfg: DBAConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
         "wv": normal(L, G * cfg.v_dim, d),
         "wo": normal(L, d, H * cfg.v_dim, s=cfg.init_std / math.sqrt(2 * L)),
     }
+    if cfg.qkv_bias:
+        widths = {"q_s_bias": H * cfg.sem_dim, "q_g_bias": H * cfg.geo_dim, "k_s_bias": G * cfg.sem_dim,
+                  "k_g_bias": G * cfg.geo_dim, "v_bias": G * cfg.v_dim}
+        params["layers"]["attn"].update({k: torch.zeros(L, w, dtype=dtype, device=device) for k, w in widths.items()})
     return params
 
 
@@ -139,12 +149,12 @@ def attention(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, cache: Optiona
     B, T, _ = x.shape
     H, G = cfg.n_heads, cfg.n_kv_heads
 
-    def heads(w, n, width):
-        return F.linear(x, w).view(B, T, n, width).transpose(1, 2)
+    def heads(w, bias, n, width):   # the bias (Qwen2 teachers) is added before RoPE
+        return F.linear(x, p[w], p.get(bias)).view(B, T, n, width).transpose(1, 2)
 
-    q_s, q_g = heads(p["wq_s"], H, cfg.sem_dim), heads(p["wq_g"], H, cfg.geo_dim)
-    k_s, k_g = heads(p["wk_s"], G, cfg.sem_dim), heads(p["wk_g"], G, cfg.geo_dim)
-    v = heads(p["wv"], G, cfg.v_dim)
+    q_s, q_g = heads("wq_s", "q_s_bias", H, cfg.sem_dim), heads("wq_g", "q_g_bias", H, cfg.geo_dim)
+    k_s, k_g = heads("wk_s", "k_s_bias", G, cfg.sem_dim), heads("wk_g", "k_g_bias", G, cfg.geo_dim)
+    v = heads("wv", "v_bias", G, cfg.v_dim)
     q_g = apply_rope(q_g.unflatten(1, (G, H // G)), cos[:, None], sin[:, None]).flatten(1, 2)  # group's pairs
     k_g = apply_rope(k_g, cos, sin)
     q, k = torch.cat([q_s, q_g], dim=-1), torch.cat([k_s, k_g], dim=-1)

@@ -35,6 +35,16 @@ Steps (per layer l and KV head g; query heads h of g's group, n = n_heads / n_kv
 
 4. Embeddings, norms, MLPs and the head are copied. All linear algebra runs in float64; the result takes the
    teacher's dtype and device. DeepSeek-V2 (MLA with decoupled RoPE) is the architecture this mirrors.
+
+**Biases (Qwen2)** enter by the affine (augmented-input) trick, the homogeneous coordinates of an affine map: a
+bias is a weight column on a constant input 1, W x + b = [W | b] [x; 1]. A teacher with q/k/v biases runs steps 1-3
+on the augmented weights [W | b] (d + 1 columns; the query bias carries 1/sqrt(head_dim) as its rows do) and the
+augmented inputs [x; 1] (``asvd``: the Gram matrix of [X | 1] and a (d+1) x (d+1) whitening), so the pair scores,
+the factorization and its errors include the biases; the last column of each student matrix (A_h, B, the kept rows,
+U_r^T [W_v | b_v]) is the student's bias (``q_s_bias``, ``k_s_bias``, ``q_g_bias``, ``k_g_bias``, ``v_bias``) and
+the rest its weight. Nothing else changes (W_o has no bias), and what is exact at full rank stays exact (the kept
+pairs, the no-RoPE score, the values). A bias-free teacher keeps d columns: augmenting with a zero bias would let
+``asvd`` give its student biases it does not have.
 """
 from __future__ import annotations
 
@@ -44,7 +54,6 @@ from typing import Literal
 
 import torch
 
-from core.config import UserError
 from core.tree import clone
 from models import llama
 from models.dba import DBAConfig
@@ -68,13 +77,19 @@ def calibration_inputs(params: dict, cfg: LlamaConfig, tokens: torch.Tensor) -> 
 @torch.no_grad()
 def pair_scores(params: dict, cfg: LlamaConfig, x: torch.Tensor) -> torch.Tensor:
     """MHA2MLA's 2-norm scores [L, n_kv_heads, head_dim/2]: sum over the group's query heads of
-    mean_t ||q[f]||, times mean_t ||k[f]||, for rotary pair f = dims (f, f + head_dim/2)."""
+    mean_t ||q[f]||, times mean_t ||k[f]||, for rotary pair f = dims (f, f + head_dim/2); q and k include the
+    teacher's biases (Qwen2)."""
     G, hd = cfg.n_kv_heads, cfg.head_dim
     attn = params["layers"]["attn"]
     wide = llama.upcast(attn["wq"].dtype)                                       # bf16 teachers: score in fp32
-    x, wq, wk = x.to(wide), attn["wq"].to(wide), attn["wk"].to(wide)
-    q = (x @ wq.mT).unflatten(-1, (G, cfg.n_heads // G, 2, hd // 2))   # [L, N, G, n, 2, hd/2]
-    k = (x @ wk.mT).unflatten(-1, (G, 2, hd // 2))                     # [L, N, G, 2, hd/2]
+    x = x.to(wide)
+
+    def project(name):   # x W^T (+ b) [L, N, out]
+        bias = attn.get(f"{name}_bias")
+        y = x @ attn[f"w{name}"].to(wide).mT
+        return y if bias is None else y + bias.to(wide)[:, None, :]
+    q = project("q").unflatten(-1, (G, cfg.n_heads // G, 2, hd // 2))   # [L, N, G, n, 2, hd/2]
+    k = project("k").unflatten(-1, (G, 2, hd // 2))                     # [L, N, G, 2, hd/2]
     norm = lambda t: (t[..., 0, :].square() + t[..., 1, :].square()).sqrt()   # noqa: E731  per pair
     q_score = norm(q).mean(1).sum(2)                                           # [L, G, hd/2]
     k_score = norm(k).mean(1)
@@ -91,6 +106,24 @@ def whitening(gram: torch.Tensor) -> torch.Tensor:
     ridge = RIDGE * gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     return torch.linalg.cholesky(gram + ridge[:, None, None] * eye)
+
+
+def augmented(w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[W | b] (``w`` [..., out, d], ``bias`` [..., out] or None): the affine map as one matrix on [x; 1]."""
+    return w if bias is None else torch.cat([w, bias[..., None].to(w)], dim=-1)
+
+
+def teacher_weights(attn: dict, cfg: LlamaConfig, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher's float64 [W | b] per head on ``device``: W_q [L, G, n, hd, d'] (1/sqrt(hd) folded in),
+    W_k and W_v [L, G, hd, d']; d' = d + 1 with q/k/v biases (the last column), d without."""
+    L, G, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+
+    def weight(name):
+        bias = attn.get(f"{name}_bias")
+        return augmented(attn[f"w{name}"].to(device, torch.float64),
+                         None if bias is None else bias.to(device, torch.float64))
+    Wq = weight("q").unflatten(1, (G, cfg.n_heads // G, hd)) / math.sqrt(hd)
+    return Wq, weight("k").unflatten(1, (G, hd)), weight("v").unflatten(1, (G, hd))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -161,6 +194,16 @@ def value_error(Wv: torch.Tensor, U: torch.Tensor, gram: torch.Tensor | None = N
 # ----------------------------------------------------------------------------------------------------------
 # the surgery
 
+def student_attention(parts: dict, wo: torch.Tensor, d: int, like: torch.Tensor) -> dict:
+    """The DBA attention leaves from the float64 [W | b] matrices ``parts`` (q_s, q_g, k_s, k_g, v: [L, out, d']):
+    ``w{part}`` is the first ``d`` columns, ``{part}_bias`` the last one when d' = d + 1; dtype/device of ``like``."""
+    out = lambda t: t.to(dtype=like.dtype, device=like.device)   # noqa: E731
+    attn = {f"w{k}": out(t[..., :d]) for k, t in parts.items()}
+    attn["wo"] = out(wo)
+    attn.update({f"{k}_bias": out(t[..., d]) for k, t in parts.items() if t.shape[-1] > d})
+    return attn
+
+
 @torch.no_grad()
 def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_dim: int, geo_dim: int,
             v_dim: int, method: Literal["svd", "asvd"] = "asvd"):
@@ -171,13 +214,11 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
     2.54, on held-out text after 1,024 calibration tokens). The report holds per-layer
     relative Frobenius errors (lists of L floats): ``score_err`` / ``score_err_act`` of the semantic factorization
     against the dropped pairs' no-RoPE score (weight metric / on the calibration activations), ``v_err`` /
-    ``v_err_act`` of the value bottleneck; and the kept pairs (also in the config).
+    ``v_err_act`` of the value bottleneck (for a teacher with q/k/v biases: of the augmented [W | b] matrices,
+    on the augmented inputs [x; 1]); and the kept pairs (also in the config).
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r}; choose one of {', '.join(METHODS)}")
-    if cfg.qkv_bias:
-        raise UserError("the teacher has q/k/v biases (Qwen2): surgery into the DBA student supports bias-free "
-                        "Llama teachers only")
     student_cfg = DBAConfig.from_teacher(cfg, sem_dim=sem_dim, geo_dim=geo_dim, v_dim=v_dim)
     L, d, H, G, hd = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     n, m = H // G, hd - geo_dim
@@ -198,35 +239,30 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
     keep_dims = torch.cat([keep, keep + hd // 2], dim=-1)                     # student rotate-half layout
     drop_dims = torch.cat([drop, drop + hd // 2], dim=-1)
 
-    f64 = torch.float64
-    Wq = attn["wq"].to(work, f64).view(L, G, n, hd, d) / math.sqrt(hd)
-    Wk = attn["wk"].to(work, f64).view(L, G, hd, d)
+    Wq, Wk, Wv = teacher_weights(attn, cfg, work)                   # [W | b] when biased: d1 = d + 1 columns
+    d1 = Wq.shape[-1]
 
     def rows_q(dims):
-        return Wq.gather(3, dims[:, :, None, :, None].expand(-1, -1, n, -1, d))
+        return Wq.gather(3, dims[:, :, None, :, None].expand(-1, -1, n, -1, d1))
 
     def rows_k(dims):
-        return Wk.gather(2, dims[..., None].expand(-1, -1, -1, d))
+        return Wk.gather(2, dims[..., None].expand(-1, -1, -1, d1))
 
-    gram = x.to(f64).mT @ x.to(f64)
+    x = x.to(torch.float64)
+    x = torch.cat([x, torch.ones_like(x[..., :1])], dim=-1) if d1 > d else x   # [x; 1] meets [W | b]
+    gram = x.mT @ x
     white = whitening(gram) if method == "asvd" else None
     Q, K = rows_q(drop_dims), rows_k(drop_dims)
     A, B = factorize_scores(Q, K, sem_dim, white)
-    Wv = attn["wv"].to(work, f64).view(L, G, hd, d)
     U = compress_values(Wv, v_dim, white)
-    Wo = torch.einsum("ldgnh,lghr->ldgnr", attn["wo"].to(work, f64).view(L, d, G, n, hd), U)   # fold U into W_o,h
+    Wo = torch.einsum("ldgnh,lghr->ldgnr", attn["wo"].to(work, torch.float64).view(L, d, G, n, hd), U)  # W_o,h U_r
 
-    out = lambda t: t.to(dtype=attn["wq"].dtype, device=attn["wq"].device)   # noqa: E731
     student = clone({k: v for k, v in params.items() if k != "layers"})
     student["layers"] = clone({k: v for k, v in params["layers"].items() if k != "attn"})
-    student["layers"]["attn"] = {
-        "wq_s": out(A.reshape(L, H * sem_dim, d)),
-        "wq_g": out(rows_q(keep_dims).reshape(L, H * geo_dim, d)),
-        "wk_s": out(B.reshape(L, G * sem_dim, d)),
-        "wk_g": out(rows_k(keep_dims).reshape(L, G * geo_dim, d)),
-        "wv": out((U.mT @ Wv).reshape(L, G * v_dim, d)),
-        "wo": out(Wo.reshape(L, d, H * v_dim)),
-    }
+    student["layers"]["attn"] = student_attention(
+        {"q_s": A.reshape(L, H * sem_dim, d1), "q_g": rows_q(keep_dims).reshape(L, H * geo_dim, d1),
+         "k_s": B.reshape(L, G * sem_dim, d1), "k_g": rows_k(keep_dims).reshape(L, G * geo_dim, d1),
+         "v": (U.mT @ Wv).reshape(L, G * v_dim, d1)}, Wo.reshape(L, d, H * v_dim), d, attn["wq"])
     report = {
         "method": method,
         "score_err": score_error(Q, K, A, B).tolist(),

@@ -85,9 +85,3 @@ def test_qwen2_sliding_on_some_layers_is_refused_by_name(tmp_path):
     with pytest.raises(UserError, match="max_window_layers=1 slides on layers 1-1 only"):
         load_model(str(tmp_path))
 
-
-def test_upcycle_surgery_refuses_a_biased_teacher_by_name():
-    from models.surgery import surgery
-    cfg = llama.LlamaConfig(vocab_size=96, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, qkv_bias=True)
-    with pytest.raises(UserError, match="q/k/v biases"):
-        surgery(llama.init(cfg), cfg, torch.zeros(1, 8, dtype=torch.long), sem_dim=4, geo_dim=8, v_dim=8)
