@@ -117,8 +117,8 @@ def config_from_gguf(reader, path="GGUF file") -> LlamaConfig:
                         f"is, as a rope_freqs.weight tensor or from a Hugging Face config.json)")
     window = metadata(reader, f"{arch}.attention.sliding_window")
     if window:
-        raise UserError(f"{path}: {arch}.attention.sliding_window={window} is not supported (llama.cpp's {arch} "
-                        f"would slide on some layers only)")
+        raise UserError(f"{path}: {arch}.attention.sliding_window={window} is not supported (no attention window "
+                        f"is read from a GGUF file; a Mistral Hugging Face folder carries one)")
     factors = _rope_factors(reader, head_dim, path)
     tokens = metadata(reader, "tokenizer.ggml.tokens")
     vocab = _embedding_rows(reader, path)

@@ -19,10 +19,10 @@ from core.config import UserError  # noqa: E402
 from core.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer  # noqa: E402
 from core.tree import names, tree_leaves  # noqa: E402
 from models import dba, gguf_export, llama, smollm2  # noqa: E402
-from models.gguf import open_gguf, tokenizer_from_gguf  # noqa: E402
+from models.gguf import metadata, open_gguf, tokenizer_from_gguf  # noqa: E402
 from models.gguf_export import export_gguf  # noqa: E402
 from models.loading import load_model  # noqa: E402
-from models.tokenizer_export import as_bpe, gguf_vocab  # noqa: E402
+from models.tokenizer_export import adds_bos_eos, as_bpe, gguf_vocab  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TEXT = "Hello, wörld! Ünïcödé ✓ 🙂 — tabs\tand\nnewlines, 'quotes' and 12345 digits.  Spaces  "
@@ -136,6 +136,20 @@ def test_qwen2_round_trip_keeps_biases_and_row_order(tmp_path):
                               params["layers"]["attn"][f"w{ours}"][1].numpy())
 
 
+def test_a_qwen2_file_with_a_sliding_window_is_refused_by_name(tmp_path, monkeypatch):
+    cfg = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, qkv_bias=True)
+    write = gguf_export._write_metadata
+
+    def with_window(w, *args):
+        write(w, *args)
+        w.add_sliding_window(32)
+
+    monkeypatch.setattr(gguf_export, "_write_metadata", with_window)
+    export_gguf(random_params(cfg), cfg, tmp_path / "w.gguf")
+    with pytest.raises(UserError, match=r"w.gguf: qwen2.attention.sliding_window=32 is not supported"):
+        load_model(str(tmp_path / "w.gguf"))
+
+
 def test_llama3_rope_scaling_becomes_rope_freqs(tmp_path):
     cfg = llama.LlamaConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, rope_theta=500000.0,
                             rope_scaling=dict(LLAMA3), tie_embeddings=False, max_context=1024)
@@ -176,7 +190,15 @@ def test_q8_0_matches_the_gguf_quantizer_and_keeps_logits_close(tmp_path):
     loaded = load_model(str(path))
     assert loaded.format == "GGUF (llama, Q8_0 dequantized)" and loaded.config == cfg
     diff = (logits(loaded.params, cfg) - logits(params, cfg)).abs().max().item()
-    assert diff < 2e-3, diff
+    assert diff < 2e-3, diff          # measured 2.6e-4 .. 3.7e-4 over seeds 0-4 (logits up to ~0.5)
+    # every matrix of a d_model=64 model is Q8_0
+    cfg = CONFIGS["gqa_untied"]
+    params = random_params(cfg, seed=1)
+    export_gguf(params, cfg, tmp_path / "all_q8.gguf", dtype="q8_0")
+    _, tensors = read(tmp_path / "all_q8.gguf")
+    assert {t.tensor_type for t in tensors.values() if len(t.shape) == 2} == {Q.Q8_0}
+    diff = (logits(load_model(str(tmp_path / "all_q8.gguf")).params, cfg) - logits(params, cfg)).abs().max().item()
+    assert diff < 2e-2, diff          # measured 5.6e-3 (logits up to ~0.5)
 
 
 @pytest.mark.parametrize("dtype, torch_dtype, qtype, file_type", [
@@ -240,14 +262,30 @@ def test_bpe_tokenizer_survives_the_gguf_round_trip(tmp_path):
     assert (tok.bos_id, tok.eos_id, tok.chat_template) == (1, 2, bpe.chat_template)
 
 
+def test_add_bos_and_eos_follow_the_post_processor(tmp_path):
+    from tokenizers import Tokenizer, processors
+    inner = Tokenizer.from_str(small_bpe().json)
+    inner.post_processor = processors.TemplateProcessing(single="<|im_start|> $A <|im_end|>", pair="$A $B",
+                                                         special_tokens=[("<|im_start|>", 1), ("<|im_end|>", 2)])
+    bpe = BPETokenizer(inner.to_str())
+    assert adds_bos_eos(bpe) == (True, True) and adds_bos_eos(small_bpe()) == (False, False)
+    cfg = llama.LlamaConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=1, n_heads=2)
+    export_gguf(random_params(cfg), cfg, tmp_path / "t.gguf", tokenizer=bpe)
+    reader = open_gguf(tmp_path / "t.gguf")
+    assert metadata(reader, "tokenizer.ggml.add_bos_token") is True and metadata(reader, "tokenizer.ggml.add_eos_token")
+    assert adds_bos_eos(tokenizer_from_gguf(reader)) == (True, True)     # models.gguf builds the same template
+
+
 @pytest.mark.skipif(smollm2.find_gguf() is None, reason=f"SmolLM2 not installed: {smollm2.INSTALL}")
 def test_smollm2_tokenizer_survives_the_gguf_round_trip(tmp_path):
     smol = tokenizer_from_gguf(open_gguf(smollm2.find_gguf()))
     cfg = llama.LlamaConfig(vocab_size=smol.vocab_size, d_model=16, n_layers=1, n_heads=2, max_context=64)
     export_gguf(llama.init(cfg), cfg, tmp_path / "s.gguf", tokenizer=smol, dtype="q8_0")
-    tok = tokenizer_from_gguf(open_gguf(tmp_path / "s.gguf"))
+    reader = open_gguf(tmp_path / "s.gguf")
+    tok = tokenizer_from_gguf(reader)
     sample = "<|im_start|>user\nWhat is 12 + 30? Ünïcödé 🙂<|im_end|>\n" + TEXT
     assert tok.encode(sample) == smol.encode(sample)
+    assert metadata(reader, "tokenizer.ggml.add_bos_token") is False      # as SmolLM2's own file says
     assert (tok.bos_id, tok.eos_id, tok.chat_template) == (smol.bos_id, smol.eos_id, smol.chat_template)
 
 
