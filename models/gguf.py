@@ -1,4 +1,4 @@
-"""Load a Llama GGUF file (llama.cpp's format) into purestep params, config and tokenizer.
+"""Load a Llama or Qwen2 GGUF file (llama.cpp's format) into purestep params, config and tokenizer.
 
 Follows, in reverse, llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel``): its tensor names
 (``token_embd``, ``blk.N.attn_q`` ...), its metadata keys (``llama.block_count`` ...) and the row permutation
@@ -6,6 +6,11 @@ it applies to the Q and K projections (``LlamaModel.permute``: Meta's interleave
 llama.cpp's RoPE can rotate adjacent rows). That permutation is undone here, which gives the Hugging Face
 "rotate half" layout our ``models.llama`` uses. Quantized tensors are dequantized to float32 with the
 ``gguf`` package (``gguf.dequantize``); they come out in torch's ``(out, in)`` order.
+
+A ``qwen2`` file (``convert_hf_to_gguf.py``'s ``Qwen2Model``) is the same decoder under ``qwen2.*`` keys with
+biases on the q/k/v projections (``blk.N.attn_q.bias`` ...; ``LlamaConfig.qkv_bias``) and NO Q/K permutation:
+llama.cpp rotates Qwen2 in the NEOX ("rotate half") layout, which is ours already. A sliding window
+(``{arch}.attention.sliding_window``) or any other key ``models.llama`` does not compute is refused by name.
 
 The tokenizer comes from the file's embedded vocabulary the way transformers builds it
 (``integrations/gguf/gguf_tokenizer_mapping.py``: ``byte_level_tokenizer`` + ``add_gguf_special_tokens``):
@@ -29,6 +34,7 @@ from core.tokenizers import BPETokenizer
 from core.tree import cast
 from models import hf
 from models.llama import LlamaConfig
+from models.tokenizer_export import bytes_to_unicode
 
 # GGUF tensor name -> Hugging Face name (llama.cpp's ``gguf-py/gguf/tensor_mapping.py``, for Llama)
 BLOCK_TENSORS = {
@@ -42,8 +48,10 @@ BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+QKV = ("attn_q", "attn_k", "attn_v")
 TOP_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                "output.weight": "lm_head.weight"}
+ARCHS = ("llama", "qwen2")  # Qwen2: Llama plus q/k/v biases, Q/K not permuted (llama.cpp rotates it NEOX-style)
 GPT2_REGEX_PRE = (None, "gpt2", "smollm")   # tokenizer.ggml.pre values that split text with GPT-2's regex
 CONTROL, USER_DEFINED = 3, 4                # llama.cpp token types
 
@@ -86,25 +94,31 @@ def _need(reader, path, key: str):
 # config
 
 def config_from_gguf(reader, path="GGUF file") -> LlamaConfig:
-    """``LlamaConfig`` from the ``llama.*`` metadata; refuses features ``models.llama`` does not implement."""
+    """``LlamaConfig`` from the ``{arch}.*`` metadata (arch ``llama`` or ``qwen2``, whose q/k/v projections have
+    biases); refuses features ``models.llama`` does not implement."""
     arch = metadata(reader, "general.architecture")
-    if arch != "llama":
-        raise UserError(f"{path}: general.architecture is {arch!r}; only 'llama' GGUF files are supported")
-    n_heads = int(_need(reader, path, "llama.attention.head_count"))
-    d_model = int(_need(reader, path, "llama.embedding_length"))
-    head_dim = int(metadata(reader, "llama.attention.key_length", d_model // n_heads))
-    value_dim = int(metadata(reader, "llama.attention.value_length", head_dim))
-    rope_dim = int(metadata(reader, "llama.rope.dimension_count", head_dim))
+    if arch not in ARCHS:
+        raise UserError(f"{path}: general.architecture is {arch!r}; only {' and '.join(map(repr, ARCHS))} GGUF "
+                        f"files are supported")
+    n_heads = int(_need(reader, path, f"{arch}.attention.head_count"))
+    d_model = int(_need(reader, path, f"{arch}.embedding_length"))
+    head_dim = int(metadata(reader, f"{arch}.attention.key_length", d_model // n_heads))
+    value_dim = int(metadata(reader, f"{arch}.attention.value_length", head_dim))
+    rope_dim = int(metadata(reader, f"{arch}.rope.dimension_count", head_dim))
     if value_dim != head_dim:
-        raise UserError(f"{path}: llama.attention.value_length={value_dim} differs from key_length={head_dim}; "
+        raise UserError(f"{path}: {arch}.attention.value_length={value_dim} differs from key_length={head_dim}; "
                         f"unsupported")
     if rope_dim != head_dim:
-        raise UserError(f"{path}: llama.rope.dimension_count={rope_dim} rotates part of a {head_dim}-dim head; "
+        raise UserError(f"{path}: {arch}.rope.dimension_count={rope_dim} rotates part of a {head_dim}-dim head; "
                         f"only full rotary embeddings are supported")
-    scaling = metadata(reader, "llama.rope.scaling.type", "none")
+    scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
-        raise UserError(f"{path}: llama.rope.scaling.type={scaling!r} is not supported (only llama3 rope scaling "
-                        f"is, and it comes from a Hugging Face config.json)")
+        raise UserError(f"{path}: {arch}.rope.scaling.type={scaling!r} is not supported (only llama3 rope scaling "
+                        f"is, as a rope_freqs.weight tensor or from a Hugging Face config.json)")
+    window = metadata(reader, f"{arch}.attention.sliding_window")
+    if window:
+        raise UserError(f"{path}: {arch}.attention.sliding_window={window} is not supported (no attention window "
+                        f"is read from a GGUF file; a Mistral Hugging Face folder carries one)")
     factors = _rope_factors(reader, head_dim, path)
     tokens = metadata(reader, "tokenizer.ggml.tokens")
     vocab = _embedding_rows(reader, path)
@@ -115,15 +129,16 @@ def config_from_gguf(reader, path="GGUF file") -> LlamaConfig:
     return LlamaConfig(
         vocab_size=vocab,
         d_model=d_model,
-        n_layers=int(_need(reader, path, "llama.block_count")),
+        n_layers=int(_need(reader, path, f"{arch}.block_count")),
         n_heads=n_heads,
-        n_kv_heads=int(metadata(reader, "llama.attention.head_count_kv", n_heads)),
+        n_kv_heads=int(metadata(reader, f"{arch}.attention.head_count_kv", n_heads)),
         head_dim=head_dim,
-        ffn_dim=int(_need(reader, path, "llama.feed_forward_length")),
-        rope_theta=_float(metadata(reader, "llama.rope.freq_base", 10000.0)),
-        norm_eps=_float(_need(reader, path, "llama.attention.layer_norm_rms_epsilon")),
+        ffn_dim=int(_need(reader, path, f"{arch}.feed_forward_length")),
+        rope_theta=_float(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+        norm_eps=_float(_need(reader, path, f"{arch}.attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in names,
-        max_context=int(metadata(reader, "llama.context_length", 0)),
+        qkv_bias=arch == "qwen2",
+        max_context=int(metadata(reader, f"{arch}.context_length", 0)),
         rope_scaling={"rope_type": "factors", "factors": factors} if factors else {},
     )
 
@@ -160,26 +175,30 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_state_dict(reader, cfg: LlamaConfig, path="GGUF file") -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32 under its Hugging Face name, Q and K un-permuted."""
+    """Every tensor dequantized to float32 under its Hugging Face name, Q and K un-permuted (llama only: a
+    qwen2 file keeps Hugging Face's row order, and its q/k/v biases)."""
     gguf = _require_gguf()
-    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+    heads = {} if cfg.qkv_bias else {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+    suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
     sd = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":   # read into the config (rope_scaling "factors")
             continue
         w = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))  # a copy
-        block, layer, part = (t.name.split(".") + ["", "", ""])[:3]
+        block, layer, part, kind = (t.name.split(".") + ["", "", "", ""])[:4]
         if t.name in TOP_TENSORS:
             sd[TOP_TENSORS[t.name]] = w
-        elif block == "blk" and layer.isdigit() and part in BLOCK_TENSORS and t.name.endswith(".weight"):
+        elif block == "blk" and layer.isdigit() and part in BLOCK_TENSORS and kind in suffixes \
+                and (kind == "weight" or part in QKV):
             if part in heads:
                 if w.shape[0] != heads[part] * cfg.head_dim:
                     raise UserError(f"{path}: {t.name} has {w.shape[0]} rows, the metadata implies "
                                     f"{heads[part]} heads x {cfg.head_dim}")
                 w = unpermute_rows(w, heads[part])
-            sd[f"model.layers.{layer}.{BLOCK_TENSORS[part]}.weight"] = w
+            sd[f"model.layers.{layer}.{BLOCK_TENSORS[part]}.{kind}"] = w
         else:
-            hint = " (attention/MLP biases are not supported)" if t.name.endswith(".bias") else ""
+            hint = " (attention/MLP biases are not supported, apart from a qwen2 file's q/k/v biases)" \
+                if t.name.endswith(".bias") else ""
             raise UserError(f"{path}: unsupported tensor {t.name!r}{hint}")
     return sd
 
@@ -205,19 +224,6 @@ def quantization(reader) -> str:
 
 # ----------------------------------------------------------------------------------------------------------
 # tokenizer
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (``encoder.py``), the alphabet of byte-level BPE."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
 
 def tokenizer_json(reader, path="GGUF file") -> str:
     """A Hugging Face ``tokenizer.json`` for the file's embedded byte-level BPE vocabulary."""
@@ -299,11 +305,11 @@ def special_tokens(reader) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 def load_gguf(path, device=None) -> tuple[dict, LlamaConfig, BPETokenizer | None, str]:
-    """``(params, config, tokenizer, description)`` of a llama GGUF; params are float32 on ``device``."""
+    """``(params, config, tokenizer, description)`` of a llama or qwen2 GGUF; params are float32 on ``device``."""
     path = Path(path)
     reader = open_gguf(path)
     cfg = config_from_gguf(reader, path)
     params = params_from_gguf(reader, cfg, path, device)
     tok = tokenizer_from_gguf(reader, path) if metadata(reader, "tokenizer.ggml.model") else None
-    quant = quantization(reader)
-    return params, cfg, tok, f"GGUF (llama, {quant})" if quant == "F32" else f"GGUF (llama, {quant} dequantized)"
+    quant, arch = quantization(reader), metadata(reader, "general.architecture")
+    return params, cfg, tok, f"GGUF ({arch}, {quant})" if quant == "F32" else f"GGUF ({arch}, {quant} dequantized)"

