@@ -56,7 +56,7 @@ def run(cfg: Config) -> dict:
     progress(f"[{model.format}: {model.source}]")
     write = _writer(model, cfg)
     progress(f"writing {cfg.format} ({cfg.dtype}) to {out} ...")
-    build_folder(out, lambda builder: write(builder.path))
+    build_folder(out, lambda builder: write(builder.path) and None)   # None: no meta.json in the export
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
     for name, size in files.items():
         progress(f"  {name}  {size / 2**20:,.1f} MiB")
