@@ -115,16 +115,19 @@ def test_greedy_generate_equals_our_decoder(tmp_path, window):
     assert k.shape[-1] == cfg.sem_dim + cfg.geo_dim and v.shape[-1] == cfg.v_dim
 
 
-def test_right_padding_leaves_the_real_tokens_alone(tmp_path):
+def test_right_padding_and_labels(tmp_path):
     cfg = student_config()
     params, tok = student(cfg), tokens(2, 30, seed=7)
     export_dba_hf(params, cfg, tmp_path / "out")
     mask = torch.ones_like(tok)
     mask[1, 20:] = 0
+    model = open_hf(tmp_path / "out")
     with torch.no_grad():
-        padded = open_hf(tmp_path / "out")(tok, attention_mask=mask).logits
+        padded = model(tok, attention_mask=mask).logits
+        loss = model(tok, labels=tok).loss                                  # labels shifted inside, as transformers
     assert (padded[1, :20] - dba.apply(params, tok[1:, :20], cfg)[0]).abs().max() < 1e-4
     assert torch.isfinite(padded).all()
+    assert abs(loss - dba.loss(params, {"x": tok[:, :-1], "y": tok[:, 1:]}, cfg)) < 1e-5
 
 
 def _has_bias_leaves() -> bool:

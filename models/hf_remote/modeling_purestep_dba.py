@@ -24,6 +24,9 @@ KV cache: transformers' ``Cache`` (``DynamicCache``), one entry per layer with k
 (width sem_dim + geo_dim) and values of width v_dim; with ``sliding_window`` the cache may keep only the last
 window of positions, and the mask follows the positions of the keys it returns. Attention is always
 ``F.scaled_dot_product_attention`` (``attn_implementation`` is not consulted: keys and values differ in width).
+``attention_mask`` is the 2D padding mask (1 = token); positions are ``position_ids`` when given, else counted
+from the cache, as Llama's. Not supported: 4D masks (refused), ``output_attentions`` / ``output_hidden_states``
+(ignored), gradient checkpointing, legacy tuple caches (refused).
 """
 from typing import Optional
 
