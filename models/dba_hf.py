@@ -15,10 +15,10 @@ cannot express are refused with a ``UserError``: RoPE scaling other than llama3 
 ``factors``), params whose attention leaves do not match the config (biases without ``qkv_bias`` or the reverse),
 a head that contradicts ``tie_embeddings``.
 
-The folder is written whole or not at all (``core.cache.build_folder``: a temporary sibling folder, fsynced, then
-renamed into place). An existing folder is replaced only if it is empty or an earlier DBA export (its ``config.json`` says
-``model_type: purestep_dba`` and it holds nothing but the files an export writes); anything else is refused, so
-an export never deletes files it did not write.
+The folder is written whole or not at all (``core.cache.build_folder``: a temporary sibling folder, fsynced,
+then renamed into place). An existing folder is replaced only if it is empty or an earlier DBA export (its
+``config.json`` says ``model_type: purestep_dba`` and it holds nothing but the files an export writes); anything
+else is refused, so an export never deletes files it did not write.
 """
 from __future__ import annotations
 
@@ -91,8 +91,8 @@ def check_exportable(params: dict, cfg: DBAConfig) -> None:
                         + "; ".join(filter(None, [extra and f"unexpected {', '.join(extra)}",
                                                   missing and f"missing {', '.join(missing)}"])))
     if ("lm_head" in params) == cfg.tie_embeddings:
-        raise UserError(f"tie_embeddings={cfg.tie_embeddings} but the params {'have' if 'lm_head' in params else 'lack'}"
-                        f" an lm_head")
+        has = "have" if "lm_head" in params else "lack"
+        raise UserError(f"tie_embeddings={cfg.tie_embeddings} but the params {has} an lm_head")
     unknown = sorted(set(params) - {"embed", "layers", "norm", "lm_head"})
     if unknown:
         raise UserError(f"params hold {', '.join(unknown)}, which the exported model has no place for")
