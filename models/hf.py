@@ -111,7 +111,7 @@ def config_from_hf(hf: dict, source="config.json") -> LlamaConfig:
             head_dim=int(hf.get("head_dim") or d_model // n_heads),
             ffn_dim=int(hf["intermediate_size"]),
             rope_theta=float(theta),
-            rope_scaling=_llama3(scaling) if kind == "llama3" else {},
+            rope_scaling=llama3_scaling(scaling) if kind == "llama3" else {},
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",
@@ -144,7 +144,8 @@ def _window(hf: dict, family: str, source) -> int:
                     f"(supported: every layer or none)")
 
 
-def _llama3(scaling: dict) -> dict:
+def llama3_scaling(scaling: dict) -> dict:
+    """llama3's ``rope_scaling`` dict in config.json's spelling, every field present (defaults filled in)."""
     return {"rope_type": "llama3", "factor": float(scaling["factor"]),
             "low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
             "high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
@@ -180,7 +181,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype, max_position_embeddings: 
         "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": _llama3(scaling) if scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
+        "rope_scaling": llama3_scaling(scaling) if scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -330,19 +331,33 @@ def export_hf(params: dict, cfg: LlamaConfig, folder, tokenizer=None, dtype: tor
     params' own) and, for a BPE tokenizer, ``tokenizer.json`` + ``tokenizer_config.json`` into ``folder``.
     The stated maximum context is ``max_position_embeddings``, else ``cfg.max_context``, else 2048."""
     max_position_embeddings = max_position_embeddings or cfg.max_context or DEFAULT_CONTEXT
-    st = _safetensors()
+    _safetensors()          # missing package: refuse before creating the folder
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     dtype = dtype or params["embed"].dtype
     bos = getattr(tokenizer, "bos_id", None)
     eos = getattr(tokenizer, "eos_id", None)
-    tensors = {k: v.detach().to(device="cpu", dtype=dtype, copy=True) for k, v in state_dict(params, cfg).items()}
-    st.save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
-    _write_json(folder / "config.json", config_to_hf(cfg, dtype, max_position_embeddings, bos, eos))
-    _write_json(folder / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
+    write_safetensors(state_dict(params, cfg), folder / SINGLE_FILE, dtype)
+    write_json(folder / "config.json", config_to_hf(cfg, dtype, max_position_embeddings, bos, eos))
+    write_tokenizer_files(folder, tokenizer, max_position_embeddings)
+    return folder
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
+    """``tensors`` (name -> tensor) as one safetensors file, each copied to the host in ``dtype``."""
+    host = {k: v.detach().to(device="cpu", dtype=dtype, copy=True) for k, v in tensors.items()}
+    _safetensors().save_file(host, str(path), metadata={"format": "pt"})
+
+
+def write_tokenizer_files(folder: Path, tokenizer, max_position_embeddings: int) -> None:
+    """``generation_config.json`` (the tokenizer's BOS/EOS, or none) and, for a BPE tokenizer, ``tokenizer.json``
+    + ``tokenizer_config.json`` (chat template included)."""
+    bos = getattr(tokenizer, "bos_id", None)
+    eos = getattr(tokenizer, "eos_id", None)
+    write_json(folder / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos})
     if isinstance(tokenizer, BPETokenizer):
         (folder / "tokenizer.json").write_text(tokenizer.json, encoding="utf-8")
-        _write_json(folder / "tokenizer_config.json", {
+        write_json(folder / "tokenizer_config.json", {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": _token_name(tokenizer, bos),
             "eos_token": _token_name(tokenizer, eos),
@@ -350,8 +365,7 @@ def export_hf(params: dict, cfg: LlamaConfig, folder, tokenizer=None, dtype: tor
             "clean_up_tokenization_spaces": False,
             **({"chat_template": tokenizer.chat_template} if tokenizer.chat_template else {}),
         })
-    return folder
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
