@@ -93,12 +93,27 @@ def test_refusals_name_the_reason_and_write_nothing(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "gpt2"]     # no out folder, no temporary left
 
 
-def test_dba_student_to_gguf_is_refused_with_the_reason(tmp_path, capsys):
+@pytest.fixture
+def student(tmp_path):
+    """A DBA student checkpoint with q/k/v biases (what upcycling a Qwen2 teacher gives), biases non-zero."""
     cfg = dba.DBAConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, sem_dim=8,
-                        geo_dim=8, v_dim=16)
-    ckpt.save(tmp_path / "student.msgpack", {"params": dba.init(cfg, seed=0)}, step=0,
-              extra={"model": model_entry(cfg)})
-    message = user_error(capsys, f"init={tmp_path / 'student.msgpack'}", "format=gguf", f"out={tmp_path / 'x'}")
+                        geo_dim=8, v_dim=16, qkv_bias=True)
+    params = dba.init(cfg, seed=0)
+    for name, leaf in params["layers"]["attn"].items():
+        if name.endswith("_bias"):
+            leaf.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    ckpt.save(tmp_path / "student.msgpack", {"params": params}, step=0, extra={"model": model_entry(cfg)})
+    return tmp_path / "student.msgpack"
+
+
+def test_dba_student_to_hf_remote_code(student, tmp_path):
+    pytest.importorskip("transformers", reason="the reference implementation: pip install purestep[reference]")
+    result = run(Config(init=str(student), format="hf", out=str(tmp_path / "hf")))
+    assert result["max_logit_diff"] < 1e-4 and "modeling_purestep_dba.py" in result["files"]
+
+
+def test_dba_student_to_gguf_is_refused_with_the_reason(student, tmp_path, capsys):
+    message = user_error(capsys, f"init={student}", "format=gguf", f"out={tmp_path / 'x'}")
     assert "format=hf" in message and not (tmp_path / "x").exists()
 
 
