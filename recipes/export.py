@@ -85,7 +85,8 @@ def _writer(model: LoadedModel, cfg: Config):
     """``write(folder)`` for this model, format and dtype; what cannot be exported is refused here, first."""
     tok = model.tokenizer
     if cfg.format == "gguf":
-        from models.gguf_export import export_gguf
+        from models.gguf_export import export_gguf, gguf_arch
+        gguf_arch(model.config)       # refuses a model llama.cpp cannot run before the weights are converted
         name = f"model-{cfg.dtype.upper().replace('FP32', 'F32')}.gguf"
         return lambda folder: export_gguf(model.params, model.config, folder / name, tokenizer=tok,
                                           dtype=_gguf_dtype(cfg.dtype))
