@@ -22,6 +22,7 @@ RECIPES = {
     "bench.checkpoint": "recipes.bench.checkpoint",
     "bench.orchestrator": "recipes.bench.orchestrator",
     "bench.distill": "recipes.bench.distill",
+    "bench.export": "recipes.bench.export",
 }
 
 

@@ -12,7 +12,7 @@ pytest.importorskip("tokenizers", reason="needs the 'hf' extra: pip install pure
 
 from core import checkpoint as ckpt  # noqa: E402
 from core.tokenizers import ByteTokenizer  # noqa: E402
-from models import dba, smollm2  # noqa: E402
+from models import dba  # noqa: E402
 from models.loading import load_model, model_entry  # noqa: E402
 from recipes import main  # noqa: E402
 from recipes.export import Config, run  # noqa: E402
@@ -117,20 +117,15 @@ def test_dba_student_to_gguf_is_refused_with_the_reason(student, tmp_path, capsy
     assert "format=hf" in message and not (tmp_path / "x").exists()
 
 
-@pytest.mark.skipif(smollm2.find_gguf() is None, reason=f"SmolLM2 not installed: {smollm2.INSTALL}")
-def test_smollm2_fine_tuned_then_exported_to_hf_and_q8_0(corpus, tmp_path):
-    pytest.importorskip("transformers", reason="the reference implementation: pip install purestep[reference]")
-    args = ["recipe=standard", "init=smollm2", f"data={corpus}", "steps=10", "batch_size=1", "block_size=64",
-            "lr=1e-4", "warmup_steps=2", "compile=false", "sample_tokens=0", "eval_every=0", "eval_batches=1",
-            "save_every=0", "log_every=5", "health=false", "spike.enabled=false", f"out={tmp_path / 'ft'}"]
-    assert main(args) == 0
-    hf = run(Config(init=str(tmp_path / "ft"), format="hf", out=str(tmp_path / "hf")))
-    assert hf["max_logit_diff"] < 1e-3
-    conf = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
-    assert conf["chat_template"].startswith("{% for message in messages %}") and conf["eos_token"] == "<|im_end|>"
-    run(Config(init=str(tmp_path / "ft"), format="gguf", dtype="q8_0", out=str(tmp_path / "q8"), verify=False))
-    tuned, q8 = load_model(str(tmp_path / "ft")), load_model(str(tmp_path / "q8" / "model-Q8_0.gguf"))
-    text = corpus.read_text()[20000:40000]
-    ids = torch.tensor(tuned.tokenizer.encode(text)[:2 * 129]).view(2, 129)
-    nll = [m.module.loss(m.params, {"x": ids[:, :-1], "y": ids[:, 1:]}, m.config).item() for m in (tuned, q8)]
-    assert abs(nll[1] - nll[0]) < 0.02, nll
+def test_bench_export_fine_tunes_exports_and_measures(byte_run, corpus, tmp_path):
+    """``bench.export`` (the README's SmolLM2 figures) on a tiny byte-level run: the fp32 exports keep the NLL,
+    q8_0 moves it a little."""
+    from recipes.bench.export import Config as Bench, run as bench
+    rows = bench(Bench(init=str(byte_run), data=str(corpus), steps=1, block_size=32, gguf_dtypes=("fp32", "q8_0"),
+                       out=str(tmp_path / "bench")))
+    assert [r["export"] for r in rows[1:]] == ["hf fp32", "gguf fp32", "gguf q8_0"]
+    tuned, hf_row, f32, q8 = rows
+    assert hf_row["max_logit_diff"] < 1e-4 and f32["max_logit_diff"] == 0.0
+    assert abs(hf_row["nll"] - tuned["nll"]) < 1e-5 and f32["nll"] == tuned["nll"]
+    assert 0 < abs(q8["nll"] - tuned["nll"]) < 0.05
+    assert (tmp_path / "bench" / "results.md").read_text().count("\n| ") == 4
