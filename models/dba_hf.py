@@ -101,36 +101,17 @@ def check_exportable(params: dict, cfg: DBAConfig) -> None:
 def config_to_hf(cfg: DBAConfig, dtype: torch.dtype, max_position_embeddings: int,
                  bos_id: int | None = None, eos_id: int | None = None) -> dict:
     """The ``config.json`` of ``PurestepDBAConfig`` (transformers' Llama fields plus the student's)."""
-    scaling = cfg.rope_scaling or {}
     return {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         "auto_map": dict(AUTO_MAP),
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
+        **hf.decoder_fields(cfg, dtype, max_position_embeddings, bos_id, eos_id),
         "sem_dim": cfg.sem_dim,
         "geo_dim": cfg.geo_dim,
         "v_dim": cfg.v_dim,
         "rope_pairs": [[[int(i) for i in pairs] for pairs in layer] for layer in cfg.rope_pairs],
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": hf.llama3_scaling(scaling) if scaling.get("rope_type", scaling.get("type")) == "llama3"
-        else None,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": cfg.norm_eps,
         "sliding_window": cfg.sliding_window or None,
         "qkv_bias": cfg.qkv_bias,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "use_cache": True,
-        "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 

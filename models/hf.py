@@ -155,21 +155,33 @@ def llama3_scaling(scaling: dict) -> dict:
 def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype, max_position_embeddings: int,
                  bos_id: int | None = None, eos_id: int | None = None) -> dict:
     """A ``config.json`` transformers 4 and 5 both read as ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with
-    q/k/v biases, ``MistralForCausalLM`` with a sliding window)."""
-    scaling = cfg.rope_scaling or {}
-    if (cfg.rope_scaling or {}).get("rope_type") == "factors":
-        raise UserError("rope scaling given as per-pair factors (a GGUF file's rope_freqs) has no Hugging Face "
-                        "config.json form: export to GGUF instead")
-    if cfg.qkv_bias and cfg.sliding_window:
-        raise UserError("a model with q/k/v biases and a sliding window has no Hugging Face architecture here "
-                        "(Qwen2 slides on some layers only, Mistral has no biases)")
+    q/k/v biases, sliding on every layer when windowed; ``MistralForCausalLM`` with a window and no biases)."""
     kind = "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
-    extra = {"qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers},
-             "mistral": {"sliding_window": cfg.sliding_window}, "llama": {}}[kind]
+    window = cfg.sliding_window or None
+    extra = {"qwen2": {"use_sliding_window": bool(window), "sliding_window": window,
+                       "max_window_layers": 0 if window else cfg.n_layers},
+             "mistral": {"sliding_window": window}, "llama": {}}[kind]
     return {
         "architectures": [ARCHITECTURES[kind]],
         "model_type": kind,
         **extra,
+        **decoder_fields(cfg, dtype, max_position_embeddings, bos_id, eos_id),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+    }
+
+
+def decoder_fields(cfg: LlamaConfig, dtype: torch.dtype, max_position_embeddings: int,
+                   bos_id: int | None = None, eos_id: int | None = None) -> dict:
+    """The ``config.json`` fields every Llama-family decoder shares (transformers' ``LlamaConfig`` names), for
+    this module's families and the DBA student's remote-code config (``models.dba_hf``)."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "factors":
+        raise UserError("rope scaling given as per-pair factors (a GGUF file's rope_freqs) has no Hugging Face "
+                        "config.json form: export to GGUF instead")
+    return {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_dim,
@@ -182,10 +194,6 @@ def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype, max_position_embeddings: 
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": llama3_scaling(scaling) if scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "bos_token_id": bos_id,

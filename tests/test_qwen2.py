@@ -50,6 +50,14 @@ def test_qwen2_folder_loads_with_transformers_logits_and_greedy_tokens(tie, tmp_
                            greedy(lambda t: model(t).logits, prompt, 32))
 
 
+def test_biased_windowed_model_exports_as_qwen2_sliding_on_every_layer(tmp_path):
+    cfg = tiny_config(qkv_bias=True, sliding_window=8)         # export_and_read_back compares 24 tokens
+    params = llama.init(cfg, seed=2)
+    for leaf in ("q_bias", "k_bias", "v_bias"):
+        params["layers"]["attn"][leaf].normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+    assert export_and_read_back(params, cfg, tmp_path, "Qwen2ForCausalLM").config == cfg
+
+
 def test_biased_model_exports_as_qwen2_and_transformers_reads_it(tmp_path):
     cfg = tiny_config(qkv_bias=True)
     params = llama.init(cfg, seed=2)
