@@ -11,6 +11,22 @@ def tiny_config(**changes) -> llama.LlamaConfig:
                              tie_embeddings=False, norm_eps=1e-6, max_context=128, **changes)
 
 
+def random_qwen2(tie: bool = False):
+    """A random tiny ``transformers.Qwen2ForCausalLM`` (GQA 4/2) whose q/k/v biases are drawn from N(0, 0.5)
+    (transformers initializes them to zero, which would hide a bias bug)."""
+    import transformers
+    cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
 def export_and_read_back(params: dict, cfg: llama.LlamaConfig, folder, architecture: str) -> LoadedModel:
     """Export, open with ``AutoModelForCausalLM`` (checking the class and the logits to 1e-5), then reload here."""
     import transformers

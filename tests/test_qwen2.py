@@ -11,20 +11,7 @@ pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install pur
 from core.config import UserError  # noqa: E402
 from models import hf, llama  # noqa: E402
 from models.loading import load_model  # noqa: E402
-from tests.hf_reference import export_and_read_back, tiny_config  # noqa: E402
-
-
-def qwen2(tie: bool):
-    cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie)
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.5)   # transformers initializes them to zero: make them matter
-    return model
+from tests.hf_reference import export_and_read_back, random_qwen2 as qwen2, tiny_config  # noqa: E402
 
 
 def greedy(step, tokens: torch.Tensor, n: int) -> torch.Tensor:

@@ -177,19 +177,12 @@ def test_pair_scores_include_the_biases():
 
 
 def test_a_transformers_qwen2_folder_is_a_teacher(tmp_path):
-    transformers = pytest.importorskip("transformers", reason="the reference implementation: pip install "
+    pytest.importorskip("transformers", reason="the reference implementation: pip install "
                                                               "purestep[reference]")
     pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
     from models.loading import load_model
-    hf_cfg = transformers.Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.5)                 # transformers initializes them to zero: make them matter
+    from tests.hf_reference import random_qwen2
+    model = random_qwen2()
     model.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path))
     assert loaded.config.qkv_bias
