@@ -223,7 +223,7 @@ def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
         raise ConfigError(f"bad value for 'recipe': {name!r} is not a str")
     module = load_recipe(name, recipes)
     preset = pairs.pop("preset", None)
-    pairs, axes = split_grid(pairs)                 # seed=1,2 and grid.KEY=A,B: core.grid
+    pairs, axes, parallel = split_grid(pairs)       # seed=1,2 and grid.KEY=A,B: core.grid
     if axes:
         check_recipe(name, module, axes, stages)
     cfg = resolve(module.Config, presets=getattr(module, "PRESETS", None), preset=preset, toml=toml,
@@ -236,7 +236,7 @@ def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
     if stages is not None:
         return _run_stages(name, module, preset, toml, pairs, stages, cfg)
     if axes:
-        return run_grid(name, module, preset, toml, pairs, axes, cfg)
+        return run_grid(name, module, preset, toml, pairs, axes, cfg, parallel, argv)
     module.run(cfg)
     return 0
 

@@ -14,7 +14,9 @@ comma and no second alternative ends in ``|`` (``grid.betas=0.9,0.95|``). ``seed
 ``key=value``; every cell is resolved before the first one runs, so a bad value stops the grid at once.
 
 A cell's folder is named by its values in the order the axes were given (``seed=1,lr=0.001``): each value
-as the config holds it (``show_value``), with characters outside ``[A-Za-z0-9._+-]`` turned into ``_``.
+as the config holds it (``show_value``), with characters outside ``[A-Za-z0-9._+-]`` turned into ``_`` (and
+one longer than 40 characters cut to its last 24 and a hash). ``grid.parallel=N`` runs N cells at once
+(``core.grid_parallel``); it is never an axis.
 A cell whose folder holds a final checkpoint is finished and skipped; any other resumes (``resume=auto``) or
 starts. A cell that fails stops the grid after the summary of the cells so far is written; rerunning the
 command carries on from there.
@@ -25,12 +27,13 @@ name.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from core.checkpoint import FINAL
 from core.config import ConfigError, resolve, show_value
@@ -38,6 +41,7 @@ from core.logging import progress
 from core.runs import run_folder
 
 PREFIX = "grid."
+PARALLEL = "grid.parallel"                      # cells at once (core.grid_parallel); never an axis
 RESERVED = ("out", "name", "resume", "seed")   # set per cell by the grid itself (seed through seed=1,2)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
 
@@ -66,13 +70,26 @@ def alternatives(key: str, value: str) -> list[str]:
     return parts
 
 
-def split_grid(pairs: Mapping[str, str]) -> tuple[dict[str, str], dict[str, list[str]]]:
-    """``(pairs without the grid, {axis: alternatives})`` in the order given: ``grid.KEY=...`` and a
-    ``seed`` with a comma in it (a seed list)."""
+def _parallel(value: str) -> int:
+    try:
+        n = int(value.strip())
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"bad value for '{PARALLEL}': {value!r}; give the number of cells to run at once (>= 1)")
+    return n
+
+
+def split_grid(pairs: Mapping[str, str]) -> tuple[dict[str, str], dict[str, list[str]], int]:
+    """``(pairs without the grid, {axis: alternatives}, cells at once)``, the axes in the order given:
+    ``grid.KEY=...`` and a ``seed`` with a comma in it (a seed list); ``grid.parallel=N`` (default 1)."""
     rest: dict[str, str] = {}
     axes: dict[str, list[str]] = {}
+    parallel = None
     for key, value in pairs.items():
-        if key.startswith(PREFIX):
+        if key == PARALLEL:
+            parallel = _parallel(value)
+        elif key.startswith(PREFIX):
             axis = key[len(PREFIX):]
             if not axis:
                 raise ConfigError(f"'{key}' names no key; write grid.KEY=A,B (e.g. grid.lr=1e-3,3e-3)")
@@ -87,7 +104,9 @@ def split_grid(pairs: Mapping[str, str]) -> tuple[dict[str, str], dict[str, list
             axes["seed"] = alternatives("seed", value)
         else:
             rest[key] = value
-    return rest, axes
+    if parallel is not None and not axes:
+        raise ConfigError(f"{PARALLEL}={parallel} without a grid; give its axes (grid.KEY=A,B or seed=1,2)")
+    return rest, axes, parallel or 1
 
 
 def check_recipe(name: str, module: ModuleType, axes: Mapping[str, list[str]], stages) -> None:
@@ -109,8 +128,15 @@ def _held(cfg, key: str):
     return value
 
 
+def _safe(value: str) -> str:
+    """``value`` as part of a folder name: unsafe characters as ``_``; over 40 characters, its last 24 and
+    8 hex digits of its SHA-1 (a long path stays recognisable by its end, and distinct)."""
+    safe = _UNSAFE.sub("_", value)
+    return safe if len(safe) <= 40 else f"{safe[-24:]}-{hashlib.sha1(value.encode()).hexdigest()[:8]}"
+
+
 def cell_name(shown: Mapping[str, str]) -> str:
-    return ",".join(f"{k}={_UNSAFE.sub('_', v)}" for k, v in shown.items())
+    return ",".join(f"{k}={_safe(v)}" for k, v in shown.items())
 
 
 def plan(name: str, module: ModuleType, preset, toml: dict, pairs: dict, axes: Mapping[str, list[str]],
@@ -136,18 +162,27 @@ def plan(name: str, module: ModuleType, preset, toml: dict, pairs: dict, axes: M
 
 
 def run_grid(name: str, module: ModuleType, preset, toml: dict, pairs: dict, axes: Mapping[str, list[str]],
-             base) -> int:
-    """Run every cell of the grid in turn (finished ones skipped), then write the summary in the run root."""
+             base, parallel: int = 1, argv: Sequence[str] = ()) -> int:
+    """Run every cell of the grid (finished ones skipped): one after another in this process, or with
+    ``parallel`` > 1 that many at once as ``bin/run`` subprocesses given ``argv`` (this command's arguments)
+    for the cell; then write the summary in the run root."""
+    from core.grid_parallel import run_parallel
     from core.grid_summary import write_summary
     root = run_folder(getattr(base, "out", ""), getattr(base, "name", ""), name)
     cells = plan(name, module, preset, toml, pairs, axes, root)
+    todo = []
+    for i, cell in enumerate(cells, 1):
+        if (cell.folder / FINAL).exists():
+            progress(f"grid cell {i}/{len(cells)}: {cell.name} is finished ({cell.folder / FINAL}); skipped")
+        else:
+            todo.append((i, cell))
     try:
-        for i, cell in enumerate(cells, 1):
-            if (cell.folder / FINAL).exists():
-                progress(f"grid cell {i}/{len(cells)}: {cell.name} is finished ({cell.folder / FINAL}); skipped")
-                continue
-            progress(f"grid cell {i}/{len(cells)}: {cell.name} -> {cell.folder}")
-            module.run(cell.cfg)
+        if parallel > 1:
+            run_parallel(todo, len(cells), list(axes), argv, parallel)
+        else:
+            for i, cell in todo:
+                progress(f"grid cell {i}/{len(cells)}: {cell.name} -> {cell.folder}")
+                module.run(cell.cfg)
     finally:
         written = write_summary(root, cells, list(axes))
         progress(f"grid summary: {', '.join(str(p) for p in written)}")

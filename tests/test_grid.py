@@ -11,7 +11,7 @@ import pytest
 
 from core import checkpoint as ckpt
 from core.config import ConfigError, option
-from core.grid import alternatives, plan, split_grid
+from core.grid import alternatives, cell_name, plan, split_grid
 from recipes import main
 
 pytestmark = pytest.mark.usefixtures("token_cache", "one_thread")   # tests/conftest.py
@@ -81,6 +81,32 @@ def test_seed_list_and_grid_run_resumably_with_a_summary(corpus, tmp_path, capsy
     assert own_metrics(victim)["final_val_loss"] == first[victim.name]["final_val_loss"]
 
 
+def test_parallel_cells_run_as_subprocesses_and_a_failed_cell_resumes_after_the_fix(corpus, tmp_path, monkeypatch,
+                                                                                     capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")          # the cells' processes, like this one (one_thread)
+    (tmp_path / "a.txt").write_bytes(corpus.read_bytes())
+    command = ["recipe=standard", "out=grid", *SMALL, "seed=3", "grid.data=a.txt,b.txt", "grid.parallel=2"]
+    assert main(command) == 2                           # b.txt is missing: its cell fails, the other finishes
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("error: grid cell data=b.txt (exit 2, see grid/data=b.txt/grid.log) failed")
+    root = tmp_path / "grid"
+    assert "b.txt" in (root / "data=b.txt" / "grid.log").read_text()
+    cells, _ = read_summary(root)
+    assert [c["status"] for c in cells.values()] == ["finished", "unfinished"]
+
+    (tmp_path / "b.txt").write_bytes(corpus.read_bytes())
+    done = (root / "data=a.txt" / "metrics.jsonl").read_bytes()
+    assert main(command) == 0
+    assert (root / "data=a.txt" / "metrics.jsonl").read_bytes() == done      # finished: skipped
+    cells, groups = read_summary(root)
+    assert all(c["status"] == "finished" for c in cells.values())
+    a, b = own_metrics(root / "data=a.txt"), own_metrics(root / "data=b.txt")
+    assert a == b                                       # the same text and seed: the same run, in its own process
+    assert float(cells["data=b.txt"]["final_val_loss"]) == b["final_val_loss"]
+    assert groups["data=b.txt"]["seeds"] == "1" and groups["data=b.txt"]["final_val_loss_std"] == ""
+
+
 def test_alternatives_split_on_bars_when_given_else_commas():
     assert alternatives("grid.lr", "1e-3, 3e-3") == ["1e-3", "3e-3"]
     assert alternatives("grid.betas", "0.9,0.95|0.9,0.99") == ["0.9,0.95", "0.9,0.99"]
@@ -88,11 +114,14 @@ def test_alternatives_split_on_bars_when_given_else_commas():
     for bad in ("1,,2", "|1", "1,1", "a|b|"):
         with pytest.raises(ConfigError, match="'grid.x'"):
             alternatives("grid.x", bad)
-    rest, axes = split_grid({"steps": "5", "seed": "3,1", "grid.model.d_model": "64,128"})
-    assert rest == {"steps": "5"} and axes == {"seed": ["3", "1"], "model.d_model": ["64", "128"]}
-    assert split_grid({"seed": "7"}) == ({"seed": "7"}, {})
+    rest, axes, parallel = split_grid({"steps": "5", "seed": "3,1", "grid.model.d_model": "64,128",
+                                       "grid.parallel": "2"})
+    assert rest == {"steps": "5"} and axes == {"seed": ["3", "1"], "model.d_model": ["64", "128"]} and parallel == 2
+    assert split_grid({"seed": "7"}) == ({"seed": "7"}, {}, 1)
     for pairs, fragment in (({"grid.out": "a,b"}, "'grid.out'"), ({"grid.lr": "1,2", "lr": "3"}, "'grid.lr' and 'lr'"),
-                            ({"grid.seed": "1,2"}, "seed=1,2,3"), ({"grid.": "1"}, "'grid.'")):
+                            ({"grid.seed": "1,2"}, "seed=1,2,3"), ({"grid.": "1"}, "'grid.'"),
+                            ({"grid.parallel": "0", "seed": "1,2"}, "'grid.parallel'"),
+                            ({"grid.parallel": "2"}, "grid.parallel=2 without a grid")):
         with pytest.raises(ConfigError, match=fragment):
             split_grid(pairs)
 
@@ -114,19 +143,22 @@ class _Config:
 
 def test_cells_of_list_and_dict_keys_are_named_by_their_parsed_values(tmp_path):
     module = types.SimpleNamespace(Config=_Config, PRESETS=None)
-    _, axes = split_grid({"grid.betas": "0.9,0.95|0.8,0.99", "grid.shape.scaling": '{"factor":2}|{"factor":4}',
+    _, axes, _ = split_grid({"grid.betas": "0.9,0.95|0.8,0.99", "grid.shape.scaling": '{"factor":2}|{"factor":4}',
                           "grid.lr": "1e-3"})
     cells = plan("toy", module, None, {}, {}, axes, tmp_path)
     assert [c.cfg.betas for c in cells] == [(0.9, 0.95)] * 2 + [(0.8, 0.99)] * 2
     assert [c.cfg.shape.scaling for c in cells] == [{"factor": 2}, {"factor": 4}] * 2
     assert cells[0].name == 'betas=0.9_0.95,shape.scaling=__factor__2_,lr=0.001'
     assert cells[0].folder == tmp_path / cells[0].name and cells[0].cfg.out == str(cells[0].folder)
-    _, axes = split_grid({"grid.lr": "1e-3,abc"})
+    _, axes, _ = split_grid({"grid.lr": "1e-3,abc"})
     with pytest.raises(ConfigError, match="bad value for 'lr'.*grid cell lr=abc|bad value for 'lr'"):
         plan("toy", module, None, {}, {}, axes, tmp_path)
-    _, axes = split_grid({"grid.lr": "1e-3,0.001"})
+    _, axes, _ = split_grid({"grid.lr": "1e-3,0.001"})
     with pytest.raises(ConfigError, match="share the folder 'lr=0.001'"):
         plan("toy", module, None, {}, {}, axes, tmp_path)
+    long = "x" * 30 + "/tail-of-a-long-path.txt"
+    name = cell_name({"data": long})
+    assert name.startswith("data=_tail-of-a-long-path.txt-") and len(name) == len("data=") + 24 + 9
 
 
 @pytest.mark.parametrize("recipe,args,named", [
