@@ -17,6 +17,7 @@ A cell's folder is named by its values in the order the axes were given (``seed=
 as the config holds it (``show_value``), with characters outside ``[A-Za-z0-9._+-]`` turned into ``_`` (and
 one longer than 40 characters cut to its last 24 and a hash). ``grid.parallel=N`` runs N cells at once
 (``core.grid_parallel``); it is never an axis.
+
 A cell whose folder holds a final checkpoint is finished and skipped; any other resumes (``resume=auto``) or
 starts. A cell that fails stops the grid after the summary of the cells so far is written; rerunning the
 command carries on from there.
@@ -42,7 +43,7 @@ from core.runs import run_folder
 
 PREFIX = "grid."
 PARALLEL = "grid.parallel"                      # cells at once (core.grid_parallel); never an axis
-RESERVED = ("out", "name", "resume", "seed")   # set per cell by the grid itself (seed through seed=1,2)
+RESERVED = ("out", "name", "resume")           # each cell has its own folder and resumes on its own
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
 
 
@@ -93,8 +94,9 @@ def split_grid(pairs: Mapping[str, str]) -> tuple[dict[str, str], dict[str, list
             axis = key[len(PREFIX):]
             if not axis:
                 raise ConfigError(f"'{key}' names no key; write grid.KEY=A,B (e.g. grid.lr=1e-3,3e-3)")
-            if axis in RESERVED[:3]:
-                raise ConfigError(f"'{key}' cannot be a grid axis: the grid sets {axis} for each cell itself")
+            if axis in RESERVED:
+                raise ConfigError(f"'{key}' cannot be a grid axis: each cell runs in its own folder under the run "
+                                  f"root (out=, else name=) and resumes on its own")
             if axis == "seed":
                 raise ConfigError(f"'{key}': write the seeds as seed=1,2,3")
             if axis in pairs:
