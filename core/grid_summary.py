@@ -118,7 +118,8 @@ def _write_md(path: Path, cells, rows, groups, axes) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def _write_png(path: Path, cells, rows) -> bool:
+def _write_png(path: Path, cells, rows, axes) -> bool:
+    """Validation loss against step, one line per cell: a colour per group, a line style per seed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -126,10 +127,15 @@ def _write_png(path: Path, cells, rows) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    groups = list(dict.fromkeys(tuple(c.shown[a] for a in axes if a != "seed") for c in cells))
+    seeds = list(dict.fromkeys(c.shown.get("seed") for c in cells))
+    styles = ("-", "--", ":", "-.")
     for cell, row in zip(cells, rows):
         if row["val_curve"]:
             steps, losses = zip(*row["val_curve"])
-            ax.plot(steps, losses, marker="o", markersize=3, label=cell.name)
+            group = groups.index(tuple(cell.shown[a] for a in axes if a != "seed"))
+            ax.plot(steps, losses, marker="o", markersize=3, label=cell.name, color=f"C{group % 10}",
+                    linestyle=styles[seeds.index(cell.shown.get("seed")) % len(styles)])
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss")
     ax.grid(alpha=0.3)
@@ -149,6 +155,6 @@ def write_summary(root: Path, cells: Sequence, axes: Sequence[str]) -> list[Path
     written = [root / "grid.csv", root / "grid.md"]
     _write_csv(written[0], cells, rows, groups, axes)
     _write_md(written[1], cells, rows, groups, axes)
-    if _write_png(root / "grid.png", cells, rows):
+    if _write_png(root / "grid.png", cells, rows, axes):
         written.append(root / "grid.png")
     return written

@@ -70,6 +70,20 @@ def test_text_events_histogram(tmp_path):
                       "reason": "loss spike", "loss": 9.0}
 
 
+def test_layout_is_a_custom_scalars_config_and_histograms_follow_the_tag_scheme(tmp_path):
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    with Logger(tmp_path, console=False) as logger:
+        logger.layout({"training": {"loss": ["^1_train/loss$", "^2_val/loss$"]}})
+        logger.histogram(1, "health/grad_norm", torch.arange(4.0))
+    events = read_events(tmp_path)
+    (event,) = events.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(event.tensor_proto).item())
+    (category,) = layout.category
+    assert category.title == "training" and [c.title for c in category.chart] == ["loss"]
+    assert list(category.chart[0].multiline.tag) == ["^1_train/loss$", "^2_val/loss$"]
+    assert events.Tags()["histograms"] == ["4_health/grad_norm"]
+
+
 def test_hparams_go_into_the_same_run(tmp_path):
     config = {"lr": 1e-3, "compile": False, "out": None, "model": {"n_layers": 2, "dims": (4, 8)}}
     with Logger(tmp_path, console=False) as logger:
