@@ -12,7 +12,9 @@ A recipe module (imported only when chosen) exposes:
 - ``Config``: the config dataclass (fields declared with ``core.config.option`` for help and choices);
 - ``PRESETS``: optional ``dict[str, dict]`` of named settings (nested or dotted keys);
 - ``DESCRIPTION``: one line for ``bin/run --help``;
-- ``run(cfg)``: the loop.
+- ``run(cfg)``: the loop;
+- ``GRID``: optional, True when the recipe trains into ``out=`` and leaves ``final.msgpack`` there, so
+  ``seed=1,2`` and ``grid.KEY=A,B`` may repeat it per cell (``core.grid``).
 
 Exit codes: 0 done; 2 a user error (``core.config.UserError`` and its subclasses, among them
 ``core.tokenizers.DataError`` and ``core.checkpoint.CheckpointError``, ``FileNotFoundError``, and the OS
@@ -42,6 +44,7 @@ from core.checkpoint import FINAL
 from core.config import ConfigError, UserError, flatten_keys, resolve
 from core.config_files import load_toml
 from core.config_help import format_help
+from core.grid import check_recipe, run_grid, split_grid
 from core.runs import check_name, run_folder
 
 PROG = "bin/run"
@@ -220,6 +223,9 @@ def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
         raise ConfigError(f"bad value for 'recipe': {name!r} is not a str")
     module = load_recipe(name, recipes)
     preset = pairs.pop("preset", None)
+    pairs, axes, parallel = split_grid(pairs)       # seed=1,2 and grid.KEY=A,B: core.grid
+    if axes:
+        check_recipe(name, module, axes, stages)
     cfg = resolve(module.Config, presets=getattr(module, "PRESETS", None), preset=preset, toml=toml,
                   overrides=pairs, context=f"recipe {name}")
     if want_help:
@@ -229,6 +235,8 @@ def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
         return 0
     if stages is not None:
         return _run_stages(name, module, preset, toml, pairs, stages, cfg)
+    if axes:
+        return run_grid(name, module, preset, toml, pairs, axes, cfg, parallel, argv)
     module.run(cfg)
     return 0
 

@@ -4,8 +4,11 @@ The loop pulls the step's 0-d metric tensors to the host every ``log_every`` ste
 metrics) and hands them to one ``Logger``, which fans out to:
 
 - TensorBoard through ``torch.utils.tensorboard.SummaryWriter`` (``tensorboard --logdir runs``):
-  scalars, text (generated samples, events, the resolved config), histograms and the HParams plugin;
-- ``metrics.jsonl`` in the same folder: one JSON object per ``scalars`` or ``event`` call;
+  scalars, text (generated samples, events, the resolved config), histograms, the HParams plugin and a
+  custom-scalars layout (``layout``); scalar and histogram tags are renamed by ``core.board.board_tag`` so
+  that loss, learning rate and throughput sort first (``train/loss`` -> ``1_train/loss``);
+- ``metrics.jsonl`` in the same folder: one JSON object per ``scalars`` or ``event`` call, under the keys
+  as logged (``train/loss``, ``lr``, ``health/...``);
 - the console, through click: a progress line (step/total, %, loss, tokens/s, ETA from an EMA of the
   step time) redrawn in place when stderr is a terminal and printed as plain lines when it is not.
 
@@ -29,6 +32,7 @@ from typing import Any, Mapping
 import click
 import torch
 
+from core.board import board_tag, layout_of
 from core.config import flatten_keys
 
 __all__ = ["Logger", "progress", "to_floats", "memory_mb", "format_duration"]
@@ -135,7 +139,7 @@ class Logger:
         values = to_floats(metrics)
         if self._tb is not None:
             for tag, v in values.items():
-                self._tb.add_scalar(tag, v, step)
+                self._tb.add_scalar(board_tag(tag), v, step)
         self._write_jsonl({"step": step, "time": time.time(), **values})
         return values
 
@@ -158,7 +162,7 @@ class Logger:
         if self._tb is not None:
             if isinstance(values, torch.Tensor):
                 values = values.detach().float().cpu()
-            self._tb.add_histogram(tag, values, int(step))
+            self._tb.add_histogram(board_tag(tag), values, int(step))
 
     def hparams(self, config: Mapping[str, Any], metrics: Mapping[str, Any] | None = None,
                 step: int = 0) -> None:
@@ -175,13 +179,19 @@ class Logger:
         flat = flatten_keys(config)
         values = {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v, default=str)
                   for k, v in flat.items()}
-        metrics = dict(metrics or {})
+        metrics = {board_tag(tag): v for tag, v in (metrics or {}).items()}
         for summary in hparams_summaries(values, {tag: 0.0 for tag in metrics}):
             self._tb.file_writer.add_summary(summary)
         for tag, v in to_floats({k: v for k, v in metrics.items() if v is not None}).items():
             self._tb.add_scalar(tag, v, int(step))
         rows = "\n".join(f"| `{k}` | `{json.dumps(v, default=str)}` |" for k, v in flat.items())
         self._tb.add_text("config", "| key | value |\n|---|---|\n" + rows, 0)
+
+    def layout(self, categories: Mapping[str, Mapping[str, Any]]) -> None:
+        """The custom-scalars layout (TensorBoard's CUSTOM SCALARS tab): ``{category: {chart: [tag regex,
+        ...]}}``, each chart a multi-line chart with one line per matching tag (``core.board.layout_of``)."""
+        if self._tb is not None:
+            self._tb.add_custom_scalars(layout_of(categories))
 
     def _write_jsonl(self, record: dict) -> None:
         if self._jsonl is not None:

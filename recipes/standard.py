@@ -34,6 +34,7 @@ from recipes.train.loop import LoopIO, build_steps, evaluate, fit
 from recipes.train.setup import run_folder
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
+GRID = True                 # seed=1,2 and grid.KEY=A,B run it per cell (core.grid)
 
 
 @dataclass

@@ -36,9 +36,10 @@ def test_scalars_reach_tensorboard_and_jsonl(tmp_path):
         logger.scalars(torch.tensor(20), {"train/loss": torch.tensor(2.25), "val/perplexity": 9.5})
     assert got == {"train/loss": 2.5, "lr": 1e-3, "tokens": 4096.0}
     events = read_events(tmp_path)
-    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 2.5), (20, 2.25)]
-    assert [(e.step, e.value) for e in events.Scalars("val/perplexity")] == [(20, 9.5)]
-    assert events.Scalars("lr")[0].value == pytest.approx(1e-3)
+    # TensorBoard tags are core.board.board_tag's: loss, lr and throughput sort first; JSONL keeps the keys
+    assert [(e.step, e.value) for e in events.Scalars("1_train/loss")] == [(10, 2.5), (20, 2.25)]
+    assert [(e.step, e.value) for e in events.Scalars("2_val/perplexity")] == [(20, 9.5)]
+    assert events.Scalars("1_train/lr")[0].value == pytest.approx(1e-3)
     records = read_jsonl(tmp_path)
     assert [r["step"] for r in records] == [10, 20]
     assert records[0]["train/loss"] == 2.5 and records[0]["tokens"] == 4096.0
@@ -51,7 +52,7 @@ def test_non_finite_values_are_strict_json_nulls(tmp_path):
         logger.scalars(1, {"loss": torch.tensor(float("nan")), "grad_norm": float("inf"), "lr": 0.1})
     (record,) = read_jsonl(tmp_path)
     assert record["loss"] is None and record["grad_norm"] is None and record["lr"] == 0.1
-    assert math.isnan(read_events(tmp_path).Scalars("loss")[0].value)   # TensorBoard keeps the NaN
+    assert math.isnan(read_events(tmp_path).Scalars("1_train/loss")[0].value)   # TensorBoard keeps the NaN
 
 
 def test_text_events_histogram(tmp_path):
@@ -69,6 +70,20 @@ def test_text_events_histogram(tmp_path):
                       "reason": "loss spike", "loss": 9.0}
 
 
+def test_layout_is_a_custom_scalars_config_and_histograms_follow_the_tag_scheme(tmp_path):
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    with Logger(tmp_path, console=False) as logger:
+        logger.layout({"training": {"loss": ["^1_train/loss$", "^2_val/loss$"]}})
+        logger.histogram(1, "health/grad_norm", torch.arange(4.0))
+    events = read_events(tmp_path)
+    (event,) = events.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(event.tensor_proto).item())
+    (category,) = layout.category
+    assert category.title == "training" and [c.title for c in category.chart] == ["loss"]
+    assert list(category.chart[0].multiline.tag) == ["^1_train/loss$", "^2_val/loss$"]
+    assert events.Tags()["histograms"] == ["4_health/grad_norm"]
+
+
 def test_hparams_go_into_the_same_run(tmp_path):
     config = {"lr": 1e-3, "compile": False, "out": None, "model": {"n_layers": 2, "dims": (4, 8)}}
     with Logger(tmp_path, console=False) as logger:
@@ -81,9 +96,9 @@ def test_hparams_go_into_the_same_run(tmp_path):
     assert values["lr"].number_value == pytest.approx(1e-3) and values["model.n_layers"].number_value == 2
     assert values["model.dims"].string_value == "[4, 8]" and values["out"].string_value == "null"
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
-    assert [m.name.tag for m in experiment.metric_infos] == ["val/loss", "hparam/final_loss"]
+    assert [m.name.tag for m in experiment.metric_infos] == ["2_val/loss", "hparam/final_loss"]
     assert [(e.step, e.value) for e in events.Scalars("hparam/final_loss")] == [(100, 1.5)]
-    assert "val/loss" not in events.Tags()["scalars"]
+    assert "2_val/loss" not in events.Tags()["scalars"]
     ((step, table),) = texts(events, "config")
     assert "| `model.n_layers` | `2` |" in table and "| `lr` | `0.001` |" in table
 

@@ -102,11 +102,12 @@ def test_telemetry_in_tensorboard_and_budget_stop(corpus, tmp_path, capsys):
     acc = EventAccumulator(str(out), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"mfu", "tokens_per_sec", "param_norm", "memory_mb", "cost", "wall_hours"} <= tags
-    mfu = acc.Scalars("mfu")[-1].value
+    assert {"3_system/mfu", "1_train/tokens_per_sec", "1_train/param_norm", "3_system/memory_mb", "3_system/cost",
+            "3_system/wall_hours"} <= tags                                  # core.board.board_tag
+    mfu = acc.Scalars("3_system/mfu")[-1].value
     assert 0 < mfu < 1
-    cost = acc.Scalars("cost")[-1].value
-    assert cost == pytest.approx(acc.Scalars("wall_hours")[-1].value * 3.6, rel=1e-6)
+    cost = acc.Scalars("3_system/cost")[-1].value
+    assert cost == pytest.approx(acc.Scalars("3_system/wall_hours")[-1].value * 3.6, rel=1e-6)
 
     capped = tmp_path / "capped"
     assert main([*TINY, f"data={corpus}", "steps=500", "eval_every=0", "cost_per_hour=3600", "budget=2",

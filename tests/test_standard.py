@@ -47,10 +47,11 @@ def test_trains_and_logs_to_tensorboard(corpus, tmp_path):
     events = EventAccumulator(str(out), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    for tag in ("train/loss", "train/grad_norm", "lr", "tokens_per_sec", "memory_mb", "val/loss", "val/perplexity"):
+    for tag in ("1_train/loss", "1_train/grad_norm", "1_train/lr", "1_train/tokens_per_sec", "3_system/memory_mb",
+                "2_val/loss", "2_val/perplexity"):          # core.board.board_tag
         assert tag in tags, tag
-    assert [e.step for e in events.Scalars("val/loss")] == [4, 8]
-    assert len(events.Scalars("train/loss")) == 4
+    assert [e.step for e in events.Scalars("2_val/loss")] == [4, 8]
+    assert len(events.Scalars("1_train/loss")) == 4
     text_tags = set(events.Tags()["tensors"])
     assert "samples/text_summary" in text_tags or "samples" in str(text_tags)
 

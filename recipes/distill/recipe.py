@@ -72,6 +72,7 @@ from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit
 from recipes.train.setup import RunSetup, run_folder
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
+GRID = True                 # seed=1,2 and grid.KEY=A,B run it per cell (core.grid)
 
 STUDENTS = ("config", "drop_layers", "shrink")
 TEMPERATURE_MODES = ("fixed", "scheduled", "learnable")

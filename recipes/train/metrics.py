@@ -7,14 +7,16 @@ fixed validation windows; ``patience`` evaluations without improvement stop the 
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Callable, Optional
 
 import torch
 
+from core.board import board_tag, exact, training_charts
 from core.logging import Logger, memory_mb
 from core.telemetry import peak_flops
-from optim.health import GradientHealth
+from optim.health import COLUMNS, GLOBAL, GradientHealth
 from recipes.train.hooks import Hook, StepContext, Stop
 
 LAST_VALUE = ("lr", "loss_scale", "spike", "z_loss", "z_grad")
@@ -30,6 +32,28 @@ def pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor]]:
     values = {k: (lasts[i] if k in LAST_VALUE else means[i]) for i, k in enumerate(keys)}
     health = pending[-1].get("health")
     return values, None if health is None else health.cpu()
+
+
+def board_layout(health: Optional[GradientHealth]) -> dict:
+    """The run's custom-scalars layout (``Logger.layout``): loss, learning rate and tokens/s first; then, per
+    gradient-health statistic, one chart of every tensor and layer, one per layer-stacked tensor (a line per
+    layer) and one of the whole tensors and the global row; the clip ratio when there is a clip threshold."""
+    categories = {"training": training_charts()}
+    if health is None:
+        return categories
+    for column in COLUMNS:
+        prefix = re.escape(board_tag(f"health/{column}/"))
+        charts = {f"{column}: every tensor and layer": [f"^{prefix}"]}
+        for name, stacked, _ in health.leaves:
+            if stacked:
+                charts[f"{column}: {name} by layer"] = [f"^{prefix}{re.escape(name)}/\\d+$"]
+        whole = [name for name, stacked, _ in health.leaves if not stacked] + [GLOBAL]
+        charts[f"{column}: whole tensors, global"] = [exact(f"health/{column}/{name}") for name in whole]
+        categories[f"health: {column}"] = charts
+    if health.clip_norm is not None:
+        categories["health: clip"] = {"global norm / clip_norm, clipped": [exact("health/clip/ratio"),
+                                                                           exact("health/clip/clipped")]}
+    return categories
 
 
 class FirstStepCheck(Hook):
@@ -66,6 +90,7 @@ class TrainLog(Hook):
         self.device = ctx.state.step.device
         self.peak = peak_flops(self.device, cfg.peak_flops)
         self.last_time, self.last_tokens = time.perf_counter(), ctx.loop.tokens
+        logger.layout(board_layout(health))
 
     def after_step(self, ctx: StepContext):
         cfg, logger = self.cfg, self.logger

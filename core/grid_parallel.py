@@ -1,0 +1,82 @@
+"""``grid.parallel=N``: a grid's cells run N at once, each as its own ``bin/run`` process (``core.grid``).
+
+A cell's command is this command's arguments without the grid (``grid.*``, the seed list) and without
+``out=``/``name=``, followed by the cell's values and ``out=<cell folder>``; it runs from the same working
+directory with this checkout first on ``PYTHONPATH``, so it imports the code that planned it. Its console
+output goes to ``<cell folder>/grid.log`` (appended to on a rerun); one line here says when each cell starts
+and ends. Every process keeps its own thread settings (``OMP_NUM_THREADS``): on a small machine give each
+cell fewer threads (``OMP_NUM_THREADS=1 bin/run ... grid.parallel=2``).
+
+A cell that fails lets the running ones finish and starts no new one; the grid then stops with one line naming
+the failed cells and their logs (their exit codes: 2 a user error, 1 a bug). Ctrl-C (or SIGTERM) asks every
+running cell to stop with a checkpoint (SIGTERM, which the training loop turns into a clean stop) and waits.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from core.config import UserError
+from core.logging import progress
+
+LOG = "grid.log"
+REPO = Path(__file__).resolve().parents[1]
+DROP = ("out", "name")
+
+
+def child_argv(argv: Sequence[str], axes: Sequence[str], cell) -> list[str]:
+    """``bin/run`` arguments for one cell: ``argv`` without the grid, its values, and its folder as ``out=``."""
+    keep = []
+    for token in argv:
+        key = token.partition("=")[0].strip()
+        if key.startswith("grid.") or key in DROP or (key == "seed" and "seed" in axes):
+            continue
+        keep.append(token)
+    return [*keep, *(f"{k}={v}" for k, v in cell.values.items()), f"out={cell.folder}"]
+
+
+def _start(cell, args: list[str]) -> subprocess.Popen:
+    cell.folder.mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    with open(cell.folder / LOG, "ab") as log:
+        return subprocess.Popen([sys.executable, str(REPO / "bin" / "run"), *args], stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": path})
+
+
+def _stop(running: dict) -> None:
+    """SIGTERM to every running cell (each stops with a checkpoint), then wait for all of them."""
+    for proc in running:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in running:
+        proc.wait()
+
+
+def run_parallel(todo: Sequence[tuple[int, object]], total: int, axes: Sequence[str], argv: Sequence[str],
+                 n: int) -> None:
+    """Run the cells ``todo`` (``(number, Cell)``) ``n`` at a time; a UserError naming the failed ones."""
+    queue, running, failed = list(todo), {}, []
+    try:
+        while running or (queue and not failed):
+            while queue and not failed and len(running) < n:
+                i, cell = queue.pop(0)
+                running[_start(cell, child_argv(argv, axes, cell))] = (i, cell)
+                progress(f"grid cell {i}/{total}: {cell.name} -> {cell.folder} (log: {cell.folder / LOG})")
+            time.sleep(0.1)
+            for proc in [p for p in running if p.poll() is not None]:
+                i, cell = running.pop(proc)
+                if proc.returncode != 0:
+                    failed.append(f"{cell.name} (exit {proc.returncode}, see {cell.folder / LOG})")
+                progress(f"grid cell {i}/{total}: {cell.name} " +
+                         ("done" if proc.returncode == 0 else f"failed with exit code {proc.returncode}"))
+    except BaseException:
+        _stop(running)
+        raise
+    if failed:
+        raise UserError(f"grid cell{'s' if len(failed) > 1 else ''} {'; '.join(failed)} failed; fix the cause and "
+                        f"rerun the same command: finished cells are skipped, the rest resume")
