@@ -66,7 +66,7 @@ from recipes.distill.cache import TeacherCache
 from recipes.distill.teacher import (compute_view, data_identity, held_dtype_hint, load_teacher, teacher_data,
                                      teacher_dtype_option, teacher_identity, teacher_option)
 from recipes.orchestrator.driver import orchestrate
-from recipes.train import setup
+from recipes.train import backend, setup
 from recipes.train.config import TrainConfig
 from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit
 from recipes.train.setup import RunSetup, run_folder
@@ -315,7 +315,8 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
 
     steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist)
     eval_step = make_eval_step(lambda prm, b: llama.loss(prm, b, student_cfg), precision=cfg.dtype,
-                               device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope)
+                               device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope,
+                               compile_mode=backend.compile_mode(cfg, device))
     steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
     return Prepared(dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
                     val_batches, None if cache else {"teacher": teacher.params}, cache)
