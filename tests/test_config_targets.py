@@ -120,3 +120,23 @@ def test_target_is_reserved_and_may_not_nest_file_tables(tmp_path):
         {"out": "${HOME}/true"}
     with pytest.raises(ConfigError, match="it has no \\[targets.NAME\\] tables"):
         load_toml(write(tmp_path, "steps = 1\n", "plain.toml"), target="quick")
+
+
+def test_the_readme_study_resolves_to_the_values_it_documents(tmp_path):
+    import re
+    from pathlib import Path
+    from core.config import resolve
+    from recipes import standard
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"<!-- study-example:start -->\n```toml\n(.*?)```", readme, re.S).group(1)
+    path = write(tmp_path, block)
+
+    def study(target):
+        toml = load_toml(path, target=target)
+        assert toml.pop("recipe") == "standard"
+        return resolve(standard.Config, presets=standard.PRESETS, toml=toml, context="recipe standard")
+    quick, paper = study("quick"), study("paper")
+    assert (quick.steps, quick.compile, quick.model.d_model, quick.model.n_layers, quick.out) == \
+        (50, False, 64, 2, "runs/study/d64")
+    assert (paper.steps, paper.lr, paper.model.d_model, paper.model.n_layers, paper.out) == \
+        (5000, 3e-4, 512, 6, "runs/study/d512")
