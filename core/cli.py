@@ -201,7 +201,8 @@ def top_help(recipes: Mapping[str, str]) -> str:
 
 def recipe_help(name: str, module: ModuleType, cfg=None, sources: str = "") -> str:
     """Usage, description, keys and presets of a recipe; with ``cfg``, its values instead of defaults."""
-    head = f"usage: {PROG} recipe={name} [config=FILE.toml] [preset=NAME] [key=value ...]"
+    head = (f"usage: {PROG} recipe={name} [config=FILE.toml [target=NAME]] [preset=NAME] [key=value ...]"
+            + ("\n       (dry_run=true: print the plan instead of running)" if hasattr(module, "dry_run") else ""))
     description = getattr(module, "DESCRIPTION", "")
     table = format_help(cfg if cfg is not None else module.Config, getattr(module, "PRESETS", None))
     if cfg is not None:
