@@ -53,6 +53,10 @@ def test_the_probe_step_time_is_within_2x_of_a_real_run(corpus, tmp_path, capsys
     assert not (tmp_path / "planned").exists()
     out = tmp_path / "real"
     assert main([*args, "steps=50", "log_every=10", "eval_every=0", f"out={out}"]) == 0
+    capsys.readouterr()
+    again = plan_of(capsys, *args, "dry_run=true", f"out={out}", "steps=80")    # a resume: 30 steps left
+    assert "resumes from" in again["run folder"] and "at step 50" in again["run folder"]
+    assert " for 30 steps" in again["wall time"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     real = statistics.median([1024 / r["tokens_per_sec"] * 1e3 for r in rows if "tokens_per_sec" in r][1:])
     ratio = probe / real                          # the first interval (warm-up) left out, as the probe does

@@ -17,10 +17,12 @@ import time
 from pathlib import Path
 import torch
 
+from core import checkpoint as ckpt
 from core.config import UserError
 from core.device import synchronize
 from core.tree import size, tree_leaves
 from recipes.train.loop import Steps
+from recipes.train.setup import resolve_run_folder
 
 PROBE_WARMUP = 2          # eager steps before timing (allocator, first-call caches)
 PROBE_STEPS = 8           # timed steps at most ...
@@ -69,19 +71,30 @@ def megabytes(n: int) -> str:
     return f"{n / 2**20:.4g} MiB"
 
 
+def resume_point(cfg, folder: Path) -> tuple[str, int]:
+    """What the run folder holds and the step the run would start from (the checkpoint ``resume`` picks;
+    a ``resume=never`` over checkpoints is the same error as the real run's)."""
+    path = resolve_run_folder(cfg, folder)
+    if path is None:
+        return f"{folder} ({'exists, no checkpoints' if folder.exists() else 'not created'})", 0
+    step = int(ckpt.read_meta(path).get("step", 0))
+    return f"{folder} (resumes from {path.name} at step {step:,})", step
+
+
 def describe(cfg, *, recipe: str, folder: Path, model: str, data: str, train_tokens: int, state, steps: Steps,
              device: torch.device, world_size: int = 1, frozen=None, extra: tuple[str, ...] = ()) -> str:
     """The plan as printed by ``dry_run=true``: sizes, the probe's step time, the projected wall time and cost."""
     seconds, timed = probe(steps, state, frozen, device)
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * world_size
     params, moments = tree_bytes(state.params), tree_bytes(state.opt_state)
-    wall = seconds * cfg.steps
+    where, start = resume_point(cfg, folder)
+    left = max(cfg.steps - start, 0)
+    wall = seconds * left
     cost = (f"{wall / 3600 * cfg.cost_per_hour:.4g} at cost_per_hour={cfg.cost_per_hour:g}"
             + (f" (budget {cfg.budget:g})" if cfg.budget else "")) if cfg.cost_per_hour else \
         "not metered (cost_per_hour=0)"
-    there = folder.exists() and any(folder.glob("*.msgpack"))
     rows = [
-        ("run folder", f"{folder} ({'holds checkpoints: resume=' + cfg.resume if there else 'not created'})"),
+        ("run folder", where),
         ("model", model),
         ("parameters", f"{size(state.params):,}"),
         *(tuple(line.split(": ", 1)) for line in extra),
@@ -94,7 +107,7 @@ def describe(cfg, *, recipe: str, folder: Path, model: str, data: str, train_tok
         ("step time", f"{seconds * 1e3:.4g} ms ({timed} eager steps after {PROBE_WARMUP} warm-up, compile=false; "
                       f"{device}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"),
         ("steps/s", f"{1 / seconds:.4g} ({tokens_per_step / seconds:,.0f} tokens/s)"),
-        ("wall time", f"{duration(wall)} for {cfg.steps:,} steps (training steps only; evaluation, samples, "
+        ("wall time", f"{duration(wall)} for {left:,} steps (training steps only; evaluation, samples, "
                       f"checkpoints{' and compiling' if cfg.compile else ''} come on top)"),
         ("cost", cost),
     ]
