@@ -41,8 +41,8 @@ def test_dry_run_prints_the_plan_and_creates_no_run_folder(corpus, tmp_path, mon
     assert plan["tokens/step"].startswith("1,024 (batch_size 16 x block_size 64")
     seconds = step_ms(plan["step time"]) / 1e3
     wall = re.match(r"([\d.]+) (s|min|h) for 3,600 steps", plan["wall time"])
-    assert float(wall.group(1)) * {"s": 1, "min": 60, "h": 3600}[wall.group(2)] == pytest.approx(3600 * seconds,
-                                                                                               rel=2e-3)
+    shown = float(wall.group(1)) * {"s": 1, "min": 60, "h": 3600}[wall.group(2)]
+    assert shown == pytest.approx(3600 * seconds, rel=6e-3)          # printed to 3 significant digits
     assert float(plan["cost"].split()[0]) == pytest.approx(2 * seconds, rel=2e-3)      # 1 h at 2 per hour
     assert "train" in plan["data"] and "val tokens" in plan["data"]
 
