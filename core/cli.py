@@ -279,8 +279,9 @@ def _run_stages(name: str, module: ModuleType, preset, toml: dict, pairs: dict, 
     """Run the config file's ``[[stages]]`` in order, each in ``<run folder>/<i>-<stage name>``.
 
     A stage's keys sit between the file's (its target's included) and the command line's (defaults <
-    preset < file < target < stage < key=value). Unless a stage sets ``init`` itself, it starts from the previous stage's final weights.
-    Each stage resumes on its own: rerunning the command skips finished stages and continues the rest.
+    preset < file < target < stage < key=value). Unless a stage sets ``init`` itself, it starts from the
+    previous stage's final weights. Each stage resumes on its own: rerunning the command skips finished
+    stages and continues the rest.
     """
     if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
         raise ConfigError("'stages' must be a list of tables ([[stages]] in the config file)")

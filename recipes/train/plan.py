@@ -35,7 +35,7 @@ def probe_config(cfg):
     if cfg.orchestrator.enabled:
         raise UserError("dry_run=true cannot project orchestrator.enabled=true (its branches' cost depends on "
                         "the bandit's choices); dry-run without it")
-    return dataclasses.replace(cfg, compile=False)
+    return dataclasses.replace(cfg, compile=False, compile_mode="default")   # no warning about the probe's own choice
 
 
 def tree_bytes(tree) -> int:
