@@ -1,8 +1,11 @@
 """The ``bin/run`` program: ``bin/run recipe=NAME [config=FILE.toml] [preset=NAME] [key=value ...]``.
 
 nanoGPT's ``python train.py config/x.py --key=value``, made strict (see ``core.config``): the recipe's
-config dataclass is built from its defaults < preset < config file < ``key=value`` arguments, and an
-unknown key or a badly typed value stops the run before anything starts.
+config dataclass is built from its defaults < preset < config file < the file's ``target=NAME`` table <
+``key=value`` arguments (a ``[[stages]]`` table's keys sit above the file and its target, below the command
+line), and an unknown key or a badly typed value stops the run before anything starts. A config file's
+``[vars]`` and ``[targets.NAME]`` are ``core.config_files``'. ``dry_run=true`` prints the recipe's plan
+(``module.dry_run(cfg) -> str``, optional; refused by name for a recipe without one) instead of running.
 
 The caller passes the registry of recipe names (``recipes.RECIPES``: name -> module path; ``core`` names no
 recipe itself). A recipe is resolved as (``load_recipe``): a registered name first (``standard``,
@@ -48,8 +51,8 @@ from core.grid import check_recipe, run_grid, split_grid
 from core.runs import check_name, run_folder
 
 PROG = "bin/run"
-RESERVED = ("recipe", "config", "preset")        # arguments of bin/run itself, not recipe keys
-SYNOPSIS = f"{PROG} recipe=NAME [config=FILE.toml] [preset=NAME] [key=value ...]"
+RESERVED = ("recipe", "config", "preset", "target", "dry_run")   # arguments of bin/run itself, not recipe keys
+SYNOPSIS = f"{PROG} recipe=NAME [config=FILE.toml [target=NAME]] [preset=NAME] [dry_run=true] [key=value ...]"
 USAGE = f"usage: {SYNOPSIS}\n       {PROG} [recipe=NAME] --help"
 
 
@@ -193,14 +196,16 @@ def top_help(recipes: Mapping[str, str]) -> str:
     return (f"{USAGE}\n\n"
             "Train and run language models with purestep. A recipe's settings come from its defaults,\n"
             "then preset=NAME, then the config=FILE.toml file (which may set recipe and preset too), then\n"
-            "key=value arguments; nested settings use dotted keys (model.n_layers=4).\n\n"
+            "its [targets.NAME] chosen by target=NAME, then key=value arguments; nested settings use dotted\n"
+            "keys (model.n_layers=4). dry_run=true prints the plan (sizes, step time, wall time, cost) only.\n\n"
             f"recipes:\n{listing}\n\n"
             f"'{PROG} recipe=NAME --help' lists a recipe's keys, types, defaults and presets.")
 
 
 def recipe_help(name: str, module: ModuleType, cfg=None, sources: str = "") -> str:
     """Usage, description, keys and presets of a recipe; with ``cfg``, its values instead of defaults."""
-    head = f"usage: {PROG} recipe={name} [config=FILE.toml] [preset=NAME] [key=value ...]"
+    head = (f"usage: {PROG} recipe={name} [config=FILE.toml [target=NAME]] [preset=NAME] [key=value ...]"
+            + ("\n       (dry_run=true: print the plan instead of running)" if hasattr(module, "dry_run") else ""))
     description = getattr(module, "DESCRIPTION", "")
     table = format_help(cfg if cfg is not None else module.Config, getattr(module, "PRESETS", None))
     if cfg is not None:
@@ -210,7 +215,8 @@ def recipe_help(name: str, module: ModuleType, cfg=None, sources: str = "") -> s
 
 def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
     pairs, want_help = parse_args(argv)
-    toml = load_toml(pairs.pop("config")) if "config" in pairs else {}
+    toml = _config_file(pairs)
+    dry_run = _dry_run_flag(pairs, toml)
     stages = toml.pop("stages", None)
     file_recipe = toml.pop("recipe", None)
     name = pairs.pop("recipe", None) or file_recipe
@@ -233,6 +239,8 @@ def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
                                  ("key=value arguments", pairs)) if on]
         click.echo(recipe_help(name, module, cfg if given else None, ", ".join(given)))
         return 0
+    if dry_run:
+        return _dry_run(name, module, cfg, stages)
     if stages is not None:
         return _run_stages(name, module, preset, toml, pairs, stages, cfg)
     if axes:
@@ -241,12 +249,47 @@ def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
     return 0
 
 
+def _config_file(pairs: dict) -> dict:
+    """The ``config=`` file's keys (``[vars]`` substituted, the ``target=`` chosen: ``core.config_files``),
+    both arguments taken out of ``pairs``; ``{}`` without a file."""
+    target = pairs.pop("target", None)
+    if "config" not in pairs:
+        if target is not None:
+            raise UserError(f"target={target} needs a config=FILE.toml that defines [targets.{target}]")
+        return {}
+    return load_toml(pairs.pop("config"), target=target)
+
+
+def _dry_run_flag(pairs: dict, toml: dict) -> bool:
+    """``dry_run=true|false`` taken out of ``pairs`` (a command-line argument only: a file sets what to run,
+    not whether to run it)."""
+    if "dry_run" in toml:
+        raise ConfigError("'dry_run' is a command-line argument (dry_run=true), not a config-file key")
+    value = pairs.pop("dry_run", "false").strip().lower()
+    if value not in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        raise ConfigError(f"bad value for 'dry_run': {value!r} is not a bool (true/false)")
+    return value in ("true", "1", "yes", "on")
+
+
+def _dry_run(name: str, module: ModuleType, cfg, stages) -> int:
+    """Print the recipe's plan for ``cfg`` (``module.dry_run(cfg) -> str``) to stdout; nothing is run."""
+    if not hasattr(module, "dry_run"):
+        raise UserError(f"recipe {name} cannot do dry_run=true (it has no plan; recipes that can: those "
+                        "defining dry_run(cfg), e.g. standard and distill)")
+    if stages is not None:
+        raise UserError("dry_run=true with [[stages]] is not supported; dry-run one stage by giving its keys "
+                        "on the command line")
+    click.echo(module.dry_run(cfg))
+    return 0
+
+
 def _run_stages(name: str, module: ModuleType, preset, toml: dict, pairs: dict, stages, base) -> int:
     """Run the config file's ``[[stages]]`` in order, each in ``<run folder>/<i>-<stage name>``.
 
-    A stage's keys sit between the file's and the command line's (defaults < preset < file < stage <
-    key=value). Unless a stage sets ``init`` itself, it starts from the previous stage's final weights.
-    Each stage resumes on its own: rerunning the command skips finished stages and continues the rest.
+    A stage's keys sit between the file's (its target's included) and the command line's (defaults <
+    preset < file < target < stage < key=value). Unless a stage sets ``init`` itself, it starts from the
+    previous stage's final weights. Each stage resumes on its own: rerunning the command skips finished
+    stages and continues the rest.
     """
     if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
         raise ConfigError("'stages' must be a list of tables ([[stages]] in the config file)")

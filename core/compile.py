@@ -29,12 +29,25 @@ def enable_caches() -> None:
         inductor_config.autograd_cache = True
 
 
-def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True) -> Callable:
-    """``torch.compile(fn, fullgraph=fullgraph, dynamic=False)`` when enabled, else ``fn`` unchanged."""
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+
+def _mode(mode: str | None) -> dict:
+    """``torch.compile``'s ``mode=`` keyword for ``mode`` (none for ``default``: torch's own default)."""
+    if mode in (None, "default"):
+        return {}
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode {mode!r}; choose one of {', '.join(COMPILE_MODES)}")
+    return {"mode": mode}
+
+
+def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True, mode: str | None = None) -> Callable:
+    """``torch.compile(fn, fullgraph=fullgraph, dynamic=False, mode=mode)`` when enabled, else ``fn`` unchanged.
+    ``mode`` is one of ``COMPILE_MODES`` (``reduce-overhead``: CUDA graphs; ``max-autotune``: kernel autotuning)."""
     if not enabled:
         return fn
     enable_caches()
-    return torch.compile(fn, fullgraph=fullgraph, dynamic=False)
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_mode(mode))
 
 
 def compile_count() -> int:
@@ -43,19 +56,22 @@ def compile_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-_regions = {"active": False}
+_regions = {"active": False, "mode": None}
 _compiled_regions: dict = {}
 
 
 @contextlib.contextmanager
-def regions(enabled: bool = True):
-    """Inside, functions passed through :func:`region` run compiled (nested uses keep the outer setting on)."""
-    was = _regions["active"]
-    _regions["active"] = was or enabled
+def regions(enabled: bool = True, mode: str | None = None):
+    """Inside, functions passed through :func:`region` run compiled with ``mode`` (nested uses keep the outer
+    setting on)."""
+    was = dict(_regions)
+    _regions["active"] = was["active"] or enabled
+    if enabled and not was["active"]:
+        _regions["mode"] = mode
     try:
         yield
     finally:
-        _regions["active"] = was
+        _regions.update(was)
 
 
 def region(fn: Callable) -> Callable:
@@ -65,7 +81,8 @@ def region(fn: Callable) -> Callable:
     graph traces straight through it."""
     if not _regions["active"] or torch.compiler.is_compiling():
         return fn
-    if fn not in _compiled_regions:
+    key = (fn, _regions["mode"])
+    if key not in _compiled_regions:
         enable_caches()
-        _compiled_regions[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
-    return _compiled_regions[fn]
+        _compiled_regions[key] = torch.compile(fn, fullgraph=True, dynamic=False, **_mode(_regions["mode"]))
+    return _compiled_regions[key]

@@ -14,7 +14,7 @@ against dataclass annotations instead of globals:
 - A number outside its declared range is refused when the config is resolved, before anything runs.
 - Every mistake is a ``ConfigError``: one line that names the key and what is wrong with it, with close
   matches for a misspelt key (difflib) and the valid choices.
-- ``resolve`` layers the sources: defaults < preset < config file < command line.
+- ``resolve`` layers the sources: defaults < preset < config file (with its target) < command line.
 
 Reading a TOML config file is ``core.config_files``; the ``--help`` and README key tables are
 ``core.config_help``.

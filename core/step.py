@@ -95,11 +95,11 @@ def _mean_aux(auxes: list[dict]) -> dict:
 
 
 def _make_objective(call: Callable, grad_accum: int, precision: str, device_type: str,
-                    in_regions: bool = False) -> Callable:
+                    in_regions: bool = False, mode: str = "default") -> Callable:
     """``objective(params, batch, key, frozen, scale) -> (scaled loss / grad_accum, (loss, aux))``; with
     ``in_regions`` the model's blocks run compiled (``core.compile.regions``)."""
     def objective(params, batch, key, frozen, scale):
-        with autocast(precision, device_type), regions(in_regions):
+        with autocast(precision, device_type), regions(in_regions, mode):
             loss, aux = call(params, batch, key, frozen)
         loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         return loss * scale / grad_accum, (loss.detach(), aux)
@@ -207,7 +207,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
                     device_type: str = "cpu", grad_mode: str = "func", compile: bool = False,
                     extra_metrics: Optional[Callable] = None, spike: Optional[SpikeConfig] = None,
                     remat: bool = False, reduce: Optional[Callable] = None, donate: bool = False,
-                    compile_scope: str = "step") -> Callable:
+                    compile_scope: str = "step", compile_mode: str = "default") -> Callable:
     """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
 
     ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the
@@ -220,7 +220,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     optimizer state into the state it is given (``core.donate``: JAX's buffer donation; the same numbers, about
     half the peak memory under ``torch.compile``); the caller must not read the old state again. The default
     keeps the step pure: research code may branch several steps from one state. ``compile_scope`` is what one
-    graph covers under ``compile`` (module docstring).
+    graph covers under ``compile`` (module docstring); ``compile_mode`` is ``torch.compile``'s ``mode``.
     """
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
@@ -231,22 +231,23 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         raise ValueError(f"unknown grad_mode {grad_mode!r}; choose one of {', '.join(GRAD_MODES)}")
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-    objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type, in_regions=by_block)
+    objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type, in_regions=by_block,
+                                mode=compile_mode)
     apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike, donate)
     reduced = _make_reduce(reduce)
     if grad_mode == "func":      # one graph: forward, backward, the update
         gradients = _func_gradients(objective, grad_accum)
     else:                        # the loss and the update compiled apart, autograd between them
-        gradients = _autograd_gradients(maybe_compile(objective, compile and not by_block, fullgraph=False),
-                                        grad_accum)
-        apply_gradients = maybe_compile(apply_gradients, compile)
+        gradients = _autograd_gradients(maybe_compile(objective, compile and not by_block, fullgraph=False,
+                                                      mode=compile_mode), grad_accum)
+        apply_gradients = maybe_compile(apply_gradients, compile, mode=compile_mode)
 
     def train_step(state: TrainState, batch, frozen=None):
         key = rng.fold_in(state.key, state.step)
         grads, loss, aux = gradients(state.params, batch, key, frozen, _loss_scale(state))
         return apply_gradients(state, *reduced(grads, loss, aux))
 
-    step = maybe_compile(train_step, compile) if grad_mode == "func" else train_step
+    step = maybe_compile(train_step, compile, mode=compile_mode) if grad_mode == "func" else train_step
     if not donate:
         return step
 
@@ -257,14 +258,14 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
 
 
 def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: str = "cpu",
-                   compile: bool = False, compile_scope: str = "step") -> Callable:
+                   compile: bool = False, compile_scope: str = "step", compile_mode: str = "default") -> Callable:
     """``eval_step(params, batch, frozen=None) -> metrics`` (no gradients, no dropout)."""
     call = loss_caller(loss_fn)
     by_block = compile and compile_scope == "block"
 
     def eval_step(params, batch, frozen=None):
-        with torch.no_grad(), autocast(precision, device_type), regions(by_block):
+        with torch.no_grad(), autocast(precision, device_type), regions(by_block, compile_mode):
             loss, aux = call(params, batch, None, frozen)
         return {"loss": loss, **aux}
 
-    return maybe_compile(eval_step, compile and not by_block)
+    return maybe_compile(eval_step, compile and not by_block, mode=compile_mode)

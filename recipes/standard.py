@@ -30,7 +30,8 @@ from models.sampling import generate
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import setup
 from recipes.train.config import TrainConfig
-from recipes.train.loop import LoopIO, build_steps, evaluate, fit
+from recipes.train import plan
+from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit
 from recipes.train.setup import run_folder
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
@@ -57,11 +58,28 @@ PRESETS = {
 }
 
 
-def run(cfg: Config):
-    dist, device = distributed.init(resolve_device(cfg.device))
-    folder = run_folder(cfg, "standard")
+@dataclass
+class Prepared:
+    """Everything a run needs, built and checked before the run folder is touched."""
+    dist: distributed.Dist
+    device: torch.device
+    start: object            # models.loading.LoadedModel of init=, or None
+    corpus: object
+    tok: object
+    vocab: int
+    model_cfg: llama.LlamaConfig
+    batches: object
+    val_batches: object
+    params: dict
+    run: setup.RunSetup
+    loss_fn: Callable
+    steps: Steps
 
-    # everything that can fail on bad input happens before the run folder is touched
+
+def prepare_run(cfg: Config, folder) -> Prepared:
+    """The run of ``cfg`` in ``folder`` (resumed from its checkpoint), or with ``folder`` None a fresh state
+    and nothing to write (``dry_run``). Everything that can fail on bad input happens here."""
+    dist, device = distributed.init(resolve_device(cfg.device))
     start = load_model(cfg.init, device=device) if cfg.init else None
     with dist.main_first():   # rank 0 tokenizes into the cache, the others then read it
         corpus = prepare(cfg.data, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
@@ -80,12 +98,35 @@ def run(cfg: Config):
 
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
-    state, loop, resume = run_setup.state, run_setup.loop, run_setup.resume
 
     def loss_fn(params, batch, key):
         return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
 
     steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, vocab, dist)
+    return Prepared(dist, device, start, corpus, tok, vocab, model_cfg, batches, val_batches, params, run_setup,
+                    loss_fn, steps)
+
+
+def dry_run(cfg: Config) -> str:
+    """``dry_run=true``: the plan of this run (``recipes.train.plan``); no run folder is created."""
+    p = prepare_run(plan.probe_config(cfg), None)
+    m = p.model_cfg
+    return plan.describe(cfg, recipe="standard", folder=run_folder(cfg, "standard"),
+                         model=f"llama, {m.n_layers} layers, d={m.d_model}, {m.n_heads} heads, vocab {m.vocab_size} "
+                               f"({p.tok.name})" + (f"; init from {p.start.source}" if p.start else ""),
+                         data=f"{p.corpus.meta['source']}: {len(p.corpus.train):,} train / {len(p.corpus.val):,} "
+                              f"val tokens", train_tokens=len(p.corpus.train), state=p.run.state, steps=p.steps,
+                         device=p.device, world_size=p.dist.world_size)
+
+
+def run(cfg: Config):
+    folder = run_folder(cfg, "standard")
+    p = prepare_run(cfg, folder)
+    dist, device, start, corpus, tok, vocab = p.dist, p.device, p.start, p.corpus, p.tok, p.vocab
+    model_cfg, batches, val_batches, params, loss_fn, steps = (p.model_cfg, p.batches, p.val_batches, p.params,
+                                                               p.loss_fn, p.steps)
+    run_setup = p.run
+    state, loop, resume = run_setup.state, run_setup.loop, run_setup.resume
     extra = {"config": to_dict(cfg), "model": model_entry(model_cfg), "tokenizer": tok.to_dict(),
              "recipe": "standard"}
     with run_setup.writing(to_dict(cfg)) as (checkpoints, logger):

@@ -66,7 +66,7 @@ from recipes.distill.cache import TeacherCache
 from recipes.distill.teacher import (compute_view, data_identity, held_dtype_hint, load_teacher, teacher_data,
                                      teacher_dtype_option, teacher_identity, teacher_option)
 from recipes.orchestrator.driver import orchestrate
-from recipes.train import setup
+from recipes.train import backend, plan, setup
 from recipes.train.config import TrainConfig
 from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit
 from recipes.train.setup import RunSetup, run_folder
@@ -316,7 +316,8 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
 
     steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist)
     eval_step = make_eval_step(lambda prm, b: llama.loss(prm, b, student_cfg), precision=cfg.dtype,
-                               device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope)
+                               device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope,
+                               compile_mode=backend.compile_mode(cfg, device))
     steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
     return Prepared(dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
                     val_batches, None if cache else {"teacher": teacher.params}, cache)
@@ -330,6 +331,23 @@ def train_flops_per_token(p: Prepared, cfg: Config) -> float:
     if p.cache is None:
         flops += flops_per_token(llama.matmul_params(p.teacher.params), t.n_layers, cfg.block_size, t.d_model) / 3
     return flops
+
+
+def dry_run(cfg: Config) -> str:
+    """``dry_run=true``: the plan of this run (``recipes.train.plan``), the teacher's forward in the probed step
+    (online) or the cache's reads; no run folder is created."""
+    p = prepare_run(plan.probe_config(cfg), None)
+    s, t = p.student_cfg, p.teacher.config
+    teacher = (f"{p.teacher.format} {p.teacher.source}, {size(p.teacher.params):,} params, {t.n_layers} layers, "
+               f"d={t.d_model} ({plan.megabytes(plan.tree_bytes(p.teacher.params))} held, frozen); "
+               + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online"))
+    return plan.describe(cfg, recipe="distill", folder=run_folder(cfg, "distill"),
+                         model=f"student ({'init' if cfg.init else cfg.student}: {p.student_how}), {s.n_layers} "
+                               f"layers, d={s.d_model}, vocab {s.vocab_size} ({p.tok.name})",
+                         data=f"{p.corpus.meta['source']}: {len(p.corpus.train):,} train / {len(p.corpus.val):,} "
+                              f"val tokens", train_tokens=len(p.corpus.train), state=p.state, steps=p.steps,
+                         device=p.device, world_size=p.dist.world_size, frozen=p.frozen,
+                         extra=(f"teacher: {teacher}",))
 
 
 def run(cfg: Config):

@@ -22,7 +22,7 @@ FIXED = ("model", "student", "teacher", "tokenizer", "data", "seed", "init", "fi
 """Keys (or dotted prefixes) a resumed run cannot change: what is trained, on what, and the state's layout.
 (``teacher_dtype`` is not here: ``auto`` and ``fp32`` may hold the same teacher; distill compares the dtype the
 teacher is actually held in, with the teacher's fingerprint.)"""
-WHERE = ("out", "name", "resume", "compile", "device")
+WHERE = ("out", "name", "resume", "compile", "compile_mode", "tf32", "device")
 """Keys that say where and how the run executes, not what it computes: never reported."""
 
 

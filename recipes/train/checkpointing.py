@@ -1,6 +1,7 @@
 """The training loop's checkpoint and stop hooks.
 
-Checkpoints are written every ``save_every`` steps, after every evaluation (the manager keeps the best by
+Checkpoints are written every ``save_every`` steps, every ``save_every_minutes`` of wall time, after every
+evaluation (the manager keeps the best by
 validation loss), at the end, and whenever the run stops early. Each holds the train state (with its data
 cursor), the loop's counters and every hook's ``state_dict``, so a run resumes exactly. The run stops
 cleanly, with a checkpoint and the command that resumes it, on SIGTERM/SIGINT (preemption) or once the cost
@@ -27,16 +28,34 @@ def resume_command(folder: Path) -> str:
 
 
 class Checkpointing(Hook):
-    """Saves at the last step (final), after evaluations and every ``save_every`` steps, and when the run
-    stops. ``manager`` is None on data-parallel ranks other than 0 (rank 0 alone writes)."""
+    """Saves at the last step (final), after evaluations, every ``save_every`` steps, once ``every_minutes``
+    of wall time (``clock``, seconds) have passed since the last save, and when the run stops. ``manager``
+    is None on data-parallel ranks other than 0 (rank 0 alone writes); with several ranks (``dist``) the
+    wall-time decision is agreed at log steps (``log_every``), so every rank saves at the same step."""
+    clock: Callable[[], float] = staticmethod(time.monotonic)     # seconds; a test puts a fake clock here
 
     def __init__(self, manager: Optional[ckpt.CheckpointManager], extra: Callable[[], dict], logger: Logger,
-                 train: Optional[dict] = None):
+                 train: Optional[dict] = None, *, every_minutes: float = 0.0, dist: Dist = Dist(),
+                 log_every: int = 1, clock: Optional[Callable[[], float]] = None):
         self.manager, self.extra, self.logger, self.train = manager, extra, logger, train
+        self.every_minutes, self.dist, self.log_every = every_minutes, dist, log_every
+        if clock is not None:
+            self.clock = clock
+        self.last_saved = self.clock()
+
+    def time_due(self, step: int) -> bool:
+        """Whether ``every_minutes`` have passed since the last save (the same answer on every rank)."""
+        if self.every_minutes <= 0:
+            return False
+        due = self.clock() - self.last_saved >= self.every_minutes * 60
+        if self.dist.enabled:   # decide together, where the ranks already meet (the metrics pull)
+            return self.dist.agree(due) if step % self.log_every == 0 else False
+        return due
 
     def save(self, ctx: StepContext, val_loss: Optional[float] = None, final: bool = False) -> Optional[Path]:
         t0 = time.perf_counter()
         ctx.loop.wall_seconds = ctx.wall(t0)
+        self.last_saved = self.clock()
         if self.manager is None:
             return None
         extra = {**self.extra(), "loop": ctx.loop.to_dict()}
@@ -54,7 +73,8 @@ class Checkpointing(Hook):
         if ctx.last:
             path = self.save(ctx, val_loss=val_loss, final=True)
             self.logger.print(f"saved final checkpoint {path}")
-        elif ctx.evaluated or (self.manager is not None and self.manager.should_save(ctx.step)):
+        elif (self.time_due(ctx.step) or ctx.evaluated
+              or (self.manager is not None and self.manager.should_save(ctx.step))):
             self.save(ctx, val_loss=val_loss)
         return None
 

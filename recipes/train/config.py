@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.compile import COMPILE_MODES
 from core.config import ConfigError, option
 from core.device import DEVICES
 from core.spike import SpikeConfig
@@ -60,11 +61,16 @@ class TrainConfig:
     eval_batches: int = option(20, "validation batches per evaluation (fixed windows)", min=1)
     patience: int = option(0, "stop after this many evaluations without a better val loss (0: off)", min=0)
     save_every: int = option(500, "steps between checkpoints (0: only final/best)", min=0)
+    save_every_minutes: float = option(0.0, "also a checkpoint once this much wall time has passed since the "
+                                       "last one (0: off; under torchrun agreed at log steps)", min=0)
     keep_last: int = option(3, "step checkpoints to keep (0: all; best and final are kept besides)", min=0)
     resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
     compile: bool = option(True, "compile the train and eval steps with torch.compile")
     compile_scope: str = option("block", "what one compiled graph covers: the whole step, or the model's block, "
                                 "compiled once for every layer (compile time flat in depth)", choices=COMPILE_SCOPES)
+    compile_mode: str = option("default", "torch.compile mode (reduce-overhead: CUDA graphs, ignored with a warning "
+                               "off CUDA; max-autotune: kernel autotuning)", choices=COMPILE_MODES)
+    tf32: bool = option(False, "TensorFloat-32 CUDA matmuls and cuDNN (Ampere+); ignored with a warning off CUDA")
     data: str = option("stdlib", "text: a file, folder, glob, or 'stdlib' (this Python's own source)")
     tokenizer: str = option("byte", "byte, char, or a tokenizer.json PATH")
     fim_rate: float = option(0.0, "fill-in-the-middle: fraction of windows rearranged prefix/suffix/middle "

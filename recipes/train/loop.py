@@ -26,6 +26,7 @@ from core.state import TrainState
 from core.telemetry import Preemption
 from core.step import make_eval_step, make_train_step
 from optim.health import GradientHealth
+from recipes.train import backend
 from recipes.train.checkpointing import Checkpointing, Stopping
 from recipes.train.config import TrainConfig
 from recipes.train.faults import FaultyBatches, with_faults
@@ -102,7 +103,7 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     """
     health = GradientHealth(params, clip_norm=cfg.grad_clip if cfg.clipping == "global" else None) \
         if cfg.health else None
-    train_loss = loss_fn
+    train_loss, mode = loss_fn, backend.compile_mode(cfg, device)
     if cfg.fault.active:
         train_loss = with_faults(loss_fn)
         batches = FaultyBatches(batches, cfg.fault, vocab_size, cfg.seed)
@@ -112,9 +113,9 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
                             remat=cfg.remat, extra_metrics=health.metrics if health else None,
                             spike=cfg.spike if cfg.spike.enabled else None,
                             reduce=dist.all_reduce_mean if dist.enabled else None,
-                            donate=not cfg.orchestrator.enabled)
+                            donate=not cfg.orchestrator.enabled, compile_mode=mode)
     evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile,
-                                   compile_scope=cfg.compile_scope)
+                                   compile_scope=cfg.compile_scope, compile_mode=mode)
     return Steps(train, evaluate_step, health, batches)
 
 
@@ -184,8 +185,9 @@ def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepCo
         pieces.append(Rollback(cfg.spike, io.logger, ctx, None if dist.enabled else io.checkpoints))
     if io.evaluate_fn is not None:
         pieces.append(Evaluation(cfg, io.logger, io.evaluate_fn, io.sample_fn, io.perplexity))
-    return [*pieces, Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger, train=to_dict(cfg)),
-            Stopping(cfg, io.logger, dist, io.resume_folder)]
+    saving = Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger, train=to_dict(cfg),
+                           every_minutes=cfg.save_every_minutes, dist=dist, log_every=cfg.log_every)
+    return [*pieces, saving, Stopping(cfg, io.logger, dist, io.resume_folder)]
 
 
 def _after_step(ctx: StepContext) -> Optional[Stop]:

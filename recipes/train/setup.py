@@ -20,7 +20,7 @@ from core.logging import Logger
 from core.state import TrainState, init_state
 from optim.base import GradientTransformation
 from recipes.orchestrator.driver import initial_optimizer
-from recipes.train import changes
+from recipes.train import backend, changes
 from recipes.train.config import TrainConfig
 from recipes.train.loop import LoopState
 from recipes.train.optimizer import make_optimizer, optimizer_spec
@@ -85,6 +85,7 @@ def start(cfg: TrainConfig, folder: Optional[Path], params, *, device, dist: Dis
     """The run of ``cfg`` in ``folder`` starting from ``params``, or resumed from the checkpoint ``cfg.resume``
     names there (its tokenizer must be ``tokenizer``'s when given). ``folder`` None: a fresh state for a
     benchmark, no run folder at all."""
+    backend.configure(cfg, device)        # tf32 on CUDA; a warning for what this device ignores
     resume = resolve_run_folder(cfg, folder) if folder is not None else None
     # an orchestrated run starts on (or resumes with) the orchestrator's strategy
     optimizer = initial_optimizer(cfg, resume) if cfg.orchestrator.enabled else make_optimizer(optimizer_spec(cfg))
