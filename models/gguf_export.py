@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.cache import fsync_path, publish_file
 from core.config import UserError
 from models import hf
 from models.dba import DBAConfig
@@ -217,9 +218,9 @@ def export_gguf(params: dict, cfg: LlamaConfig, path, tokenizer=None, dtype: str
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, path)
-    except BaseException:
+        fsync_path(tmp)
+        publish_file(tmp, path)          # the one atomic rename (core.cache), then the temporary name goes
+    finally:
         writer.close()
         tmp.unlink(missing_ok=True)
-        raise
     return path
