@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.cache import fsync_path, publish_file
+from core.cache import publish_file
 from core.config import UserError
 from models import hf
 from models.dba import DBAConfig
@@ -218,7 +218,8 @@ def export_gguf(params: dict, cfg: LlamaConfig, path, tokenizer=None, dtype: str
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        fsync_path(tmp)
+        with open(tmp, "rb") as f:      # the writer closes without an fsync: make the bytes durable first
+            os.fsync(f.fileno())
         publish_file(tmp, path)          # the one atomic rename (core.cache), then the temporary name goes
     finally:
         writer.close()
