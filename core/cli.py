@@ -240,6 +240,9 @@ def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
         click.echo(recipe_help(name, module, cfg if given else None, ", ".join(given)))
         return 0
     if dry_run:
+        if axes:
+            raise UserError("dry_run=true with seed lists or grid.* keys is not supported; dry-run one cell by "
+                            "giving its values (e.g. seed=1 lr=0.001)")
         return _dry_run(name, module, cfg, stages)
     if stages is not None:
         return _run_stages(name, module, preset, toml, pairs, stages, cfg)

@@ -87,3 +87,5 @@ def test_dry_run_refusals_name_the_key(corpus, tmp_path, capsys):
     path.write_text('recipe = "standard"\ndry_run = true\n')
     assert main([f"config={path}"]) == 2
     assert "'dry_run' is a command-line argument" in capsys.readouterr().err
+    assert main(["recipe=standard", f"data={corpus}", *SMALL, "seed=1,2", "dry_run=true"]) == 2
+    assert "dry_run=true with seed lists or grid.* keys is not supported" in capsys.readouterr().err
