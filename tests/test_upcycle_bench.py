@@ -188,3 +188,35 @@ def test_passkey_prompts_fit_hold_the_key_and_repeat(teacher):  # noqa: F811
         ids = passkey.prompt(tok, 400, key, depth)
         assert len(ids) <= 400 and str(key) in tok.decode(ids) and tok.decode(ids).endswith(passkey.QUESTION)
     assert passkey.prompt(tok, 50, 12345, 0.5) is None
+
+
+def test_an_out_of_memory_cell_is_recorded_and_the_sweep_goes_on(teacher, monkeypatch):  # noqa: F811
+    from recipes.upcycle.config import BenchmarkConfig
+    t = load_model(str(teacher))
+    calls = []
+
+    def run(m, prompt, new, chunk, cache=None):
+        calls.append(prompt.shape)
+        if prompt.shape[1] > 8:
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return 0.01, 0.002
+
+    monkeypatch.setattr(sweep, "timed_run", run)
+    bc = BenchmarkConfig(prompt_tokens=(8, 16, 4), new_tokens=(2,), batches=(1,), repeats=1)
+    rows = sweep.run_sweep([Model("teacher", llama, t.params, t.config)], list(range(50)), bc,
+                           torch.device("cpu"), lambda line: None)
+    assert [r["status"] for r in rows] == ["ok", "oom", "ok"] and "simulated" in rows[1]["error"]
+    assert rows[1]["kv_bytes_analytic"] == llama.kv_bytes_per_token(t.config, 4) * 18
+
+
+def test_crossover_is_the_context_from_which_the_student_stays_faster():
+    def row(model, context, ms, batch=1):
+        return {"model": model, "prompt_tokens": context, "new_tokens": 8, "batch": batch, "status": "ok",
+                "decode_ms_per_token": ms}
+    rows = [row("teacher", 256, 80), row("student", 256, 76), row("teacher", 2048, 100), row("student", 2048, 110),
+            row("teacher", 256, 140, 4), row("student", 256, 150, 4), row("teacher", 1024, 180, 4),
+            row("student", 1024, 150, 4), row("teacher", 2048, 260, 4), row("student", 2048, 190, 4),
+            {**row("student", 4096, 1, 4), "status": "does_not_fit"}]
+    one, four = sweep.crossover(rows)
+    assert one["faster_from_context"] is None and one["ratios"] == {256: 0.95, 2048: 1.1}
+    assert four["faster_from_context"] == 1024 and set(four["ratios"]) == {256, 1024, 2048}

@@ -14,9 +14,12 @@ Written by ``recipes/upcycle/report.py``: ``results.{json,csv,md}``, ``tables.te
 """
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
-from core.config import UserError
+from core.config import UserError, to_dict
 from core.tree import cast, size
 from models import dba, hf, llama
 from recipes.upcycle import passkey, quality, report, sweep
@@ -39,6 +42,11 @@ def check_contexts(bc, model_cfg, prefix: str = "benchmark") -> None:
         if too_long:
             raise UserError(f"{prefix}.{key}={too_long[0]} is more than the model's maximum context {limit}")
     quality.load_cases(bc.behaviour)
+
+
+def settings(bc) -> dict:
+    """The benchmark keys as stored in ``results.json`` (JSON types: a rerun with others measures again)."""
+    return json.loads(json.dumps(to_dict(bc)))
 
 
 @torch.no_grad()
@@ -92,7 +100,7 @@ def evaluate(models: list, tokenizer, tokens, bc, *, losses: dict, block_size: i
             "crossover": sweep.crossover(cells), "strided_perplexity": strided, "passkey": keys,
             "behaviour": behaviour, "prompt_tokens": list(bc.prompt_tokens), "new_tokens": list(bc.new_tokens),
             "batches": list(bc.batches), "repeats": bc.repeats, "warmup_runs": 1, "device": str(device),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "timing_dtype": str(timing)[6:],
+            "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0], "torch": torch.__version__, "timing_dtype": str(timing)[6:],
             "cache_dtype": bc.cache_dtype, "prefill_chunk": bc.prefill_chunk, "seed": seed,
             "trained_context": trained_context, "note": cpu_note,
             "peak_memory": "torch.cuda.max_memory_allocated" if device.type == "cuda" else
@@ -111,7 +119,7 @@ def run_benchmark(ctx: Context, student: dict, scfg: dba.DBAConfig, stages: dict
     results = evaluate(models, ctx.corpus.tokenizer, ctx.heldout.tokens, bc, losses=losses,
                        block_size=ctx.cfg.block_size, trained_context=ctx.cfg.block_size, seed=ctx.cfg.seed,
                        device=ctx.device, say=ctx.say)
-    results["stages"] = stages
+    results["stages"], results["settings"] = stages, settings(bc)   # a rerun with other settings measures again
     report.write(folder, results)
     s, q = results["student"], results["student_over_teacher"]
     ctx.say(f"benchmark: perplexity teacher {results['teacher']['perplexity']:.3f}, student {s['perplexity']:.3f} "

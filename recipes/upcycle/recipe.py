@@ -178,7 +178,8 @@ def _run_phases(ctx: Context, teacher, corpus, dev, test):
         results["verify"] = timed("verify", run_verify, ctx, student, scfg, f"{label}/{FINAL}")
     if "benchmark" in cfg.phases:
         path = folder / "benchmark" / "results.json"
-        if path.exists() and json.loads(path.read_text()).get("stages") == stages:
+        stored = json.loads(path.read_text()) if path.exists() else {}
+        if stored.get("stages") == stages and stored.get("settings") == upcycle_bench.settings(cfg.benchmark):
             progress(f"benchmark: done ({path})")
             results["benchmark"] = json.loads(path.read_text())
         else:

@@ -59,7 +59,8 @@ def markdown(results: dict) -> str:
     t, s, r = results["teacher"], results["student"], results["student_over_teacher"]
     out = _table(["metric", "teacher", "student", "student / teacher"],
                  [[label, fmt(t[k], f), fmt(s[k], f), fmt(r.get(k), "{:.3f}")] for k, label, f in SUMMARY])
-    out += ["", f"Sweep: {results['device']}, {results['threads']} thread(s), torch {results['torch']}, "
+    out += ["", f"Sweep: {results['device']}, {results['threads']} thread(s), load average "
+            f"{results.get('load_average', float('nan')):.1f} at the end, torch {results['torch']}, "
             f"{results['note']}; every time is the median of {results['repeats']} runs after "
             f"{results['warmup_runs']} untimed warm-up; prefill in chunks of {results['prefill_chunk']} tokens; "
             f"peak memory: {results['peak_memory']}.", ""]

@@ -158,7 +158,10 @@ def _cell(models: list, tokens, T: int, new: int, B: int, bc, device, budget: in
                 out = timed_run(m, prompt, new, bc.prefill_chunk)
                 if r:
                     runs[m.name].append(out)
-    except (torch.OutOfMemoryError, MemoryError) as e:  # recorded, not fatal
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:  # out of memory: recorded, not fatal
+        if isinstance(e, RuntimeError) and not isinstance(e, torch.OutOfMemoryError) \
+                and "can't allocate memory" not in str(e):
+            raise
         for m in fits:
             rows[m.name].update(status="oom", error=" ".join(str(e).split())[:200])
         return list(rows.values())
@@ -191,16 +194,22 @@ def run_sweep(models: list, tokens, bc, device, say) -> list[dict]:
 
 
 def crossover(rows: list) -> list[dict]:
-    """Per (batch, new tokens): the shortest context at which the student decodes faster than the teacher
-    (None: at no measured context), with the decode ratio at every measured context."""
-    out = {}
+    """Per (batch, new tokens): the shortest measured context from which the student decodes faster than the
+    teacher at that and every longer measured context (None: not at the longest), and the decode ratio
+    (student / teacher ms per token) at every context measured for both."""
     ok = {(r["model"], r["prompt_tokens"], r["new_tokens"], r["batch"]): r for r in rows if r["status"] == "ok"}
-    for (model, T, new, B), r in sorted(ok.items(), key=lambda kv: kv[0][1]):
-        if model != "student" or ("teacher", T, new, B) not in ok:
-            continue
-        ratio = r["decode_ms_per_token"] / ok[("teacher", T, new, B)]["decode_ms_per_token"]
-        entry = out.setdefault((B, new), {"batch": B, "new_tokens": new, "faster_from_context": None, "ratios": {}})
-        entry["ratios"][T] = ratio
-        if ratio < 1 and entry["faster_from_context"] is None:
-            entry["faster_from_context"] = T
-    return list(out.values())
+    ratios = {}
+    for (model, T, new, B), r in ok.items():
+        if model == "student" and ("teacher", T, new, B) in ok:
+            ratios.setdefault((B, new), {})[T] = r["decode_ms_per_token"] / ok[("teacher", T, new, B)][
+                "decode_ms_per_token"]
+    out = []
+    for (B, new), by_context in sorted(ratios.items()):
+        faster = None
+        for T in sorted(by_context, reverse=True):
+            if by_context[T] >= 1:
+                break
+            faster = T
+        out.append({"batch": B, "new_tokens": new, "faster_from_context": faster,
+                    "ratios": dict(sorted(by_context.items()))})
+    return out
