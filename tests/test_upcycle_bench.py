@@ -152,8 +152,12 @@ def test_bench_kv_compares_two_checkpoints_and_records_cells_that_do_not_fit(sur
     assert main(["recipe=bench.kv", f"teacher={teacher}", f"student={surgery_run / 'surgery'}", f"data={corpus}",
                  f"out={out}", "block_size=32", "eval_windows=4", "benchmark.prompt_tokens=16,1024",
                  "benchmark.new_tokens=2", "benchmark.batches=1", "benchmark.repeats=1", "benchmark.memory_limit_mb=1",
-                 "benchmark.passkey_trials=0", "benchmark.ppl_tokens=64", f"benchmark.behaviour={cases}"]) == 0
+                 "benchmark.passkey_trials=0", "benchmark.ppl_tokens=64", f"benchmark.behaviour={cases}",
+                 "benchmark.cache_dtype=bf16"]) == 0
     results = json.loads((out / "results.json").read_text())
+    assert results["timing_dtype"] == "float32" and "allocated at bf16" in results["note"]
+    t = load_model(str(teacher)).config
+    assert results["cells"][0]["kv_bytes_measured"] == llama.kv_bytes_per_token(t, 2) * 18
     status = {(c["model"], c["prompt_tokens"]): c["status"] for c in results["cells"]}
     assert status == {("teacher", 16): "ok", ("student", 16): "ok", ("teacher", 1024): "does_not_fit",
                       ("student", 1024): "does_not_fit"}

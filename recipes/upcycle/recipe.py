@@ -54,7 +54,7 @@ PRESETS = {
 
 def resolve_dims(cfg: Config, tcfg) -> None:
     """Fill the unset ``sem_dim geo_dim v_dim`` from ``kv_reduction`` and the teacher's head_dim (explicit dims
-    win), in place, and print the choice with both models' KV bytes per token."""
+    win), in place."""
     try:
         derived = dba.dims_for_reduction(tcfg.head_dim, cfg.kv_reduction)
     except ValueError as e:
@@ -62,12 +62,15 @@ def resolve_dims(cfg: Config, tcfg) -> None:
     for key, value in zip(("sem_dim", "geo_dim", "v_dim"), derived):
         if getattr(cfg, key) is None:
             setattr(cfg, key, value)
+
+
+def dims_line(cfg: Config, tcfg) -> str:
+    """The chosen dims with both models' KV bytes per token (printed once the inputs are checked)."""
     per_t, per_s = 2 * tcfg.head_dim, cfg.sem_dim + cfg.geo_dim + cfg.v_dim
-    kv_t = llama.kv_bytes_per_token(tcfg)
-    kv_s = tcfg.n_layers * tcfg.n_kv_heads * per_s * 2
-    progress(f"upcycle: dims sem_dim={cfg.sem_dim} geo_dim={cfg.geo_dim} v_dim={cfg.v_dim} (teacher head_dim "
-             f"{tcfg.head_dim}, kv_reduction={cfg.kv_reduction:g}); KV cache per token (bf16) teacher {kv_t:,} B, "
-             f"student {kv_s:,} B: {per_t / per_s:.2f}x smaller")
+    kv_t, kv_s = llama.kv_bytes_per_token(tcfg), tcfg.n_layers * tcfg.n_kv_heads * per_s * 2
+    return (f"upcycle: dims sem_dim={cfg.sem_dim} geo_dim={cfg.geo_dim} v_dim={cfg.v_dim} (teacher head_dim "
+            f"{tcfg.head_dim}, kv_reduction={cfg.kv_reduction:g}); KV cache per token (bf16) teacher {kv_t:,} B, "
+            f"student {kv_s:,} B: {per_t / per_s:.2f}x smaller")
 
 
 def _validate(cfg: Config, teacher, corpus) -> tuple:
@@ -148,6 +151,7 @@ def run(cfg: Config):
 def _run_phases(ctx: Context, teacher, corpus, dev, test):
     """Surgery, then the trained phases, verify and benchmark, each skipped when already done."""
     cfg, folder = ctx.cfg, ctx.folder
+    progress(dims_line(cfg, teacher.config))
     progress(f"upcycle: teacher {teacher.source} ({teacher.format}), {size(teacher.params) / 1e6:.1f}M params, "
         f"{teacher.config.n_layers} layers, {teacher.config.n_heads} heads / {teacher.config.n_kv_heads} KV heads "
         f"x {teacher.config.head_dim}; data {corpus.meta['source']}: {len(corpus.train):,} train / "
