@@ -109,7 +109,7 @@ CACHE_DTYPES = ("fp32", "bf16", "fp16")
 
 @dataclass
 class BenchmarkConfig:
-    prompt_tokens: tuple[int, ...] = option((64, 512, 2048), "context lengths (prompt tokens, held-out text, "
+    prompt_tokens: tuple[int, ...] = option((64, 256, 1024), "context lengths (prompt tokens, held-out text, "
                                             "tiled when short) of the latency/KV sweep", min=1)
     new_tokens: tuple[int, ...] = option((16,), "tokens decoded per latency run, one sweep axis", min=1)
     batches: tuple[int, ...] = option((1, 4), "batch sizes of the sweep (rows share the prompt)", min=1)
