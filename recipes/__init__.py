@@ -23,6 +23,7 @@ RECIPES = {
     "bench.orchestrator": "recipes.bench.orchestrator",
     "bench.distill": "recipes.bench.distill",
     "bench.export": "recipes.bench.export",
+    "bench.kv": "recipes.bench.kv",
 }
 
 

@@ -1,169 +1,129 @@
-"""The upcycle recipe's benchmark phase: teacher against student, measured in the same process.
+"""The upcycle recipe's benchmark phase, and ``recipe=bench.kv``'s: teacher against student in one process.
 
 - **Perplexity** of both models on the same held-out windows (the test half of the validation split), computed
-  once: no best-of-repeats (the lowest of several runs flatters) and never on training windows.
-  The held-out perplexity after each earlier phase (surgery, blockwise, global) comes from that phase's
-  ``heldout.json``, computed on the same windows.
-- **Latency** with a KV cache: the same held-out prompt tokens for both models, prefill timed apart from the
-  per-token decode steps (greedy), one untimed warm-up, then ``repeats`` runs alternating teacher and student
-  (machine drift hits both), the **median** of each. The decode ratio is the number to read.
-- **KV bytes per token**: the analytic formula (``kv_bytes_per_token`` at the cache's element size) and the
-  bytes of the actual cache tensors the decode wrote into, divided by their token capacity.
+  once: no best-of-repeats (the lowest of several runs flatters) and never on training windows. The held-out
+  perplexity after each earlier phase (surgery, blockwise, global) comes from that phase's ``heldout.json``.
+  Plus the **strided perplexity** at ``benchmark.ppl_contexts`` windows (``recipes/upcycle/quality.py``).
+- **Latency and KV bytes** over the sweep ``prompt_tokens x new_tokens x batches`` (``recipes/upcycle/sweep.py``:
+  chunked prefill, median of ``repeats`` after an untimed warm-up, KV bytes analytic and measured, peak memory,
+  cells that do not fit recorded as such), and the context from which the student decodes faster.
+- **Passkey retrieval** (``recipes/upcycle/passkey.py``) and the **behaviour cases** (``quality.py``).
 - Parameter counts (all, attention only).
 
-Written as ``benchmark/results.json``, ``results.csv``, ``results.md`` (Markdown tables), TensorBoard scalars in
-``benchmark/`` and, when matplotlib is importable, ``benchmark/results.png``.
+Written by ``recipes/upcycle/report.py``: ``results.{json,csv,md}``, ``tables.tex``, PNG charts, TensorBoard.
 """
 from __future__ import annotations
 
-import csv
-import importlib.util
-import statistics
-import time
+import json
+import os
 
 import torch
 
-from core.device import synchronize
-from core.logging import Logger
+from core.config import UserError, to_dict
 from core.tree import cast, size
-from models import dba, llama
-from recipes.upcycle.phases import Context, ppl, write_json
+from models import dba, hf, llama
+from recipes.upcycle import passkey, quality, report, sweep
+from recipes.upcycle.phases import Context, ppl
+from recipes.upcycle.sweep import Model
+
+cache_bytes = sweep.cache_bytes
 
 
-def cache_bytes(cache: list) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache for t in layer.values())
+def check_contexts(bc, model_cfg, prefix: str = "benchmark") -> None:
+    """Every length the benchmark asks for fits the model's maximum context (``max_context``, else the 2048
+    an export states); the behaviour file is readable. One-line UserErrors, before anything runs."""
+    limit = model_cfg.max_context or hf.DEFAULT_CONTEXT
+    longest = max(bc.prompt_tokens) + max(bc.new_tokens)
+    if longest > limit:
+        raise UserError(f"{prefix}.prompt_tokens={max(bc.prompt_tokens)} + {prefix}.new_tokens="
+                        f"{max(bc.new_tokens)} = {longest} tokens is more than the model's maximum context {limit}")
+    for key in ("ppl_contexts", "passkey_contexts"):
+        too_long = [c for c in getattr(bc, key) if c > limit]
+        if too_long:
+            raise UserError(f"{prefix}.{key}={too_long[0]} is more than the model's maximum context {limit}")
+    quality.load_cases(bc.behaviour)
+
+
+def settings(bc) -> dict:
+    """The benchmark keys as stored in ``results.json`` (JSON types: a rerun with others measures again)."""
+    return json.loads(json.dumps(to_dict(bc)))
 
 
 @torch.no_grad()
 def latency(module, params: dict, cfg, prompt: torch.Tensor, new_tokens: int) -> dict:
     """One prefill + ``new_tokens`` greedy decode steps over a fresh cache: seconds, and the cache's bytes."""
-    device = prompt.device
-    max_len = prompt.shape[1] + new_tokens
-    cache = module.new_cache(cfg, 1, max_len, dtype=params["embed"].dtype, device=device)
-    synchronize(device)
-    t0 = time.perf_counter()
-    logits = module.apply(params, prompt, cfg, cache=cache, past_len=0)[:, -1]
-    synchronize(device)
-    prefill = time.perf_counter() - t0
-    past, steps = prompt.shape[1], []
-    for _ in range(new_tokens):
-        token = logits.argmax(-1, keepdim=True)
-        t0 = time.perf_counter()
-        logits = module.apply(params, token, cfg, cache=cache, past_len=past)[:, -1]
-        synchronize(device)
-        steps.append(time.perf_counter() - t0)
-        past += 1
-    return {"prefill": prefill, "decode": sum(steps) / len(steps), "cache_bytes": cache_bytes(cache),
-            "capacity": max_len, "element_size": cache[0]["k"].element_size()}
+    m = Model("model", module, params, cfg)
+    cache = module.new_cache(cfg, prompt.shape[0], prompt.shape[1] + new_tokens, dtype=params["embed"].dtype,
+                             device=prompt.device)
+    first, decode = sweep.timed_run(m, prompt, new_tokens, 512, cache)
+    return {"prefill": first, "decode": decode, "cache_bytes": cache_bytes(cache),
+            "capacity": prompt.shape[0] * (prompt.shape[1] + new_tokens),
+            "element_size": cache[0]["k"].element_size()}
+
+
+def summary(models: list, cells: list, losses: dict, element_size: int) -> dict:
+    """The one-line-per-model table (the first measured cell: the smallest batch and context)."""
+    out = {}
+    for m in models:
+        ok = [r for r in cells if r["model"] == m.name and r["status"] == "ok"]
+        first = min(ok, key=lambda r: (r["batch"], r["prompt_tokens"], r["new_tokens"])) if ok else {}
+        out[m.name] = {
+            "loss": losses[m.name], "perplexity": ppl(losses[m.name]),
+            "prefill_ms": first.get("prefill_ms"), "decode_ms_per_token": first.get("decode_ms_per_token"),
+            "kv_bytes_per_token_analytic": m.module.kv_bytes_per_token(m.cfg, dtype_bytes=element_size),
+            "kv_bytes_per_token_measured": first.get("kv_bytes_per_token"),
+            "kv_bytes_per_token_bf16": m.module.kv_bytes_per_token(m.cfg),
+            "params": size(m.params), "attention_params": size(m.params["layers"]["attn"])}
+    return out
+
+
+def evaluate(models: list, tokenizer, tokens, bc, *, losses: dict, block_size: int, trained_context: int,
+             seed: int, device, say) -> dict:
+    """Every measurement of the benchmark on ``models`` (teacher first, then student) -> the results dict."""
+    timing = torch.float32 if device.type == "cpu" else sweep.DTYPES[bc.cache_dtype]
+    timed = [Model(m.name, m.module, cast(m.params, timing), m.cfg) for m in models]
+    say(f"benchmark: sweep of contexts {list(bc.prompt_tokens)} x new tokens {list(bc.new_tokens)} x batches "
+        f"{list(bc.batches)}, median of {bc.repeats} after a warm-up, timed in {str(timing)[6:]}, cache "
+        f"{bc.cache_dtype}")
+    cells = sweep.run_sweep(timed, tokens, bc, device, say)
+    strided = quality.run_strided(timed, tokens, bc.ppl_contexts or (block_size,), bc.ppl_stride, bc.ppl_tokens,
+                                  device)
+    keys = passkey.run_passkey(timed, tokenizer, bc.passkey_contexts, bc.passkey_trials, seed, device,
+                               bc.prefill_chunk, trained_context, say) if bc.passkey_trials else []
+    behaviour = quality.run_behaviour(timed, tokenizer, quality.load_cases(bc.behaviour), device)
+    rows = summary(models, cells, losses, sweep.DTYPES[bc.cache_dtype].itemsize)
+    t, s = rows["teacher"], rows["student"]
+    ratio = {k: s[k] / t[k] for k in t if isinstance(t[k], (int, float)) and t[k] and s[k] is not None}
+    cpu_note = ("timed in fp32 on CPU (no native bf16 matmul on this box); KV bytes measured from cache tensors "
+                f"allocated at {bc.cache_dtype}" if device.type == "cpu" else f"timed in {bc.cache_dtype}")
+    return {"teacher": t, "student": s, "student_over_teacher": ratio, "cells": cells,
+            "crossover": sweep.crossover(cells), "strided_perplexity": strided, "passkey": keys,
+            "behaviour": behaviour, "prompt_tokens": list(bc.prompt_tokens), "new_tokens": list(bc.new_tokens),
+            "batches": list(bc.batches), "repeats": bc.repeats, "warmup_runs": 1, "device": str(device),
+            "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0], "torch": torch.__version__, "timing_dtype": str(timing)[6:],
+            "cache_dtype": bc.cache_dtype, "prefill_chunk": bc.prefill_chunk, "seed": seed,
+            "trained_context": trained_context, "note": cpu_note,
+            "peak_memory": "torch.cuda.max_memory_allocated" if device.type == "cuda" else
+            "process peak RSS (ru_maxrss; monotonic over the process)",
+            "dims": {m.name: {k: getattr(m.cfg, k) for k in ("n_layers", "n_kv_heads", "head_dim", "sem_dim",
+                                                             "geo_dim", "v_dim") if hasattr(m.cfg, k)}
+                     for m in models}}
 
 
 def run_benchmark(ctx: Context, student: dict, scfg: dba.DBAConfig, stages: dict) -> dict:
     bc, t, folder = ctx.cfg.benchmark, ctx.teacher, ctx.folder / "benchmark"
     # held-out losses on ctx.heldout were computed once, by the phases (the student is the last of them)
     losses = {"teacher": stages["teacher"], "student": list(stages.values())[-1]}
-    prompt = torch.as_tensor(ctx.heldout.tokens[:bc.prompt_tokens].astype("int64"), device=ctx.device)[None]
     teacher = cast(t.params, student["embed"].dtype)    # timed in the student's dtype, whatever it is held in
-    models = {"teacher": (llama, teacher, t.config), "student": (dba, student, scfg)}
-    runs = {name: [] for name in models}
-    ctx.say(f"benchmark: latency, {bc.prompt_tokens}-token prompt + {bc.new_tokens} decoded tokens, "
-            f"median of {bc.repeats}")
-    for name, (module, params, cfg) in models.items():
-        latency(module, params, cfg, prompt, min(bc.new_tokens, 4))                     # warm-up, untimed
-    for _ in range(bc.repeats):
-        for name, (module, params, cfg) in models.items():
-            runs[name].append(latency(module, params, cfg, prompt, bc.new_tokens))
-    row = {}
-    for name, (module, params, cfg) in models.items():
-        r = runs[name][-1]
-        row[name] = {
-            "loss": losses[name], "perplexity": ppl(losses[name]),
-            "prefill_ms": 1e3 * statistics.median(x["prefill"] for x in runs[name]),
-            "decode_ms_per_token": 1e3 * statistics.median(x["decode"] for x in runs[name]),
-            "kv_bytes_per_token_analytic": module.kv_bytes_per_token(cfg, dtype_bytes=r["element_size"]),
-            "kv_bytes_per_token_measured": r["cache_bytes"] / r["capacity"],
-            "kv_bytes_per_token_bf16": module.kv_bytes_per_token(cfg),
-            "params": size(params), "attention_params": size(params["layers"]["attn"]),
-        }
-    ratio = {k: row["student"][k] / row["teacher"][k] for k in row["teacher"] if row["teacher"][k]}
-    results = {"teacher": row["teacher"], "student": row["student"], "student_over_teacher": ratio,
-               "stages": stages, "prompt_tokens": bc.prompt_tokens, "new_tokens": bc.new_tokens,
-               "repeats": bc.repeats, "device": str(ctx.device), "threads": torch.get_num_threads(),
-               "cache_dtype": str(student["embed"].dtype).replace("torch.", "")}
-    _write(folder, results)
-    s, q = row["student"], ratio
-    ctx.say(f"benchmark: perplexity teacher {row['teacher']['perplexity']:.3f}, student {s['perplexity']:.3f} "
-            f"({q['perplexity']:.3f}x); decode {s['decode_ms_per_token']:.2f} ms/token "
-            f"({q['decode_ms_per_token']:.2f}x the teacher's); KV {s['kv_bytes_per_token_measured']:.0f} B/token measured = "
-            f"{s['kv_bytes_per_token_analytic']} analytic ({1 / q['kv_bytes_per_token_measured']:.2f}x smaller); "
-            f"{folder / 'results.md'}")
+    models = [Model("teacher", llama, teacher, t.config), Model("student", dba, student, scfg)]
+    results = evaluate(models, ctx.corpus.tokenizer, ctx.heldout.tokens, bc, losses=losses,
+                       block_size=ctx.cfg.block_size, trained_context=ctx.cfg.block_size, seed=ctx.cfg.seed,
+                       device=ctx.device, say=ctx.say)
+    results["stages"], results["settings"] = stages, settings(bc)   # a rerun with other settings measures again
+    report.write(folder, results)
+    s, q = results["student"], results["student_over_teacher"]
+    ctx.say(f"benchmark: perplexity teacher {results['teacher']['perplexity']:.3f}, student {s['perplexity']:.3f} "
+            f"({q['perplexity']:.3f}x); KV {s['kv_bytes_per_token_analytic']:,} B/token analytic "
+            f"({1 / q['kv_bytes_per_token_analytic']:.2f}x smaller); " + report.crossover_line(results)
+            + f"; {folder / 'results.md'}")
     return results
-
-
-METRICS = [("perplexity", "held-out perplexity", "{:.3f}"), ("loss", "held-out loss (nats/token)", "{:.4f}"),
-           ("prefill_ms", "prefill, ms", "{:.2f}"), ("decode_ms_per_token", "decode, ms/token", "{:.2f}"),
-           ("kv_bytes_per_token_analytic", "KV cache, bytes/token (analytic)", "{:,.0f}"),
-           ("kv_bytes_per_token_measured", "KV cache, bytes/token (measured)", "{:,.0f}"),
-           ("kv_bytes_per_token_bf16", "KV cache, bytes/token at bf16", "{:,.0f}"),
-           ("params", "parameters", "{:,}"), ("attention_params", "attention parameters", "{:,}")]
-
-
-def markdown(results: dict) -> str:
-    t, s, r = results["teacher"], results["student"], results["student_over_teacher"]
-    lines = ["| metric | teacher | student | student / teacher |", "|---|---|---|---|"]
-    for key, label, fmt in METRICS:
-        lines.append(f"| {label} | {fmt.format(t[key])} | {fmt.format(s[key])} | {r.get(key, float('nan')):.3f} |")
-    lines += ["", f"Prompt {results['prompt_tokens']} tokens, {results['new_tokens']} decoded, median of "
-              f"{results['repeats']} runs, {results['device']}, {results['threads']} thread(s), cache dtype "
-              f"{results['cache_dtype']}.", "", "| after phase | held-out loss | perplexity | ratio to teacher |",
-              "|---|---|---|---|"]
-    teacher = results["stages"].get("teacher")
-    for stage, loss in results["stages"].items():
-        ratio = f"{ppl_ratio(loss, teacher):.3f}" if teacher is not None else ""
-        lines.append(f"| {stage} | {loss:.4f} | {ppl(loss):.3f} | {ratio} |")
-    return "\n".join(lines) + "\n"
-
-
-def ppl_ratio(loss: float, teacher: float) -> float:
-    return ppl(loss) / ppl(teacher)
-
-
-def _write(folder, results: dict) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    write_json(folder / "results.json", results)
-    with open(folder / "results.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["metric", "teacher", "student", "student_over_teacher"])
-        for key, _, _ in METRICS:
-            w.writerow([key, results["teacher"][key], results["student"][key],
-                        results["student_over_teacher"].get(key, "")])
-        for stage, loss in results["stages"].items():
-            w.writerow([f"heldout_loss_after_{stage}", loss, "", ""])
-    (folder / "results.md").write_text(markdown(results))
-    with Logger(folder, jsonl=False, console=False) as logger:
-        for who in ("teacher", "student"):
-            logger.scalars(0, {f"benchmark/{who}/{k}": results[who][k] for k, _, _ in METRICS})
-        logger.scalars(0, {f"benchmark/ratio/{k}": v for k, v in results["student_over_teacher"].items()})
-        for i, (stage, loss) in enumerate(results["stages"].items()):
-            logger.scalars(i, {"benchmark/stage_perplexity": ppl(loss)})
-        logger.text(0, "benchmark", markdown(results))
-    if importlib.util.find_spec("matplotlib") is not None:
-        _chart(folder / "results.png", results)
-
-
-def _chart(path, results: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    stages = results["stages"]
-    axes[0].bar(list(stages), [ppl(v) for v in stages.values()], color="tab:blue")
-    axes[0].set_title("held-out perplexity after each phase")
-    t, s = results["teacher"], results["student"]
-    axes[1].bar(["teacher", "student"], [t["decode_ms_per_token"], s["decode_ms_per_token"]], color="tab:orange")
-    axes[1].set_title("decode, ms/token (median)")
-    axes[2].bar(["teacher", "student"], [t["kv_bytes_per_token_measured"], s["kv_bytes_per_token_measured"]],
-                color="tab:green")
-    axes[2].set_title("KV cache, bytes/token (measured)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

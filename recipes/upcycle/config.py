@@ -91,16 +91,50 @@ class VerifyConfig:
                           min=1)
     attention: Thresholds = option(Thresholds, "per-layer attention-output L1 thresholds")
     logits: Thresholds = option(Thresholds, "logit L1 thresholds")
-    on_fail: str = option("fail", "a violated threshold stops the run (exit 2) or only warns", choices=("fail", "warn"))
+    max_ppl_ratio: Optional[float] = option(None, "gate: student / teacher held-out perplexity at most this (none: "
+                                            "no gate)", above=0)
+    max_delta_nll: Optional[float] = option(None, "gate: student - teacher held-out loss, nats/token, at most this "
+                                            "(none: no gate)")
+    min_kv_reduction: Optional[float] = option(None, "gate: teacher / student KV bytes per token at least this (none: "
+                                               "no gate)", above=0)
+    max_accuracy_drop: Optional[float] = option(None, "gate: teacher - student accuracy (passkey and behaviour "
+                                                "cases, 0..1) at most this; judged after the benchmark (none: no "
+                                                "gate)", min=0, max=1)
+    on_fail: str = option("fail", "a violated L1 threshold stops the run (exit 2), a missed gate stops it after the "
+                          "report is written (exit 3); or only warn", choices=("fail", "warn"))
+
+
+CACHE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass
 class BenchmarkConfig:
-    prompt_tokens: int = option(64, "prompt length for the latency test (held-out text, same for both models)", min=1)
-    new_tokens: int = option(32, "tokens decoded per latency run", min=1)
-    repeats: int = option(5, "latency repeats; the median is reported (after one untimed warm-up)", min=1)
+    prompt_tokens: tuple[int, ...] = option((64, 256, 1024), "context lengths (prompt tokens, held-out text, "
+                                            "tiled when short) of the latency/KV sweep", min=1)
+    new_tokens: tuple[int, ...] = option((16,), "tokens decoded per latency run, one sweep axis", min=1)
+    batches: tuple[int, ...] = option((1, 4), "batch sizes of the sweep (rows share the prompt)", min=1)
+    cache_dtype: str = option("fp32", "KV cache (and, on CUDA, compute) dtype; on CPU the timing runs in fp32 (no "
+                              "native bf16 matmul) and the cache is measured at this dtype", choices=CACHE_DTYPES)
+    repeats: int = option(3, "timed repeats per cell; the median is reported (after one untimed warm-up)", min=1)
+    prefill_chunk: int = option(512, "prefill in chunks of at most this many tokens (the attention mask is "
+                                "chunk x context, never context x context)", min=1)
+    memory_limit_mb: float = option(0, "cells estimated to need more than this are recorded as does_not_fit (0: 80% "
+                                    "of the device's free memory)", min=0)
+    ppl_contexts: tuple[int, ...] = option((), "strided held-out perplexity at these window lengths (empty: "
+                                           "block_size only)", min=2)
+    ppl_stride: int = option(0, "strided perplexity: each window scores its last this many tokens, the rest is "
+                             "context (0: half the window)", min=0)
+    ppl_tokens: int = option(4096, "held-out tokens scored by the strided perplexity", min=1)
+    passkey_contexts: tuple[int, ...] = option((128, 256, 512), "passkey retrieval context lengths (tokens)", min=16)
+    passkey_trials: int = option(10, "passkey trials per context (seeded by seed=; greedy decoding)", min=0)
+    behaviour: str = option("builtin", "behaviour cases: builtin, a JSONL file of cases (choice_logprob, "
+                            "exact_match_greedy), or none")
 
-
+    def __post_init__(self):
+        for key in ("prompt_tokens", "new_tokens", "batches"):
+            if not getattr(self, key):
+                raise ConfigError(f"bad value for 'benchmark.{key}': an empty list; give one or more numbers "
+                                  f"(a,b,c)")
 def keyword_dataclass(cls):
     """``dataclass`` for a config with a Python keyword among its field names (``global``): the generated
     ``__init__``/``__repr__``/``__eq__`` would not compile, so these are written generically here."""
@@ -149,9 +183,13 @@ class Config:
     block_size: int = option(128, "tokens per window in every phase", min=2)
     eval_windows: int = option(16, "held-out windows (test half of the validation split) for the perplexity after "
                                "each phase and in the benchmark", min=1)
-    sem_dim: int = option(8, "per head: semantic (no-RoPE) query/key width", min=0)
-    geo_dim: int = option(24, "per head: geometric (RoPE) query/key width, geo_dim/2 of the teacher's pairs", min=0)
-    v_dim: int = option(32, "per KV head: value width", min=1)
+    kv_reduction: float = option(2.0, "teacher / student KV bytes per token; derives sem_dim, geo_dim, v_dim from the "
+                                 "teacher's head_dim (half values, half keys, all keys RoPE)", min=1)
+    sem_dim: Optional[int] = option(None, "per head: semantic (no-RoPE) query/key width (none: from kv_reduction)",
+                                    min=0)
+    geo_dim: Optional[int] = option(None, "per head: geometric (RoPE) query/key width, geo_dim/2 of the teacher's "
+                                    "pairs (none: from kv_reduction)", min=0)
+    v_dim: Optional[int] = option(None, "per KV head: value width (none: from kv_reduction)", min=1)
     surgery_method: str = option("asvd", "activation-aware SVD (SVD-LLM whitening) or plain weight SVD",
                                  choices=METHODS)
     calib_tokens: int = option(4096, "training-split tokens for pair selection and asvd whitening", min=1)

@@ -29,10 +29,10 @@ from core.device import resolve_device
 from core.logging import Logger, format_duration, progress
 from core.runs import claim, run_folder
 from core.tree import fingerprint, size
-from models import dba
+from models import dba, llama
 from recipes.distill.teacher import load_teacher
 from recipes.train.optimizer import make_optimizer
-from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop
+from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop, gates, report
 from recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
 from recipes.upcycle.phases import (FINAL, Context, finished, load_student, phase_summary, run_global, run_surgery,
                                     run_verify, surgery_settings, write_json)
@@ -44,10 +44,33 @@ PRESETS = {
            "blockwise.batch_size": 4, "blockwise.warmup_steps": 5, "blockwise.log_every": 10, "global.steps": 10,
            "global.batch_size": 4, "global.warmup_steps": 2, "global.eval_every": 5, "global.eval_batches": 2,
            "global.log_every": 5, "verify.windows": 2,
-           "benchmark.prompt_tokens": 16, "benchmark.new_tokens": 8, "benchmark.repeats": 3},
+           "benchmark.prompt_tokens": (16, 64), "benchmark.new_tokens": (4,), "benchmark.batches": (1, 2),
+           "benchmark.repeats": 3, "benchmark.ppl_contexts": (16, 32), "benchmark.ppl_tokens": 512,
+           "benchmark.passkey_contexts": (192, 256, 384), "benchmark.passkey_trials": 3},
 }
 
 
+
+
+def resolve_dims(cfg: Config, tcfg) -> None:
+    """Fill the unset ``sem_dim geo_dim v_dim`` from ``kv_reduction`` and the teacher's head_dim (explicit dims
+    win), in place."""
+    try:
+        derived = dba.dims_for_reduction(tcfg.head_dim, cfg.kv_reduction)
+    except ValueError as e:
+        raise UserError(f"kv_reduction={cfg.kv_reduction:g} for this teacher: {e}") from None
+    for key, value in zip(("sem_dim", "geo_dim", "v_dim"), derived):
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
+
+
+def dims_line(cfg: Config, tcfg) -> str:
+    """The chosen dims with both models' KV bytes per token (printed once the inputs are checked)."""
+    per_t, per_s = 2 * tcfg.head_dim, cfg.sem_dim + cfg.geo_dim + cfg.v_dim
+    kv_t, kv_s = llama.kv_bytes_per_token(tcfg), tcfg.n_layers * tcfg.n_kv_heads * per_s * 2
+    return (f"upcycle: dims sem_dim={cfg.sem_dim} geo_dim={cfg.geo_dim} v_dim={cfg.v_dim} (teacher head_dim "
+            f"{tcfg.head_dim}, kv_reduction={cfg.kv_reduction:g}); KV cache per token (bf16) teacher {kv_t:,} B, "
+            f"student {kv_s:,} B: {per_t / per_s:.2f}x smaller")
 
 
 def _validate(cfg: Config, teacher, corpus) -> tuple:
@@ -55,6 +78,8 @@ def _validate(cfg: Config, teacher, corpus) -> tuple:
     if teacher.arch != "llama":
         raise UserError(f"teacher={cfg.teacher} is a {teacher.arch} model; the teacher must be a Llama")
     tcfg = teacher.config
+    resolve_dims(cfg, tcfg)
+    upcycle_bench.check_contexts(cfg.benchmark, tcfg, "benchmark")
     if tcfg.vocab_size < corpus.tokenizer.vocab_size:
         raise UserError(f"teacher={cfg.teacher}: its vocabulary ({tcfg.vocab_size}) is smaller than its "
                         f"tokenizer's ({corpus.tokenizer.vocab_size})")
@@ -69,7 +94,7 @@ def _validate(cfg: Config, teacher, corpus) -> tuple:
         raise UserError(f"v_dim={cfg.v_dim} > the teacher's head_dim={tcfg.head_dim}")
     half = len(corpus.val) // 2
     dev, test = corpus.val[:half], corpus.val[half:]
-    need = max(cfg.block_size + 1, cfg.benchmark.prompt_tokens)
+    need = cfg.block_size + 1
     if min(len(dev), len(test)) < need:
         raise UserError(f"data={cfg.data}: the validation split ({len(corpus.val):,} tokens) is too small to halve "
                         f"into dev and test windows of {need} tokens; give more text or a smaller block_size")
@@ -126,6 +151,7 @@ def run(cfg: Config):
 def _run_phases(ctx: Context, teacher, corpus, dev, test):
     """Surgery, then the trained phases, verify and benchmark, each skipped when already done."""
     cfg, folder = ctx.cfg, ctx.folder
+    progress(dims_line(cfg, teacher.config))
     progress(f"upcycle: teacher {teacher.source} ({teacher.format}), {size(teacher.params) / 1e6:.1f}M params, "
         f"{teacher.config.n_layers} layers, {teacher.config.n_heads} heads / {teacher.config.n_kv_heads} KV heads "
         f"x {teacher.config.head_dim}; data {corpus.meta['source']}: {len(corpus.train):,} train / "
@@ -156,7 +182,8 @@ def _run_phases(ctx: Context, teacher, corpus, dev, test):
         results["verify"] = timed("verify", run_verify, ctx, student, scfg, f"{label}/{FINAL}")
     if "benchmark" in cfg.phases:
         path = folder / "benchmark" / "results.json"
-        if path.exists() and json.loads(path.read_text()).get("stages") == stages:
+        stored = json.loads(path.read_text()) if path.exists() else {}
+        if stored.get("stages") == stages and stored.get("settings") == upcycle_bench.settings(cfg.benchmark):
             progress(f"benchmark: done ({path})")
             results["benchmark"] = json.loads(path.read_text())
         else:
@@ -168,7 +195,22 @@ def _run_phases(ctx: Context, teacher, corpus, dev, test):
         f"{k} {upcycle_bench.ppl(v):.3f}" for k, v in stages.items())
         + f"; student: recipe=generate init={folder / label}")
     results["timings"] = timings
+    _judge_gates(ctx, results, stages, scfg)
     return results
+
+
+def _judge_gates(ctx: Context, results: dict, stages: dict, scfg) -> None:
+    """The ``verify.max_*``/``min_*`` gates, after every report is written (``recipes/upcycle/gates.py``)."""
+    vc = ctx.cfg.verify
+    if all(getattr(vc, g) is None for g in gates.GATES) or not {"verify", "benchmark"} & set(ctx.cfg.phases):
+        return
+    losses = {"teacher": stages["teacher"], "student": list(stages.values())[-1]}
+    kv = {"teacher": llama.kv_bytes_per_token(ctx.teacher.config), "student": dba.kv_bytes_per_token(scfg)}
+    verdicts = gates.judge(vc, losses, kv, results.get("benchmark"))
+    if "benchmark" in results:
+        results["benchmark"]["gates"] = verdicts
+        report.write(ctx.folder / "benchmark", results["benchmark"])
+    gates.enforce(verdicts, ctx.folder, vc.on_fail, ctx.say)
 
 
 def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):

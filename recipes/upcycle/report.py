@@ -1,0 +1,155 @@
+"""The benchmark's artifacts, from one results dict (``recipes/upcycle/benchmark.py``):
+
+- ``results.json``: everything, every timed run included;
+- ``results.csv``: one row per model and sweep cell, the columns of ``sweep.COLUMNS`` with their units in the
+  header (``prefill_ms``, ``kv_bytes_measured`` ...: ``name [unit]``);
+- ``results.md``: the summary, the sweep, the crossover, perplexity vs context, passkey, behaviour, gates and the
+  held-out perplexity after each phase, with the timing conditions (device, threads, dtype, repeats);
+- ``tables.tex``: the sweep and the quality tables as LaTeX ``tabular``s;
+- ``latency.png`` (decode ms/token and prefill vs context), ``kv_bytes.png`` (KV cache bytes vs context),
+  ``quality.png`` (strided perplexity and passkey accuracy vs context): teacher and student on one plot,
+  one line per batch size; written when matplotlib is importable;
+- TensorBoard scalars (context as the step) and the Markdown as text.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+
+from core.cache import write_json
+from core.logging import Logger
+from recipes.upcycle.phases import ppl
+from recipes.upcycle.sweep import COLUMNS
+
+SUMMARY = [("perplexity", "held-out perplexity", "{:.3f}"), ("loss", "held-out loss (nats/token)", "{:.4f}"),
+           ("prefill_ms", "prefill, ms (first cell)", "{:.2f}"),
+           ("decode_ms_per_token", "decode, ms/token (first cell)", "{:.2f}"),
+           ("kv_bytes_per_token_analytic", "KV cache, bytes/token (analytic, cache dtype)", "{:,.0f}"),
+           ("kv_bytes_per_token_measured", "KV cache, bytes/token (measured)", "{:,.0f}"),
+           ("kv_bytes_per_token_bf16", "KV cache, bytes/token at bf16", "{:,.0f}"),
+           ("params", "parameters", "{:,}"), ("attention_params", "attention parameters", "{:,}")]
+
+
+def header() -> list[str]:
+    return [f"{name} [{unit}]" if unit else name for name, unit in COLUMNS]
+
+
+def fmt(value, spec: str = "{:.2f}") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}" if value >= 10000 else str(value)
+    return spec.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def crossover_line(results: dict) -> str:
+    parts = []
+    for c in results["crossover"]:
+        worst = ", ".join(f"{t}: {r:.2f}x" for t, r in c["ratios"].items())
+        parts.append(f"batch {c['batch']}: student decode faster from context {c['faster_from_context']}"
+                     if c["faster_from_context"] else f"batch {c['batch']}: student decode not faster ({worst})")
+    return "; ".join(parts) or "no cell measured for both models"
+
+
+def _table(head: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def markdown(results: dict) -> str:
+    t, s, r = results["teacher"], results["student"], results["student_over_teacher"]
+    out = _table(["metric", "teacher", "student", "student / teacher"],
+                 [[label, fmt(t[k], f), fmt(s[k], f), fmt(r.get(k), "{:.3f}")] for k, label, f in SUMMARY])
+    out += ["", f"Sweep: {results['device']}, {results['threads']} thread(s), load average "
+            f"{results.get('load_average', float('nan')):.1f} at the end, torch {results['torch']}, "
+            f"{results['note']}; every time is the median of {results['repeats']} runs after "
+            f"{results['warmup_runs']} untimed warm-up; prefill in chunks of {results['prefill_chunk']} tokens; "
+            f"peak memory: {results['peak_memory']}.", ""]
+    out += _table(header(), [[fmt(c.get(k), "{:,.2f}") for k, _ in COLUMNS]
+                             for c in results["cells"]])
+    out += ["", "Student decode vs teacher: " + crossover_line(results) + ".", ""]
+    out += _table(["model", "window [tokens]", "stride [tokens]", "scored tokens", "loss [nats/token]",
+                   "perplexity"], [[q["model"], str(q["context"]), str(q["stride"]), str(q["tokens"]),
+                                    f"{q['loss']:.4f}", f"{q['perplexity']:.3f}"] for q in results["strided_perplexity"]])
+    if results["passkey"]:
+        p0 = results["passkey"][0]
+        out += ["", f"Passkey retrieval: {p0['trials']} trials per context, seed {p0['seed']}, greedy; the student "
+                f"was trained on {results['trained_context']}-token windows.", ""]
+        out += _table(["model", "context [tokens]", "prompt [tokens]", "correct", "accuracy",
+                       "within student training"],
+                      [[p["model"], str(p["context"]), str(p["prompt_tokens"]), f"{p['correct']}/{p['trials']}",
+                        fmt(p["accuracy"], "{:.2f}"), str(p["within_student_training"])] for p in results["passkey"]])
+    if results["behaviour"]:
+        out += [""] + _table(["model", "case type", "cases", "correct", "accuracy"],
+                             [[b["model"], b["type"], str(b["cases"]), str(b["correct"]), f"{b['accuracy']:.2f}"]
+                              for b in results["behaviour"]])
+    if results.get("gates"):
+        out += [""] + _table(["gate", "limit", "value", "passed"],
+                             [[f"verify.{g['gate']}", f"{g['limit']:g}", fmt(g["value"], "{:.4g}"), str(g["passed"])]
+                              for g in results["gates"]])
+    stages = results.get("stages") or {}
+    if stages:
+        out += [""] + _table(["after phase", "held-out loss", "perplexity", "ratio to teacher"],
+                             [[k, f"{v:.4f}", f"{ppl(v):.3f}", f"{ppl(v) / ppl(stages['teacher']):.3f}"]
+                              for k, v in stages.items()])
+    return "\n".join(out) + "\n"
+
+
+def latex(results: dict) -> str:
+    def tex(text: str) -> str:
+        return str(text).replace("_", r"\_").replace("%", r"\%")
+
+    cols = ["model", "context", "new", "batch", "status", "prefill [ms]", "decode [ms/token]", "tokens/s",
+            "KV [bytes]", "KV measured [bytes]"]
+    keys = ["model", "prompt_tokens", "new_tokens", "batch", "status", "prefill_ms", "decode_ms_per_token",
+            "tokens_per_s", "kv_bytes_analytic", "kv_bytes_measured"]
+    lines = [r"% purestep upcycle benchmark: " + tex(results["note"]),
+             r"\begin{tabular}{llrrlrrrrr}", r"\hline", " & ".join(cols) + r" \\", r"\hline"]
+    lines += [" & ".join(tex(fmt(c.get(k), "{:.2f}" if "ms" in k or "per_s" in k else "{}")) for k in keys) + r" \\"
+              for c in results["cells"]]
+    lines += [r"\hline", r"\end{tabular}", "", r"\begin{tabular}{llrrr}", r"\hline",
+              r"measure & model & context & value & trials \\", r"\hline"]
+    lines += [f"strided perplexity & {q['model']} & {q['context']} & {q['perplexity']:.3f} & - \\\\"
+              for q in results["strided_perplexity"]]
+    lines += [f"passkey accuracy & {p['model']} & {p['context']} & {fmt(p['accuracy'])} & {p['trials']} \\\\"
+              for p in results["passkey"]]
+    lines += [f"behaviour ({tex(b['type'])}) & {b['model']} & - & {b['accuracy']:.2f} & {b['cases']} \\\\"
+              for b in results["behaviour"]]
+    return "\n".join(lines + [r"\hline", r"\end{tabular}", ""])
+
+
+def write(folder, results: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / "results.json", results)
+    with open(folder / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header())
+        for c in results["cells"]:
+            w.writerow(["" if c.get(k) is None else c[k] for k, _ in COLUMNS])
+    (folder / "results.md").write_text(markdown(results))
+    (folder / "tables.tex").write_text(latex(results))
+    _board(folder, results)
+    if importlib.util.find_spec("matplotlib") is not None:
+        from recipes.upcycle import charts
+        charts.draw(folder, results)
+
+
+def _board(folder, results: dict) -> None:
+    with Logger(folder, jsonl=False, console=False) as logger:
+        for who in ("teacher", "student"):
+            logger.scalars(0, {f"benchmark/{who}/{k}": results[who][k] for k, _, _ in SUMMARY
+                               if results[who][k] is not None})
+        logger.scalars(0, {f"benchmark/ratio/{k}": v for k, v in results["student_over_teacher"].items()})
+        for c in results["cells"]:
+            if c["status"] == "ok":
+                tag = f"{c['model']}/batch{c['batch']}_new{c['new_tokens']}"
+                logger.scalars(c["prompt_tokens"], {f"benchmark/decode_ms/{tag}": c["decode_ms_per_token"],
+                                                    f"benchmark/prefill_ms/{tag}": c["prefill_ms"],
+                                                    f"benchmark/kv_bytes/{tag}": c["kv_bytes_measured"]})
+        for q in results["strided_perplexity"]:
+            logger.scalars(q["context"], {f"benchmark/strided_perplexity/{q['model']}": q["perplexity"]})
+        for p in results["passkey"]:
+            if p["accuracy"] is not None:
+                logger.scalars(p["context"], {f"benchmark/passkey_accuracy/{p['model']}": p["accuracy"]})
+        for i, (stage, loss) in enumerate((results.get("stages") or {}).items()):
+            logger.scalars(i, {"benchmark/stage_perplexity": ppl(loss)})
+        logger.text(0, "benchmark", markdown(results))
