@@ -179,7 +179,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
 def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepContext, dist: Dist) -> list:
     """The loop's hooks in the order they run after a step."""
     pieces = [FirstStepCheck(io.logger, steps.health, io.expected_initial_loss), *hooks,
-              io.log or TrainLog(cfg, io.logger, steps.health, ctx, io.flops_per_token)]
+              io.log or TrainLog(cfg, io.logger, steps.health, ctx, io.flops_per_token, _epoch_of(steps.batches))]
     if cfg.spike.enabled:
         # the disk fallback only in one process: rank 0 alone holds the checkpoint manager
         pieces.append(Rollback(cfg.spike, io.logger, ctx, None if dist.enabled else io.checkpoints))
@@ -188,6 +188,13 @@ def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepCo
     saving = Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger, train=to_dict(cfg),
                            every_minutes=cfg.save_every_minutes, dist=dist, log_every=cfg.log_every)
     return [*pieces, saving, Stopping(cfg, io.logger, dist, io.resume_folder)]
+
+
+def _epoch_of(batches) -> Optional[Callable[[int], float]]:
+    """``batches.epoch`` of the data under any wrappers (faults, distill's), or None (raw-text windows)."""
+    while batches is not None and not hasattr(batches, "epoch"):
+        batches = getattr(batches, "batches", None)
+    return getattr(batches, "epoch", None)
 
 
 def _after_step(ctx: StepContext) -> Optional[Stop]:
