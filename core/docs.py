@@ -51,16 +51,18 @@ class _Rows:
             self.chunks = np.stack([np.repeat(np.arange(len(table)), per_doc),
                                     np.concatenate([np.arange(k) for k in per_doc]) * block_size], 1)
             self.n = len(self.chunks)
-        self._epoch = None
+        self._cache = (None, None)    # ((epoch, seed), (order, cum)): one attribute, read whole by any thread
 
     def _order(self, epoch: int, seed: int):
         """The epoch's permutation (-1: the natural order) and, packed, the cumulative document lengths."""
-        if self._epoch != (epoch, seed):
+        key, cached = self._cache
+        if key != (epoch, seed):
             count = len(self.table) if self.pack else self.n
             order = np.arange(count) if epoch < 0 else np.random.default_rng([seed, epoch]).permutation(count)
             cum = np.concatenate([[0], np.cumsum(self.table[order, 2])]) if self.pack else None
-            self._epoch, self._cached = (epoch, seed), (order, cum)
-        return self._cached
+            cached = (order, cum)
+            self._cache = ((epoch, seed), cached)
+        return cached
 
     def _piece(self, doc: int, lo: int, hi: int):
         s, start, _ = self.table[doc]

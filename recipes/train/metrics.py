@@ -104,7 +104,9 @@ class TrainLog(Hook):
         seconds = max(now - self.last_time - ctx.excluded, 1e-9)
         tps = (ctx.loop.tokens - self.last_tokens) / seconds
         wall = ctx.wall(now)
-        values.update({"tokens_per_sec": tps, "memory_mb": memory_mb(self.device), "wall_hours": wall / 3600})
+        values.update({"tokens_per_sec": tps, "memory_mb": memory_mb(self.device), "wall_hours": wall / 3600,
+                       "data_ms": 1000 * ctx.data_seconds / max(interval, 1)})
+        ctx.data_seconds = 0.0
         if self.peak and self.flops_per_token:
             values["mfu"] = tps * self.flops_per_token / self.peak
         if cfg.cost_per_hour:
@@ -118,7 +120,7 @@ class TrainLog(Hook):
             for tag, hist in self.health.histograms(health).items():
                 logger.histogram(ctx.step, tag, hist)
         logger.progress(ctx.step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
-                        extra={k: logged[k] for k in ("epoch", "lr") if k in logged} or None)
+                        extra={k: logged[k] for k in ("epoch", "lr", "data_ms") if k in logged} or None)
         self.last_time, self.last_tokens, ctx.excluded = now, ctx.loop.tokens, 0.0
         ctx.values = values
         if values.get("skipped", 0.0) > 0 and not values.get("spike", 0.0) > 0:
