@@ -113,7 +113,7 @@ def dry_run(cfg: Config) -> str:
     """``dry_run=true``: the plan of this run (``recipes.train.plan``); no run folder is created."""
     p = prepare_run(plan.probe_config(cfg), None)
     m = p.model_cfg
-    return plan.describe(cfg, recipe="standard", folder=run_folder(cfg, "standard"),
+    return plan.describe(replace(cfg, steps=p.cfg.steps), recipe="standard", folder=run_folder(cfg, "standard"),
                          model=f"llama, {m.n_layers} layers, d={m.d_model}, {m.n_heads} heads, vocab {m.vocab_size} "
                                f"({p.tok.name})" + (f"; init from {p.start.source}" if p.start else ""),
                          data=describe(p.corpus), train_tokens=p.corpus.meta["train_tokens"], state=p.run.state,

@@ -185,3 +185,37 @@ def test_bad_input_names_the_line_and_chats_without_answers_are_counted(tmp_path
     text.write_text("hello world\n" * 200)
     assert "loss_on=assistant applies to JSONL" in run_error(capsys, f"data={text}", "loss_on=assistant",
                                                                f"out={tmp_path / 'r5'}")
+
+
+def test_ranks_epochs_and_val_data(tmp_path):
+    """Each data-parallel rank builds its own rows of the one-rank global batch; an epoch of pack=false rows
+    holds every chunk once; epochs= sets the steps; val_data= replaces the hash split."""
+    data = write_jsonl(tmp_path / "train.jsonl", [{"text": "word " * (3 + i % 17)} for i in range(40)])
+    held = write_jsonl(tmp_path / "held.jsonl", [{"text": "held out " * 5}] * 3)
+    for pack in (True, False):
+        corpus = prepare_data(str(data), "byte", pack=pack, val_data=str(held))
+        assert corpus.meta["train_documents"] == 40 and corpus.meta["val_documents"] == 3
+        one = corpus.batches(4, 16, seed=5, grad_accum=2).get(7)
+        ranks = [corpus.batches(2, 16, seed=5, grad_accum=2, rank=r, world_size=2).get(7) for r in (0, 1)]
+        for key in one:
+            assert torch.equal(torch.cat([ranks[0][key], ranks[1][key]], dim=1), one[key])
+    rows = corpus.rows("train", 16)                   # the last corpus: pack=false
+    assert sorted(rows._order(3, 5)[0].tolist()) == list(range(rows.n))
+    assert corpus.batches(4, 16, seed=5).steps_for(2.0) == -(-2 * rows.n // 4)
+    out = tmp_path / "run"
+    assert main(["recipe=standard", f"data={data}", f"val_data={held}", "epochs=2", f"out={out}", *TINY,
+                 "block_size=16"]) == 0
+    from core import checkpoint as ckpt
+    packed = prepare_data(str(data), "byte", val_data=str(held)).rows("train", 16).n
+    assert ckpt.read_meta(out / "final.msgpack")["step"] == -(-2 * packed // 4)
+
+
+def test_distill_trains_on_packed_chats(tmp_path, capsys):
+    """distill takes JSONL chats with loss_on=assistant and packing (student and teacher see batch["doc"])."""
+    data = write_jsonl(tmp_path / "chats.jsonl", chats(24))
+    teacher = tmp_path / "teacher"
+    assert main(["recipe=standard", f"data={data}", f"out={teacher}", "steps=2", *TINY]) == 0
+    out = tmp_path / "student"
+    assert main(["recipe=distill", f"teacher={teacher}", f"data={data}", "loss_on=assistant", f"out={out}",
+                 "steps=3", *TINY]) == 0
+    assert "loss_on=assistant" in capsys.readouterr().err and (out / "final.msgpack").exists()

@@ -349,7 +349,7 @@ def dry_run(cfg: Config) -> str:
     teacher = (f"{p.teacher.format} {p.teacher.source}, {size(p.teacher.params):,} params, {t.n_layers} layers, "
                f"d={t.d_model} ({plan.megabytes(plan.tree_bytes(p.teacher.params))} held, frozen); "
                + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online"))
-    return plan.describe(cfg, recipe="distill", folder=run_folder(cfg, "distill"),
+    return plan.describe(replace(cfg, steps=p.cfg.steps), recipe="distill", folder=run_folder(cfg, "distill"),
                          model=f"student ({'init' if cfg.init else cfg.student}: {p.student_how}), {s.n_layers} "
                                f"layers, d={s.d_model}, vocab {s.vocab_size} ({p.tok.name})",
                          data=describe(p.corpus), train_tokens=p.corpus.meta["train_tokens"], state=p.state,
