@@ -26,7 +26,10 @@ pipeline (the order is a function of the step, not of a stateful shuffle buffer)
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 
 import numpy as np
 import torch
@@ -166,7 +169,8 @@ class DocCorpus:
     """JSONL documents of both splits; ``batches``/``eval_batches`` as ``core.data.Corpus`` has them.
 
     ``train``/``val`` are the splits' documents concatenated in file order (read into memory on first use:
-    for recipes that read the rendered text as a token stream, such as upcycle and compress)."""
+    for recipes that read the rendered text as a token stream, such as upcycle and compress). ``path`` names
+    this set of shards and settings (an identity for caches keyed by the data; no folder is created there)."""
 
     def __init__(self, shards: list, tables: dict, tokenizer, meta: dict, pack: bool, assistant: bool):
         self.shards, self.tables, self.tokenizer, self.meta = shards, tables, tokenizer, meta
@@ -222,10 +226,11 @@ def prepare_docs(files: list, tok, *, text_field="text", loss_on="all", pack=Tru
     if loss_on not in LOSS_ON:
         raise DataError(f"loss_on={loss_on}: choose one of {', '.join(LOSS_ON)}")
     root = cache_dir or text_data.cache_root("docs")
-    shards = [shard(p, tok, root, text_field)[1] for p in files]
+    built = [shard(p, tok, root, text_field) for p in files + (val_files or [])]
+    folders, shards = [f for f, _ in built], [a for _, a in built[:len(files)]]
     table, hashes, counts = _table(shards)
     if val_files:
-        extra = [shard(p, tok, root, text_field)[1] for p in val_files]
+        extra = [a for _, a in built[len(files):]]
         val_table, _, val_counts = _table(extra, len(shards))
         shards, tables, kept = shards + extra, {"train": table, "val": val_table}, {"train": counts, "val": val_counts}
     else:
@@ -240,7 +245,9 @@ def prepare_docs(files: list, tok, *, text_field="text", loss_on="all", pack=Tru
                 raise DataError(f"{source}: loss_on=assistant but no {split} document has an assistant turn "
                                 f"({len(has)} skipped); use loss_on=all or add chats with assistant answers")
             tables[split] = tables[split][has]
-    meta = {"source": source, "cache": root, "files": len(files), "skipped": skipped,
+    identity = json.dumps([[os.path.basename(f) for f in folders], val_fraction, bool(val_files), loss_on])
+    meta = {"source": source, "files": len(files), "skipped": skipped, "shards": folders,
+            "cache": os.path.join(root, "set-" + hashlib.sha256(identity.encode()).hexdigest()[:16]),
             "train_tokens": int(tables["train"][:, 2].sum()), "val_tokens": int(tables["val"][:, 2].sum()),
             "train_documents": len(tables["train"]), "val_documents": len(tables["val"]),
             "split": "val_data" if val_files else f"by line hash < {val_fraction}"}

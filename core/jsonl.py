@@ -155,8 +155,8 @@ def _build(path: str, tok, template: str, text_field: str, folder) -> dict:
             "template": template, "seconds": seconds}
 
 
-def shard(path: str, tok, root: str, text_field: str = "text") -> tuple[dict, dict]:
-    """``(meta, arrays)`` of the token shard of one JSONL file (built first when missing, see the docstring)."""
+def shard(path: str, tok, root: str, text_field: str = "text") -> tuple[str, dict]:
+    """``(folder, arrays)`` of the token shard of one JSONL file (built first when missing, see the docstring)."""
     template = template_of(tok)
     st = os.stat(path)
     blob = json.dumps({"v": VERSION, "file": [path, st.st_size, st.st_mtime_ns], "tok": tok.to_dict(),
@@ -165,6 +165,6 @@ def shard(path: str, tok, root: str, text_field: str = "text") -> tuple[dict, di
     slug = "".join(c if c.isalnum() or c in "._-" else "_" for c in os.path.basename(path))[:50]
     folder = os.path.join(root, f"{slug}-{tok.name}-{key}")
     try:
-        return cache.open_or_build(folder, _layout, lambda b: _build(path, tok, template, text_field, b.path))
+        return folder, cache.open_or_build(folder, _layout, lambda b: _build(path, tok, template, text_field, b.path))[1]
     except cache.CacheError as e:
         raise DataError(f"token shard {folder} of {path} is unreadable ({e}); delete it") from None
