@@ -259,11 +259,10 @@ def prepare_data(data: str, tokenizer_spec="byte", *, text_field="text", loss_on
     """``data=`` of any kind: JSONL (a ``DocCorpus``) or raw text (``core.data.prepare``, unchanged)."""
     files = find_jsonl(data)
     if files is None:
-        for key, value, default in (("loss_on", loss_on, "all"), ("val_data", val_data, ""),
-                                    ("val_fraction", val_fraction, 0.1)):
+        for key, value, default in (("loss_on", loss_on, "all"), ("val_data", val_data, "")):
             if value != default:
                 raise DataError(f"{key}={value} applies to JSONL data (.jsonl / .jsonl.gz); data={data} is raw text")
-        return text_data.prepare(data, tokenizer_spec, cache_dir)
+        return text_data.prepare(data, tokenizer_spec, cache_dir, val_fraction)
     if tokenizer_spec == "char":
         raise DataError("tokenizer=char builds its vocabulary from raw text; JSONL data needs tokenizer=byte, a "
                         "tokenizer.json or init= with its own tokenizer")

@@ -165,6 +165,7 @@ def shard(path: str, tok, root: str, text_field: str = "text") -> tuple[str, dic
     slug = "".join(c if c.isalnum() or c in "._-" else "_" for c in os.path.basename(path))[:50]
     folder = os.path.join(root, f"{slug}-{tok.name}-{key}")
     try:
-        return folder, cache.open_or_build(folder, _layout, lambda b: _build(path, tok, template, text_field, b.path))[1]
+        _, arrays = cache.open_or_build(folder, _layout, lambda b: _build(path, tok, template, text_field, b.path))
+        return folder, arrays
     except cache.CacheError as e:
         raise DataError(f"token shard {folder} of {path} is unreadable ({e}); delete it") from None

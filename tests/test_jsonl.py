@@ -219,3 +219,15 @@ def test_distill_trains_on_packed_chats(tmp_path, capsys):
     assert main(["recipe=distill", f"teacher={teacher}", f"data={data}", "loss_on=assistant", f"out={out}",
                  "steps=3", *TINY]) == 0
     assert "loss_on=assistant" in capsys.readouterr().err and (out / "final.msgpack").exists()
+
+
+def test_val_fraction_on_raw_text(tmp_path):
+    """val_fraction= moves the split of raw text too; the default keeps the cache key (and tokens) of before."""
+    from core import data as text_data
+    text = tmp_path / "plain.txt"
+    text.write_text("0123456789" * 100)
+    default, quarter = prepare_data(str(text), "byte"), prepare_data(str(text), "byte", val_fraction=0.25)
+    assert (len(default.train), len(default.val)) == (900, 100) and (len(quarter.train), len(quarter.val)) == (750, 250)
+    assert default.path == text_data.prepare(str(text), "byte").path != quarter.path
+    source = text_data.find_source(str(text))
+    assert default.path.endswith(text_data._cache_key(source, {"type": "byte"}))

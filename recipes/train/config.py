@@ -80,8 +80,8 @@ class TrainConfig:
                           choices=("all", "assistant"))
     pack: bool = option(True, "JSONL: pack documents into block_size rows (attention and RoPE positions per "
                         "document); false: one document per row, padded, long ones split")
-    val_fraction: float = option(0.1, "JSONL: fraction of documents held out for validation (by line hash)",
-                                 above=0, below=1)
+    val_fraction: float = option(0.1, "fraction held out for validation: documents by line hash (JSONL), files by "
+                                 "path hash, or the end of a single text file", above=0, below=1)
     val_data: str = option("", "JSONL: a separate validation file, folder or glob (instead of val_fraction)")
     tokenizer: str = option("byte", "byte, char, or a tokenizer.json PATH")
     fim_rate: float = option(0.0, "fill-in-the-middle: fraction of windows rearranged prefix/suffix/middle "
