@@ -92,8 +92,7 @@ def segments(template: str, messages: list, tok=None, where: str = "chat") -> li
             continue
         before = render(template, messages[:i], tok, add_generation_prompt=True)
         upto = render(template, messages[:i + 1], tok)
-        if not (upto.startswith(before) and full.startswith(upto)) or (spans and before[:spans[-1][1]] !=
-                                                                        full[:spans[-1][1]]):
+        if not (upto.startswith(before) and full.startswith(upto)):
             raise DataError(f"{where}: the chat template is not prefix-stable at message {i} (rendering the "
                             f"first {i} messages is not a prefix of rendering all), so its assistant tokens "
                             f"cannot be found; use loss_on=all")

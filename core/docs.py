@@ -165,28 +165,54 @@ class DocEvalBatches:
         return (self[i] for i in range(len(self)))
 
 
+class Stream:
+    """A split's documents as one token sequence in file order, read on demand: ``len`` and slices (``val[:32]``,
+    a sample prompt) touch only the documents they cover; any other index reads the whole split once."""
+
+    def __init__(self, shards: list, table: np.ndarray):
+        self.shards, self.table, self._all = shards, table, None
+        self.cum = np.concatenate([[0], np.cumsum(table[:, 2])])
+
+    def __len__(self) -> int:
+        return int(self.cum[-1])
+
+    def _range(self, lo: int, hi: int) -> np.ndarray:
+        first = int(np.searchsorted(self.cum, lo, side="right")) - 1
+        parts = []
+        for k in range(max(first, 0), len(self.table)):
+            if self.cum[k] >= hi:
+                break
+            s, start, _ = self.table[k]
+            a, b = max(lo, self.cum[k]) - self.cum[k], min(hi, self.cum[k + 1]) - self.cum[k]
+            parts.append(np.asarray(self.shards[s]["tokens"][start + a:start + b]))
+        return np.concatenate(parts) if parts else np.zeros(0, np.asarray(self.shards[0]["tokens"][:0]).dtype)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice) and key.step in (None, 1):
+            lo, hi, _ = key.indices(len(self))
+            return self._range(lo, max(lo, hi))
+        if self._all is None:
+            self._all = self._range(0, len(self))
+        return self._all[key]
+
+    def __array__(self, dtype=None, copy=None):
+        return self[:] if dtype is None else self[:].astype(dtype)
+
+
 class DocCorpus:
     """JSONL documents of both splits; ``batches``/``eval_batches`` as ``core.data.Corpus`` has them.
 
-    ``train``/``val`` are the splits' documents concatenated in file order (read into memory on first use:
-    for recipes that read the rendered text as a token stream, such as upcycle and compress). ``path`` names
+    ``train``/``val`` are :class:`Stream` views of the splits' documents concatenated in file order (for
+    recipes that read the rendered text as a token stream, such as upcycle and compress). ``path`` names
     this set of shards and settings (an identity for caches keyed by the data; no folder is created there)."""
 
     def __init__(self, shards: list, tables: dict, tokenizer, meta: dict, pack: bool, assistant: bool):
         self.shards, self.tables, self.tokenizer, self.meta = shards, tables, tokenizer, meta
-        self.pack, self.assistant, self.path, self._flat = pack, assistant, meta["cache"], {}
+        self.pack, self.assistant, self.path = pack, assistant, meta["cache"]
+        self.train, self.val = Stream(shards, tables["train"]), Stream(shards, tables["val"])
 
     def describe(self, split: str) -> str:
         return f"{self.meta['source']} ({ {'train': 'train', 'val': 'validation'}[split]} split)"
-
-    def _tokens(self, split: str) -> np.ndarray:
-        if split not in self._flat:
-            parts = [np.asarray(self.shards[s]["tokens"][a:a + n]) for s, a, n in self.tables[split]]
-            self._flat[split] = np.concatenate(parts)
-        return self._flat[split]
-
-    train = property(lambda self: self._tokens("train"))
-    val = property(lambda self: self._tokens("val"))
 
     def rows(self, split: str, block_size: int) -> _Rows:
         return _Rows(self.shards, self.tables[split], block_size, self.pack, self.assistant)
@@ -287,4 +313,4 @@ def prepare_text(data: str, tokenizer_spec="byte", cache_dir=None) -> text_data.
         return text_data.prepare(data, tokenizer_spec, cache_dir)
     docs = prepare_data(data, tokenizer_spec, cache_dir=cache_dir)
     meta = {**docs.meta, "rendered": "JSONL documents rendered and concatenated (core.docs.prepare_text)"}
-    return text_data.Corpus(docs.train, docs.val, docs.tokenizer, meta, docs.path)
+    return text_data.Corpus(docs.train[:], docs.val[:], docs.tokenizer, meta, docs.path)

@@ -11,7 +11,6 @@ import torch
 
 from core import chat
 from core.docs import prepare_data
-from core.tokenizers import ByteTokenizer
 from models import llama
 from recipes import main
 
@@ -231,3 +230,16 @@ def test_val_fraction_on_raw_text(tmp_path):
     assert default.path == text_data.prepare(str(text), "byte").path != quarter.path
     source = text_data.find_source(str(text))
     assert default.path.endswith(text_data._cache_key(source, {"type": "byte"}))
+
+
+def test_split_streams_read_what_they_cover(tmp_path):
+    """DocCorpus.train/val read as one token sequence: slices equal the concatenated documents in file order."""
+    records = [{"text": f"doc {i} " * (1 + i % 5)} for i in range(30)]
+    corpus = prepare_data(str(write_jsonl(tmp_path / "d.jsonl", records)), "byte", val_fraction=0.3)
+    whole = np.asarray(corpus.train)
+    assert len(whole) == len(corpus.train) == corpus.meta["train_tokens"]
+    for lo, hi in ((0, 5), (3, 40), (17, 17), (len(whole) - 9, len(whole) + 5)):
+        assert np.array_equal(corpus.train[lo:hi], whole[lo:hi])
+    assert np.array_equal(corpus.val[[0, 2, 1]], np.asarray(corpus.val)[[0, 2, 1]])
+    val_text = "".join(chr(int(t)) for t in np.asarray(corpus.val))
+    assert val_text.count("\n") == corpus.meta["val_documents"]
