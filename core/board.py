@@ -10,7 +10,7 @@ follows them:
 ``1_train/...``         ``train/loss``, ``train/grad_norm`` and every key without a group: ``lr``,
                         ``tokens_per_sec``, ``loss_scale``, ``skipped``, ``spike``, ...
 ``2_val/...``           ``val/loss``, ``val/perplexity``, ``val/teacher_loss``
-``3_system/...``        ``memory_mb``, ``wall_hours``, ``mfu``, ``cost``
+``3_system/...``        ``memory_mb``, ``wall_hours``, ``mfu``, ``cost``, ``data_ms``
 ``4_health/...``        the per-tensor and per-layer statistics ``health/<stat>/<tensor>[/<layer>]``
 ======================  ========================================================================
 
@@ -23,7 +23,7 @@ import re
 from typing import Iterable, Mapping
 
 GROUPS = {"train": "1_train", "val": "2_val", "system": "3_system", "health": "4_health"}
-SYSTEM = ("memory_mb", "wall_hours", "mfu", "cost")
+SYSTEM = ("memory_mb", "wall_hours", "mfu", "cost", "data_ms")
 
 __all__ = ["GROUPS", "SYSTEM", "board_tag", "exact", "training_charts", "layout_of"]
 

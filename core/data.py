@@ -8,7 +8,7 @@ shifted by one). Unlike ``get_batch``, batch number ``cursor`` is a pure functio
 
 Sources (the ``data=`` string):
 
-- a file: split by position, the last 10% of its tokens is validation (``int(n * 0.9)`` train tokens);
+- a file: split by position, the last 10% (``val_fraction``) of its tokens is validation (``int(n * 0.9)``);
 - a folder: every text file under it, recursively; a text file is non-empty with no NUL byte in its
   first 8000 bytes (git's binary heuristic); hidden files and folders and ``__pycache__`` are skipped;
 - a glob such as ``docs/**/*.rst.txt`` (``**`` recurses), text files only;
@@ -137,10 +137,10 @@ def _unit_hash(text: str) -> float:
     return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0**64
 
 
-def split_files(source: Source) -> tuple[list, list]:
-    """``(train_files, val_files)``: about ``VAL_FRACTION`` of files by path hash, at least one each."""
+def split_files(source: Source, fraction: float = VAL_FRACTION) -> tuple[list, list]:
+    """``(train_files, val_files)``: about ``fraction`` of files by path hash, at least one each."""
     h = {p: _unit_hash(_rel(p, source.root)) for p in source.files}
-    val = [p for p in source.files if h[p] < VAL_FRACTION]
+    val = [p for p in source.files if h[p] < fraction]
     if not val:
         val = [min(source.files, key=h.get)]
     if len(val) == len(source.files):
@@ -157,13 +157,11 @@ def cache_root(kind: str = "tokens") -> str:
     return os.path.join(base, kind)
 
 
-def _cache_key(source: Source, tokenizer_identity: dict) -> str:
-    stats = []
-    for p in source.files:
-        st = os.stat(p)
-        stats.append([p, st.st_size, st.st_mtime_ns])
+def _cache_key(source: Source, tokenizer_identity: dict, fraction: float = VAL_FRACTION) -> str:
+    stats = [[p, st.st_size, st.st_mtime_ns] for p, st in ((p, os.stat(p)) for p in source.files)]
+    other = {} if fraction == VAL_FRACTION else {"val_fraction": fraction}   # the default's keys are unchanged
     blob = json.dumps({"version": CACHE_VERSION, "files": stats, "by_position": source.by_position,
-                       "tokenizer": tokenizer_identity}, sort_keys=True)
+                       "tokenizer": tokenizer_identity, **other}, sort_keys=True)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
@@ -207,7 +205,7 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def _build(source: Source, tok, folder) -> dict:
+def _build(source: Source, tok, folder, fraction: float = VAL_FRACTION) -> dict:
     """Tokenize ``source`` into ``folder``/{train,val}.bin; return the meta dict (``core.cache`` writes it).
 
     ``tok`` None means a char tokenizer, built here over the whole corpus (nanoGPT) plus "\n" for the
@@ -230,15 +228,16 @@ def _build(source: Source, tok, folder) -> dict:
             open(os.path.join(folder, "val.bin"), "wb") as fval:
         if source.by_position:
             ids = tok.encode_bytes(_read(source.files[0]), source=source.files[0])
-            n_train = int(len(ids) * (1 - VAL_FRACTION))
+            n_train = int(len(ids) * (1 - fraction))
             if n_train == 0 or n_train == len(ids):
                 raise DataError(f"{source.files[0]}: {len(ids)} tokens, too few to split into train and "
-                                f"validation (the last 10% is validation)")
+                                f"validation (the last {fraction:.0%} is validation)")
             write("train", ftrain, ids[:n_train])
             write("val", fval, ids[n_train:])
-            split_rule, separator, n_val_files = "by position: the last 10% of tokens is validation", [], 0
+            split_rule = f"by position: the last {fraction:.0%} of tokens is validation"
+            separator, n_val_files = [], 0
         else:
-            train_files, val_files = split_files(source)
+            train_files, val_files = split_files(source, fraction)
             separator = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n")
             val_set = set(val_files)
             for i, p in enumerate(source.files):
@@ -247,7 +246,7 @@ def _build(source: Source, tok, folder) -> dict:
                 write(split, fval if split == "val" else ftrain, np.concatenate([ids, separator]))
                 status.update(i + 1, len(source.files), counts["train"] + counts["val"])
             split_rule = ("by file: validation when the first 8 bytes of sha256(path relative to the root) "
-                          "/ 2**64 < 0.1, at least one file each side")
+                          f"/ 2**64 < {fraction:g}, at least one file each side")
             n_val_files = len(val_files)
     status.done(counts["train"], counts["val"])
     meta = {
@@ -283,14 +282,14 @@ class Corpus:
         return eval_batches(self.val, batch_size, block_size, n, source=self.describe("val"), **kw)
 
 
-def prepare(data: str, tokenizer_spec="byte", cache_dir: str | None = None) -> Corpus:
+def prepare(data: str, tokenizer_spec="byte", cache_dir: str | None = None,
+            val_fraction: float = VAL_FRACTION) -> Corpus:
     """Tokenize ``data`` once (cached, see the module docstring) and open its train/val memmaps.
 
     ``tokenizer_spec`` is a spec for ``make_tokenizer`` (``byte``, ``char``, a tokenizer.json path) or a
     tokenizer object, e.g. the one stored in a checkpoint being fine-tuned (its exact vocab is kept).
     ``cache_dir`` replaces the cache root (``$PURESTEP_CACHE/tokens``): the cache goes to
-    ``cache_dir/<name>-<key>/``.
-    """
+    ``cache_dir/<name>-<key>/``; ``val_fraction`` replaces the 10% held out."""
     source = find_source(data)
     if isinstance(tokenizer_spec, str):
         tok = None if tokenizer_spec == "char" else make_tokenizer(tokenizer_spec)
@@ -298,8 +297,9 @@ def prepare(data: str, tokenizer_spec="byte", cache_dir: str | None = None) -> C
         tok, tokenizer_spec = tokenizer_spec, tokenizer_spec.name
     identity = {"type": "char"} if tok is None else tok.to_dict()
     root = cache_dir or cache_root()
-    folder = os.path.join(root, f"{_slug(source, data, tokenizer_spec)}-{_cache_key(source, identity)}")
-    meta, arrays, tokenizer = _open_tokens(folder, lambda builder: _build(source, tok, builder.path),
+    folder = os.path.join(root, f"{_slug(source, data, tokenizer_spec)}-{_cache_key(source, identity, val_fraction)}")
+    extra = {} if val_fraction == VAL_FRACTION else {"fraction": val_fraction}
+    meta, arrays, tokenizer = _open_tokens(folder, lambda builder: _build(source, tok, builder.path, **extra),
                                            source.description)
     return Corpus(arrays["train"], arrays["val"], tokenizer, meta, folder)
 

@@ -191,12 +191,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def attention_mask(T: int, S: int, past_len: int = 0, window: int = 0, device=None) -> Optional[torch.Tensor]:
+def attention_mask(T: int, S: int, past_len: int = 0, window: int = 0, device=None,
+                   doc: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Which of ``S`` keys each of ``T`` queries (at positions ``past_len .. past_len + T - 1``) may see:
     causal, and with ``window`` > 0 only the last ``window`` positions, itself included (Mistral's sliding
-    window: key ``j`` is visible to query ``i`` iff ``i - window < j <= i``). None when SDPA's own
-    ``is_causal`` (``T == S``, no past) or no mask at all (one query, the whole cache visible) says it."""
-    if not window or window >= past_len + T:
+    window: key ``j`` is visible to query ``i`` iff ``i - window < j <= i``), and with ``doc`` [B, T] (the
+    document id of every token of a packed row; no cache) only keys of the query's own document: the mask is
+    then [B, 1, T, S]. None when SDPA's own ``is_causal`` (``T == S``, no past) or no mask at all (one query,
+    the whole cache visible) says it."""
+    if doc is None and (not window or window >= past_len + T):
         if past_len == 0 and T == S:
             return None
         if T == 1:
@@ -204,25 +207,38 @@ def attention_mask(T: int, S: int, past_len: int = 0, window: int = 0, device=No
     qpos = torch.arange(past_len, past_len + T, device=device)[:, None]
     kpos = torch.arange(S, device=device)[None, :]
     mask = kpos <= qpos
-    return mask & (kpos > qpos - window) if window else mask
+    if window:
+        mask = mask & (kpos > qpos - window)
+    if doc is not None:   # packed documents (torchtune's packed mask; transformers' position-id packing)
+        mask = mask & (doc[:, None, :, None] == doc[:, None, None, :])
+    return mask
 
 
-def causal_attention(q, k, v, past_len: int = 0, scale: Optional[float] = None, window: int = 0) -> torch.Tensor:
+def doc_positions(doc: torch.Tensor) -> torch.Tensor:
+    """RoPE positions [B, T] that restart at 0 where each document of a packed row ``doc`` [B, T] starts."""
+    idx = torch.arange(doc.shape[-1], device=doc.device).expand_as(doc)
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    return idx - torch.where(starts, idx, 0).cummax(dim=-1).values
+
+
+def causal_attention(q, k, v, past_len: int = 0, scale: Optional[float] = None, window: int = 0,
+                     doc: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal SDPA over [B, H, T, D] queries and [B, Hkv, S, D] keys/values (GQA via ``enable_gqa``).
 
     With a KV cache the queries sit at positions ``past_len .. past_len + T - 1`` of the ``S`` keys; ``window``
-    limits each query to its last ``window`` positions (:func:`attention_mask`). ``scale`` multiplies the
-    scores (None: SDPA's 1/sqrt(D)); values may be narrower or wider than keys.
+    limits each query to its last ``window`` positions and ``doc`` to its own document (:func:`attention_mask`).
+    ``scale`` multiplies the scores (None: SDPA's 1/sqrt(D)); values may be narrower or wider than keys.
     """
     T, S = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
-    mask = attention_mask(T, S, past_len, window, q.device)
+    mask = attention_mask(T, S, past_len, window, q.device, doc)
     causal = mask is None and past_len == 0 and T == S
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
 
 
 def attention(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, cache: Optional[dict] = None,
-              past_len: int = 0) -> torch.Tensor:
+              past_len: int = 0, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
     B, T, _ = x.shape
     q = F.linear(x, p["wq"], p.get("q_bias")).view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
     k = F.linear(x, p["wk"], p.get("k_bias")).view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
@@ -230,7 +246,7 @@ def attention(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, cache: Optio
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cache is not None:
         k, v = cache_append(cache, k, v, past_len)
-    y = causal_attention(q, k, v, past_len, window=cfg.sliding_window)
+    y = causal_attention(q, k, v, past_len, window=cfg.sliding_window, doc=doc)
     return F.linear(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.head_dim), p["wo"])
 
 
@@ -239,10 +255,12 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
 
 
 def block(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, key=None, cache=None, past_len: int = 0,
-          attend: Optional[Callable] = None):
+          attend: Optional[Callable] = None, doc: Optional[torch.Tensor] = None):
     """Pre-norm residual block: ``x + attend(norm(x))``, then ``+ mlp(norm(x))`` (``attend``: this module's
-    ``attention`` unless a variant passes its own, as ``models.dba`` does)."""
-    h = (attend or attention)(p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, cache, past_len)
+    ``attention`` unless a variant passes its own, as ``models.dba`` does; ``doc``: packed documents' ids)."""
+    extra = {} if doc is None else {"doc": doc}
+    h = (attend or attention)(p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, cache, past_len,
+                              **extra)
     if key is not None:
         h = rng.dropout(rng.fold_in(key, 1), h, cfg.dropout)
     x = x + h
@@ -257,7 +275,7 @@ def block(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, key=None, cache=
 
 def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional[torch.Tensor] = None,
           return_hidden: bool | str = False, cache: Optional[list] = None, past_len: int = 0,
-          remat: bool = False):
+          remat: bool = False, doc: Optional[torch.Tensor] = None):
     """Logits [B, T, vocab] for ``tokens`` [B, T].
 
     ``key`` turns on dropout (training); ``return_hidden=True`` also returns the residual stream entering every
@@ -266,20 +284,27 @@ def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional
     :func:`new_cache`) makes this an incremental decode step at ``past_len``; ``remat`` recomputes each
     block's activations in the backward pass (activation checkpointing; dropout masks come from the
     counter-based key, so the recomputation is identical). ``remat`` needs ``torch.autograd``, not
-    ``torch.func`` (``make_train_step(..., remat=True)``).
+    ``torch.func`` (``make_train_step(..., remat=True)``). ``doc`` [B, T]: the document id of every token of
+    packed rows (``core.docs``): attention stays inside a document and RoPE positions restart at each one.
     """
-    positions = torch.arange(past_len, past_len + tokens.shape[1], device=tokens.device)
-    tables = rope_tables(rope_frequencies(cfg), positions, params["embed"].dtype)
+    if doc is None:
+        positions = torch.arange(past_len, past_len + tokens.shape[1], device=tokens.device)
+        tables = rope_tables(rope_frequencies(cfg), positions, params["embed"].dtype)
+    else:
+        B, T = doc.shape
+        cos, sin = rope_tables(rope_frequencies(cfg), doc_positions(doc).flatten(), params["embed"].dtype)
+        tables = cos.view(B, 1, T, -1), sin.view(B, 1, T, -1)
     return apply_with(params, tokens, cfg, itertools.repeat(tables), block, key=key, return_hidden=return_hidden,
-                      cache=cache, past_len=past_len, remat=remat)
+                      cache=cache, past_len=past_len, remat=remat, doc=doc)
 
 
 def apply_with(params: dict, tokens: torch.Tensor, cfg, layer_tables: Iterable, block_fn: Callable, *,
                key: Optional[torch.Tensor] = None, return_hidden: bool | str = False, cache: Optional[list] = None,
-               past_len: int = 0, remat: bool = False):
+               past_len: int = 0, remat: bool = False, doc: Optional[torch.Tensor] = None):
     """The decoder every Llama variant shares (``apply`` here, ``models.dba.apply``): embedding (+ dropout),
     ``block_fn`` per layer with that layer's ``(cos, sin)`` from ``layer_tables``, the final norm and the
-    (tied or untied) head. The keyword arguments are ``apply``'s."""
+    (tied or untied) head. The keyword arguments are ``apply``'s (``doc`` reaches ``block_fn`` only when given)."""
+    extra = {} if doc is None else {"doc": doc}
     x = F.embedding(tokens, params["embed"])
     if key is not None:
         x = rng.dropout(rng.fold_in(key, 0), x, cfg.dropout)
@@ -288,9 +313,9 @@ def apply_with(params: dict, tokens: torch.Tensor, cfg, layer_tables: Iterable, 
         hidden.append(x)
         layer_key = None if key is None else rng.fold_in(key, 1000 + i)
         if remat and cache is None:
-            x = checkpoint(block_fn, lp, x, cos, sin, cfg, layer_key, use_reentrant=False)
+            x = checkpoint(block_fn, lp, x, cos, sin, cfg, layer_key, use_reentrant=False, **extra)
         else:
-            x = block_fn(lp, x, cos, sin, cfg, layer_key, None if cache is None else cache[i], past_len)
+            x = block_fn(lp, x, cos, sin, cfg, layer_key, None if cache is None else cache[i], past_len, **extra)
     hidden.append(x)
     if return_hidden == "only":
         return hidden
@@ -300,8 +325,10 @@ def apply_with(params: dict, tokens: torch.Tensor, cfg, layer_tables: Iterable, 
 
 def loss(params: dict, batch: dict, cfg: LlamaConfig, key: Optional[torch.Tensor] = None,
          remat: bool = False) -> torch.Tensor:
-    """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored)."""
-    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat), batch["y"])
+    """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored), with
+    ``batch["doc"]`` [B, T] the packed documents' ids when present (``core.docs``)."""
+    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat, doc=batch.get("doc")),
+                                batch["y"])
 
 
 # ----------------------------------------------------------------------------------------------------------

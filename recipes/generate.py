@@ -2,15 +2,20 @@
 
 The prompt is processed once (prefill) and every new token costs one position of the KV cache
 (``models.sampling.generate``). Sampling is temperature / top-k / top-p with an explicit seed, and the
-text streams to stdout as it is produced.
+text streams to stdout as it is produced. ``chat=true`` renders the prompt with the model's chat template
+(``core.chat``; the plain template for a tokenizer without one) and its generation prompt: ``prompt=`` is then
+one user message, or a whole chat as a JSON list of ``{"role", "content"}`` messages (a prompt that is such a
+list is a chat even without ``chat=true``); generation stops at the tokenizer's EOS (the end of the turn).
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 
 import torch
 
+from core.chat import check_messages, render, template_of
 from core.config import UserError, option
 from core.device import DEVICES, resolve_device
 from core.logging import progress
@@ -24,7 +29,9 @@ DESCRIPTION = "generate text from a checkpoint with a KV cache (temperature, top
 @dataclass
 class Config:
     init: str = option("", "checkpoint (file or run folder) to generate from")
-    prompt: str = option("", "text to continue (empty: start from the tokenizer's BOS/newline)")
+    prompt: str = option("", "text to continue (empty: start from the tokenizer's BOS/newline), or a chat as a "
+                         "JSON list of {\"role\", \"content\"} messages")
+    chat: bool = option(False, "render the prompt with the model's chat template (prompt: a user message or a chat)")
     max_new_tokens: int = option(200, "tokens to generate", min=1)
     temperature: float = option(0.8, "softmax temperature (0: greedy)", min=0)
     top_k: int = option(0, "sample among the k most likely tokens (0: all)", min=0)
@@ -44,7 +51,13 @@ def run(cfg: Config) -> str:
     tok = model.tokenizer
     if tok is None:
         raise UserError(f"{model.source}: no tokenizer stored with this model")
-    ids = tok.encode(cfg.prompt) if cfg.prompt else [tok.bos_id if tok.bos_id is not None else tok.encode("\n")[0]]
+    messages = chat_messages(cfg.prompt, cfg.chat)
+    if messages is not None:
+        ids = tok.encode(render(template_of(tok), messages, tok, add_generation_prompt=True))
+    elif cfg.prompt:
+        ids = tok.encode(cfg.prompt)
+    else:
+        ids = [tok.bos_id if tok.bos_id is not None else tok.encode("\n")[0]]
     progress(f"[{model.format}: {model.source}]")
     printed = tok.decode(ids)
     sys.stdout.write(printed if cfg.prompt else "")
@@ -67,3 +80,15 @@ def run(cfg: Config) -> str:
     text = tok.decode(generated)
     sys.stdout.write(text[len(printed):] + "\n")
     return text
+
+
+def chat_messages(prompt: str, chat: bool):
+    """The chat ``prompt`` names: a JSON list of messages, or (with ``chat``) one user message; None: plain text."""
+    if prompt.lstrip().startswith("["):
+        try:
+            parsed = json.loads(prompt)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, list):
+            return check_messages(parsed, "prompt")
+    return [{"role": "user", "content": prompt}] if chat else None

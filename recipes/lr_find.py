@@ -16,7 +16,7 @@ import torch
 
 import optim
 from core.config import UserError, option, same_as, to_dict
-from core.data import prepare
+from core.docs import prepare_text
 from core.device import resolve_device
 from core.logging import Logger
 from core.runs import claim
@@ -96,7 +96,7 @@ def run(cfg: Config) -> dict:
     device = resolve_device(cfg.device)
     folder = run_folder(cfg, "lr_find")
     start = load_model(cfg.init, device=device) if cfg.init else None
-    corpus = prepare(cfg.data, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
+    corpus = prepare_text(cfg.data, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
     model_cfg = start.config if start else _model_config(cfg.model, corpus.tokenizer.vocab_size)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device)
     # the swept lr is set in the state at every step: base lr 1, constant schedule

@@ -19,7 +19,6 @@ import torch
 
 from core import distributed
 from core.config import UserError, option, to_dict
-from core.data import prepare
 from core.device import resolve_device
 from core.fim import FIM, fim_ids
 from core.telemetry import flops_per_token
@@ -30,6 +29,7 @@ from models.sampling import generate
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import setup
 from recipes.train.config import TrainConfig
+from recipes.train.data import describe, open_data, with_epochs
 from recipes.train import plan
 from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit
 from recipes.train.setup import run_folder
@@ -61,6 +61,7 @@ PRESETS = {
 @dataclass
 class Prepared:
     """Everything a run needs, built and checked before the run folder is touched."""
+    cfg: object              # the run's config, ``steps`` set from ``epochs`` when given
     dist: distributed.Dist
     device: torch.device
     start: object            # models.loading.LoadedModel of init=, or None
@@ -82,7 +83,7 @@ def prepare_run(cfg: Config, folder) -> Prepared:
     dist, device = distributed.init(resolve_device(cfg.device))
     start = load_model(cfg.init, device=device) if cfg.init else None
     with dist.main_first():   # rank 0 tokenizes into the cache, the others then read it
-        corpus = prepare(cfg.data, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
+        corpus = open_data(cfg, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
     tok = corpus.tokenizer
     (fim_pre, fim_suf, fim_mid), fim_extra = fim_ids(tok) if cfg.fim_rate > 0 else ((0, 0, 0), 0)
     vocab = tok.vocab_size + fim_extra
@@ -95,6 +96,7 @@ def prepare_run(cfg: Config, folder) -> Prepared:
                              fim=FIM(cfg.fim_rate, fim_pre, fim_suf, fim_mid) if cfg.fim_rate > 0 else None)
     val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
                                       device=device)
+    cfg = with_epochs(cfg, corpus, batches)
 
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
@@ -103,7 +105,7 @@ def prepare_run(cfg: Config, folder) -> Prepared:
         return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
 
     steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, vocab, dist)
-    return Prepared(dist, device, start, corpus, tok, vocab, model_cfg, batches, val_batches, params, run_setup,
+    return Prepared(cfg, dist, device, start, corpus, tok, vocab, model_cfg, batches, val_batches, params, run_setup,
                     loss_fn, steps)
 
 
@@ -111,17 +113,18 @@ def dry_run(cfg: Config) -> str:
     """``dry_run=true``: the plan of this run (``recipes.train.plan``); no run folder is created."""
     p = prepare_run(plan.probe_config(cfg), None)
     m = p.model_cfg
-    return plan.describe(cfg, recipe="standard", folder=run_folder(cfg, "standard"),
+    return plan.describe(replace(cfg, steps=p.cfg.steps), recipe="standard", folder=run_folder(cfg, "standard"),
                          model=f"llama, {m.n_layers} layers, d={m.d_model}, {m.n_heads} heads, vocab {m.vocab_size} "
                                f"({p.tok.name})" + (f"; init from {p.start.source}" if p.start else ""),
-                         data=f"{p.corpus.meta['source']}: {len(p.corpus.train):,} train / {len(p.corpus.val):,} "
-                              f"val tokens", train_tokens=len(p.corpus.train), state=p.run.state, steps=p.steps,
+                         data=describe(p.corpus), train_tokens=p.corpus.meta["train_tokens"], state=p.run.state,
+                         steps=p.steps,
                          device=p.device, world_size=p.dist.world_size)
 
 
 def run(cfg: Config):
     folder = run_folder(cfg, "standard")
     p = prepare_run(cfg, folder)
+    cfg = p.cfg
     dist, device, start, corpus, tok, vocab = p.dist, p.device, p.start, p.corpus, p.tok, p.vocab
     model_cfg, batches, val_batches, params, loss_fn, steps = (p.model_cfg, p.batches, p.val_batches, p.params,
                                                                p.loss_fn, p.steps)
@@ -131,8 +134,7 @@ def run(cfg: Config):
              "recipe": "standard"}
     with run_setup.writing(to_dict(cfg)) as (checkpoints, logger):
         logger.print(f"standard: {size(params) / 1e6:.2f}M params, {model_cfg.n_layers} layers, d={model_cfg.d_model}, "
-                     f"vocab {tok.vocab_size} ({tok.name}); data {corpus.meta['source']}: "
-                     f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens; device {device}, "
+                     f"vocab {tok.vocab_size} ({tok.name}); data {describe(corpus)}; device {device}, "
                      f"{cfg.dtype}, compile={cfg.compile}; run folder {folder}")
         if start:
             logger.print(f"init from {start.source} ({start.format})")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from core.config import UserError, option, same_as
-from core.data import prepare
+from core.docs import prepare_text
 from core.logging import progress
 from core.runs import run_folder
 from models.loading import load_model
@@ -77,7 +77,7 @@ def _fine_tune(cfg: Config, root: Path) -> str:
 
 def _windows(cfg: Config, tokenizer) -> torch.Tensor:
     """``windows`` x (block_size + 1) tokens from the start of the data's validation split."""
-    corpus = prepare(cfg.data, tokenizer)
+    corpus = prepare_text(cfg.data, tokenizer)
     n = cfg.windows * (cfg.block_size + 1)
     if len(corpus.val) < n:
         raise UserError(f"data={cfg.data}: its validation split has {len(corpus.val)} tokens, {n} are needed")

@@ -29,7 +29,7 @@ import torch
 
 from recipes import main as run_main
 from core.config import ConfigError, UserError, option
-from core.data import prepare
+from core.docs import prepare_text
 from core.step import make_eval_step
 from core.tree import tree_leaves
 from models import llama
@@ -69,7 +69,7 @@ def final_val(out: Path, data: str, batch_size: int = 16, block_size: int = 64, 
     from core import checkpoint as ckpt
     path = ckpt.latest(out)
     model = load_model(str(path))
-    corpus = prepare(data, model.tokenizer)
+    corpus = prepare_text(data, model.tokenizer)
     batches = corpus.eval_batches(batch_size, block_size, batches)
     step = make_eval_step(lambda p, b: llama.loss(p, b, model.config))
     finite = all(bool(torch.isfinite(t).all()) for t in tree_leaves(model.params))

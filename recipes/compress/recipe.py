@@ -33,7 +33,7 @@ import click
 
 from core import checkpoint as ckpt
 from core.config import ConfigError, UserError, option, same_as, to_dict
-from core.data import prepare
+from core.docs import prepare_text
 from core.device import resolve_device
 from core.logging import Logger, progress
 from core.runs import claim
@@ -152,7 +152,7 @@ def run(cfg: Config) -> list[dict]:
 
 
 def load_stage(cfg: Config, stage: str, data: str, teacher: states.Teacher, device) -> StageData:
-    corpus = prepare(data, teacher.tokenizer)
+    corpus = prepare_text(data, teacher.tokenizer)
     key = Path(corpus.path).name
     windows = {split: states.Windows.over(tokens, math.ceil(n / cfg.block_size), cfg.block_size, corpus.describe(split))
                for split, tokens, n in (("train", corpus.train, cfg.train_tokens), ("val", corpus.val, cfg.val_tokens))}

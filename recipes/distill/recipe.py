@@ -57,6 +57,7 @@ from core.config import UserError, option, same_as, to_dict
 from core.device import resolve_device
 from core.distributed import Dist
 from core.step import make_eval_step
+from core.docs import DocCorpus
 from core.telemetry import flops_per_token
 from core.tree import cast, size, tree_map
 from models import llama, losses
@@ -68,6 +69,7 @@ from recipes.distill.teacher import (compute_view, data_identity, held_dtype_hin
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import backend, plan, setup
 from recipes.train.config import TrainConfig
+from recipes.train.data import describe, with_epochs
 from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit
 from recipes.train.setup import RunSetup, run_folder
 
@@ -216,12 +218,13 @@ def make_loss(cfg: Config, student_cfg: llama.LlamaConfig, teacher_cfg: llama.Ll
         return cfg.temperature
 
     def loss_fn(params, batch, key, frozen=None):
+        doc = batch.get("doc")   # packed JSONL documents (core.docs): attention and positions per document
         logits = llama.apply(params, batch["x"], student_cfg, key=key if student_cfg.dropout > 0 else None,
-                             remat=cfg.remat)
+                             remat=cfg.remat, doc=doc)
         t, y = temperature(params, batch["step"]), batch["y"]
         if not cache_mode:
             with torch.no_grad():
-                teacher_logits = llama.apply(frozen["teacher"], batch["x"], teacher_cfg)
+                teacher_logits = llama.apply(frozen["teacher"], batch["x"], teacher_cfg, doc=doc)
             return losses.distill_objective(logits, y, teacher_logits, alpha=cfg.alpha, temperature=t,
                                             direction=cfg.kl, symmetric_lambda=cfg.symmetric_lambda)
         if cache_mode == "topk":
@@ -258,6 +261,7 @@ class DistillBatches:
 @dataclass
 class Prepared:
     """Everything a run needs, built and checked before the run folder is touched."""
+    cfg: object            # the run's config, ``steps`` set from ``epochs`` when given
     dist: Dist
     device: torch.device
     teacher: LoadedModel
@@ -295,11 +299,14 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     theta0 = check_temperature(cfg)
     teacher = load_teacher(cfg.teacher, device, cfg.teacher_dtype)
     with dist.main_first():   # rank 0 tokenizes into the cache, the others then read it
-        corpus, tok = teacher_data(teacher, cfg.tokenizer, cfg.data)
+        corpus, tok = teacher_data(teacher, cfg.tokenizer, cfg.data, cfg)
     student_cfg, params, how = build_student(cfg, teacher, device)
     teacher_id = teacher_identity(teacher)
     cache = None
     if cfg.cache:
+        if isinstance(corpus, DocCorpus):
+            raise UserError(f"cache={cfg.cache}: cached teacher targets follow a text stream's windows, not the rows "
+                            f"of JSONL data={cfg.data} (loss_on, pack); distill it online (drop cache=)")
         cache = TeacherCache.open(cfg.cache)
         cache.check_run(cfg, teacher_id, data_identity(corpus))
     if theta0 is not None:
@@ -308,6 +315,7 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
                              rank=dist.rank, world_size=dist.world_size)
     val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
                                       device=device)
+    cfg = with_epochs(cfg, corpus, batches)
     run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
     loss_fn = make_loss(cfg, student_cfg, teacher.config, cache.mode if cache else "")
 
@@ -319,7 +327,7 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
                                device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope,
                                compile_mode=backend.compile_mode(cfg, device))
     steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
-    return Prepared(dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
+    return Prepared(cfg, dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
                     val_batches, None if cache else {"teacher": teacher.params}, cache)
 
 
@@ -341,11 +349,11 @@ def dry_run(cfg: Config) -> str:
     teacher = (f"{p.teacher.format} {p.teacher.source}, {size(p.teacher.params):,} params, {t.n_layers} layers, "
                f"d={t.d_model} ({plan.megabytes(plan.tree_bytes(p.teacher.params))} held, frozen); "
                + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online"))
-    return plan.describe(cfg, recipe="distill", folder=run_folder(cfg, "distill"),
+    return plan.describe(replace(cfg, steps=p.cfg.steps), recipe="distill", folder=run_folder(cfg, "distill"),
                          model=f"student ({'init' if cfg.init else cfg.student}: {p.student_how}), {s.n_layers} "
                                f"layers, d={s.d_model}, vocab {s.vocab_size} ({p.tok.name})",
-                         data=f"{p.corpus.meta['source']}: {len(p.corpus.train):,} train / {len(p.corpus.val):,} "
-                              f"val tokens", train_tokens=len(p.corpus.train), state=p.state, steps=p.steps,
+                         data=describe(p.corpus), train_tokens=p.corpus.meta["train_tokens"], state=p.state,
+                         steps=p.steps,
                          device=p.device, world_size=p.dist.world_size, frozen=p.frozen,
                          extra=(f"teacher: {teacher}",))
 
@@ -354,6 +362,7 @@ def run(cfg: Config):
     folder = run_folder(cfg, "distill")
     # everything that can fail on bad input happens before the run folder is touched
     p = prepare_run(cfg, folder)
+    cfg = p.cfg
     state, loop, resume = p.run.state, p.run.loop, p.run.resume
     old = p.run.resumed.get("teacher") or {}
     if old.get("fingerprint") and old["fingerprint"] != p.teacher_id["fingerprint"]:
@@ -371,8 +380,8 @@ def run(cfg: Config):
                      f"params, {tcfg.n_layers} layers, d={tcfg.d_model})")
         logger.print(f"student ({'init' if cfg.init else cfg.student}: {p.student_how}): "
                      f"{size(student_params) / 1e6:.2f}M params, {scfg.n_layers} layers, d={scfg.d_model}; "
-                     f"vocab {tcfg.vocab_size} ({tok.name}); data {p.corpus.meta['source']}: {len(p.corpus.train):,} "
-                     f"train / {len(p.corpus.val):,} val tokens; device {device}, {cfg.dtype}, compile={cfg.compile}; "
+                     f"vocab {tcfg.vocab_size} ({tok.name}); data {describe(p.corpus)}; device {device}, {cfg.dtype}, "
+                     f"compile={cfg.compile}; "
                      f"run folder {folder}")
         logger.print(f"objective: {cfg.alpha:g} * T^2 * {cfg.kl} KL + {1 - cfg.alpha:g} * CE, temperature "
                      f"{_describe_temperature(cfg)}; teacher "

@@ -18,11 +18,12 @@ import os
 import torch
 
 from core.config import UserError, option
-from core.data import prepare
+from core.docs import prepare_text
 from core.tree import cast, fingerprint
 from models import llama
 from models.loading import LoadedModel, load_model
 from recipes.train.config import TrainConfig
+from recipes.train.data import open_data
 
 
 def teacher_option():
@@ -100,9 +101,12 @@ def data_identity(corpus) -> dict:
             "train_tokens": int(corpus.meta["train_tokens"])}
 
 
-def teacher_data(teacher, tokenizer_spec: str, data: str):
-    """``(corpus, tokenizer)``: ``data`` tokenized with the teacher's tokenizer, checked against its vocab."""
-    corpus = prepare(data, tokenizer_for(teacher, tokenizer_spec))
+def teacher_data(teacher, tokenizer_spec: str, data: str, cfg=None):
+    """``(corpus, tokenizer)``: ``data`` tokenized with the teacher's tokenizer, checked against its vocab; with
+    a training ``cfg``, its JSONL keys apply (``recipes.train.data.open_data``), else JSONL is read as rendered
+    text (``core.docs.prepare_text``)."""
+    tok = tokenizer_for(teacher, tokenizer_spec)
+    corpus = open_data(cfg, tok) if cfg is not None else prepare_text(data, tok)
     tok = corpus.tokenizer
     if tok.vocab_size > teacher.config.vocab_size:
         raise UserError(f"teacher {teacher.source}: its vocabulary ({teacher.config.vocab_size}) is smaller "

@@ -25,6 +25,8 @@ CLIPPING = ("global", "adagc", "agc", "none")
 @dataclass
 class TrainConfig:
     steps: int = option(1000, "optimizer steps to train for (the run's length)", min=1)
+    epochs: float = option(0.0, "train for this many passes over the data instead (sets steps; 0: use steps)",
+                           min=0)
     out: str = option("", "run folder (default runs/<recipe>-<name or timestamp>)")
     name: str = option("", "run name; names the default run folder")
     seed: int = option(1337, "seed for init, data order and dropout: same seed, same run", min=0)
@@ -71,7 +73,16 @@ class TrainConfig:
     compile_mode: str = option("default", "torch.compile mode (reduce-overhead: CUDA graphs, ignored with a warning "
                                "off CUDA; max-autotune: kernel autotuning)", choices=COMPILE_MODES)
     tf32: bool = option(False, "TensorFloat-32 CUDA matmuls and cuDNN (Ampere+); ignored with a warning off CUDA")
-    data: str = option("stdlib", "text: a file, folder, glob, or 'stdlib' (this Python's own source)")
+    data: str = option("stdlib", "text: a file, folder, glob, or 'stdlib' (this Python's own source); or JSONL "
+                       "(.jsonl, .jsonl.gz: a file, folder or glob) of {\"text\"} or {\"messages\"} records")
+    text_field: str = option("text", "JSONL: the field holding a text record's document")
+    loss_on: str = option("all", "JSONL: train on every token, or only the assistant's tokens of chats",
+                          choices=("all", "assistant"))
+    pack: bool = option(True, "JSONL: pack documents into block_size rows (attention and RoPE positions per "
+                        "document); false: one document per row, padded, long ones split")
+    val_fraction: float = option(0.1, "fraction held out for validation: documents by line hash (JSONL), files by "
+                                 "path hash, or the end of a single text file", above=0, below=1)
+    val_data: str = option("", "JSONL: a separate validation file, folder or glob (instead of val_fraction)")
     tokenizer: str = option("byte", "byte, char, or a tokenizer.json PATH")
     fim_rate: float = option(0.0, "fill-in-the-middle: fraction of windows rearranged prefix/suffix/middle "
                                   "(code corpora; Bavarian et al. 2022); 0: off", min=0, max=1)

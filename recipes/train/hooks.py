@@ -78,6 +78,7 @@ class StepContext:
     values: Optional[dict] = None           # this step's pulled metrics (log steps only)
     evaluated: bool = False                 # validation ran at this step
     excluded: float = 0.0                   # seconds evaluating/saving since the last log (not throughput)
+    data_seconds: float = 0.0               # seconds the steps since the last log waited for their batch
     checkpoint: Optional[Path] = None       # the newest checkpoint written
     preemption: Any = None                  # core.telemetry.Preemption
     session_start: float = field(default_factory=time.perf_counter)

@@ -12,6 +12,7 @@ state (with its data cursor), the loop's own counters and its hooks' state. Each
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -32,6 +33,7 @@ from recipes.train.config import TrainConfig
 from recipes.train.faults import FaultyBatches, with_faults
 from recipes.train.hooks import Hook, Jump, StepContext, Stop
 from recipes.train.metrics import Evaluation, FirstStepCheck, TrainLog
+from recipes.train.prefetch import Prefetch
 from recipes.train.rollback import Rollback
 
 
@@ -163,14 +165,21 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
                       result=FitResult(state, loop), tokens_per_step=io.tokens_per_step,
                       wall_before=loop.wall_seconds)
     ctx.hooks = _pieces(cfg, io, steps, hooks, ctx, dist)
+    batches = Prefetch(steps.batches)   # the next batch is built while this step runs
     with Preemption() as preemption:
         ctx.preemption = preemption
-        while ctx.step < cfg.steps:
-            ctx.advance(*steps.train(ctx.state, steps.batches.get(ctx.cursor), frozen))
-            stop = _after_step(ctx)
-            if stop is not None:
-                _finish(ctx, stop)
-                break
+        try:
+            while ctx.step < cfg.steps:
+                t0 = time.perf_counter()
+                batch = batches.get(ctx.cursor)
+                ctx.data_seconds += time.perf_counter() - t0
+                ctx.advance(*steps.train(ctx.state, batch, frozen))
+                stop = _after_step(ctx)
+                if stop is not None:
+                    _finish(ctx, stop)
+                    break
+        finally:
+            batches.close()
     io.logger.flush()
     ctx.result.state = ctx.state
     return ctx.result
@@ -179,7 +188,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
 def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepContext, dist: Dist) -> list:
     """The loop's hooks in the order they run after a step."""
     pieces = [FirstStepCheck(io.logger, steps.health, io.expected_initial_loss), *hooks,
-              io.log or TrainLog(cfg, io.logger, steps.health, ctx, io.flops_per_token)]
+              io.log or TrainLog(cfg, io.logger, steps.health, ctx, io.flops_per_token, _epoch_of(steps.batches))]
     if cfg.spike.enabled:
         # the disk fallback only in one process: rank 0 alone holds the checkpoint manager
         pieces.append(Rollback(cfg.spike, io.logger, ctx, None if dist.enabled else io.checkpoints))
@@ -188,6 +197,13 @@ def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepCo
     saving = Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger, train=to_dict(cfg),
                            every_minutes=cfg.save_every_minutes, dist=dist, log_every=cfg.log_every)
     return [*pieces, saving, Stopping(cfg, io.logger, dist, io.resume_folder)]
+
+
+def _epoch_of(batches) -> Optional[Callable[[int], float]]:
+    """``batches.epoch`` of the data under any wrappers (faults, distill's), or None (raw-text windows)."""
+    while batches is not None and not hasattr(batches, "epoch"):
+        batches = getattr(batches, "batches", None)
+    return getattr(batches, "epoch", None)
 
 
 def _after_step(ctx: StepContext) -> Optional[Stop]:

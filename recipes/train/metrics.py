@@ -85,8 +85,9 @@ class TrainLog(Hook):
     gradient health and the progress line. Leaves the pulled values in ``ctx.values`` for the rollback."""
 
     def __init__(self, cfg, logger: Logger, health: Optional[GradientHealth], ctx: StepContext,
-                 flops_per_token: float = 0.0):
+                 flops_per_token: float = 0.0, epoch_of: Optional[Callable[[int], float]] = None):
         self.cfg, self.logger, self.health, self.flops_per_token = cfg, logger, health, flops_per_token
+        self.epoch_of = epoch_of   # cursor -> epochs done once its batch is consumed (JSONL data), or None
         self.device = ctx.state.step.device
         self.peak = peak_flops(self.device, cfg.peak_flops)
         self.last_time, self.last_tokens = time.perf_counter(), ctx.loop.tokens
@@ -103,11 +104,15 @@ class TrainLog(Hook):
         seconds = max(now - self.last_time - ctx.excluded, 1e-9)
         tps = (ctx.loop.tokens - self.last_tokens) / seconds
         wall = ctx.wall(now)
-        values.update({"tokens_per_sec": tps, "memory_mb": memory_mb(self.device), "wall_hours": wall / 3600})
+        values.update({"tokens_per_sec": tps, "memory_mb": memory_mb(self.device), "wall_hours": wall / 3600,
+                       "data_ms": 1000 * ctx.data_seconds / max(interval, 1)})
+        ctx.data_seconds = 0.0
         if self.peak and self.flops_per_token:
             values["mfu"] = tps * self.flops_per_token / self.peak
         if cfg.cost_per_hour:
             values["cost"] = wall / 3600 * cfg.cost_per_hour
+        if self.epoch_of is not None and ctx.cursor > 0:
+            values["epoch"] = self.epoch_of(ctx.cursor - 1)
         logged = logger.scalars(ctx.step, {f"train/{k}" if k in ("loss", "grad_norm") else k: v
                                            for k, v in values.items()})
         if health is not None and self.health is not None:
@@ -115,7 +120,7 @@ class TrainLog(Hook):
             for tag, hist in self.health.histograms(health).items():
                 logger.histogram(ctx.step, tag, hist)
         logger.progress(ctx.step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
-                        extra={"lr": logged["lr"]} if "lr" in logged else None)
+                        extra={k: logged[k] for k in ("epoch", "lr", "data_ms") if k in logged} or None)
         self.last_time, self.last_tokens, ctx.excluded = now, ctx.loop.tokens, 0.0
         ctx.values = values
         if values.get("skipped", 0.0) > 0 and not values.get("spike", 0.0) > 0:

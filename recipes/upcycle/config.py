@@ -167,7 +167,8 @@ class Config:
     teacher: str = option("", "teacher: a purestep checkpoint or run folder (recipe=standard), a Hugging Face "
                           "folder, a .gguf file, or smollm2")
     teacher_dtype: str = teacher_dtype_option()
-    data: str = option("stdlib", "text (file, folder, glob, stdlib), tokenized with the teacher's tokenizer")
+    data: str = option("stdlib", "text (file, folder, glob, stdlib) or JSONL (read as its rendered text), "
+                       "tokenized with the teacher's tokenizer")
     phases: tuple[str, ...] = option(PHASES, "phases after the surgery (which always runs), run in pipeline order")
     out: str = same_as(TrainConfig, "out")
     name: str = same_as(TrainConfig, "name")

@@ -24,7 +24,8 @@ import time
 
 from core import checkpoint as ckpt
 from core.config import UserError
-from core.data import EvalBatches, prepare
+from core.data import EvalBatches
+from core.docs import prepare_text
 from core.device import resolve_device
 from core.logging import Logger, format_duration, progress
 from core.runs import claim, run_folder
@@ -137,7 +138,7 @@ def run(cfg: Config):
     if teacher.tokenizer is None:
         raise UserError(f"teacher={cfg.teacher} ({teacher.format}) has no tokenizer; upcycle tokenizes data= "
                         f"with the teacher's own")
-    corpus = prepare(cfg.data, teacher.tokenizer)
+    corpus = prepare_text(cfg.data, teacher.tokenizer)
     dev, test = _validate(cfg, teacher, corpus)
     _check_existing(cfg, folder)
     per = 4 if cfg.eval_windows % 4 == 0 else 2 if cfg.eval_windows % 2 == 0 else 1

@@ -1,0 +1,39 @@
+"""The data keys every training recipe shares, applied once: which corpus ``data=`` names (raw text or JSONL,
+``core.docs.prepare_data``) and how many steps ``epochs=`` means."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from core.docs import DocCorpus, prepare_data
+
+
+def open_data(cfg, tokenizer):
+    """The corpus of ``cfg.data`` (``tokenizer``: a spec or a tokenizer object, e.g. ``init=``'s), with the
+    JSONL keys ``text_field``, ``loss_on``, ``pack``, ``val_fraction`` and ``val_data``."""
+    return prepare_data(cfg.data, tokenizer, text_field=cfg.text_field, loss_on=cfg.loss_on, pack=cfg.pack,
+                        val_fraction=cfg.val_fraction, val_data=cfg.val_data)
+
+
+def with_epochs(cfg, corpus, batches):
+    """``cfg`` with ``steps`` set from ``epochs`` when it is > 0: rows of the epoch over the global batch (JSONL),
+    or train tokens over the tokens of a step (raw text, whose batches are random windows)."""
+    if cfg.epochs <= 0:
+        return cfg
+    if hasattr(batches, "steps_for"):
+        steps = batches.steps_for(cfg.epochs)
+    else:
+        per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * batches.world_size
+        steps = max(1, math.ceil(cfg.epochs * corpus.meta["train_tokens"] / per_step))
+    return replace(cfg, steps=steps)
+
+
+def describe(corpus) -> str:
+    """``<source>: N train / M val tokens`` (and the documents and skipped chats of JSONL)."""
+    m = corpus.meta
+    text = f"{m['source']}: {m['train_tokens']:,} train / {m['val_tokens']:,} val tokens"
+    if isinstance(corpus, DocCorpus):
+        text += (f" ({m['train_documents']:,} / {m['val_documents']:,} documents, pack={corpus.pack}, "
+                 f"loss_on={'assistant' if corpus.assistant else 'all'}")
+        text += f"; {m['skipped']:,} without an assistant turn skipped)" if m["skipped"] else ")"
+    return text
