@@ -94,7 +94,7 @@ class VerifyConfig:
     max_ppl_ratio: Optional[float] = option(None, "gate: student / teacher held-out perplexity at most this (none: "
                                             "no gate)", above=0)
     max_delta_nll: Optional[float] = option(None, "gate: student - teacher held-out loss, nats/token, at most this "
-                                            "(none: no gate)")
+                                            "(none: no gate; 0: no worse than the teacher)", min=0)
     min_kv_reduction: Optional[float] = option(None, "gate: teacher / student KV bytes per token at least this (none: "
                                                "no gate)", above=0)
     max_accuracy_drop: Optional[float] = option(None, "gate: teacher - student accuracy (passkey and behaviour "
