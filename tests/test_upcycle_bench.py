@@ -130,11 +130,14 @@ def test_bad_benchmark_keys_are_one_line_exit_2(teacher, corpus, tmp_path, capsy
     out = tmp_path / "up"
     bad = tmp_path / "cases.jsonl"
     bad.write_text('{"type": "choice_logprob", "prompt": "x", "choices": ["a"], "answer": 0}\n')
+    garbled = tmp_path / "garbled.jsonl"
+    garbled.write_text('\n{"type": "exact_match_greedy", "prompt": "x", "target": "y"}\n{"type": \n')
     for extra, words in ((["benchmark.prompt_tokens=16,4096"], "maximum context 2048"),
                          (["benchmark.passkey_contexts=3000"], "passkey_contexts=3000"),
                          (["benchmark.prompt_tokens="], "'benchmark.prompt_tokens': an empty list"),
                          (["benchmark.batches=[]"], "'benchmark.batches': an empty list"),
-                         ([f"benchmark.behaviour={bad}"], "cases.jsonl:1: a case needs")):
+                         ([f"benchmark.behaviour={bad}"], "cases.jsonl:1: a case needs"),
+                         ([f"benchmark.behaviour={garbled}"], "garbled.jsonl:3: not valid JSON")):
         assert upcycle(teacher, corpus, out, *extra) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("error: ") and words in err[-1], err[-1]

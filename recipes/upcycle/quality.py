@@ -12,13 +12,13 @@ suite of small cases.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from core import jsonl
 from core.config import UserError
 from models import llama
 from recipes.upcycle.sweep import greedy
@@ -49,13 +49,8 @@ def load_cases(spec: str) -> list[dict]:
     if not path.is_file():
         raise UserError(f"benchmark.behaviour={spec}: no such file (builtin, none, or a JSONL file of cases)")
     cases = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            case = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{i}: not JSON ({e.msg})") from None
+    for i, line in jsonl.lines(str(path)):                       # the project's JSONL reader (core.jsonl)
+        case = jsonl.parse(line, f"{path}:{i}")
         ok = isinstance(case, dict) and case.get("type") in TYPES and isinstance(case.get("prompt"), str) and (
             case["type"] == "exact_match_greedy" and isinstance(case.get("target"), str) or
             case["type"] == "choice_logprob" and isinstance(case.get("choices"), list) and len(case["choices"]) > 1
