@@ -7,6 +7,8 @@ traced natively by dynamo on torch >= 2.10), in the spirit of ``jax.tree_util`` 
 """
 from __future__ import annotations
 
+import weakref
+
 from typing import Any, Callable, Iterable
 
 import optree
@@ -135,8 +137,15 @@ def squared_norms(tree: Tree) -> list[torch.Tensor]:
             for t in tree_leaves(tree)]
 
 
+_last_norms: list = []   # (key, norm) of the last two eager global_norm calls (see global_norm)
+
+
 def global_norm(tree: Tree) -> torch.Tensor:
     """L2 norm over every element of every leaf, in at least float32 (no host sync).
+
+    Eager calls remember the last two results: the step's gradient-norm metric and a clipping transform read
+    the norm of the same tensors, and the second read costs nothing (a hit needs the very same tensors,
+    held by weak reference, with unchanged version counters, so an in-place write or a new tensor misses).
 
     Leaves of one dtype take one ``torch._foreach_norm`` (one multi-tensor kernel, as
     ``torch.nn.utils.clip_grad_norm_(foreach=True)``); the per-leaf norms are squared, summed and
@@ -146,6 +155,22 @@ def global_norm(tree: Tree) -> torch.Tensor:
     leaves = tree_leaves(tree)
     if not leaves:
         return torch.zeros(())
+    if torch.compiler.is_compiling():   # the compiler merges repeated norms itself
+        return _global_norm(tree, leaves)
+    for key, norm in _last_norms:
+        if _same_leaves(key, leaves):
+            return norm
+    norm = _global_norm(tree, leaves)
+    _last_norms[:] = [([(weakref.ref(t), t._version) for t in leaves], norm)] + _last_norms[:1]
+    return norm
+
+
+def _same_leaves(key: list, leaves: list) -> bool:
+    """``leaves`` are the very tensors ``key`` recorded (alive: weak references), none written since."""
+    return len(key) == len(leaves) and all(ref() is t and t._version == v for (ref, v), t in zip(key, leaves))
+
+
+def _global_norm(tree: Tree, leaves: list) -> torch.Tensor:
     dtypes = {t.dtype for t in leaves}
     if len(dtypes) > 1:
         sq = squared_norms(tree)

@@ -2,9 +2,14 @@
 
 ``adamw = chain(scale_by_adam, add_decayed_weights(mask), scale_by_learning_rate)`` computes exactly
 ``torch.optim.AdamW``: ``p <- p - lr_t * (m_hat / (sqrt(v_hat) + eps) + wd * p)`` with
-``m_hat = m / (1 - b1**t)`` and ``v_hat = v / (1 - b2**t)``; tested against it in float64. The math runs
-on the list of leaves with ``torch._foreach_*`` ops (:mod:`optim.foreach`), the same ops in the same
-order as one leaf at a time.
+``m_hat = m / (1 - b1**t)`` and ``v_hat = v / (1 - b2**t)``; tested against it in float64. The moments
+move as ``torch.optim``'s multi-tensor Adam moves its first one, by ``lerp`` (``m + (1 - b1) (g - m)``:
+one pass over memory instead of three); the math runs on the list of leaves (:mod:`optim.foreach`).
+
+In an eager donated step (``core.donate``) every pass writes into a buffer the step gave up: the moments
+in place, ``g * g`` into the gradients once the first moment has read them, the directions into them
+again, so one temporary (the denominators) is live at a time, as in ``torch.optim``'s
+``_multi_tensor_adam``.
 """
 from __future__ import annotations
 
@@ -26,14 +31,16 @@ class ScaleByAdamState(NamedTuple):
     hparams: dict   # b1, b2, eps as 0-d tensors
 
 
-def _adam_directions(mu: list, nu: list, bc1: torch.Tensor, bc2_sqrt: torch.Tensor, eps: torch.Tensor) -> list:
-    """``(m / bc1) / (sqrt(v) / bc2_sqrt + eps)`` leaf by leaf, one multi-tensor op at a time."""
+def _adam_directions(mu: list, nu: list, bc1: torch.Tensor, bc2_sqrt: torch.Tensor, eps: torch.Tensor,
+                     spare: list) -> list:
+    """``(m / bc1) / (sqrt(v) / bc2_sqrt + eps)`` leaf by leaf, one multi-tensor op at a time; written into
+    ``spare`` (spent gradients) when the step donated them."""
     if not mu:
         return []
     denominators = torch._foreach_sqrt(nu)
     torch._foreach_div_(denominators, bc2_sqrt)
     foreach.add_scalar_(denominators, eps)
-    return foreach.div_into(torch._foreach_div(mu, bc1), denominators)
+    return foreach.div_into(foreach.divide(mu, bc1, spare), denominators)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
@@ -46,9 +53,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         beta1, beta2 = h["b1"], h["b2"]
         count = state.count + 1
         grads, old_mu, old_nu = zip_leaves(updates, state.mu, state.nu)
-        mu = foreach.next_moving_average(old_mu, grads, beta1)
-        nu = foreach.next_moving_average_of_squares(old_nu, grads, beta2)
-        directions = _adam_directions(mu, nu, 1 - beta1 ** count, (1 - beta2 ** count).sqrt(), h["eps"])
+        mu = foreach.next_lerp(old_mu, grads, 1 - beta1)
+        nu = foreach.next_lerp(old_nu, foreach.squares(grads, last_use=True), 1 - beta2)
+        directions = _adam_directions(mu, nu, 1 - beta1 ** count, (1 - beta2 ** count).sqrt(), h["eps"],
+                                      spare=grads)
         return (like(updates, directions),
                 ScaleByAdamState(count, like(state.mu, mu, updates), like(state.nu, nu, updates), h))
 

@@ -77,7 +77,7 @@ def scale_by_learning_rate(lr: float, schedule: Schedule | None = None) -> Gradi
     def update(updates, state, params=None):
         count = state.count + 1
         current = state.lr * schedule(count).to(state.lr.dtype)
-        steps = foreach.scale(leaves_of(updates), -current)
+        steps = foreach.rescale(leaves_of(updates), -current)   # in place when donated
         return like(updates, steps), LearningRateState(count, state.lr, current)
 
     return GradientTransformation(init, update, lambda state: {"lr": state.current.float()})

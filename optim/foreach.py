@@ -90,13 +90,52 @@ def next_moving_average(old: list, new: list, decay: torch.Tensor) -> list:
     return add_into(rescale(old, decay), scale(new, 1 - decay))
 
 
-def next_moving_average_of_squares(old: list, new: list, decay: torch.Tensor) -> list:
-    """``decay * old + (1 - decay) * new * new``, leaf by leaf (Adam's second moment), written into ``old``
-    when the step donated it (as :func:`next_moving_average`)."""
-    return add_into(rescale(old, decay), mul_into(scale(new, 1 - decay), new))
-
-
 def add_scaled(xs: list, ys: list, factor: torch.Tensor) -> list:
-    """``x + factor * y`` for every pair (``factor`` a 0-d tensor); the sum is taken as ``factor * y + x``,
-    the same to the bit (floating-point addition commutes)."""
-    return add_into(scale(ys, factor), xs)
+    """``x + factor * y`` for every pair (``factor`` a 0-d tensor), written into ``xs`` when the step donated
+    them.
+
+    Eager on the CPU: one pass, ``torch._foreach_add(xs, ys, alpha=factor)`` (``torch.optim``'s form; the
+    0-d tensor read on the host is free there). Elsewhere (compiled, or on an accelerator, where reading it
+    would sync) ``factor * y + x`` in two tensor ops, which the compiler fuses.
+    """
+    if not xs:
+        return []
+    if not torch.compiler.is_compiling() and factor.device.type == "cpu":
+        alpha = factor.item()
+        if donated(xs) and all(torch.promote_types(x.dtype, y.dtype) == x.dtype for x, y in zip(xs, ys)):
+            torch._foreach_add_(xs, ys, alpha=alpha)
+            return xs
+        return torch._foreach_add(xs, ys, alpha=alpha)
+    return add_into(xs, scale(ys, factor)) if donated(xs) else add_into(scale(ys, factor), xs)
+
+
+def next_lerp(old: list, new: list, weight: torch.Tensor) -> list:
+    """``old + weight * (new - old)`` leaf by leaf (``torch.lerp``: an exponential moving average with decay
+    ``1 - weight`` in one pass, as ``torch.optim.Adam`` keeps its first moment), written into ``old`` when
+    the step donated it. One kernel per leaf: ``torch.lerp`` takes a 0-d tensor weight, the multi-tensor
+    form only a Python number."""
+    if old and donated(old):
+        for o, n in zip(old, new):
+            o.lerp_(n, weight)
+        return old
+    return [torch.lerp(o, n, weight) for o, n in zip(old, new)]
+
+
+def squares(xs: list, last_use: bool = False) -> list:
+    """``x * x`` for every ``x``; written into ``xs`` when the step donated them and the caller reads them no
+    more (``last_use``)."""
+    if last_use and xs and donated(xs):
+        torch._foreach_mul_(xs, xs)
+        return xs
+    return torch._foreach_mul(xs, xs) if xs else []
+
+
+def divide(xs: list, divisor: torch.Tensor, spare: list) -> list:
+    """``x / divisor`` for every ``x`` (``divisor`` a 0-d tensor), written into ``spare`` (tensors of the
+    same shapes and dtypes the step donated and the caller reads no more): the same kernel, without a
+    fresh temporary."""
+    if not spare or not donated(spare) or any(s.dtype != x.dtype or s.shape != x.shape for s, x in zip(spare, xs)):
+        return torch._foreach_div(xs, divisor) if xs else []
+    for x, s in zip(xs, spare):
+        torch.div(x, divisor, out=s)
+    return spare
