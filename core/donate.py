@@ -10,9 +10,11 @@ is params + grads + moments + activations, as with ``torch.optim``.
 
 Eager mode has no compiler to plan buffers, so the donated step checks on the host whether the step is
 finite (one sync, as ``torch.amp.GradScaler`` does) and then runs :func:`update_in_place`: the optimizer's
-transforms write their moving averages into the donated moments (:func:`donating`) and the
-updates are added into the params, with the same ops in the same order as the pure step, hence the same
-bits. A non-finite step takes the pure path, whose select keeps the old values.
+transforms write their moving averages into the donated moments and their intermediate results into the
+donated gradients once spent (:func:`donating`; ``optim.foreach`` says which helpers do), and the updates
+are added into the params, with the same kernels in the same order as the pure step, hence the same bits:
+AdamW then keeps one full-size temporary live, as ``torch.optim``'s ``_multi_tensor_adam`` does. A
+non-finite step takes the pure path, whose select keeps the old values.
 
 The caller must not read the old state afterwards: it *is* the new one. :func:`owned` makes a state safe
 to donate: a leaf that shares storage with another leaf or with the ``frozen`` inputs (a teacher the

@@ -6,8 +6,9 @@ Each helper takes the same elementwise ops in the same order as the per-leaf exp
 so every rounding, hence every bit, is the same (checked on CPU for float32, float64, bfloat16, float16
 and mixed trees; torch's CUDA multi-tensor kernels may read a 0-d tensor at a wider precision). A
 helper writes in place only into a list it has just allocated, or one an eager donated step gave up
-(:func:`rescale`, ``core.donate``), and only where the in-place result keeps the dtype the out-of-place op
-would give; otherwise it allocates. Scalars are 0-d tensors (the
+(:func:`rescale`, :func:`next_lerp`, :func:`add_scaled`; and, when the caller says it reads them no more,
+:func:`squares` and :func:`divide`; ``core.donate``), and only where the in-place result keeps the dtype
+the out-of-place op would give; otherwise it allocates. Scalars are 0-d tensors (the
 hyperparameters in the states), never Python floats, so a compiled step does not specialise on them.
 """
 from __future__ import annotations
@@ -31,11 +32,6 @@ def _into(in_place, out_of_place, owned: list, other: list) -> list:
 def add_into(owned: list, other: list) -> list:
     """``owned[i] + other[i]``, in place into ``owned`` when exact (see :func:`_into`)."""
     return _into(torch._foreach_add_, torch._foreach_add, owned, other)
-
-
-def mul_into(owned: list, other: list) -> list:
-    """``owned[i] * other[i]``, in place into ``owned`` when exact (see :func:`_into`)."""
-    return _into(torch._foreach_mul_, torch._foreach_mul, owned, other)
 
 
 def div_into(owned: list, other: list) -> list:
