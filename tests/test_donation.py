@@ -17,7 +17,7 @@ from core.donate import owned
 from core.spike import SpikeConfig
 from core.state import init_state
 from core.step import make_train_step
-from core.tree import clone, leaves_of, max_abs_diff, tree_flatten, tree_unflatten
+from core.tree import clone, leaves_of, max_abs_diff, tree_flatten, tree_map, tree_unflatten
 from models import llama
 from optim.health import GradientHealth
 
@@ -52,10 +52,13 @@ OPTIMIZERS = {"adamw": optimizer, "lion": lambda: optim.chain(optim.clip_by_glob
               "sgd": lambda: optim.sgd(lr=1e-2, momentum=0.9)}
 
 
-@pytest.mark.parametrize("name,health", [("adamw", True), ("adamw", False), ("lion", False), ("sgd", False)])
-def test_donated_eager_steps_equal_pure_bitwise_in_the_same_buffers(name, health):
-    """With health statistics the params are updated apart and copied; without, in place with the moments."""
-    opt, params = OPTIMIZERS[name](), llama.init(CFG, seed=1)
+@pytest.mark.parametrize("name,health,dtype", [("adamw", True, torch.float32), ("adamw", False, torch.float32),
+                                               ("adamw", False, torch.bfloat16), ("lion", False, torch.float32),
+                                               ("sgd", False, torch.float32)])
+def test_donated_eager_steps_equal_pure_bitwise_in_the_same_buffers(name, health, dtype):
+    """With health statistics the params are updated apart and copied; without, in place with the moments
+    (and AdamW's intermediate results in the spent gradients, for bf16 leaves too)."""
+    opt, params = OPTIMIZERS[name](), tree_map(lambda p: p.to(dtype), llama.init(CFG, seed=1))
     extra = GradientHealth(params, clip_norm=1.0).metrics if health else None
     kw = dict(spike=SpikeConfig(), extra_metrics=extra)
     pure = make_train_step(loss_fn, opt, **kw)
