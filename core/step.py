@@ -146,7 +146,7 @@ def _autograd_gradients(objective: Callable, grad_accum: int) -> Callable:
 
 
 def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: Optional[SpikeConfig],
-                          donate: bool) -> Callable:
+                          donate: bool, skip: bool = True) -> Callable:
     """``apply_gradients(state, grads, loss, aux) -> (state, metrics)``: unscale, norm, update, skip if not finite;
     with ``donate`` the new params and optimizer state are written into ``state``'s (``core.donate``)."""
     def apply_gradients(state: TrainState, grads, loss, aux):
@@ -158,6 +158,7 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(),
                    "param_norm": global_norm(state.params), **aux}
         in_place = donate and not torch.compiler.is_compiling() and bool(finite)   # eager: one host sync
+        keep_old = skip and not in_place
         if in_place:   # eager donated step: moments and (without health statistics) params updated in place
             updates, opt_state, new_params = update_in_place(optimizer, state, grads, keep=extra_metrics is not None)
         else:
@@ -178,8 +179,8 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
             metrics["loss_scale"] = loss_scale["scale"]
         new_state = TrainState(
             step=state.step + 1,
-            params=new_params if in_place else where(finite, new_params, state.params),
-            opt_state=opt_state if in_place else where(finite, opt_state, state.opt_state),
+            params=where(finite, new_params, state.params) if keep_old else new_params,
+            opt_state=where(finite, opt_state, state.opt_state) if keep_old else opt_state,
             key=state.key,
             cursor=state.cursor + 1,
             loss_scale=loss_scale,
@@ -210,7 +211,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
                     device_type: str = "cpu", grad_mode: Optional[str] = None, compile: bool = False,
                     extra_metrics: Optional[Callable] = None, spike: Optional[SpikeConfig] = None,
                     remat: bool = False, reduce: Optional[Callable] = None, donate: bool = False,
-                    compile_scope: str = "step", compile_mode: str = "default") -> Callable:
+                    compile_scope: str = "step", compile_mode: str = "default", skip: bool = True) -> Callable:
     """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
 
     ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the
@@ -224,6 +225,8 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     half the peak memory under ``torch.compile``); the caller must not read the old state again. The default
     keeps the step pure: research code may branch several steps from one state. ``compile_scope`` is what one
     graph covers under ``compile`` (module docstring); ``compile_mode`` is ``torch.compile``'s ``mode``.
+    ``skip=False`` drops the non-finite select (a non-finite step then writes its NaNs into the state): only
+    for measuring what the select costs (``recipes/bench/speed.py``).
     """
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
@@ -236,7 +239,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type, in_regions=by_block,
                                 mode=compile_mode)
-    apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike, donate)
+    apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike, donate, skip)
     reduced = _make_reduce(reduce)
     if grad_mode == "func":      # one graph: forward, backward, the update
         gradients = _func_gradients(objective, grad_accum)

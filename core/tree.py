@@ -150,13 +150,19 @@ def global_norm(tree: Tree) -> torch.Tensor:
     Leaves of one dtype take one ``torch._foreach_norm`` (one multi-tensor kernel, as
     ``torch.nn.utils.clip_grad_norm_(foreach=True)``); the per-leaf norms are squared, summed and
     square-rooted in the same order as :func:`squared_norms`, so the CPU result is the same to the bit
-    (CUDA's multi-tensor norm reduces in its own order, as ``clip_grad_norm_`` does).
+    (CUDA's multi-tensor norm reduces in its own order, as ``clip_grad_norm_`` does). Under ``torch.compile``
+    each leaf takes a ``vector_norm`` instead: inductor has no CPU lowering of ``_foreach_norm`` (it runs
+    the eager op, one kernel per leaf, three times per step for the gradient norm, the clip and the parameter
+    norm), while ``vector_norm`` is fused into the kernels that already read the leaf (the health statistics
+    read the same gradients and weights).
     """
     leaves = tree_leaves(tree)
     if not leaves:
         return torch.zeros(())
     if torch.compiler.is_compiling():   # the compiler merges repeated norms itself
-        return _global_norm(tree, leaves)
+        sq = squared_norms(tree)
+        return torch.stack([q.to(sq[0].dtype) for q in sq]).sum().sqrt() if len({q.dtype for q in sq}) == 1 \
+            else _global_norm(tree, leaves)
     for key, norm in _last_norms:
         if _same_leaves(key, leaves):
             return norm

@@ -18,6 +18,7 @@ RECIPES = {
     "upcycle": "recipes.upcycle.recipe",
     "compress": "recipes.compress.recipe",
     "bench.step": "recipes.bench.step",
+    "bench.speed": "recipes.bench.speed",
     "bench.health": "recipes.bench.health",
     "bench.checkpoint": "recipes.bench.checkpoint",
     "bench.orchestrator": "recipes.bench.orchestrator",

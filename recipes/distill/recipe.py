@@ -324,7 +324,8 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
 
     steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist)
     eval_step = make_eval_step(lambda prm, b: llama.loss(prm, b, student_cfg), precision=cfg.dtype,
-                               device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope,
+                               device_type=device.type, compile=cfg.compile,
+                               compile_scope=backend.compile_scope(cfg, params),
                                compile_mode=backend.compile_mode(cfg, device))
     steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
     return Prepared(cfg, dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,

@@ -13,8 +13,9 @@ from core.compile import COMPILE_MODES
 from core.config import ConfigError, option
 from core.device import DEVICES
 from core.spike import SpikeConfig
-from core.step import COMPILE_SCOPES, PRECISIONS
+from core.step import PRECISIONS
 from optim.schedules import KINDS
+from recipes.train.backend import SCOPES
 from recipes.train.faults import FaultConfig
 from recipes.train.optimizer import AdaGCConfig   # the adagc.* keys, declared with the optimizer factory
 from recipes.orchestrator.config import OrchestratorConfig
@@ -68,8 +69,9 @@ class TrainConfig:
     keep_last: int = option(3, "step checkpoints to keep (0: all; best and final are kept besides)", min=0)
     resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
     compile: bool = option(True, "compile the train and eval steps with torch.compile")
-    compile_scope: str = option("block", "what one compiled graph covers: the whole step, or the model's block, "
-                                "compiled once for every layer (compile time flat in depth)", choices=COMPILE_SCOPES)
+    compile_scope: str = option("auto", "what one compiled graph covers: the whole step, or the model's block, "
+                                "compiled once for every layer (compile time flat in depth); auto: step up to 4 "
+                                "layers, block beyond", choices=SCOPES)
     compile_mode: str = option("default", "torch.compile mode (reduce-overhead: CUDA graphs, ignored with a warning "
                                "off CUDA; max-autotune: kernel autotuning)", choices=COMPILE_MODES)
     tf32: bool = option(False, "TensorFloat-32 CUDA matmuls and cuDNN (Ampere+); ignored with a warning off CUDA")

@@ -96,28 +96,28 @@ class Steps:
 
 
 def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches, device: torch.device,
-                vocab_size: int, dist: Dist = Dist()) -> Steps:
+                vocab_size: int, dist: Dist = Dist(), skip: bool = True) -> Steps:
     """The train and eval steps every training recipe uses, configured from the common keys.
 
     ``loss_fn(params, batch, key[, frozen])``: precision, accumulation, remat, the spike detector,
     gradient health and fault injection all come from ``cfg``; with several ranks the step averages
-    gradients across them (``dist``).
+    gradients across them (``dist``). ``skip=False`` (benchmarks only) drops the step's non-finite select.
     """
     health = GradientHealth(params, clip_norm=cfg.grad_clip if cfg.clipping == "global" else None) \
         if cfg.health else None
-    train_loss, mode = loss_fn, backend.compile_mode(cfg, device)
+    train_loss, mode, scope = loss_fn, backend.compile_mode(cfg, device), backend.compile_scope(cfg, params)
     if cfg.fault.active:
         train_loss = with_faults(loss_fn)
         batches = FaultyBatches(batches, cfg.fault, vocab_size, cfg.seed)
     # donate: the loop never reads a state after stepping it; the orchestrator's branches do (one state, many steps)
     train = make_train_step(train_loss, optimizer, grad_accum=cfg.grad_accum, precision=cfg.dtype,
-                            device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope,
+                            device_type=device.type, compile=cfg.compile, compile_scope=scope,
                             remat=cfg.remat, extra_metrics=health.metrics if health else None,
                             spike=cfg.spike if cfg.spike.enabled else None,
                             reduce=dist.all_reduce_mean if dist.enabled else None,
-                            donate=not cfg.orchestrator.enabled, compile_mode=mode)
+                            donate=not cfg.orchestrator.enabled, compile_mode=mode, skip=skip)
     evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile,
-                                   compile_scope=cfg.compile_scope, compile_mode=mode)
+                                   compile_scope=scope, compile_mode=mode)
     return Steps(train, evaluate_step, health, batches)
 
 
@@ -180,6 +180,8 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
                     break
         finally:
             batches.close()
+    io.logger.print(f"wall time {ctx.wall():.1f}s (this session {ctx.wall() - ctx.wall_before:.1f}s, compile "
+                    f"included)")
     io.logger.flush()
     ctx.result.state = ctx.state
     return ctx.result

@@ -1,0 +1,234 @@
+"""Benchmark: the standard recipe's training loop against nanoGPT's plain PyTorch loop, tokens per second.
+
+``bin/run recipe=bench.speed data=tinyshakespeare.txt`` (``--help`` lists the keys). The defaults are nanoGPT's
+CPU shakespeare-char configuration (``config/train_shakespeare_char.py`` with its CPU settings: 4 layers, 4
+heads, d=128, block 64, batch 12, lr 1e-3, beta2 0.99, 100 warmup steps, cosine to 1e-4).
+
+In one process, on the same Llama (the same initial weights), the same data and the same batch shape:
+
+- ``plain``: nanoGPT's ``train.py`` loop over ``models.llama_module.LlamaModule``: ``torch.compile(module)``,
+  ``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW`` (``plain_optimizer``: fused or foreach; weight
+  decay on the 2-D weights, nanoGPT's groups), the learning rate set every step, the batch fetched
+  synchronously, ``loss.item()`` every ``log_every`` steps.
+- ``standard``: ``recipes.standard.prepare_run`` (the recipe's own config, data, state and steps, every default
+  on: gradient health, spike detection with its snapshot ring, the non-finite skip) driven by
+  ``recipes.train.loop.fit``, the loop ``bin/run recipe=standard`` runs (prefetch, metric pulls, TensorBoard
+  and JSONL logging into a temporary folder).
+- with ``overhead=true`` also ``standard`` without each default (``health=false``, ``spike.enabled=false``, the
+  step without its non-finite select), for what each costs.
+
+The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (``fit`` resumed from
+where it stopped), the median round of each is its time. Every round also times a ``peak_size``-square fp32
+matmul (the machine's measured matmul peak, FLOP/s = 2 n^3 / time); the step's achieved FLOP/s is tokens/s
+times PaLM's training FLOPs per token (``core.telemetry.flops_per_token``). Ratios are the result: this machine
+is shared and noisy.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from core.config import option
+from core.logging import Logger, progress
+from core.spike import SpikeConfig
+from core.telemetry import flops_per_token
+from models import llama
+from models.llama_module import LlamaModule, load_params
+from recipes import standard
+from recipes.train import backend
+from recipes.train.backend import SCOPES
+from recipes.train.loop import LoopIO, LoopState, build_steps, fit
+
+DESCRIPTION = ("tokens/s of bin/run recipe=standard's loop against nanoGPT's plain loop (torch.compile(module) + "
+               "torch.optim.AdamW), interleaved; FLOP/s against a measured matmul peak; the defaults' costs")
+
+
+@dataclass
+class Config:
+    data: str = option("stdlib", "the corpus, as recipe=standard's data= (nanoGPT's: tinyshakespeare.txt)")
+    tokenizer: str = option("char", "as recipe=standard's tokenizer=")
+    vocab_size: int = option(0, "model vocabulary (0: the tokenizer's; the 100M shape: 32000)", min=0)
+    d_model: int = option(128, "model width", min=1)
+    n_layers: int = option(4, "transformer blocks", min=1)
+    n_heads: int = option(4, "query heads", min=1)
+    n_kv_heads: int = option(0, "key/value heads (0: n_heads)", min=0)
+    batch_size: int = option(12, "sequences per step", min=1)
+    block_size: int = option(64, "tokens per sequence", min=1)
+    warmup: int = option(20, "untimed steps per variant (compilation happens here)", min=1)
+    steps: int = option(50, "steps per variant per round", min=1)
+    rounds: int = option(5, "interleaved rounds; the median round is the result", min=1)
+    log_every: int = option(10, "metric pulls (standard) and loss.item() (plain) every this many steps", min=1)
+    compile: bool = option(True, "compile both loops (false: eager, for a quick look)")
+    compile_scope: str = option("auto", "recipe=standard's compile_scope", choices=SCOPES)
+    plain_optimizer: str = option("fused", "torch.optim.AdamW's implementation in the plain loop",
+                                  choices=("fused", "foreach"))
+    overhead: bool = option(False, "also time standard without health, without spike detection, without the skip")
+    peak_size: int = option(2048, "side of the square fp32 matmul that measures the machine's peak", min=1)
+    threads: int = option(2, "torch.set_num_threads (0 keeps the default)", min=0)
+    seed: int = option(1337, "seed for weights and data", min=0)
+
+
+PRESETS = {
+    "100m": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4,
+             "batch_size": 2, "block_size": 128, "warmup": 3, "steps": 3, "rounds": 3, "log_every": 10},
+}
+
+
+def standard_config(cfg: Config, **changes) -> standard.Config:
+    """recipe=standard's config for this benchmark (nanoGPT's hyperparameters), with ``changes``."""
+    model = llama.LlamaConfig(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                              n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads)
+    total = cfg.warmup + cfg.steps * cfg.rounds
+    base = dict(data=cfg.data, tokenizer=cfg.tokenizer, model=model, batch_size=cfg.batch_size,
+                block_size=cfg.block_size, lr=1e-3, beta2=0.99, warmup_steps=min(100, total), min_lr=1e-4,
+                steps=total, eval_every=0, sample_tokens=0, log_every=cfg.log_every, compile=cfg.compile,
+                compile_scope=cfg.compile_scope, seed=cfg.seed, device="cpu", resume="never")
+    return standard.Config(**{**base, **changes})
+
+
+class Standard:
+    """recipe=standard's run (``prepare_run``) stepped ``n`` steps at a time through ``fit``."""
+
+    def __init__(self, cfg: standard.Config, folder: Path, skip: bool = True):
+        p = standard.prepare_run(cfg, None)
+        self.cfg, self.state, self.loop = p.cfg, p.run.state, LoopState()
+        self.steps = p.steps if skip else build_steps(p.cfg, p.loss_fn, p.run.optimizer, p.params, p.batches,
+                                                      p.device, p.vocab, p.dist, skip=False)
+        self.logger = Logger(folder, console=False)
+        self.io = LoopIO(self.logger, None, tokens_per_step=cfg.batch_size * cfg.block_size)
+        self.params, self.model_cfg = p.params, p.model_cfg
+
+    def __call__(self, n: int) -> float:
+        """Run ``n`` more steps; returns the last logged loss."""
+        cfg = replace(self.cfg, steps=int(self.state.step) + n)
+        result = fit(cfg, self.state, self.steps, self.io, loop=self.loop)
+        self.state = result.state
+        return float(self.loop.tokens)
+
+
+def _lr(step: int, total: int, warmup: int = 100, peak: float = 1e-3, floor: float = 1e-4) -> float:
+    """nanoGPT's ``get_lr``: linear warmup, cosine to ``floor`` at ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / (warmup + 1)
+    ratio = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - floor)
+
+
+class Plain:
+    """nanoGPT's ``train.py`` loop (CPU: no GradScaler, no autocast) over the same Llama as an ``nn.Module``."""
+
+    def __init__(self, cfg: Config, std: Standard):
+        module = load_params(LlamaModule(std.model_cfg), std.params)
+        self.forward = torch.compile(module) if cfg.compile else module
+        params = [p for p in module.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        kind = {"fused": True} if cfg.plain_optimizer == "fused" else {"foreach": True}
+        self.opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99), **kind)
+        self.params, self.batches, self.total = params, std.steps.batches, std.cfg.steps
+        self.it, self.log_every = 0, cfg.log_every
+
+    def __call__(self, n: int) -> float:
+        lossf = math.nan
+        for _ in range(n):
+            for group in self.opt.param_groups:
+                group["lr"] = _lr(self.it, self.total)
+            batch = self.batches.get(self.it)
+            loss = F.cross_entropy(self.forward(batch["x"]).flatten(0, 1), batch["y"].flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.it += 1
+            if self.it % self.log_every == 0:
+                lossf = loss.item()
+        return lossf
+
+
+def matmul_peak(n: int, repeats: int = 3) -> float:
+    """FLOP/s of the fastest of ``repeats`` ``n x n`` fp32 matmuls (2 n^3 FLOPs each)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n ** 3 / best
+
+
+def build(cfg: Config, folder: Path) -> dict:
+    """The variants, keyed by name: ``standard`` first, ``plain`` second, the overhead variants after."""
+    std = Standard(standard_config(cfg), folder / "standard")
+    variants = {"standard": std, "plain": Plain(cfg, std)}
+    if cfg.overhead:
+        variants["standard, health=false"] = Standard(standard_config(cfg, health=False), folder / "nohealth")
+        variants["standard, spike.enabled=false"] = Standard(
+            standard_config(cfg, spike=SpikeConfig(enabled=False)), folder / "nospike")
+        variants["standard, no non-finite skip"] = Standard(standard_config(cfg), folder / "noskip", skip=False)
+    return variants
+
+
+def _rounds(cfg: Config, variants: dict) -> tuple[dict, list]:
+    """Warm every variant up, then time ``rounds`` interleaved rounds; seconds per step of each round."""
+    for name, run in variants.items():
+        start = time.perf_counter()
+        run(cfg.warmup)
+        progress(f"  warmed up {name} ({cfg.warmup} steps) in {time.perf_counter() - start:.1f}s")
+    times: dict = {name: [] for name in variants}
+    peaks = []
+    for r in range(cfg.rounds):
+        for name, run in variants.items():
+            start = time.perf_counter()
+            run(cfg.steps)
+            times[name].append((time.perf_counter() - start) / cfg.steps)
+        peaks.append(matmul_peak(cfg.peak_size))
+        progress(f"  round {r + 1}/{cfg.rounds}: " + ", ".join(f"{n} {t[-1] * 1e3:.1f} ms" for n, t in times.items()))
+    return times, peaks
+
+
+def run(cfg: Config) -> dict:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-speed-") as tmp:
+        variants = build(cfg, Path(tmp))
+        std = variants["standard"]
+        times, peaks = _rounds(cfg, variants)
+        for v in variants.values():
+            if isinstance(v, Standard):
+                v.logger.close()
+    m = std.model_cfg
+    per_token = flops_per_token(llama.matmul_params(std.params), m.n_layers, cfg.block_size, m.d_model)
+    return _table(cfg, std, times, statistics.median(peaks), per_token, time.perf_counter() - start)
+
+
+def _table(cfg: Config, std: Standard, times: dict, peak: float, per_token: float, wall: float) -> dict:
+    tokens = cfg.batch_size * cfg.block_size
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    m = std.model_cfg
+    scope = f"{std.cfg.compile_scope}: {backend.compile_scope(std.cfg, std.params)}"
+    print(f"\nbench.speed: Llama d={m.d_model} L={m.n_layers} H={m.n_heads}/{m.n_kv_heads} vocab {m.vocab_size}, "
+          f"batch {cfg.batch_size}x{cfg.block_size}, compile={cfg.compile} (standard: compile_scope={scope}), "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
+          f"{cfg.rounds} interleaved rounds of {cfg.steps} steps; matmul peak {peak / 1e9:.1f} GFLOP/s "
+          f"({cfg.peak_size}^2 fp32)")
+    print("| variant | ms/step | tokens/s | vs plain (tokens/s) | vs standard (step time) | GFLOP/s | of peak |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    rows = {}
+    for name, t in med.items():
+        flops = tokens / t * per_token
+        rows[name] = {"ms_per_step": t * 1e3, "tokens_per_sec": tokens / t, "vs_plain": med["plain"] / t,
+                      "vs_standard": t / med["standard"], "flops": flops, "of_peak": flops / peak}
+        r = rows[name]
+        print(f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_sec']:,.0f} | {r['vs_plain']:.3f} "
+              f"| {r['vs_standard']:.3f} | {flops / 1e9:.2f} | {r['of_peak']:.1%} |")
+    print(f"standard / plain tokens/s: {rows['standard']['vs_plain']:.3f}x; wall time {wall:.1f}s")
+    return {"rows": rows, "peak_flops": peak, "wall_seconds": wall}

@@ -1,0 +1,57 @@
+"""``recipe=bench.speed`` (the standard loop against nanoGPT's plain loop), ``compile_scope=auto`` and the step's
+``skip=False`` (only the benchmark builds it). The benchmark's figures are README benchmarks; here its code path
+runs eagerly on a tiny model in seconds."""
+import math
+
+import torch
+
+from core.state import init_state
+from core.step import make_train_step
+from optim import adamw
+from recipes.bench import speed
+from recipes.train import backend
+from recipes.train.config import TrainConfig
+
+
+def test_bench_speed_times_every_variant(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PURESTEP_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = speed.Config(data=str(text), d_model=32, n_layers=1, n_heads=2, batch_size=2, block_size=16, warmup=1,
+                       steps=2, rounds=1, log_every=1, compile=False, overhead=True, peak_size=64, threads=0)
+    out = speed.run(cfg)
+    rows = out["rows"]
+    assert set(rows) == {"standard", "plain", "standard, health=false", "standard, spike.enabled=false",
+                         "standard, no non-finite skip"}
+    assert rows["plain"]["vs_plain"] == 1.0 and rows["standard"]["vs_standard"] == 1.0
+    for row in rows.values():
+        assert row["tokens_per_sec"] > 0 and 0 < row["of_peak"] and math.isfinite(row["flops"])
+    assert out["peak_flops"] > 0 and out["wall_seconds"] > 0
+    printed = capsys.readouterr().out
+    assert "| variant | ms/step | tokens/s | vs plain (tokens/s) |" in printed and "standard / plain tokens/s" in printed
+
+
+def test_auto_compile_scope_is_the_one_graph_up_to_four_layers():
+    def params(layers):
+        return {"embed": torch.zeros(3, 2), "layers": {"wq": torch.zeros(layers, 2, 2)}}
+
+    auto = TrainConfig()
+    assert auto.compile_scope == "auto"
+    assert backend.compile_scope(auto, params(backend.AUTO_STEP_LAYERS)) == "step"
+    assert backend.compile_scope(auto, params(backend.AUTO_STEP_LAYERS + 1)) == "block"
+    assert backend.compile_scope(TrainConfig(compile_scope="block"), params(1)) == "block"
+    assert backend.compile_scope(TrainConfig(compile_scope="step"), params(30)) == "step"
+
+
+def test_step_without_skip_writes_a_non_finite_update():
+    params = {"w": torch.ones(3)}
+
+    def loss_fn(p, batch):
+        return (p["w"] * batch).sum()
+
+    bad = torch.tensor([1.0, float("nan"), 1.0])
+    for skip, finite in ((True, True), (False, False)):
+        step = make_train_step(loss_fn, adamw(1e-2), skip=skip)
+        state, metrics = step(init_state(params, adamw(1e-2)), bad)
+        assert metrics["skipped"].item() == 1.0
+        assert bool(torch.isfinite(state.params["w"]).all()) is finite
