@@ -135,8 +135,9 @@ def squared_norms(tree: Tree) -> list[torch.Tensor]:
             for t in tree_leaves(tree)]
 
 
-def global_norm(tree: Tree) -> torch.Tensor:
-    """L2 norm over every element of every leaf, in at least float32 (no host sync).
+def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """L2 norm over every element of every leaf, in at least float32 (no host sync). ``psum`` sums the squared
+    norm over the ranks that hold the other shards of a sharded tree (``core.shard.Layout.psum``) before the root.
 
     Leaves of one dtype take one ``torch._foreach_norm`` (one multi-tensor kernel, as
     ``torch.nn.utils.clip_grad_norm_(foreach=True)``); the per-leaf norms are squared, summed and
@@ -150,9 +151,11 @@ def global_norm(tree: Tree) -> torch.Tensor:
     if len(dtypes) > 1:
         sq = squared_norms(tree)
         wide = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
-        return torch.stack([s.to(wide) for s in sq]).sum().sqrt()
-    accumulate = torch.promote_types(leaves[0].dtype, torch.float32)
-    return torch.stack(torch._foreach_norm(leaves, 2, dtype=accumulate)).square().sum().sqrt()
+        total = torch.stack([s.to(wide) for s in sq]).sum()
+    else:
+        accumulate = torch.promote_types(leaves[0].dtype, torch.float32)
+        total = torch.stack(torch._foreach_norm(leaves, 2, dtype=accumulate)).square().sum()
+    return (total if psum is None else psum(total)).sqrt()
 
 
 def size(tree: Tree) -> int:
