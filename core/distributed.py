@@ -9,16 +9,16 @@ every rank takes the same non-finite skip and the same spike decision; host-side
 from local signals (preemption, the cost budget) are agreed with :meth:`Dist.agree`. Rank 0 alone writes
 checkpoints and logs. NCCL on GPUs, gloo on CPU.
 
-Next step, not built here: FSDP2 (``torch.distributed.fsdp.fully_shard``) shards params, gradients and
-optimizer state. It works on ``nn.Module``s whose parameters become ``DTensor``s; for this functional
-step it needs (1) the params pytree held as DTensors (e.g. by ``fully_shard`` on a module built with
-``core.module.from_module`` and its parameters fed to ``functional_call``), (2) the optimizer's
-``tree_map`` math to run on DTensor leaves (elementwise ops do; the global-norm clip needs a full
-reduction of squared norms across the shard group), and (3) checkpoints gathered per leaf or written
-per shard. Until then, models must fit on one device.
+Sharded parallel (``parallel=fsdp``: params, gradients and optimizer state split across ranks) is
+``core.shard``; this file joins the process group for both and says which one a run uses (:class:`Dist`).
+``parallel``: ``auto`` is data parallel under ``torchrun`` and one process without it; ``ddp`` and ``fsdp``
+need a launcher (``torchrun`` sets ``WORLD_SIZE``), ``none`` refuses one with several ranks. The process group
+is joined with a short ``timeout`` (``PG_TIMEOUT``): when a peer dies, the survivors' next collective fails
+within it instead of hanging for gloo's and NCCL's default 10-30 minutes.
 """
 from __future__ import annotations
 
+import datetime
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,12 +26,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from core.config import ConfigError
+
+PARALLEL = ("auto", "none", "ddp", "fsdp")
+PG_TIMEOUT = 45.0     # seconds a collective waits for a peer before the survivors stop (a dead rank)
+
 
 @dataclass(frozen=True)
 class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    sharded: bool = False     # parallel=fsdp: the state is split across ranks (core.shard)
 
     @property
     def is_main(self) -> bool:
@@ -62,6 +68,15 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 
+    def each(self, value: float) -> list[float]:
+        """``value`` of every rank, in rank order, on every rank (host-side telemetry: state bytes, peak memory)."""
+        if not dist.is_initialized():
+            return [value]
+        t = torch.zeros(self.world_size, dtype=torch.float64, device=_collective_device())
+        t[self.rank] = value
+        dist.all_reduce(t)
+        return t.tolist()
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
@@ -80,23 +95,33 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def init(device: torch.device) -> tuple[Dist, torch.device]:
-    """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1), else a single-process ``Dist``.
+def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEOUT) -> tuple[Dist, torch.device]:
+    """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1, or any ``WORLD_SIZE`` with
+    ``parallel=fsdp``), else a single-process ``Dist``; ``parallel`` as in the module docstring.
 
     On CUDA each rank takes ``cuda:LOCAL_RANK`` and NCCL; elsewhere gloo on the given device.
     """
+    if parallel not in PARALLEL:
+        raise ConfigError(f"parallel={parallel}: choose one of {', '.join(PARALLEL)}")
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if parallel in ("ddp", "fsdp") and not launched:
+        raise ConfigError(f"parallel={parallel} needs a launcher: run it under torchrun "
+                          f"(torchrun --nproc_per_node=N bin/run ...), or use parallel=none")
+    if parallel == "none" and world > 1:
+        raise ConfigError(f"parallel=none under a launcher with {world} ranks; use parallel=ddp or parallel=fsdp")
+    sharded = parallel == "fsdp"
+    if world <= 1 and not sharded:
         return Dist(), device
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(local)
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     if device.type == "cuda":
         device = torch.device("cuda", local)
-    return Dist(rank, world, local), device
+    return Dist(rank, world, local, sharded), device
 
 
 def shutdown() -> None:

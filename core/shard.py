@@ -238,6 +238,18 @@ class Layout:
                               opt_state=tree_map(full, state.opt_state, self.opt))
 
 
+def full_bytes(layout: Optional[Layout], state) -> int:
+    """Bytes the params and optimizer state of ``state`` take in one process (all shards joined)."""
+    if layout is None:
+        return state_bytes(state)
+
+    def one(t, spec):
+        if not isinstance(t, torch.Tensor):
+            return 0
+        return (t.numel() if spec.dim is None else math.prod(spec.shape)) * t.element_size()
+    return sum(one(t, s) for t, s in zip(*zip_leaves((state.params, state.opt_state), (layout.params, layout.opt))))
+
+
 def state_bytes(state) -> int:
     """Bytes of this rank's params and optimizer state."""
     return sum(t.numel() * t.element_size() for t in leaves_of((state.params, state.opt_state))

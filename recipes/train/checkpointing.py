@@ -31,13 +31,15 @@ class Checkpointing(Hook):
     """Saves at the last step (final), after evaluations, every ``save_every`` steps, once ``every_minutes``
     of wall time (``clock``, seconds) have passed since the last save, and when the run stops. ``manager``
     is None on data-parallel ranks other than 0 (rank 0 alone writes); with several ranks (``dist``) the
-    wall-time decision is agreed at log steps (``log_every``), so every rank saves at the same step."""
+    wall-time decision is agreed at log steps (``log_every``), so every rank saves at the same step. ``export``
+    (``core.shard.Layout.deferred`` under parallel=fsdp) turns the state into what is written, its sharded leaves
+    gathered one at a time as the writer reaches them; the ranks that do not write make the same gathers."""
     clock: Callable[[], float] = staticmethod(time.monotonic)     # seconds; a test puts a fake clock here
 
     def __init__(self, manager: Optional[ckpt.CheckpointManager], extra: Callable[[], dict], logger: Logger,
                  train: Optional[dict] = None, *, every_minutes: float = 0.0, dist: Dist = Dist(),
-                 log_every: int = 1, clock: Optional[Callable[[], float]] = None):
-        self.manager, self.extra, self.logger, self.train = manager, extra, logger, train
+                 log_every: int = 1, clock: Optional[Callable[[], float]] = None, export: Optional[Callable] = None):
+        self.manager, self.extra, self.logger, self.train, self.export = manager, extra, logger, train, export
         self.every_minutes, self.dist, self.log_every = every_minutes, dist, log_every
         if clock is not None:
             self.clock = clock
@@ -56,7 +58,10 @@ class Checkpointing(Hook):
         t0 = time.perf_counter()
         ctx.loop.wall_seconds = ctx.wall(t0)
         self.last_saved = self.clock()
+        tree = ctx.state if self.export is None else self.export(ctx.state)
         if self.manager is None:
+            if self.export is not None:
+                ckpt.make_deferred(tree)     # the writing rank gathers each leaf now: take part
             return None
         extra = {**self.extra(), "loop": ctx.loop.to_dict()}
         if self.train is not None:   # the training keys this run used: a resume compares them (setup.start)
@@ -64,7 +69,7 @@ class Checkpointing(Hook):
         for hook in ctx.hooks:   # e.g. the orchestrator's strategy, bandit and counters resume with the run
             if hook.key is not None:
                 extra[hook.key] = hook.state_dict()
-        ctx.checkpoint = self.manager.save(ctx.step, ctx.state, extra=extra, val_loss=val_loss, final=final)
+        ctx.checkpoint = self.manager.save(ctx.step, tree, extra=extra, val_loss=val_loss, final=final)
         ctx.excluded += time.perf_counter() - t0
         return ctx.checkpoint
 
