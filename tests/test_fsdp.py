@@ -1,0 +1,107 @@
+"""parallel=fsdp (core.shard): 2 gloo ranks under torchrun against one process, checkpoints across rank counts,
+the layout's cut and join, the compiled sharded step, and the refusals."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core import checkpoint as ckpt
+from core.shard import Layout
+from core.tree import max_abs_diff, tree_leaves, tree_map
+from models import llama
+from optim.health import stacked_predicate
+from recipes import main
+from recipes.train.optimizer import OptimizerSpec, make_optimizer
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "log_every=5", "eval_every=10",
+        "steps=20", "save_every=10", "keep_last=0", "clipping=adagc", "adagc.warmup=5", "health=true"]
+
+pytestmark = pytest.mark.usefixtures("token_cache")   # corpus and token_cache: tests/conftest.py
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def torchrun(args, cwd, timeout=300):
+    return subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"), *args],
+                          cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def equal(a, b) -> bool:
+    la, lb = tree_leaves(a), tree_leaves(b)
+    return len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb))
+
+
+def test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_counts(corpus, tmp_path, one_thread):
+    common = [*TINY, f"data={corpus}"]
+    assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
+    two = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
+    assert max_abs_diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
+    assert abs(one_ck["val_loss"] - two_ck["val_loss"]) < 1e-6
+    assert "parallel: fsdp over 2 ranks" in two.stderr
+    ratios = [float(r) for r in re.findall(r"rank \d ([\d.]+) MiB \(([\d.]+)x\)", two.stderr) for r in r[1:]]
+    assert len(ratios) == 2 and max(ratios) <= 0.55, two.stderr[-2000:]
+    losses = [_losses(tmp_path / n / "metrics.jsonl") for n in ("one", "two")]
+    assert losses[0].keys() == losses[1].keys() and max(abs(losses[0][k] - losses[1][k]) for k in losses[0]) < 1e-6
+
+    # the step-10 checkpoint of the 2-rank run continues on 2 ranks bitwise, and on 1 process within 1e-6
+    for name in ("again2", "again1"):
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "two" / "step_000000010.msgpack", tmp_path / name)
+    again2 = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={tmp_path / 'again2'}"], tmp_path)
+    assert again2.returncode == 0, again2.stderr[-3000:]
+    assert "resuming from" in again2.stderr
+    assert main([*common, "batch_size=8", "parallel=none", f"out={tmp_path / 'again1'}"]) == 0
+    again2_ck, again1_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("again2", "again1"))
+    assert equal(again2_ck["state"], two_ck["state"])
+    assert max_abs_diff(again1_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
+
+
+def _losses(path: Path) -> dict:
+    import json
+    return {r["step"]: r["train/loss"] for r in map(json.loads, path.read_text().splitlines()) if "train/loss" in r}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_layout_cuts_and_joins_every_leaf_bitwise(world):
+    """Each rank's cut of a full leaf, joined as the all-gather joins them, is the leaf again, bit for bit
+    (uneven sizes padded); the moments follow their params and the hyperparameters stay whole."""
+    cfg = llama.LlamaConfig(vocab_size=61, d_model=24, n_layers=2, n_heads=4)
+    params = llama.init(cfg, 0)
+    opt = make_optimizer(OptimizerSpec(lr=1e-3, clipping="adagc"))
+    layouts = [Layout(params, opt.init, stacked=stacked_predicate(None), world=world, rank=r) for r in range(world)]
+    state = opt.init(params)
+    state = tree_map(lambda t: torch.randn_like(t) if t.is_floating_point() else t, state)
+    for tree, specs in ((params, "params"), (state, "opt")):
+        cuts = [tree_map(lay._cut, tree, getattr(lay, specs)) for lay in layouts]
+
+        def join(spec, *pieces):
+            if spec.dim is None:
+                assert all(torch.equal(p, pieces[0]) for p in pieces)
+                return pieces[0]
+            return layouts[0]._join(torch.stack([p.reshape(-1) for p in pieces]), spec)
+        joined = tree_map(join, getattr(layouts[0], specs), *cuts)
+        assert equal(joined, tree)
+    assert layouts[0].params["layers"]["attn"]["wq"].dim == 1 and layouts[0].params["embed"].dim == 0
+    adam_mu = [s for s in tree_leaves(layouts[0].opt) if s.dim is not None]
+    assert len(adam_mu) == 2 * len(tree_leaves(params))     # AdamW's two moments sharded, nothing else
+
+
+def test_parallel_fsdp_without_a_launcher_is_one_line_exit_2(corpus, tmp_path):
+    child_env = {k: v for k, v in env().items() if k not in ("WORLD_SIZE", "RANK")}
+    proc = subprocess.run([sys.executable, str(REPO / "bin" / "run"), *TINY, f"data={corpus}", "parallel=fsdp",
+                           f"out={tmp_path / 'x'}"], cwd=tmp_path, env=child_env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "parallel=fsdp needs a launcher" in lines[0], proc.stderr
