@@ -143,6 +143,10 @@ class Layout:
         return state._replace(params=self.shard_params(state.params),
                               opt_state=tree_map(self._cut, state.opt_state, self.opt))
 
+    def full_shapes(self):
+        """The full params as meta tensors (their shapes and dtypes: counts, FLOPs, health rows)."""
+        return tree_map(lambda spec: torch.empty(spec.shape, device="meta"), self.params)
+
     def describe(self) -> str:
         """One line: which leaves are sharded on which dim."""
         by_dim: dict = {}

@@ -100,6 +100,7 @@ def prepare_run(cfg: Config, folder) -> Prepared:
 
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
+    params = run_setup.layout.full_shapes() if run_setup.layout else params   # fsdp: only shards stay alive
 
     def loss_fn(params, batch, key):
         return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)

@@ -70,7 +70,7 @@ from recipes.orchestrator.driver import orchestrate
 from recipes.train import backend, plan, setup
 from recipes.train.config import TrainConfig
 from recipes.train.data import describe, with_epochs
-from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit
+from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit, gathering
 from recipes.train.setup import RunSetup, run_folder
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
@@ -294,7 +294,7 @@ def check_keys(cfg: Config, world_size: int):
 def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     """Everything the run in ``folder`` needs (resumed from its checkpoint, ``recipes.train.setup.start``);
     ``folder`` None: a fresh state and nothing to write (benchmarks)."""
-    dist, device = distributed.init(resolve_device(cfg.device))
+    dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
     check_keys(cfg, dist.world_size)
     theta0 = check_temperature(cfg)
     teacher = load_teacher(cfg.teacher, device, cfg.teacher_dtype)
@@ -317,16 +317,19 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
                                       device=device)
     cfg = with_epochs(cfg, corpus, batches)
     run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
+    layout = run_setup.layout
+    params = layout.full_shapes() if layout else params    # fsdp: only the shards stay alive
     loss_fn = make_loss(cfg, student_cfg, teacher.config, cache.mode if cache else "")
 
     def make_train(opt):
-        return build_steps(cfg, loss_fn, opt, params, batches, device, student_cfg.vocab_size, dist).train
+        return build_steps(cfg, loss_fn, opt, params, batches, device, student_cfg.vocab_size, dist, layout).train
 
-    steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist)
+    steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist,
+                        layout)
     eval_step = make_eval_step(lambda prm, b: llama.loss(prm, b, student_cfg), precision=cfg.dtype,
                                device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope,
                                compile_mode=backend.compile_mode(cfg, device))
-    steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
+    steps = replace(steps, eval=gathering(eval_step, layout), batches=DistillBatches(steps.batches, cache))
     return Prepared(cfg, dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
                     val_batches, None if cache else {"teacher": teacher.params}, cache)
 
@@ -334,7 +337,8 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
 def train_flops_per_token(p: Prepared, cfg: Config) -> float:
     """The student's training FLOPs per token plus, online, the teacher's forward (a third of its training)."""
     s, t = p.student_cfg, p.teacher.config
-    student = {k: v for k, v in p.state.params.items() if k != THETA}
+    full = p.run.layout.full_shapes() if p.run.layout else p.state.params
+    student = {k: v for k, v in full.items() if k != THETA}
     flops = flops_per_token(llama.matmul_params(student), s.n_layers, cfg.block_size, s.d_model)
     if p.cache is None:
         flops += flops_per_token(llama.matmul_params(p.teacher.params), t.n_layers, cfg.block_size, t.d_model) / 3
@@ -373,7 +377,8 @@ def run(cfg: Config):
     scfg, tok, device, dist = p.student_cfg, p.tok, p.device, p.dist
     extra = {"config": to_dict(cfg), "model": model_entry(scfg), "tokenizer": tok.to_dict(), "recipe": "distill",
              "teacher": p.teacher_id}
-    student_params = {k: v for k, v in state.params.items() if k != THETA}
+    student_params = {k: v for k, v in (p.run.layout.full_shapes() if p.run.layout else state.params).items()
+                      if k != THETA}
     tcfg = p.teacher.config
     with p.run.writing(to_dict(cfg)) as (checkpoints, logger):
         logger.print(f"distill: teacher {p.teacher.format}: {p.teacher.source} ({size(p.teacher.params) / 1e6:.2f}M "
@@ -399,7 +404,8 @@ def run(cfg: Config):
                                           main_process=dist.is_main)
         io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra,
                     evaluate_fn=lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
-                    sample_fn=standard.sampler(cfg, scfg, tok, p.corpus.val, device) if dist.is_main else None,
+                    sample_fn=standard.on_main(standard.sampler(cfg, scfg, tok, p.corpus.val, device), dist,
+                                               p.run.layout),
                     tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
                     flops_per_token=train_flops_per_token(p, cfg))
         result = fit(cfg, state, steps, io, loop=loop, frozen=p.frozen, hooks=[orchestrator], dist=dist)

@@ -122,12 +122,17 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
                             donate=not cfg.orchestrator.enabled, compile_mode=mode, shard=layout)
     evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile,
                                    compile_scope=cfg.compile_scope, compile_mode=mode)
-    if layout is not None:
-        full_eval = evaluate_step
+    return Steps(train, gathering(evaluate_step, layout), health, batches, layout)
 
-        def evaluate_step(params, batch, frozen=None):
-            return full_eval(layout.gather(params), batch, frozen)
-    return Steps(train, evaluate_step, health, batches, layout)
+
+def gathering(eval_step: Callable, layout: Optional[Layout]) -> Callable:
+    """``eval_step(params, batch, frozen=None)`` taking this rank's shards under ``layout`` (it gathers them)."""
+    if layout is None:
+        return eval_step
+
+    def sharded_eval(params, batch, frozen=None):
+        return eval_step(layout.gather(params), batch, frozen)
+    return sharded_eval
 
 
 @dataclass
