@@ -22,14 +22,22 @@ import datetime
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from core.config import ConfigError
+from core.config import ConfigError, UserError
 
 PARALLEL = ("auto", "none", "ddp", "fsdp")
 PG_TIMEOUT = 45.0     # seconds a collective waits for a peer before the survivors stop (a dead rank)
+PATIENCE = 6 * 3600.0   # seconds a barrier waits while one rank works alone (tokenizing, writing a checkpoint)
+_patient = None         # the gloo group with that timeout, for barriers (None: the default group)
+_KEY = "purestep/rank/{}"   # each rank's host:pid in the process group's store: who died, when one does
+
+
+class PeerLost(UserError):
+    """A collective failed because another rank died or stopped answering: this rank stops without a save."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,24 @@ class Dist:
         return t.tolist()
 
     def barrier(self) -> None:
+        """Wait for every rank, patiently (``PATIENCE``): one of them may be working alone."""
         if self.enabled:
-            dist.barrier()
+            dist.barrier(group=_patient)
+
+    def lost_peer(self, error: BaseException, newest=None) -> Optional[PeerLost]:
+        """``error`` as a :class:`PeerLost` naming the dead rank(s) when it is a failed collective of a run on
+        several ranks (a peer crashed, was killed, or passed ``PG_TIMEOUT``); None for any other error.
+        ``newest``: the checkpoint the run resumes from, for the message."""
+        if not self.enabled or not isinstance(error, (RuntimeError, dist.DistError)) or \
+                not any(w in str(error) for w in ("by peer", "Gloo", "gloo", "NCCL", "imed out", "Timeout")):
+            return None
+        dead = _dead_ranks(self)
+        who = (f"rank {', '.join(map(str, dead))} of {self.world_size} died" if dead else
+               f"a peer rank stopped answering (on another host; torchrun's summary names it)")
+        resume = f"the newest checkpoint, {newest}, is intact: rerun the same command to resume" if newest else \
+            "rerun the same command to resume from the newest checkpoint"
+        return PeerLost(f"rank {self.rank}: {who} ({str(error).splitlines()[0][:160]}); stopped without a "
+                        f"checkpoint; {resume}")
 
     @contextmanager
     def main_first(self):
@@ -89,6 +113,42 @@ class Dist:
         yield
         if self.is_main:
             self.barrier()
+
+
+def _dead_ranks(d: Dist) -> list[int]:
+    """The ranks on this host whose process is gone (or a zombie), from the host:pid each rank put in the store."""
+    import socket
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        entries = [store.get(_KEY.format(r)).decode() if store.check([_KEY.format(r)]) else ""
+                   for r in range(d.world_size)]
+    except Exception:  # noqa: BLE001 - the store may have died with its host rank: name nobody
+        return []
+    dead = []
+    for r, entry in enumerate(entries):
+        host, _, pid = entry.rpartition(":")
+        if r != d.rank and host == socket.gethostname() and not _alive(int(pid)):
+            dead.append(r)
+    return dead
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _register(rank: int, world: int) -> None:
+    """Put this rank's host:pid in the store; open the patient group for barriers."""
+    import socket
+    global _patient
+    try:
+        dist.distributed_c10d._get_default_store().set(_KEY.format(rank), f"{socket.gethostname()}:{os.getpid()}")
+    except Exception:  # noqa: BLE001 - naming a dead rank is a courtesy, never a reason not to train
+        pass
+    _patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PATIENCE))
 
 
 def _collective_device() -> torch.device:
@@ -119,6 +179,7 @@ def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEO
         if device.type == "cuda":
             torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        _register(rank, world)
     if device.type == "cuda":
         device = torch.device("cuda", local)
     return Dist(rank, world, local, sharded), device
@@ -127,6 +188,8 @@ def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEO
 def shutdown() -> None:
     """Leave the process group once every rank is done: a rank that destroys it while rank 0 still writes its
     last checkpoint can take gloo's worker threads down with it (an abort at exit, seen on 2 CPU ranks)."""
+    global _patient
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_patient)
         dist.destroy_process_group()
+        _patient = None

@@ -105,3 +105,41 @@ def test_parallel_fsdp_without_a_launcher_is_one_line_exit_2(corpus, tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "parallel=fsdp needs a launcher" in lines[0], proc.stderr
+
+
+def _rank_pid(parent: int, rank: int) -> int:
+    """The pid of torchrun's worker with ``RANK=rank`` (a child of ``parent``)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in environ:
+            return int(stat.parent.name)
+    raise AssertionError(f"no worker with RANK={rank} under pid {parent}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker's pid through /proc")
+def test_a_killed_rank_stops_the_run_within_a_minute_naming_it_and_the_newest_checkpoint_resumes(corpus, tmp_path):
+    import signal
+    import time
+    common = [*TINY, f"data={corpus}", "batch_size=4", "parallel=fsdp", "eval_every=0", f"out={tmp_path / 'run'}"]
+    child = subprocess.Popen(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"),
+                              *common, "steps=5000", "decay_steps=5000"], cwd=tmp_path, env=env(),
+                             stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in child.stderr:                     # a checkpoint at step 10 is on disk once step 15 is logged
+        seen.append(line)
+        if line.startswith("step 15/"):
+            break
+    os.kill(_rank_pid(child.pid, 1), signal.SIGKILL)
+    killed = time.monotonic()
+    rest = child.stderr.read()
+    assert child.wait(timeout=60) != 0 and time.monotonic() - killed < 60
+    assert "rank 1 of 2 died" in rest and "stopped without a checkpoint" in rest, "".join(seen)[-2000:] + rest[-3000:]
+    newest = ckpt.latest(tmp_path / "run")
+    step = ckpt.read_meta(newest)["step"]
+    assert step >= 10 and f"{newest}, is intact" in rest, rest[:1500]
+    again = torchrun([*common, f"steps={step + 5}", f"decay_steps={5000}"], tmp_path)
+    assert again.returncode == 0 and f"resuming from {newest} at step {step}" in again.stderr, again.stderr[-3000:]

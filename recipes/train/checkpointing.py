@@ -38,8 +38,11 @@ class Checkpointing(Hook):
 
     def __init__(self, manager: Optional[ckpt.CheckpointManager], extra: Callable[[], dict], logger: Logger,
                  train: Optional[dict] = None, *, every_minutes: float = 0.0, dist: Dist = Dist(),
-                 log_every: int = 1, clock: Optional[Callable[[], float]] = None, export: Optional[Callable] = None):
+                 log_every: int = 1, clock: Optional[Callable[[], float]] = None, export: Optional[Callable] = None,
+                 save_every: Optional[int] = None):
         self.manager, self.extra, self.logger, self.train, self.export = manager, extra, logger, train, export
+        # every rank saves at the same steps: under parallel=fsdp the ones without a manager gather for rank 0
+        self.save_every = save_every if save_every is not None else manager.save_every if manager else 0
         self.every_minutes, self.dist, self.log_every = every_minutes, dist, log_every
         if clock is not None:
             self.clock = clock
@@ -62,6 +65,7 @@ class Checkpointing(Hook):
         if self.manager is None:
             if self.export is not None:
                 ckpt.make_deferred(tree)     # the writing rank gathers each leaf now: take part
+            self.dist.barrier()              # wait (patiently) for rank 0's write
             return None
         extra = {**self.extra(), "loop": ctx.loop.to_dict()}
         if self.train is not None:   # the training keys this run used: a resume compares them (setup.start)
@@ -70,6 +74,7 @@ class Checkpointing(Hook):
             if hook.key is not None:
                 extra[hook.key] = hook.state_dict()
         ctx.checkpoint = self.manager.save(ctx.step, tree, extra=extra, val_loss=val_loss, final=final)
+        self.dist.barrier()   # the other ranks waited here: none sits in a short-timeout collective meanwhile
         ctx.excluded += time.perf_counter() - t0
         return ctx.checkpoint
 
@@ -79,7 +84,7 @@ class Checkpointing(Hook):
             path = self.save(ctx, val_loss=val_loss, final=True)
             self.logger.print(f"saved final checkpoint {path}")
         elif (self.time_due(ctx.step) or ctx.evaluated
-              or (self.manager is not None and self.manager.should_save(ctx.step))):
+              or (self.save_every > 0 and ctx.step > 0 and ctx.step % self.save_every == 0)):
             self.save(ctx, val_loss=val_loss)
         return None
 

@@ -193,6 +193,11 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
                 if stop is not None:
                     _finish(ctx, stop)
                     break
+        except Exception as e:   # a dead peer: stop at once, naming it, without a (collective) save
+            lost = dist.lost_peer(e, io.checkpoints.latest() if io.checkpoints else None)
+            if lost is None:
+                raise
+            raise lost from None
         finally:
             batches.close()
     io.logger.flush()
@@ -229,7 +234,8 @@ def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepCo
         pieces.append(Evaluation(cfg, io.logger, io.evaluate_fn, io.sample_fn, io.perplexity))
     saving = Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger, train=to_dict(cfg),
                            every_minutes=cfg.save_every_minutes, dist=dist, log_every=cfg.log_every,
-                           export=steps.layout.deferred if steps.layout else None)
+                           export=steps.layout.deferred if steps.layout else None,
+                           save_every=io.checkpoints.save_every if io.checkpoints else cfg.save_every)
     return [*pieces, saving, Stopping(cfg, io.logger, dist, io.resume_folder)]
 
 

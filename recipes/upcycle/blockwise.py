@@ -267,7 +267,7 @@ def loop_config(bw) -> TrainConfig:
     """The shared loop's settings for the blockwise phase: ``bw.steps``, a log every ``bw.log_every`` steps, no
     validation and no spike rollback (the per-block convergence decides when the phase ends)."""
     return TrainConfig(steps=bw.steps, log_every=bw.log_every, eval_every=0, patience=0, health=False,
-                       spike=SpikeConfig(enabled=False))
+                       spike=SpikeConfig(enabled=False), save_every=bw.save_every, keep_last=bw.keep_last)
 
 
 def run(bw, state: BlockwiseState, step_fn, source: TeacherSource, folder: Path, extra, logger: Logger,
