@@ -201,11 +201,12 @@ class Layout:
         g = g.reshape(full[:spec.dim] + (self.world, spec.chunk) + full[spec.dim + 1:])
         return g.movedim(spec.dim, 0).reshape(self.world, -1)
 
-    def reduce(self, grads, loss: torch.Tensor, aux: dict):
+    def reduce(self, grads, loss: torch.Tensor, aux: dict, specs=None):
         """Full summed gradients -> this rank's shard of their mean over ranks (one ``reduce_scatter_single``);
-        the loss and the aux metrics averaged over ranks (one ``all_reduce``)."""
+        the loss and the aux metrics (any shape) averaged over ranks (one ``all_reduce``). ``specs``: the part
+        of :attr:`params` that ``grads`` covers (all of it by default)."""
         import torch.distributed._functional_collectives as funcol
-        full, specs = zip_leaves(grads, self.params)
+        full, specs = zip_leaves(grads, self.params if specs is None else specs)
         flat = torch.cat([self._rows(g, s) for g, s in zip(full, specs)], dim=1).reshape(-1)
         mine = funcol.reduce_scatter_single(flat, "sum", 0, self.group) / self.world
         out, offset = [], 0
@@ -214,10 +215,11 @@ class Layout:
             out.append(mine[offset:offset + n].reshape(s.local_shape()).to(g.dtype))
             offset += n
         names = sorted(aux)
-        scalars = torch.stack([loss.float()] + [aux[k].float() for k in names])
-        scalars = funcol.all_reduce(scalars, "sum", self.group) / self.world
-        mean_aux = {k: scalars[i + 1].to(aux[k].dtype) for i, k in enumerate(names)}
-        return like(grads, out, order=grads), scalars[0].to(loss.dtype), mean_aux
+        values = [loss] + [aux[k] for k in names]
+        flat = torch.cat([v.float().reshape(-1) for v in values])
+        means = (funcol.all_reduce(flat, "sum", self.group) / self.world).split([v.numel() for v in values])
+        loss, *rest = [m.reshape(v.shape).to(v.dtype) for m, v in zip(means, values)]
+        return like(grads, out, order=grads), loss, dict(zip(names, rest))
 
     # ------------------------------------------------------------------------- checkpoints
 

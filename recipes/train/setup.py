@@ -87,17 +87,22 @@ class RunSetup:
 
 
 def layout_of(cfg: TrainConfig, params, dist: Dist) -> Optional[Layout]:
-    """The sharded layout of a ``parallel=fsdp`` run over ``dist``'s ranks (None otherwise): leaves stacked under
-    ``layers.`` split on their first non-layer dim, others on dim 0; params gathered in bf16 under dtype=bf16
-    (FSDP2's ``param_dtype``); the optimizer state probed from ``cfg``'s optimizer. A leaf it cannot split is a
-    ConfigError naming it."""
+    """The sharded layout of a ``parallel=fsdp`` run of ``cfg`` (None otherwise), its optimizer state probed
+    from ``cfg``'s optimizer."""
+    return sharded_layout(dist, params, make_optimizer(optimizer_spec(cfg)).init, cfg.dtype)
+
+
+def sharded_layout(dist: Dist, params, init, dtype: str) -> Optional[Layout]:
+    """``core.shard.Layout`` of ``params`` over ``dist``'s ranks when ``dist.sharded`` (parallel=fsdp), else None:
+    leaves stacked under ``layers.`` split on their first non-layer dim, others on dim 0; params gathered in bf16
+    under dtype=bf16 (FSDP2's ``param_dtype``); ``init`` makes the optimizer state whose leaves follow them. A
+    leaf it cannot split is a ConfigError naming it."""
     if not dist.sharded:
         return None
     import torch.distributed as torch_dist
     try:
-        return Layout(params, make_optimizer(optimizer_spec(cfg)).init, stacked=stacked_predicate(None),
-                      world=dist.world_size, rank=dist.rank, group=torch_dist.group.WORLD,
-                      gather_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None)
+        return Layout(params, init, stacked=stacked_predicate(None), world=dist.world_size, rank=dist.rank,
+                      group=torch_dist.group.WORLD, gather_dtype=torch.bfloat16 if dtype == "bf16" else None)
     except LayoutError as e:
         raise ConfigError(f"parallel=fsdp: {e}") from None
 
