@@ -16,7 +16,7 @@ from core.tree import max_abs_diff, tree_leaves, tree_map
 from models import llama
 from optim.health import stacked_predicate
 from recipes import main
-from recipes.train.optimizer import OptimizerSpec, make_optimizer
+from recipes.train.optimizer import AdaGCConfig, OptimizerSpec, make_optimizer
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "log_every=5", "eval_every=10",
@@ -143,3 +143,103 @@ def test_a_killed_rank_stops_the_run_within_a_minute_naming_it_and_the_newest_ch
     assert step >= 10 and f"{newest}, is intact" in rest, rest[:1500]
     again = torchrun([*common, f"steps={step + 5}", f"decay_steps={5000}"], tmp_path)
     assert again.returncode == 0 and f"resuming from {newest} at step {step}" in again.stderr, again.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def teacher(corpus, tmp_path_factory):
+    """A tiny byte-level Llama (d=64, 2 layers, 4 heads) trained 10 steps: a teacher for distill and upcycle."""
+    out = tmp_path_factory.mktemp("teacher") / "run"
+    assert main(["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "steps=10", "eval_every=0",
+                 f"data={corpus}", f"out={out}"]) == 0
+    return out
+
+
+def _diff(a, b) -> float:
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(tree_leaves(a), tree_leaves(b))
+               if x.numel())
+
+
+def test_sharded_distillation_equals_one_process(corpus, teacher, tmp_path, one_thread):
+    """The student (its learnable temperature too, a 0-d leaf) sharded over 2 ranks, the teacher replicated."""
+    common = ["recipe=distill", f"teacher={teacher}", f"data={corpus}", "compile=false", "sample_tokens=0",
+              "steps=20", "eval_every=10", "eval_batches=4", "block_size=32", "log_every=5", "clipping=adagc",
+              "adagc.warmup=5", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+              "temperature_mode=learnable", "temperature=2"]
+    assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
+    two = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
+    assert _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
+    assert abs(one_ck["val_loss"] - two_ck["val_loss"]) < 1e-6
+
+
+def test_sharded_upcycle_blockwise_and_global_phases_equal_one_process(corpus, teacher, tmp_path, one_thread):
+    common = ["recipe=upcycle", f"teacher={teacher}", f"data={corpus}", "preset=ci", "phases=blockwise,global",
+              "blockwise.steps=10", "global.steps=10", "global.eval_every=5"]
+    assert main([*common, "blockwise.batch_size=4", "global.batch_size=4", f"out={tmp_path / 'one'}"]) == 0
+    two = torchrun([*common, "blockwise.batch_size=2", "global.batch_size=2", "parallel=fsdp",
+                    f"out={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stderr.count("parallel: fsdp over 2 ranks") == 2          # both trained phases, said once each
+    for phase in ("blockwise", "global"):
+        one_ck, two_ck = (ckpt.load(tmp_path / n / phase / "final.msgpack") for n in ("one", "two"))
+        assert _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6, phase
+        assert _diff(one_ck["state"]["opt_state"], two_ck["state"]["opt_state"]) < 1e-6, phase
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-rank gloo process group in this process (the collectives of the sharded step run for real)."""
+    import torch.distributed as dist
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+    torch._dynamo.reset()
+
+
+def _sharded_run(group, *, compile, clipping, health, donate, steps=3, scope="step", explain=False):
+    """A tiny Llama trained ``steps`` steps by the sharded step over ``group`` (None: the plain step)."""
+    from core.state import init_state
+    from core.step import make_train_step
+    from core.tree import clone
+    from optim.health import GradientHealth
+    cfg = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2)
+    params = llama.init(cfg, 0)
+    spec = OptimizerSpec(lr=1e-2, clipping=clipping, adagc=AdaGCConfig(warmup=1))
+    layout = None if group is None else Layout(params, make_optimizer(spec).init, stacked=stacked_predicate(None),
+                                               world=1, rank=0, group=group)
+    psum = layout.psum if layout else None
+    opt = make_optimizer(spec, psum)
+    step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=compile, compile_scope=scope,
+                           shard=layout, donate=donate,
+                           extra_metrics=GradientHealth(params, psum=psum).metrics if health else None)
+    state = init_state(clone(params), opt)
+    state = layout.shard(state) if layout else state
+    g = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randint(0, 32, (2, 8), generator=g), "y": torch.randint(0, 32, (2, 8), generator=g)}
+               for _ in range(steps)]
+    if explain:
+        return torch._dynamo.explain(step)(state, batches[0])
+    for b in batches:
+        state, metrics = step(state, b)
+    return (layout.gather_state(state) if layout else state), metrics
+
+
+def test_the_sharded_step_traces_into_one_graph(one_rank_group):
+    """Dynamo traces the whole sharded step (all-gather, reduce-scatter, the psum'd norms of global clipping,
+    AdaGC and health) as one graph without a break: what ``compile=true compile_scope=step`` runs."""
+    for clipping in ("global", "adagc"):
+        explanation = _sharded_run(one_rank_group, compile=False, clipping=clipping, health=True, donate=False,
+                                   explain=True)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
+
+
+@pytest.mark.slow
+def test_the_sharded_step_compiles_and_matches_eager(one_rank_group, one_thread):
+    """Inductor compiles the sharded step whole (its collectives inside the graph) to the eager numbers."""
+    plain, plain_metrics = _sharded_run(None, compile=False, clipping="global", health=True, donate=False)
+    sharded, metrics = _sharded_run(one_rank_group, compile=True, clipping="global", health=True, donate=False)
+    assert _diff(sharded.params, plain.params) < 1e-5
+    assert _diff(metrics, plain_metrics) < 1e-5
