@@ -107,6 +107,18 @@ def test_parallel_fsdp_without_a_launcher_is_one_line_exit_2(corpus, tmp_path):
     assert len(lines) == 1 and "parallel=fsdp needs a launcher" in lines[0], proc.stderr
 
 
+def test_what_cannot_be_sharded_is_a_one_line_error_naming_it(corpus, tmp_path, capsys):
+    from core.config import ConfigError
+    from core.distributed import Dist
+    from recipes.train.setup import sharded_layout
+    assert main([*TINY, f"data={corpus}", "parallel=fsdp", "clipping=agc", f"out={tmp_path / 'x'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "clipping=agc with parallel=fsdp" in err[0]
+    params = {"embed": torch.zeros(4, 2), "layers": {"gate": torch.zeros(3)}}     # a per-layer scalar: [L]
+    with pytest.raises(ConfigError, match=r"parallel=fsdp: layers.gate: a stacked leaf of shape \(3,\)"):
+        sharded_layout(Dist(0, 2, 0, sharded=True), params, lambda p: (), "fp32")
+
+
 def _rank_pid(parent: int, rank: int) -> int:
     """The pid of torchrun's worker with ``RANK=rank`` (a child of ``parent``)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
