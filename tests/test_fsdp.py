@@ -172,13 +172,15 @@ def _diff(a, b) -> float:
 
 
 def test_sharded_distillation_equals_one_process(corpus, teacher, tmp_path, one_thread):
-    """The student (its learnable temperature too, a 0-d leaf) sharded over 2 ranks, the teacher replicated."""
+    """The student (its learnable temperature too, a 0-d leaf) and the teacher (``teacher_shard=true``) sharded
+    over 2 ranks."""
     common = ["recipe=distill", f"teacher={teacher}", f"data={corpus}", "compile=false", "sample_tokens=0",
               "steps=20", "eval_every=10", "eval_batches=4", "block_size=32", "log_every=5", "clipping=adagc",
               "adagc.warmup=5", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
               "temperature_mode=learnable", "temperature=2"]
     assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
-    two = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={tmp_path / 'two'}"], tmp_path)
+    two = torchrun([*common, "batch_size=4", "parallel=fsdp", "teacher_shard=true", f"out={tmp_path / 'two'}"],
+                   tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
     assert _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6

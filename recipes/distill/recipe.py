@@ -100,6 +100,8 @@ StudentModel = _optional_fields(llama.LlamaConfig, "StudentModel",
 class Config(TrainConfig):
     teacher: str = teacher_option()
     teacher_dtype: str = teacher_dtype_option()
+    teacher_shard: bool = option(False, "parallel=fsdp: shard the frozen teacher across the ranks too (1/N of it "
+                                 "held at rest, gathered for every step's forward); false: each rank holds it whole")
     student: str = option("config", "student: config (model.*), drop_layers (every other teacher layer), "
                                     "shrink (teacher shape, model.* widths)", choices=STUDENTS)
     model: StudentModel = option(StudentModel, "student shape for student=config/shrink")
@@ -276,6 +278,7 @@ class Prepared:
     val_batches: object
     frozen: Optional[dict]
     cache: object
+    teacher_layout: object = None   # teacher_shard=true: where the teacher's shards live (core.shard)
 
     @property
     def state(self):
@@ -287,6 +290,9 @@ def check_keys(cfg: Config, world_size: int):
     if cfg.fim_rate > 0:
         raise UserError(f"fim_rate={cfg.fim_rate}: fill-in-the-middle adds sentinel ids the teacher never saw; "
                         f"distill without it")
+    if cfg.teacher_shard and cfg.cache:
+        raise UserError("teacher_shard=true with cache=: a cached run reads the teacher's outputs, not the teacher; "
+                        "drop one of them")
     if cfg.cache and world_size > 1:
         raise UserError("cache= is keyed by the single-process batch; run data-parallel distillation online")
 
@@ -330,8 +336,24 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
                                device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope,
                                compile_mode=backend.compile_mode(cfg, device))
     steps = replace(steps, eval=gathering(eval_step, layout), batches=DistillBatches(steps.batches, cache))
+    frozen, teacher_layout = (None, None) if cache else shard_teacher(cfg, dist, teacher)
+    if teacher_layout is not None:   # the train step takes the whole teacher: gathered from the shards
+        steps = replace(steps, train=gathering(steps.train, teacher_layout, frozen="teacher"))
+        teacher = replace(teacher, params=teacher_layout.full_shapes())    # only the shards stay alive
     return Prepared(cfg, dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
-                    val_batches, None if cache else {"teacher": teacher.params}, cache)
+                    val_batches, frozen, cache, teacher_layout)
+
+
+def shard_teacher(cfg: Config, dist: Dist, teacher: LoadedModel):
+    """``({"teacher": params}, layout)``: the frozen inputs of the train step, this rank's shards of the teacher
+    under ``teacher_shard=true`` (``core.shard``, no optimizer state), else the whole teacher and None."""
+    if not cfg.teacher_shard:
+        return {"teacher": teacher.params}, None
+    if not dist.sharded:
+        raise UserError("teacher_shard=true shards the teacher across the ranks of parallel=fsdp; add parallel=fsdp "
+                        "(under torchrun) or drop teacher_shard")
+    layout = setup.sharded_layout(dist, teacher.params, lambda p: (), "fp32")
+    return {"teacher": layout.shard_params(teacher.params)}, layout
 
 
 def train_flops_per_token(p: Prepared, cfg: Config) -> float:
@@ -390,13 +412,17 @@ def run(cfg: Config):
                      f"run folder {folder}")
         logger.print(f"objective: {cfg.alpha:g} * T^2 * {cfg.kl} KL + {1 - cfg.alpha:g} * CE, temperature "
                      f"{_describe_temperature(cfg)}; teacher "
-                     + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online (frozen, no_grad)"))
+                     + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online (frozen, no_grad)")
+                     + (f"; teacher sharded across {dist.world_size} ranks, gathered for every step"
+                        if p.teacher_layout else ""))
         if resume is not None:
             logger.print(f"resuming from {resume} at step {int(state.step)}")
         else:
             teacher_eval = make_eval_step(lambda prm, b: llama.loss(prm, b, tcfg), precision=cfg.dtype,
                                           device_type=device.type)
-            teacher_val = evaluate(teacher_eval, p.teacher.params, p.val_batches, dist=dist)
+            teacher_val = evaluate(gathering(teacher_eval, p.teacher_layout),
+                                   p.frozen["teacher"] if p.teacher_layout else p.teacher.params, p.val_batches,
+                                   dist=dist)
             logger.scalars(0, {"val/teacher_loss": teacher_val})
             logger.print(f"teacher: val loss {teacher_val:.4f}, perplexity {math.exp(min(teacher_val, 50.0)):.2f}")
         orchestrator, steps = orchestrate(cfg, p.steps, make_step=p.make_train, val_tokens=p.corpus.val, device=device,

@@ -125,14 +125,18 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     return Steps(train, gathering(evaluate_step, layout), health, batches, layout)
 
 
-def gathering(eval_step: Callable, layout: Optional[Layout]) -> Callable:
-    """``eval_step(params, batch, frozen=None)`` taking this rank's shards under ``layout`` (it gathers them)."""
+def gathering(step: Callable, layout: Optional[Layout], frozen: Optional[str] = None) -> Callable:
+    """``step(params, batch, frozen=None)`` (an eval step) taking this rank's shards of ``params`` under ``layout``,
+    or with ``frozen`` a train step ``step(state, batch, inputs)`` taking shards of ``inputs[frozen]`` (a sharded
+    teacher): they are gathered first."""
     if layout is None:
-        return eval_step
+        return step
 
-    def sharded_eval(params, batch, frozen=None):
-        return eval_step(layout.gather(params), batch, frozen)
-    return sharded_eval
+    def sharded(params, batch, inputs=None):
+        if frozen is not None:
+            return step(params, batch, {**inputs, frozen: layout.gather(inputs[frozen])})
+        return step(layout.gather(params), batch, inputs)
+    return sharded
 
 
 @dataclass
