@@ -257,3 +257,14 @@ def test_the_sharded_step_compiles_and_matches_eager(one_rank_group, one_thread)
     sharded, metrics = _sharded_run(one_rank_group, compile=True, clipping="global", health=True, donate=False)
     assert _diff(sharded.params, plain.params) < 1e-5
     assert _diff(metrics, plain_metrics) < 1e-5
+
+
+def test_sharded_compression_equals_one_process(corpus, teacher, tmp_path, one_thread):
+    common = ["recipe=compress", f"teacher={teacher}", f"data={corpus}", "d_compressed=8", "steps=20",
+              "train_tokens=2048", "val_tokens=512", "block_size=32", "eval_every=10", "warmup_steps=2"]
+    assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
+    two = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_ck, two_ck = (ckpt.load(tmp_path / n / "stage1a_best.msgpack") for n in ("one", "two"))
+    assert _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
+    assert abs(one_ck["metrics"]["cosine"] - two_ck["metrics"]["cosine"]) < 1e-6
