@@ -210,9 +210,10 @@ class Layout:
         flat = torch.cat([self._rows(g, s) for g, s in zip(full, specs)], dim=1).reshape(-1)
         mine = funcol.reduce_scatter_single(flat, "sum", 0, self.group) / self.world
         out, offset = [], 0
-        for g, s in zip(full, specs):
+        for g, s in zip(full, specs):   # gradients of params gathered in bf16 stay fp32, for the fp32 shards
             n = math.prod(s.local_shape())
-            out.append(mine[offset:offset + n].reshape(s.local_shape()).to(g.dtype))
+            dtype = torch.float32 if self.gather_dtype is not None and g.dtype == self.gather_dtype else g.dtype
+            out.append(mine[offset:offset + n].reshape(s.local_shape()).to(dtype))
             offset += n
         names = sorted(aux)
         values = [loss] + [aux[k] for k in names]

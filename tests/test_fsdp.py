@@ -41,7 +41,7 @@ def equal(a, b) -> bool:
 
 
 def test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_counts(corpus, tmp_path, one_thread):
-    common = [*TINY, f"data={corpus}"]
+    common = [*TINY, f"data={corpus}", "grad_accum=2"]     # micro-batches summed, reduce-scattered once per step
     assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
     two = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={tmp_path / 'two'}"], tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
