@@ -64,8 +64,8 @@ from models import llama, losses
 from models.loading import LoadedModel, load_model, model_entry
 from recipes import standard
 from recipes.distill.cache import TeacherCache
-from recipes.distill.teacher import (compute_view, data_identity, held_dtype_hint, load_teacher, teacher_data,
-                                     teacher_dtype_option, teacher_identity, teacher_option)
+from recipes.distill.teacher import (compute_view, data_identity, held_dtype_hint, load_teacher, shard_teacher,
+                                     teacher_data, teacher_dtype_option, teacher_identity, teacher_option)
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import backend, plan, setup
 from recipes.train.config import TrainConfig
@@ -336,24 +336,13 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
                                device_type=device.type, compile=cfg.compile, compile_scope=cfg.compile_scope,
                                compile_mode=backend.compile_mode(cfg, device))
     steps = replace(steps, eval=gathering(eval_step, layout), batches=DistillBatches(steps.batches, cache))
-    frozen, teacher_layout = (None, None) if cache else shard_teacher(cfg, dist, teacher)
+    frozen, teacher_layout = (None, None) if cache else shard_teacher(cfg.teacher_shard, dist, teacher)
     if teacher_layout is not None:   # the train step takes the whole teacher: gathered from the shards
         steps = replace(steps, train=gathering(steps.train, teacher_layout, frozen="teacher"))
         teacher = replace(teacher, params=teacher_layout.full_shapes())    # only the shards stay alive
     return Prepared(cfg, dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
                     val_batches, frozen, cache, teacher_layout)
 
-
-def shard_teacher(cfg: Config, dist: Dist, teacher: LoadedModel):
-    """``({"teacher": params}, layout)``: the frozen inputs of the train step, this rank's shards of the teacher
-    under ``teacher_shard=true`` (``core.shard``, no optimizer state), else the whole teacher and None."""
-    if not cfg.teacher_shard:
-        return {"teacher": teacher.params}, None
-    if not dist.sharded:
-        raise UserError("teacher_shard=true shards the teacher across the ranks of parallel=fsdp; add parallel=fsdp "
-                        "(under torchrun) or drop teacher_shard")
-    layout = setup.sharded_layout(dist, teacher.params, lambda p: (), "fp32")
-    return {"teacher": layout.shard_params(teacher.params)}, layout
 
 
 def train_flops_per_token(p: Prepared, cfg: Config) -> float:
