@@ -41,8 +41,9 @@ class Checkpointing(Hook):
                  log_every: int = 1, clock: Optional[Callable[[], float]] = None, export: Optional[Callable] = None,
                  save_every: Optional[int] = None):
         self.manager, self.extra, self.logger, self.train, self.export = manager, extra, logger, train, export
-        # every rank saves at the same steps: under parallel=fsdp the ones without a manager gather for rank 0
-        self.save_every = save_every if save_every is not None else manager.save_every if manager else 0
+        # every rank saves at the same steps: under parallel=fsdp the ones without a manager gather for rank 0;
+        # they count ``save_every``, rank 0 asks its manager
+        self.save_every = save_every
         self.every_minutes, self.dist, self.log_every = every_minutes, dist, log_every
         if clock is not None:
             self.clock = clock
@@ -56,6 +57,12 @@ class Checkpointing(Hook):
         if self.dist.enabled:   # decide together, where the ranks already meet (the metrics pull)
             return self.dist.agree(due) if step % self.log_every == 0 else False
         return due
+
+    def periodic(self, step: int) -> bool:
+        """Whether ``step`` is a ``save_every`` step (the manager's rule, or the count given to the others)."""
+        if self.manager is not None:
+            return self.manager.should_save(step)
+        return bool(self.save_every) and step > 0 and step % self.save_every == 0
 
     def save(self, ctx: StepContext, val_loss: Optional[float] = None, final: bool = False) -> Optional[Path]:
         t0 = time.perf_counter()
@@ -84,7 +91,7 @@ class Checkpointing(Hook):
             path = self.save(ctx, val_loss=val_loss, final=True)
             self.logger.print(f"saved final checkpoint {path}")
         elif (self.time_due(ctx.step) or ctx.evaluated
-              or (self.save_every > 0 and ctx.step > 0 and ctx.step % self.save_every == 0)):
+              or self.periodic(ctx.step)):
             self.save(ctx, val_loss=val_loss)
         return None
 

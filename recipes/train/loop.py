@@ -239,7 +239,7 @@ def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepCo
     saving = Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger, train=to_dict(cfg),
                            every_minutes=cfg.save_every_minutes, dist=dist, log_every=cfg.log_every,
                            export=steps.layout.deferred if steps.layout else None,
-                           save_every=io.checkpoints.save_every if io.checkpoints else cfg.save_every)
+                           save_every=None if io.checkpoints else cfg.save_every)
     return [*pieces, saving, Stopping(cfg, io.logger, dist, io.resume_folder)]
 
 
