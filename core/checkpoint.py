@@ -31,8 +31,8 @@ from core.checkpoint_format import (_NAMES, CHECKSUMS, CHUNKED, DTYPES, FORMAT, 
 from core.logging import progress
 
 __all__ = ["CHUNKED", "DTYPES", "FORMAT", "MAX_CHUNK_SIZE", "CheckpointError", "CheckpointSaveError",
-           "from_state_dict", "to_state_dict", "fsync_path", "save", "load", "read_meta", "latest",
-           "CheckpointManager", "resolve_resume", "BEST", "FINAL"]
+           "from_state_dict", "to_state_dict", "Deferred", "make_deferred", "fsync_path", "save", "load",
+           "read_meta", "latest", "CheckpointManager", "resolve_resume", "BEST", "FINAL"]
 
 _BUFFER = 1 << 20                 # file buffer for headers and small tensors
 
@@ -48,9 +48,33 @@ def _is_namedtuple(x) -> bool:
     return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
+class Deferred:
+    """A leaf whose tensor is made when the writer reaches it (``fn()``): a sharded leaf gathered from its ranks
+    (``core.shard``), so a save holds one whole leaf at a time. Every rank must make the same leaves in the same
+    order: the writer on one, :func:`make_deferred` on the others."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self) -> torch.Tensor:
+        return self.fn()
+
+
+def make_deferred(tree: Any) -> None:
+    """Make (and drop) every :class:`Deferred` leaf of ``tree`` in the order :func:`save` writes them: what a
+    rank that does not write does while another saves, so their collectives pair up."""
+    def walk(x):
+        if isinstance(x, Deferred):
+            x()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+    walk(to_state_dict(tree))
+
+
 def to_state_dict(tree: Any, path: str = "state") -> Any:
     """Flax ``to_state_dict``: containers become str-keyed dicts; tensors and Python scalars stay."""
-    if isinstance(tree, torch.Tensor) or tree is None or isinstance(tree, (bool, int, float, complex, str, bytes)):
+    if isinstance(tree, (torch.Tensor, Deferred)) or tree is None or isinstance(tree, (bool, int, float, complex, str, bytes)):
         return tree
     if _is_namedtuple(tree):
         return {f: to_state_dict(v, f"{path}.{f}") for f, v in zip(tree._fields, tree)}

@@ -110,8 +110,8 @@ class Writer:
         self.value(self.checksums.tree(), (CHECKSUMS,))
 
     def value(self, x, path: tuple) -> None:
-        if isinstance(x, torch.Tensor):
-            self.tensor(x, path)
+        if isinstance(x, torch.Tensor) or callable(x):   # callable: core.checkpoint.Deferred, made when written
+            self.tensor(x() if callable(x) else x, path)
         elif isinstance(x, dict):
             self.f.write(self.pack.pack_map_header(len(x)))
             for k, v in x.items():

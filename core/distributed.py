@@ -9,22 +9,35 @@ every rank takes the same non-finite skip and the same spike decision; host-side
 from local signals (preemption, the cost budget) are agreed with :meth:`Dist.agree`. Rank 0 alone writes
 checkpoints and logs. NCCL on GPUs, gloo on CPU.
 
-Next step, not built here: FSDP2 (``torch.distributed.fsdp.fully_shard``) shards params, gradients and
-optimizer state. It works on ``nn.Module``s whose parameters become ``DTensor``s; for this functional
-step it needs (1) the params pytree held as DTensors (e.g. by ``fully_shard`` on a module built with
-``core.module.from_module`` and its parameters fed to ``functional_call``), (2) the optimizer's
-``tree_map`` math to run on DTensor leaves (elementwise ops do; the global-norm clip needs a full
-reduction of squared norms across the shard group), and (3) checkpoints gathered per leaf or written
-per shard. Until then, models must fit on one device.
+Sharded parallel (``parallel=fsdp``: params, gradients and optimizer state split across ranks) is
+``core.shard``; this file joins the process group for both and says which one a run uses (:class:`Dist`).
+``parallel``: ``auto`` is data parallel under ``torchrun`` and one process without it; ``ddp`` and ``fsdp``
+need a launcher (``torchrun`` sets ``WORLD_SIZE``), ``none`` refuses one with several ranks. The process group
+is joined with a short ``timeout`` (``PG_TIMEOUT``): when a peer dies, the survivors' next collective fails
+within it instead of hanging for gloo's and NCCL's default 10-30 minutes.
 """
 from __future__ import annotations
 
+import datetime
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from core.config import ConfigError, UserError
+
+PARALLEL = ("auto", "none", "ddp", "fsdp")
+PG_TIMEOUT = 45.0     # seconds a collective waits for a peer before the survivors stop (a dead rank)
+PATIENCE = 6 * 3600.0   # seconds a barrier waits while one rank works alone (tokenizing, writing a checkpoint)
+_patient = None         # the gloo group with that timeout, for barriers (None: the default group)
+_KEY = "purestep/rank/{}"   # each rank's host:pid in the process group's store: who died, when one does
+
+
+class PeerLost(UserError):
+    """A collective failed because another rank died or stopped answering: this rank stops without a save."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,7 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    sharded: bool = False     # parallel=fsdp: the state is split across ranks (core.shard)
 
     @property
     def is_main(self) -> bool:
@@ -62,9 +76,34 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 
+    def each(self, value: float) -> list[float]:
+        """``value`` of every rank, in rank order, on every rank (host-side telemetry: state bytes, peak memory)."""
+        if not dist.is_initialized():
+            return [value]
+        t = torch.zeros(self.world_size, dtype=torch.float64, device=_collective_device())
+        t[self.rank] = value
+        dist.all_reduce(t)
+        return t.tolist()
+
     def barrier(self) -> None:
+        """Wait for every rank, patiently (``PATIENCE``): one of them may be working alone."""
         if self.enabled:
-            dist.barrier()
+            dist.barrier(group=_patient)
+
+    def lost_peer(self, error: BaseException, newest=None) -> Optional[PeerLost]:
+        """``error`` as a :class:`PeerLost` naming the dead rank(s) when it is a failed collective of a run on
+        several ranks (a peer crashed, was killed, or passed ``PG_TIMEOUT``); None for any other error.
+        ``newest``: the checkpoint the run resumes from, for the message."""
+        if not self.enabled or not isinstance(error, (RuntimeError, dist.DistError)) or \
+                not any(w in str(error) for w in ("by peer", "Gloo", "gloo", "NCCL", "imed out", "Timeout")):
+            return None
+        dead = _dead_ranks(self)
+        who = (f"rank {', '.join(map(str, dead))} of {self.world_size} died" if dead else
+               f"a peer rank stopped answering (on another host; torchrun's summary names it)")
+        resume = f"the newest checkpoint, {newest}, is intact: rerun the same command to resume" if newest else \
+            "rerun the same command to resume from the newest checkpoint"
+        return PeerLost(f"rank {self.rank}: {who} ({str(error).splitlines()[0][:160]}); stopped without a "
+                        f"checkpoint; {resume}")
 
     @contextmanager
     def main_first(self):
@@ -76,32 +115,81 @@ class Dist:
             self.barrier()
 
 
+def _dead_ranks(d: Dist) -> list[int]:
+    """The ranks on this host whose process is gone (or a zombie), from the host:pid each rank put in the store."""
+    import socket
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        entries = [store.get(_KEY.format(r)).decode() if store.check([_KEY.format(r)]) else ""
+                   for r in range(d.world_size)]
+    except Exception:  # noqa: BLE001 - the store may have died with its host rank: name nobody
+        return []
+    dead = []
+    for r, entry in enumerate(entries):
+        host, _, pid = entry.rpartition(":")
+        if r != d.rank and host == socket.gethostname() and not _alive(int(pid)):
+            dead.append(r)
+    return dead
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _register(rank: int, world: int) -> None:
+    """Put this rank's host:pid in the store; open the patient group for barriers."""
+    import socket
+    global _patient
+    try:
+        dist.distributed_c10d._get_default_store().set(_KEY.format(rank), f"{socket.gethostname()}:{os.getpid()}")
+    except Exception:  # noqa: BLE001 - naming a dead rank is a courtesy, never a reason not to train
+        pass
+    _patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PATIENCE))
+
+
 def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def init(device: torch.device) -> tuple[Dist, torch.device]:
-    """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1), else a single-process ``Dist``.
+def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEOUT) -> tuple[Dist, torch.device]:
+    """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1, or any ``WORLD_SIZE`` with
+    ``parallel=fsdp``), else a single-process ``Dist``; ``parallel`` as in the module docstring.
 
     On CUDA each rank takes ``cuda:LOCAL_RANK`` and NCCL; elsewhere gloo on the given device.
     """
+    if parallel not in PARALLEL:
+        raise ConfigError(f"parallel={parallel}: choose one of {', '.join(PARALLEL)}")
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if parallel in ("ddp", "fsdp") and not launched:
+        raise ConfigError(f"parallel={parallel} needs a launcher: run it under torchrun "
+                          f"(torchrun --nproc_per_node=N bin/run ...), or use parallel=none")
+    if parallel == "none" and world > 1:
+        raise ConfigError(f"parallel=none under a launcher with {world} ranks; use parallel=ddp or parallel=fsdp")
+    sharded = parallel == "fsdp"
+    if world <= 1 and not sharded:
         return Dist(), device
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(local)
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        _register(rank, world)
     if device.type == "cuda":
         device = torch.device("cuda", local)
-    return Dist(rank, world, local), device
+    return Dist(rank, world, local, sharded), device
 
 
 def shutdown() -> None:
     """Leave the process group once every rank is done: a rank that destroys it while rank 0 still writes its
     last checkpoint can take gloo's worker threads down with it (an abort at exit, seen on 2 CPU ranks)."""
+    global _patient
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_patient)
         dist.destroy_process_group()
+        _patient = None

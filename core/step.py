@@ -146,17 +146,18 @@ def _autograd_gradients(objective: Callable, grad_accum: int) -> Callable:
 
 
 def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: Optional[SpikeConfig],
-                          donate: bool, skip: bool = True) -> Callable:
+                          donate: bool, skip: bool = True, psum: Optional[Callable] = None) -> Callable:
     """``apply_gradients(state, grads, loss, aux) -> (state, metrics)``: unscale, norm, update, skip if not finite;
-    with ``donate`` the new params and optimizer state are written into ``state``'s (``core.donate``)."""
+    with ``donate`` the new params and optimizer state are written into ``state``'s (``core.donate``); ``psum``
+    makes the norms of sharded params and gradients whole-model (``core.shard``)."""
     def apply_gradients(state: TrainState, grads, loss, aux):
         scale = state.loss_scale.get("scale") if state.loss_scale else None
         if scale is not None:
             grads = tree_map(lambda g: g / scale.to(g.dtype), grads)   # unscale before clipping or stats
-        grad_norm = global_norm(grads)
+        grad_norm = global_norm(grads, psum)
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(),
-                   "param_norm": global_norm(state.params), **aux}
+                   "param_norm": global_norm(state.params, psum), **aux}
         in_place = donate and not torch.compiler.is_compiling() and bool(finite)   # eager: one host sync
         keep_old = skip and not in_place
         if in_place:   # eager donated step: moments and (without health statistics) params updated in place
@@ -211,7 +212,8 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
                     device_type: str = "cpu", grad_mode: Optional[str] = None, compile: bool = False,
                     extra_metrics: Optional[Callable] = None, spike: Optional[SpikeConfig] = None,
                     remat: bool = False, reduce: Optional[Callable] = None, donate: bool = False,
-                    compile_scope: str = "step", compile_mode: str = "default", skip: bool = True) -> Callable:
+                    compile_scope: str = "step", compile_mode: str = "default", skip: bool = True,
+                    shard=None) -> Callable:
     """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
 
     ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the
@@ -227,6 +229,9 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     graph covers under ``compile`` (module docstring); ``compile_mode`` is ``torch.compile``'s ``mode``.
     ``skip=False`` drops the non-finite select (a non-finite step then writes its NaNs into the state): only
     for measuring what the select costs (``recipes/bench/speed.py``).
+    ``shard`` (a ``core.shard.Layout``) says the state's params and optimizer state are this rank's shards: the
+    step gathers the full params, reduce-scatters the summed gradients once and updates the shards (``reduce``
+    is then unused); the optimizer and ``extra_metrics`` must take the layout's ``psum`` for their norms.
     """
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
@@ -239,8 +244,9 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type, in_regions=by_block,
                                 mode=compile_mode)
-    apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike, donate, skip)
-    reduced = _make_reduce(reduce)
+    apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike, donate, skip,
+                                            None if shard is None else shard.psum)
+    reduced = _make_reduce(reduce) if shard is None else shard.reduce
     if grad_mode == "func":      # one graph: forward, backward, the update
         gradients = _func_gradients(objective, grad_accum)
     else:                        # the loss and the update compiled apart, autograd between them
@@ -250,7 +256,8 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
 
     def train_step(state: TrainState, batch, frozen=None):
         key = rng.fold_in(state.key, state.step)
-        grads, loss, aux = gradients(state.params, batch, key, frozen, _loss_scale(state))
+        params = state.params if shard is None else shard.gather(state.params)
+        grads, loss, aux = gradients(params, batch, key, frozen, _loss_scale(state))
         return apply_gradients(state, *reduced(grads, loss, aux))
 
     step = maybe_compile(train_step, compile, mode=compile_mode) if grad_mode == "func" else train_step

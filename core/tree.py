@@ -137,11 +137,12 @@ def squared_norms(tree: Tree) -> list[torch.Tensor]:
             for t in tree_leaves(tree)]
 
 
-_last_norms: list = []   # (key, norm) of the last two eager global_norm calls (see global_norm)
+_last_norms: list = []   # (key, psum, norm) of the last two eager global_norm calls (see global_norm)
 
 
-def global_norm(tree: Tree) -> torch.Tensor:
-    """L2 norm over every element of every leaf, in at least float32 (no host sync).
+def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """L2 norm over every element of every leaf, in at least float32 (no host sync). ``psum`` sums the squared
+    norm over the ranks that hold the other shards of a sharded tree (``core.shard.Layout.psum``) before the root.
 
     Eager calls remember the last two results: the step's gradient-norm metric and a clipping transform read
     the norm of the same tensors, and the second read costs nothing (a hit needs the very same tensors,
@@ -161,13 +162,15 @@ def global_norm(tree: Tree) -> torch.Tensor:
         return torch.zeros(())
     if torch.compiler.is_compiling():   # the compiler merges repeated norms itself
         sq = squared_norms(tree)
-        return torch.stack([q.to(sq[0].dtype) for q in sq]).sum().sqrt() if len({q.dtype for q in sq}) == 1 \
-            else _global_norm(tree, leaves)
-    for key, norm in _last_norms:
-        if _same_leaves(key, leaves):
+        if len({q.dtype for q in sq}) > 1:
+            return _global_norm(tree, leaves, psum)
+        total = torch.stack(sq).sum()
+        return (total if psum is None else psum(total)).sqrt()
+    for key, summed, norm in _last_norms:   # every rank hits or misses alike: a skipped psum is skipped everywhere
+        if summed == psum and _same_leaves(key, leaves):
             return norm
-    norm = _global_norm(tree, leaves)
-    _last_norms[:] = [([(weakref.ref(t), t._version) for t in leaves], norm)] + _last_norms[:1]
+    norm = _global_norm(tree, leaves, psum)
+    _last_norms[:] = [([(weakref.ref(t), t._version) for t in leaves], psum, norm)] + _last_norms[:1]
     return norm
 
 
@@ -176,14 +179,16 @@ def _same_leaves(key: list, leaves: list) -> bool:
     return len(key) == len(leaves) and all(ref() is t and t._version == v for (ref, v), t in zip(key, leaves))
 
 
-def _global_norm(tree: Tree, leaves: list) -> torch.Tensor:
+def _global_norm(tree: Tree, leaves: list, psum) -> torch.Tensor:
     dtypes = {t.dtype for t in leaves}
     if len(dtypes) > 1:
         sq = squared_norms(tree)
         wide = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
-        return torch.stack([s.to(wide) for s in sq]).sum().sqrt()
-    accumulate = torch.promote_types(leaves[0].dtype, torch.float32)
-    return torch.stack(torch._foreach_norm(leaves, 2, dtype=accumulate)).square().sum().sqrt()
+        total = torch.stack([s.to(wide) for s in sq]).sum()
+    else:
+        accumulate = torch.promote_types(leaves[0].dtype, torch.float32)
+        total = torch.stack(torch._foreach_norm(leaves, 2, dtype=accumulate)).square().sum()
+    return (total if psum is None else psum(total)).sqrt()
 
 
 def size(tree: Tree) -> int:

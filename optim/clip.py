@@ -22,12 +22,13 @@ def clip_factor(norm, max_norm):
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+def clip_by_global_norm(max_norm: float, psum=None) -> GradientTransformation:
+    """``psum``: sums a squared norm over the ranks holding the other shards (``core.shard``), else None."""
     def init(params):
         return ClipState(hparams(params, max_norm=max_norm))
 
     def update(updates, state, params=None):
-        factor = clip_factor(global_norm(updates), state.hparams["max_norm"])
+        factor = clip_factor(global_norm(updates, psum), state.hparams["max_norm"])
         return like(updates, foreach.rescale(leaves_of(updates), factor)), state   # in place when donated
 
     return GradientTransformation(init, update)

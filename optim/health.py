@@ -95,12 +95,13 @@ class GradientHealth:
     ``health = GradientHealth(params, clip_norm=1.0)``; ``make_train_step(..., extra_metrics=health.metrics)``
     adds ``metrics["health"]``, a float32 ``[len(health.layout), 5]`` tensor; the loop pulls it to the host
     every log interval and calls :meth:`report`, :meth:`to_scalars` and :meth:`histograms` on it.
-    ``clip_norm`` (the global clipping threshold, if any) adds ``health/clip/*`` to the scalars.
+    ``clip_norm`` (the global clipping threshold, if any) adds ``health/clip/*`` to the scalars. ``psum`` sums
+    partial statistics over the ranks holding the other shards of sharded params and gradients (``core.shard``).
     """
 
-    def __init__(self, params: Tree, *, stacked: Stacked = None, clip_norm: float | None = None):
+    def __init__(self, params: Tree, *, stacked: Stacked = None, clip_norm: float | None = None, psum=None):
         is_stacked = stacked_predicate(stacked)
-        self.clip_norm = clip_norm
+        self.clip_norm, self.psum = clip_norm, psum
         self.leaves: list[tuple[str, bool, int]] = []      # (name, stacked, number of rows)
         self.rows: list[tuple[str, int | None]] = []        # (leaf name, layer index or None)
         for name, leaf in named_leaves(params):
@@ -134,6 +135,10 @@ class GradientHealth:
             norms = [slice_norms(x, s).float() for x in (g, w, d)]
             raw.append(torch.stack([nonfinite] + norms, dim=-1).reshape(-1, 4))
         raw = torch.cat(raw)
+        if self.psum is not None:   # counts add up, norms add up as squares: one collective for every row
+            counts, norms = raw.split([1, 3], dim=-1)
+            counts, norms = self.psum(torch.cat([counts, norms.square()], dim=-1)).split([1, 3], dim=-1)
+            raw = torch.cat([counts, norms.sqrt()], dim=-1)
         nonfinite, gn, wn, dn = raw.unbind(-1)
         _, g_all, w_all, d_all = raw.square().sum(0).sqrt().unbind()
         rows = torch.stack([nonfinite, (gn == 0).float(), gn, gn / wn, dn / wn], dim=-1)

@@ -80,7 +80,7 @@ class Prepared:
 def prepare_run(cfg: Config, folder) -> Prepared:
     """The run of ``cfg`` in ``folder`` (resumed from its checkpoint), or with ``folder`` None a fresh state
     and nothing to write (``dry_run``). Everything that can fail on bad input happens here."""
-    dist, device = distributed.init(resolve_device(cfg.device))
+    dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
     start = load_model(cfg.init, device=device) if cfg.init else None
     with dist.main_first():   # rank 0 tokenizes into the cache, the others then read it
         corpus = open_data(cfg, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
@@ -100,11 +100,12 @@ def prepare_run(cfg: Config, folder) -> Prepared:
 
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
+    params = run_setup.layout.full_shapes() if run_setup.layout else params   # fsdp: only shards stay alive
 
     def loss_fn(params, batch, key):
         return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
 
-    steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, vocab, dist)
+    steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, vocab, dist, run_setup.layout)
     return Prepared(cfg, dist, device, start, corpus, tok, vocab, model_cfg, batches, val_batches, params, run_setup,
                     loss_fn, steps)
 
@@ -147,7 +148,7 @@ def run(cfg: Config):
             main_process=dist.is_main)
         io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra,
                     evaluate_fn=lambda p: evaluate(steps.eval, p, val_batches, dist=dist),
-                    sample_fn=sampler(cfg, model_cfg, tok, corpus.val, device) if dist.is_main else None,
+                    sample_fn=on_main(sampler(cfg, model_cfg, tok, corpus.val, device), dist, steps.layout),
                     tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
                     flops_per_token=flops_per_token(llama.matmul_params(params), model_cfg.n_layers,
                                                     cfg.block_size, model_cfg.d_model),
@@ -170,6 +171,19 @@ def report(logger, result, folder, label: str = "val loss", suffix: str = "") ->
     perplexity = math.exp(min(result.val_loss, 50.0))
     logger.print(f"done: step {step}, {label} {result.val_loss:.4f}, perplexity {perplexity:.2f} "
                  f"(best {result.loop.best_val:.4f}){suffix}; tensorboard --logdir {folder}")
+
+
+def on_main(sample: Optional[Callable[[dict], str]], dist: distributed.Dist, layout) -> Optional[Callable]:
+    """``sample`` for rank 0 alone; under parallel=fsdp every rank takes part in gathering the params first."""
+    if sample is None or (layout is None and not dist.is_main):
+        return None
+    if layout is None:
+        return sample
+
+    def gathered(params) -> str:
+        full = layout.gather(params)
+        return sample(full) if dist.is_main else ""
+    return gathered
 
 
 def sampler(cfg, model_cfg: llama.LlamaConfig, tok, val_tokens, device) -> Optional[Callable[[dict], str]]:

@@ -26,15 +26,17 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from core import checkpoint as ckpt
+from core import checkpoint as ckpt, distributed
 from core.config import ConfigError, UserError, option, same_as, to_dict
 from core.docs import prepare_text
 from core.device import resolve_device
+from core.distributed import Dist
 from core.logging import Logger, progress
 from core.runs import claim
 from core.spike import SpikeConfig
@@ -45,7 +47,7 @@ from recipes.distill.teacher import teacher_dtype_option
 from recipes.train.config import TrainConfig, train_config
 from recipes.train.loop import LoopIO, LoopState, build_steps, fit
 from recipes.train.optimizer import make_optimizer, optimizer_spec
-from recipes.train.setup import run_folder
+from recipes.train.setup import run_folder, sharded_layout
 
 DESCRIPTION = "compress a teacher's hidden states with a weight-tied linear map, against PCA (stages 1a/1b, sweeps)"
 
@@ -93,6 +95,7 @@ class Config:
     log_every: int = same_as(TrainConfig, "log_every")
     seed: int = same_as(TrainConfig, "seed")
     device: str = same_as(TrainConfig, "device")
+    parallel: str = same_as(TrainConfig, "parallel")
     compile: bool = option(False, "compile the train step (two matmuls: little to gain, a compile per width)")
     out: str = same_as(TrainConfig, "out")
     name: str = same_as(TrainConfig, "name")
@@ -130,7 +133,7 @@ class StageData:
 def run(cfg: Config) -> list[dict]:
     if not cfg.d_compressed and not cfg.sweep:
         raise ConfigError("set d_compressed=D' (one run) or sweep=D'1,D'2,... (one run per width)")
-    device = resolve_device(cfg.device)
+    dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
     folder = run_folder(cfg, "compress")
     teacher = states.Teacher(cfg.teacher, cfg.layer, device, cfg.teacher_dtype)
     too_wide = [d for d in cfg.widths if d > teacher.d_model]
@@ -143,11 +146,16 @@ def run(cfg: Config) -> list[dict]:
         if missing:
             raise UserError(f"stage=1b fine-tunes {missing[0]}, which does not exist: run stage=1a (same out=) first")
     data = {"1a": cfg.data, "1b": cfg.data_1b}
-    stage_data = {s: load_stage(cfg, s, data[s], teacher, device) for s in cfg.stage}
-    with claim(folder):   # the first write: a second run on this folder stops here, naming this one
-        rows = [train_stage(cfg, stage_data[s], d, subs[d], teacher, device) for d in cfg.widths for s in cfg.stage]
-        write_summary(folder, rows)
-    click.echo(markdown(rows))
+    with dist.main_first():   # rank 0 computes (and caches) the teacher's states, the others then read them
+        stage_data = {s: load_stage(cfg, s, data[s], teacher, device) for s in cfg.stage}
+    # the first write: a second run on this folder stops here, naming this one (rank 0 writes for every rank)
+    with claim(folder) if dist.is_main else nullcontext():
+        rows = [train_stage(cfg, stage_data[s], d, subs[d], teacher, device, dist) for d in cfg.widths
+                for s in cfg.stage]
+        if dist.is_main:
+            write_summary(folder, rows)
+            click.echo(markdown(rows))
+    distributed.shutdown()
     return rows
 
 
@@ -171,8 +179,11 @@ def signature(cfg: Config, data: StageData, d: int, teacher: states.Teacher) -> 
             "center": cfg.center}
 
 
-def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states.Teacher, device) -> dict:
-    """Train (or resume, or skip when finished) one stage at width ``d``; returns its summary row."""
+def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states.Teacher, device,
+                dist: Dist = Dist()) -> dict:
+    """Train (or resume, or skip when finished) one stage at width ``d``; returns its summary row. Under torchrun
+    every rank trains on its rows of each batch (parallel=fsdp: the compressor's params and moments sharded,
+    ``core.shard``); rank 0 writes."""
     best_path, folder = sub / f"stage{data.name}_best.msgpack", sub / f"stage{data.name}"
     sig = signature(cfg, data, d, teacher)
     if best_path.exists():
@@ -185,13 +196,15 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
     params, frozen = compressor.split(start, ccfg)
     # the loop's settings: this recipe's keys, the rest fixed
     tcfg = train_config(cfg, clipping="none", health=False, save_every=0, keep_last=1, spike=SpikeConfig(enabled=False))
-    optimizer = make_optimizer(optimizer_spec(tcfg))
-    state, loop = init_state(params, optimizer, cfg.seed), LoopState()
+    layout = sharded_layout(dist, params, make_optimizer(optimizer_spec(tcfg)).init, "fp32")
+    optimizer = make_optimizer(optimizer_spec(tcfg), psum=layout.psum if layout else None)
+    template, loop = init_state(params, optimizer, cfg.seed), LoopState()
+    state = layout.shard(template) if layout else template
     latest = ckpt.latest(folder)
     if latest is not None:
-        top = ckpt.load(latest, template=state, device=device)
+        top = ckpt.load(latest, template=template, device=device)
         _check_signature(latest, top, sig)
-        state, loop = top["state"], LoopState.from_dict(top.get("loop"))
+        state, loop = layout.shard(top["state"]) if layout else top["state"], LoopState.from_dict(top.get("loop"))
 
     def loss_fn(params, batch, frozen):
         return compressor.loss({**params, **frozen}, batch["x"], data.scale)
@@ -199,14 +212,14 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
     def held_out(params) -> dict:
         return compressor.evaluate({**params, **frozen}, states.chunks(data.val), data.scale)
 
-    steps = build_steps(tcfg, loss_fn, optimizer, params, states.Batches(data.train, cfg.batch_size, cfg.seed),
-                        device, vocab_size=0)
-    checkpoints = ckpt.CheckpointManager(folder, keep_last=1, save_every=0)
+    batches = states.Batches(data.train, cfg.batch_size, cfg.seed, rank=dist.rank, world_size=dist.world_size)
+    steps = build_steps(tcfg, loss_fn, optimizer, params, batches, device, vocab_size=0, dist=dist, layout=layout)
+    checkpoints = ckpt.CheckpointManager(folder, keep_last=1, save_every=0) if dist.is_main else None
     extra = {"config": to_dict(cfg), "recipe": "compress", "stage": data.name, "compressor": dataclasses.asdict(ccfg),
              "frozen": frozen, "signature": sig, "teacher": teacher.identity(), "init": init_from}
     pca = compressor.evaluate(data.pca.params(d, device=device), states.chunks(data.val), data.scale)
     before = held_out(params)
-    with Logger(folder) as logger:
+    with Logger(folder, enabled=dist.is_main) as logger:
         logger.hparams(to_dict(cfg), {"val/loss": None})
         logger.print(f"compress stage {data.name}: D'={d} of D={teacher.d_model} ({ccfg.ratio:.2f}x), "
                      f"{compressor.count_params(ccfg):,} params, center {cfg.center}; teacher {teacher.source} "
@@ -217,9 +230,11 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
         if latest is not None:
             logger.print(f"resuming from {latest} at step {int(state.step)}")
         io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra, perplexity=False,
-                    evaluate_fn=lambda p: held_out(p)["unexplained"], tokens_per_step=cfg.batch_size * cfg.block_size)
-        result = fit(tcfg, state, steps, io, loop=loop, frozen=frozen)
-        best = ckpt.load(checkpoints.best(), template=state, device=device)
+                    evaluate_fn=lambda p: held_out(layout.gather(p) if layout else p)["unexplained"],
+                    tokens_per_step=cfg.batch_size * cfg.block_size * dist.world_size)
+        result = fit(tcfg, state, steps, io, loop=loop, frozen=frozen, dist=dist)
+        best = ckpt.load(folder / ckpt.BEST, template=template, device=device)   # every rank: the file rank 0 kept
+        dist.barrier()   # read by all before rank 0 replaces it (_keep_only)
         ours = held_out(best["state"].params)
         row = {"stage": data.name, "d_compressed": d, "ratio": round(ccfg.ratio, 4),
                "params": compressor.count_params(ccfg), "steps": int(result.state.step), "best_step": best["step"],
@@ -228,7 +243,9 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
         logger.scalars(best["step"], {f"best/{m}": ours[m] for m in METRICS} | {f"pca/{m}": pca[m] for m in METRICS})
         logger.print(f"stage {data.name} D'={d}: best step {best['step']} of {row['steps']}: " + ", ".join(
             f"{m.replace('_', ' ')} {ours[m]:.4g} (PCA {pca[m]:.4g})" for m in METRICS) + f"; kept {best_path}")
-    _keep_only(best, best_path, folder, row)
+    if dist.is_main:
+        _keep_only(best, best_path, folder, row)
+    dist.barrier()   # the next stage (or width) starts from what rank 0 kept
     return row
 
 

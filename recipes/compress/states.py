@@ -137,14 +137,15 @@ class TeacherStates:
 
 class Batches:
     """Training batch number ``cursor``: ``batch_size`` windows drawn with ``default_rng([seed, cursor])``,
-    ``{"x": [B, T, D]}`` (the seekable, checkpointable cursor of ``core.data.Batches``)."""
+    ``{"x": [B, T, D]}`` (the seekable, checkpointable cursor of ``core.data.Batches``). With several ranks the
+    draw is of ``batch_size x world_size`` windows and rank r takes its ``batch_size`` (one global batch)."""
 
-    def __init__(self, states, batch_size: int, seed: int):
-        self.states, self.batch_size, self.seed = states, batch_size, seed
+    def __init__(self, states, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.states, self.batch_size, self.seed, self.rank, self.world = states, batch_size, seed, rank, world_size
 
     def get(self, cursor: int) -> dict:
-        idx = np.random.default_rng([self.seed, int(cursor)]).integers(0, self.states.n, self.batch_size)
-        return {"x": self.states.get(idx)}
+        idx = np.random.default_rng([self.seed, int(cursor)]).integers(0, self.states.n, self.batch_size * self.world)
+        return {"x": self.states.get(idx[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])}
 
 
 # ---------------------------------------------------------------------------------------------- the cache

@@ -64,13 +64,13 @@ from models import llama, losses
 from models.loading import LoadedModel, load_model, model_entry
 from recipes import standard
 from recipes.distill.cache import TeacherCache
-from recipes.distill.teacher import (compute_view, data_identity, held_dtype_hint, load_teacher, teacher_data,
-                                     teacher_dtype_option, teacher_identity, teacher_option)
+from recipes.distill.teacher import (compute_view, data_identity, held_dtype_hint, load_teacher, shard_teacher,
+                                     teacher_data, teacher_dtype_option, teacher_identity, teacher_option)
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import backend, plan, setup
 from recipes.train.config import TrainConfig
 from recipes.train.data import describe, with_epochs
-from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit
+from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit, gathering
 from recipes.train.setup import RunSetup, run_folder
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
@@ -100,6 +100,8 @@ StudentModel = _optional_fields(llama.LlamaConfig, "StudentModel",
 class Config(TrainConfig):
     teacher: str = teacher_option()
     teacher_dtype: str = teacher_dtype_option()
+    teacher_shard: bool = option(False, "parallel=fsdp: shard the frozen teacher across the ranks too (1/N of it "
+                                 "held at rest, gathered for every step's forward); false: each rank holds it whole")
     student: str = option("config", "student: config (model.*), drop_layers (every other teacher layer), "
                                     "shrink (teacher shape, model.* widths)", choices=STUDENTS)
     model: StudentModel = option(StudentModel, "student shape for student=config/shrink")
@@ -276,6 +278,7 @@ class Prepared:
     val_batches: object
     frozen: Optional[dict]
     cache: object
+    teacher_layout: object = None   # teacher_shard=true: where the teacher's shards live (core.shard)
 
     @property
     def state(self):
@@ -287,6 +290,9 @@ def check_keys(cfg: Config, world_size: int):
     if cfg.fim_rate > 0:
         raise UserError(f"fim_rate={cfg.fim_rate}: fill-in-the-middle adds sentinel ids the teacher never saw; "
                         f"distill without it")
+    if cfg.teacher_shard and cfg.cache:
+        raise UserError("teacher_shard=true with cache=: a cached run reads the teacher's outputs, not the teacher; "
+                        "drop one of them")
     if cfg.cache and world_size > 1:
         raise UserError("cache= is keyed by the single-process batch; run data-parallel distillation online")
 
@@ -294,7 +300,7 @@ def check_keys(cfg: Config, world_size: int):
 def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     """Everything the run in ``folder`` needs (resumed from its checkpoint, ``recipes.train.setup.start``);
     ``folder`` None: a fresh state and nothing to write (benchmarks)."""
-    dist, device = distributed.init(resolve_device(cfg.device))
+    dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
     check_keys(cfg, dist.world_size)
     theta0 = check_temperature(cfg)
     teacher = load_teacher(cfg.teacher, device, cfg.teacher_dtype)
@@ -317,25 +323,34 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
                                       device=device)
     cfg = with_epochs(cfg, corpus, batches)
     run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
+    layout = run_setup.layout
+    params = layout.full_shapes() if layout else params    # fsdp: only the shards stay alive
     loss_fn = make_loss(cfg, student_cfg, teacher.config, cache.mode if cache else "")
 
     def make_train(opt):
-        return build_steps(cfg, loss_fn, opt, params, batches, device, student_cfg.vocab_size, dist).train
+        return build_steps(cfg, loss_fn, opt, params, batches, device, student_cfg.vocab_size, dist, layout).train
 
-    steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist)
+    steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist,
+                        layout)
     eval_step = make_eval_step(lambda prm, b: llama.loss(prm, b, student_cfg), precision=cfg.dtype,
                                device_type=device.type, compile=cfg.compile,
                                compile_scope=backend.compile_scope(cfg, params),
                                compile_mode=backend.compile_mode(cfg, device))
-    steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
+    steps = replace(steps, eval=gathering(eval_step, layout), batches=DistillBatches(steps.batches, cache))
+    frozen, teacher_layout = (None, None) if cache else shard_teacher(cfg.teacher_shard, dist, teacher)
+    if teacher_layout is not None:   # the train step takes the whole teacher: gathered from the shards
+        steps = replace(steps, train=gathering(steps.train, teacher_layout, frozen="teacher"))
+        teacher = replace(teacher, params=teacher_layout.full_shapes())    # only the shards stay alive
     return Prepared(cfg, dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
-                    val_batches, None if cache else {"teacher": teacher.params}, cache)
+                    val_batches, frozen, cache, teacher_layout)
+
 
 
 def train_flops_per_token(p: Prepared, cfg: Config) -> float:
     """The student's training FLOPs per token plus, online, the teacher's forward (a third of its training)."""
     s, t = p.student_cfg, p.teacher.config
-    student = {k: v for k, v in p.state.params.items() if k != THETA}
+    full = p.run.layout.full_shapes() if p.run.layout else p.state.params
+    student = {k: v for k, v in full.items() if k != THETA}
     flops = flops_per_token(llama.matmul_params(student), s.n_layers, cfg.block_size, s.d_model)
     if p.cache is None:
         flops += flops_per_token(llama.matmul_params(p.teacher.params), t.n_layers, cfg.block_size, t.d_model) / 3
@@ -374,7 +389,8 @@ def run(cfg: Config):
     scfg, tok, device, dist = p.student_cfg, p.tok, p.device, p.dist
     extra = {"config": to_dict(cfg), "model": model_entry(scfg), "tokenizer": tok.to_dict(), "recipe": "distill",
              "teacher": p.teacher_id}
-    student_params = {k: v for k, v in state.params.items() if k != THETA}
+    student_params = {k: v for k, v in (p.run.layout.full_shapes() if p.run.layout else state.params).items()
+                      if k != THETA}
     tcfg = p.teacher.config
     with p.run.writing(to_dict(cfg)) as (checkpoints, logger):
         logger.print(f"distill: teacher {p.teacher.format}: {p.teacher.source} ({size(p.teacher.params) / 1e6:.2f}M "
@@ -386,13 +402,17 @@ def run(cfg: Config):
                      f"run folder {folder}")
         logger.print(f"objective: {cfg.alpha:g} * T^2 * {cfg.kl} KL + {1 - cfg.alpha:g} * CE, temperature "
                      f"{_describe_temperature(cfg)}; teacher "
-                     + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online (frozen, no_grad)"))
+                     + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online (frozen, no_grad)")
+                     + (f"; teacher sharded across {dist.world_size} ranks, gathered for every step"
+                        if p.teacher_layout else ""))
         if resume is not None:
             logger.print(f"resuming from {resume} at step {int(state.step)}")
         else:
             teacher_eval = make_eval_step(lambda prm, b: llama.loss(prm, b, tcfg), precision=cfg.dtype,
                                           device_type=device.type)
-            teacher_val = evaluate(teacher_eval, p.teacher.params, p.val_batches, dist=dist)
+            teacher_val = evaluate(gathering(teacher_eval, p.teacher_layout),
+                                   p.frozen["teacher"] if p.teacher_layout else p.teacher.params, p.val_batches,
+                                   dist=dist)
             logger.scalars(0, {"val/teacher_loss": teacher_val})
             logger.print(f"teacher: val loss {teacher_val:.4f}, perplexity {math.exp(min(teacher_val, 50.0)):.2f}")
         orchestrator, steps = orchestrate(cfg, p.steps, make_step=p.make_train, val_tokens=p.corpus.val, device=device,
@@ -400,7 +420,8 @@ def run(cfg: Config):
                                           main_process=dist.is_main)
         io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra,
                     evaluate_fn=lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
-                    sample_fn=standard.sampler(cfg, scfg, tok, p.corpus.val, device) if dist.is_main else None,
+                    sample_fn=standard.on_main(standard.sampler(cfg, scfg, tok, p.corpus.val, device), dist,
+                                               p.run.layout),
                     tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
                     flops_per_token=train_flops_per_token(p, cfg))
         result = fit(cfg, state, steps, io, loop=loop, frozen=p.frozen, hooks=[orchestrator], dist=dist)

@@ -18,12 +18,14 @@ import os
 import torch
 
 from core.config import UserError, option
+from core.distributed import Dist
 from core.docs import prepare_text
 from core.tree import cast, fingerprint
 from models import llama
 from models.loading import LoadedModel, load_model
 from recipes.train.config import TrainConfig
 from recipes.train.data import open_data
+from recipes.train.setup import sharded_layout
 
 
 def teacher_option():
@@ -112,3 +114,15 @@ def teacher_data(teacher, tokenizer_spec: str, data: str, cfg=None):
         raise UserError(f"teacher {teacher.source}: its vocabulary ({teacher.config.vocab_size}) is smaller "
                         f"than the tokenizer's ({tok.vocab_size})")
     return corpus, tok
+
+
+def shard_teacher(shard: bool, dist: Dist, teacher: LoadedModel):
+    """``({"teacher": params}, layout)``: the frozen inputs of the train step, this rank's shards of the teacher
+    when ``shard`` (``teacher_shard=true``: ``core.shard``, no optimizer state), else the whole teacher and None."""
+    if not shard:
+        return {"teacher": teacher.params}, None
+    if not dist.sharded:
+        raise UserError("teacher_shard=true shards the teacher across the ranks of parallel=fsdp; add parallel=fsdp "
+                        "(under torchrun) or drop teacher_shard")
+    layout = sharded_layout(dist, teacher.params, lambda p: (), "fp32")
+    return {"teacher": layout.shard_params(teacher.params)}, layout

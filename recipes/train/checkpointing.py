@@ -31,13 +31,19 @@ class Checkpointing(Hook):
     """Saves at the last step (final), after evaluations, every ``save_every`` steps, once ``every_minutes``
     of wall time (``clock``, seconds) have passed since the last save, and when the run stops. ``manager``
     is None on data-parallel ranks other than 0 (rank 0 alone writes); with several ranks (``dist``) the
-    wall-time decision is agreed at log steps (``log_every``), so every rank saves at the same step."""
+    wall-time decision is agreed at log steps (``log_every``), so every rank saves at the same step. ``export``
+    (``core.shard.Layout.deferred`` under parallel=fsdp) turns the state into what is written, its sharded leaves
+    gathered one at a time as the writer reaches them; the ranks that do not write make the same gathers."""
     clock: Callable[[], float] = staticmethod(time.monotonic)     # seconds; a test puts a fake clock here
 
     def __init__(self, manager: Optional[ckpt.CheckpointManager], extra: Callable[[], dict], logger: Logger,
                  train: Optional[dict] = None, *, every_minutes: float = 0.0, dist: Dist = Dist(),
-                 log_every: int = 1, clock: Optional[Callable[[], float]] = None):
-        self.manager, self.extra, self.logger, self.train = manager, extra, logger, train
+                 log_every: int = 1, clock: Optional[Callable[[], float]] = None, export: Optional[Callable] = None,
+                 save_every: Optional[int] = None):
+        self.manager, self.extra, self.logger, self.train, self.export = manager, extra, logger, train, export
+        # every rank saves at the same steps: under parallel=fsdp the ones without a manager gather for rank 0;
+        # they count ``save_every``, rank 0 asks its manager
+        self.save_every = save_every
         self.every_minutes, self.dist, self.log_every = every_minutes, dist, log_every
         if clock is not None:
             self.clock = clock
@@ -52,11 +58,21 @@ class Checkpointing(Hook):
             return self.dist.agree(due) if step % self.log_every == 0 else False
         return due
 
+    def periodic(self, step: int) -> bool:
+        """Whether ``step`` is a ``save_every`` step (the manager's rule, or the count given to the others)."""
+        if self.manager is not None:
+            return self.manager.should_save(step)
+        return bool(self.save_every) and step > 0 and step % self.save_every == 0
+
     def save(self, ctx: StepContext, val_loss: Optional[float] = None, final: bool = False) -> Optional[Path]:
         t0 = time.perf_counter()
         ctx.loop.wall_seconds = ctx.wall(t0)
         self.last_saved = self.clock()
+        tree = ctx.state if self.export is None else self.export(ctx.state)
         if self.manager is None:
+            if self.export is not None:
+                ckpt.make_deferred(tree)     # the writing rank gathers each leaf now: take part
+            self.dist.barrier()              # wait (patiently) for rank 0's write
             return None
         extra = {**self.extra(), "loop": ctx.loop.to_dict()}
         if self.train is not None:   # the training keys this run used: a resume compares them (setup.start)
@@ -64,7 +80,8 @@ class Checkpointing(Hook):
         for hook in ctx.hooks:   # e.g. the orchestrator's strategy, bandit and counters resume with the run
             if hook.key is not None:
                 extra[hook.key] = hook.state_dict()
-        ctx.checkpoint = self.manager.save(ctx.step, ctx.state, extra=extra, val_loss=val_loss, final=final)
+        ctx.checkpoint = self.manager.save(ctx.step, tree, extra=extra, val_loss=val_loss, final=final)
+        self.dist.barrier()   # the other ranks waited here: none sits in a short-timeout collective meanwhile
         ctx.excluded += time.perf_counter() - t0
         return ctx.checkpoint
 
@@ -74,7 +91,7 @@ class Checkpointing(Hook):
             path = self.save(ctx, val_loss=val_loss, final=True)
             self.logger.print(f"saved final checkpoint {path}")
         elif (self.time_due(ctx.step) or ctx.evaluated
-              or (self.manager is not None and self.manager.should_save(ctx.step))):
+              or self.periodic(ctx.step)):
             self.save(ctx, val_loss=val_loss)
         return None
 

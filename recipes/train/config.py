@@ -12,6 +12,7 @@ from pathlib import Path
 from core.compile import COMPILE_MODES
 from core.config import ConfigError, option
 from core.device import DEVICES
+from core.distributed import PARALLEL
 from core.spike import SpikeConfig
 from core.step import PRECISIONS
 from optim.schedules import KINDS
@@ -68,6 +69,9 @@ class TrainConfig:
                                        "last one (0: off; under torchrun agreed at log steps)", min=0)
     keep_last: int = option(3, "step checkpoints to keep (0: all; best and final are kept besides)", min=0)
     resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
+    parallel: str = option("auto", "several ranks under torchrun: ddp (replicated state, gradients averaged), fsdp "
+                           "(params, gradients and optimizer state sharded), auto (ddp under torchrun, else none), "
+                           "none (one process)", choices=PARALLEL)
     compile: bool = option(True, "compile the train and eval steps with torch.compile")
     compile_scope: str = option("auto", "what one compiled graph covers: the whole step, or the model's block, "
                                 "compiled once for every layer (compile time flat in depth); auto: step up to 4 "
@@ -97,6 +101,12 @@ class TrainConfig:
         if self.budget > 0 and self.cost_per_hour <= 0:
             raise ConfigError(f"budget={self.budget} needs cost_per_hour > 0 to meter the cost")
         _check_paths(self.out, self.resume)
+        if self.parallel == "fsdp" and self.clipping == "agc":
+            raise ConfigError("clipping=agc with parallel=fsdp: AGC's unit norms are not wired for sharded "
+                              "gradients; use clipping=global or clipping=adagc")
+        if self.parallel == "fsdp" and self.orchestrator.enabled:
+            raise ConfigError("orchestrator.enabled=true with parallel=fsdp: the orchestrator's strategies are not "
+                              "built on sharded state; use parallel=ddp")
         if self.orchestrator.enabled and not self.spike.enabled:
             raise ConfigError("orchestrator.enabled=true needs spike.enabled=true: its safety rollback is the "
                               "spike machinery's (snapshot ring, rollback_back, max_rollbacks)")

@@ -22,7 +22,8 @@ import torch
 from core import checkpoint as ckpt
 from core.config import UserError, to_dict
 from core.distributed import Dist
-from core.logging import Logger
+from core.logging import Logger, memory_mb
+from core.shard import Layout, full_bytes, state_bytes
 from core.state import TrainState
 from core.telemetry import Preemption
 from core.step import make_eval_step, make_train_step
@@ -93,17 +94,21 @@ class Steps:
     eval: Callable
     health: Optional[GradientHealth]
     batches: object      # the batch source the loop reads (with faults when configured)
+    layout: Optional[Layout] = None   # parallel=fsdp: the state's leaves are this rank's shards (core.shard)
 
 
 def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches, device: torch.device,
-                vocab_size: int, dist: Dist = Dist(), skip: bool = True) -> Steps:
+                vocab_size: int, dist: Dist = Dist(), layout: Optional[Layout] = None, skip: bool = True) -> Steps:
     """The train and eval steps every training recipe uses, configured from the common keys.
 
     ``loss_fn(params, batch, key[, frozen])``: precision, accumulation, remat, the spike detector,
     gradient health and fault injection all come from ``cfg``; with several ranks the step averages
-    gradients across them (``dist``). ``skip=False`` (benchmarks only) drops the step's non-finite select.
+    gradients across them (``dist``), or with a ``layout`` (``parallel=fsdp``, ``RunSetup.layout``) takes the
+    state as this rank's shards: both steps gather the params, the train step reduce-scatters the gradients.
+    ``skip=False`` (benchmarks only) drops the step's non-finite select.
     """
-    health = GradientHealth(params, clip_norm=cfg.grad_clip if cfg.clipping == "global" else None) \
+    psum = layout.psum if layout else None
+    health = GradientHealth(params, clip_norm=cfg.grad_clip if cfg.clipping == "global" else None, psum=psum) \
         if cfg.health else None
     train_loss, mode, scope = loss_fn, backend.compile_mode(cfg, device), backend.compile_scope(cfg, params)
     if cfg.fault.active:
@@ -114,11 +119,26 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
                             device_type=device.type, compile=cfg.compile, compile_scope=scope,
                             remat=cfg.remat, extra_metrics=health.metrics if health else None,
                             spike=cfg.spike if cfg.spike.enabled else None,
-                            reduce=dist.all_reduce_mean if dist.enabled else None,
-                            donate=not cfg.orchestrator.enabled, compile_mode=mode, skip=skip)
+                            reduce=dist.all_reduce_mean if dist.enabled and layout is None else None,
+                            donate=not cfg.orchestrator.enabled, compile_mode=mode, shard=layout,
+                            skip=skip)
     evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile,
                                    compile_scope=scope, compile_mode=mode)
-    return Steps(train, evaluate_step, health, batches)
+    return Steps(train, gathering(evaluate_step, layout), health, batches, layout)
+
+
+def gathering(step: Callable, layout: Optional[Layout], frozen: Optional[str] = None) -> Callable:
+    """``step(params, batch, frozen=None)`` (an eval step) taking this rank's shards of ``params`` under ``layout``,
+    or with ``frozen`` a train step ``step(state, batch, inputs)`` taking shards of ``inputs[frozen]`` (a sharded
+    teacher): they are gathered first."""
+    if layout is None:
+        return step
+
+    def sharded(params, batch, inputs=None):
+        if frozen is not None:
+            return step(params, batch, {**inputs, frozen: layout.gather(inputs[frozen])})
+        return step(layout.gather(params), batch, inputs)
+    return sharded
 
 
 @dataclass
@@ -161,6 +181,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
         raise UserError("orchestrator.enabled=true, but this recipe does not build an orchestrator "
                         "(recipes/orchestrator/driver.py; recipes/standard.py shows the wiring)")
     loop = loop or LoopState()
+    _announce_parallel(io.logger, state, steps.layout, dist)
     ctx = StepContext(state, int(state.step), int(state.cursor), frozen=frozen, total=cfg.steps, loop=loop,
                       result=FitResult(state, loop), tokens_per_step=io.tokens_per_step,
                       wall_before=loop.wall_seconds)
@@ -178,13 +199,36 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
                 if stop is not None:
                     _finish(ctx, stop)
                     break
+        except Exception as e:   # a dead peer: stop at once, naming it, without a (collective) save
+            lost = dist.lost_peer(e, io.checkpoints.latest() if io.checkpoints else None)
+            if lost is None:
+                raise
+            raise lost from None
         finally:
             batches.close()
     io.logger.print(f"wall time {ctx.wall():.1f}s (this session {ctx.wall() - ctx.wall_before:.1f}s, compile "
                     f"included)")
     io.logger.flush()
     ctx.result.state = ctx.state
+    if dist.enabled or steps.layout is not None:
+        peaks = dist.each(memory_mb(state.step.device))
+        io.logger.print("peak memory per rank: " + ", ".join(f"rank {r} {mb:.0f} MiB" for r, mb in enumerate(peaks)))
+        io.logger.event(int(ctx.state.step), "peak_memory", mib=peaks)
     return ctx.result
+
+
+def _announce_parallel(logger: Logger, state: TrainState, layout: Optional[Layout], dist: Dist) -> None:
+    """The run log's first word on parallelism: the layout, and every rank's params + optimizer state bytes next
+    to what one process holds (``core.shard``)."""
+    if not dist.enabled and layout is None:
+        return
+    mine, whole = dist.each(state_bytes(state)), full_bytes(layout, state)
+    what = layout.describe() if layout else f"ddp over {dist.world_size} ranks: params and optimizer state replicated"
+    logger.print(f"parallel: {what}")
+    logger.print("state bytes per rank (params + optimizer): "
+                 + ", ".join(f"rank {r} {b / 2**20:.2f} MiB ({b / whole:.3f}x)" for r, b in enumerate(mine))
+                 + f" of {whole / 2**20:.2f} MiB in one process")
+    logger.event(int(state.step), "parallel", layout=what, state_bytes=mine, one_process_bytes=whole)
 
 
 def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepContext, dist: Dist) -> list:
@@ -197,7 +241,9 @@ def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepCo
     if io.evaluate_fn is not None:
         pieces.append(Evaluation(cfg, io.logger, io.evaluate_fn, io.sample_fn, io.perplexity))
     saving = Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger, train=to_dict(cfg),
-                           every_minutes=cfg.save_every_minutes, dist=dist, log_every=cfg.log_every)
+                           every_minutes=cfg.save_every_minutes, dist=dist, log_every=cfg.log_every,
+                           export=steps.layout.deferred if steps.layout else None,
+                           save_every=None if io.checkpoints else cfg.save_every)
     return [*pieces, saving, Stopping(cfg, io.logger, dist, io.resume_folder)]
 
 

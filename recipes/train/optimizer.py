@@ -68,26 +68,30 @@ def warmup_schedule(spec: OptimizerSpec) -> Schedule:
     return schedules.make("constant", warmup=spec.warmup_steps)
 
 
-def adagc_transform(spec: OptimizerSpec) -> GradientTransformation:
+def adagc_transform(spec: OptimizerSpec, psum=None) -> GradientTransformation:
     """AdaGC configured by ``spec.adagc``, its absolute cap ``spec.grad_clip``."""
     return optim.adagc(lambda_rel=spec.adagc.lambda_rel, beta=spec.adagc.beta, t_start=spec.adagc.warmup,
-                       lambda_abs=spec.grad_clip)
+                       lambda_abs=spec.grad_clip, psum=psum)
 
 
-def clip_transform(spec: OptimizerSpec) -> Optional[GradientTransformation]:
-    """The gradient clipping ``spec.clipping`` names (global | adagc | agc | none), or None."""
+def clip_transform(spec: OptimizerSpec, psum=None) -> Optional[GradientTransformation]:
+    """The gradient clipping ``spec.clipping`` names (global | adagc | agc | none), or None. ``psum``: the norms
+    are over sharded gradients (``core.shard.Layout.psum``); AGC's unit norms are not wired for that."""
     if spec.clipping == "global":
-        return optim.clip_by_global_norm(spec.grad_clip)
+        return optim.clip_by_global_norm(spec.grad_clip, psum)
     if spec.clipping == "adagc":
-        return adagc_transform(spec)
+        return adagc_transform(spec, psum)
+    if spec.clipping == "agc" and psum is not None:
+        raise ValueError("clipping=agc is not supported on sharded gradients")
     if spec.clipping == "agc":
         return optim.agc(spec.agc_clip)
     return None
 
 
-def make_optimizer(spec: OptimizerSpec) -> GradientTransformation:
-    """Clipping (``spec.clipping``), then AdamW with the spec's schedule (no decay on norms/embeddings)."""
+def make_optimizer(spec: OptimizerSpec, psum=None) -> GradientTransformation:
+    """Clipping (``spec.clipping``), then AdamW with the spec's schedule (no decay on norms/embeddings); ``psum``
+    as in :func:`clip_transform` (parallel=fsdp)."""
     adamw = optim.adamw(lr=spec.lr, b1=spec.beta1, b2=spec.beta2, weight_decay=spec.weight_decay,
                         schedule=make_schedule(spec))
-    clip = clip_transform(spec)
+    clip = clip_transform(spec, psum)
     return adamw if clip is None else optim.chain(clip, adamw)

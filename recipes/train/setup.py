@@ -13,11 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+import torch
+
 from core import checkpoint as ckpt, runs
-from core.config import UserError, apply_overrides
+from core.config import ConfigError, UserError, apply_overrides
 from core.distributed import Dist
 from core.logging import Logger
+from core.shard import Layout, LayoutError
 from core.state import TrainState, init_state
+from core.tree import cast
+from optim.health import stacked_predicate
 from optim.base import GradientTransformation
 from recipes.orchestrator.driver import initial_optimizer
 from recipes.train import backend, changes
@@ -55,6 +60,7 @@ class RunSetup:
     saved_orchestrator: Optional[dict]  # the orchestrator's state in the resumed checkpoint
     resumed: dict                       # the resumed checkpoint's top level ({} for a fresh run)
     changed: str = ""                   # the keys changed since that checkpoint, applied from its step
+    layout: Optional[Layout] = None     # parallel=fsdp: where each leaf of the state lives (core.shard)
 
     @contextmanager
     def writing(self, hparams: dict) -> Iterator[tuple[Optional[ckpt.CheckpointManager], Logger]]:
@@ -80,6 +86,27 @@ class RunSetup:
         return logger
 
 
+def layout_of(cfg: TrainConfig, params, dist: Dist) -> Optional[Layout]:
+    """The sharded layout of a ``parallel=fsdp`` run of ``cfg`` (None otherwise), its optimizer state probed
+    from ``cfg``'s optimizer."""
+    return sharded_layout(dist, params, make_optimizer(optimizer_spec(cfg)).init, cfg.dtype)
+
+
+def sharded_layout(dist: Dist, params, init, dtype: str) -> Optional[Layout]:
+    """``core.shard.Layout`` of ``params`` over ``dist``'s ranks when ``dist.sharded`` (parallel=fsdp), else None:
+    leaves stacked under ``layers.`` split on their first non-layer dim, others on dim 0; params gathered in bf16
+    under dtype=bf16 (FSDP2's ``param_dtype``); ``init`` makes the optimizer state whose leaves follow them. A
+    leaf it cannot split is a ConfigError naming it."""
+    if not dist.sharded:
+        return None
+    import torch.distributed as torch_dist
+    try:
+        return Layout(params, init, stacked=stacked_predicate(None), world=dist.world_size, rank=dist.rank,
+                      group=torch_dist.group.WORLD, gather_dtype=torch.bfloat16 if dtype == "bf16" else None)
+    except LayoutError as e:
+        raise ConfigError(f"parallel=fsdp: {e}") from None
+
+
 def start(cfg: TrainConfig, folder: Optional[Path], params, *, device, dist: Dist = Dist(),
           tokenizer=None) -> RunSetup:
     """The run of ``cfg`` in ``folder`` starting from ``params``, or resumed from the checkpoint ``cfg.resume``
@@ -87,20 +114,26 @@ def start(cfg: TrainConfig, folder: Optional[Path], params, *, device, dist: Dis
     benchmark, no run folder at all."""
     backend.configure(cfg, device)        # tf32 on CUDA; a warning for what this device ignores
     resume = resolve_run_folder(cfg, folder) if folder is not None else None
+    layout = layout_of(cfg, params, dist)
     # an orchestrated run starts on (or resumes with) the orchestrator's strategy
-    optimizer = initial_optimizer(cfg, resume) if cfg.orchestrator.enabled else make_optimizer(optimizer_spec(cfg))
-    state = init_state(params, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled)
+    optimizer = initial_optimizer(cfg, resume) if cfg.orchestrator.enabled else \
+        make_optimizer(optimizer_spec(cfg), psum=layout.psum if layout else None)
+    mine = layout.shard_params(params) if layout else params      # fsdp: the moments are made on the shards
+    state = init_state(mine, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled)
     loop, saved_orchestrator, loaded, changed = LoopState(), None, {}, ""
     if resume is not None:
         diff = _changes(cfg, ckpt.read_meta(resume))      # refused keys stop the run before the state is read
-        loaded = ckpt.load(resume, template=state, device=device)
+        template = state if layout is None else init_state(cast(params, device="meta"), optimizer, cfg.seed,
+                                                           cfg.dtype, spike=cfg.spike.enabled)
+        loaded = ckpt.load(resume, template=template, device=device)   # fsdp: full leaves, then this rank's cut
         if tokenizer is not None and loaded.get("tokenizer") and loaded["tokenizer"] != tokenizer.to_dict():
             raise UserError(f"{resume}: its tokenizer differs from this run's ({tokenizer.name}); use another out=")
         state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
+        state = state if layout is None else layout.shard(state)
         saved_orchestrator = loaded.get("orchestrator")
-        state = _apply_changes(cfg, diff, state, params)
+        state = _apply_changes(cfg, diff, state, mine)
         changed = changes.describe(diff, int(state.step))
-    return RunSetup(cfg, folder, dist, resume, optimizer, state, loop, saved_orchestrator, loaded, changed)
+    return RunSetup(cfg, folder, dist, resume, optimizer, state, loop, saved_orchestrator, loaded, changed, layout)
 
 
 def _changes(cfg: TrainConfig, meta: dict) -> dict:

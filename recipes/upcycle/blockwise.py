@@ -38,10 +38,11 @@ from core import cache
 from core import checkpoint as ckpt
 from core.compile import maybe_compile
 from core.data import cache_root
+from core.distributed import Dist
 from core.logging import Logger, format_duration
 from core.spike import SpikeConfig
 from core.step import autocast
-from core.tree import apply_updates, tree_map
+from core.tree import apply_updates, map_flat, tree_map
 from models import blockwise, dba
 from optim.common import current_lr
 from recipes.train.config import TrainConfig
@@ -135,9 +136,13 @@ def masked(active: torch.Tensor, new, old, n_layers: int):
 
 def make_step(scfg: dba.DBAConfig, optimizer, *, loss: str, mode: str, train: str, ema: float, target: float,
               patience: int, min_delta: float, match: str = "block", precision: str = "fp32",
-              device_type: str = "cpu", compile: bool = False):
+              device_type: str = "cpu", compile: bool = False, layout=None, average=None):
     """``step(state, batch) -> (state, metrics)``; ``batch`` = {"x": tokens, "inputs", "targets": [L, B, T, d]}
-    (``match``: what the targets are, ``models.blockwise.TARGETS``)."""
+    (``match``: what the targets are, ``models.blockwise.TARGETS``). Each rank of a run under torchrun trains on
+    its rows of the batch: with ``layout`` (``core.shard``, parallel=fsdp) the state's student and optimizer
+    state are this rank's shards, gathered for the step and the gradients reduce-scattered; with ``average``
+    (``core.distributed.Dist.all_reduce_mean``, parallel=ddp) the gradients are averaged. Either way the
+    per-block losses are averaged over ranks, so every rank takes the same convergence decisions."""
     L = scfg.n_layers
 
     def objective(trainable, rest, batch):
@@ -154,8 +159,12 @@ def make_step(scfg: dba.DBAConfig, optimizer, *, loss: str, mode: str, train: st
     grad_fn = torch.func.grad(objective, has_aux=True)
 
     def step(state: BlockwiseState, batch: dict):
+        grads, per = grad_fn(*split(state.params if layout is None else layout.gather(state.params), train), batch)
+        if layout is not None:
+            grads, per, _ = layout.reduce(grads, per, {}, specs=split(layout.params, train)[0])
+        elif average is not None:
+            grads, per = map_flat(average, (grads, per))
         trainable, rest = split(state.params, train)
-        grads, per = grad_fn(trainable, rest, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
         active = state.conv["active"]
         new = masked(active, apply_updates(trainable, updates), trainable, L)
@@ -267,18 +276,21 @@ def loop_config(bw) -> TrainConfig:
     """The shared loop's settings for the blockwise phase: ``bw.steps``, a log every ``bw.log_every`` steps, no
     validation and no spike rollback (the per-block convergence decides when the phase ends)."""
     return TrainConfig(steps=bw.steps, log_every=bw.log_every, eval_every=0, patience=0, health=False,
-                       spike=SpikeConfig(enabled=False))
+                       spike=SpikeConfig(enabled=False), save_every=bw.save_every, keep_last=bw.keep_last)
 
 
 def run(bw, state: BlockwiseState, step_fn, source: TeacherSource, folder: Path, extra, logger: Logger,
-        resume_folder: Optional[Path] = None):
+        resume_folder: Optional[Path] = None, dist: Dist = Dist(), layout=None):
     """Train through the shared loop (``recipes.train.loop.fit``) until every block has stopped or ``bw.steps``,
-    checkpointing in ``folder``; returns (state, stop reason or "")."""
-    manager = ckpt.CheckpointManager(folder, keep_last=bw.keep_last, save_every=bw.save_every)
-    steps = Steps(train=lambda s, batch, frozen=None: step_fn(s, batch), eval=None, health=None, batches=source)
+    checkpointing in ``folder`` (rank 0 writes; under ``layout`` every rank gathers); returns (state, stop reason
+    or "")."""
+    manager = ckpt.CheckpointManager(folder, keep_last=bw.keep_last, save_every=bw.save_every) \
+        if dist.is_main else None
+    steps = Steps(train=lambda s, batch, frozen=None: step_fn(s, batch), eval=None, health=None, batches=source,
+                  layout=layout)
     io = LoopIO(logger, manager, checkpoint_extra=extra, resume_folder=resume_folder,
                 log=BlockConvergence(state, bw.steps, bw.log_every, logger))
-    result = fit(loop_config(bw), state, steps, io, loop=resumed_loop(folder, int(state.step)))
+    result = fit(loop_config(bw), state, steps, io, loop=resumed_loop(folder, int(state.step)), dist=dist)
     return result.state, f"blockwise: {result.stop_reason}" if result.stop_reason else ""
 
 

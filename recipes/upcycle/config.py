@@ -176,6 +176,7 @@ class Config:
                          "checkpoint; never: refuse an existing run folder", choices=("auto", "never"))
     seed: int = same_as(TrainConfig, "seed")
     device: str = same_as(TrainConfig, "device")
+    parallel: str = same_as(TrainConfig, "parallel")
     dtype: str = option("fp32", "compute precision of the blockwise and global steps", choices=("fp32", "bf16"))
     compile: bool = option(False, "compile the blockwise and global steps (torch.compile; minutes per graph on CPU)")
     compile_scope: str = option("block", "the global phase's compiled graph: the whole step, or the student's block "
@@ -225,4 +226,5 @@ Config = keyword_dataclass(Config)
 def global_train_config(cfg: Config, out: str) -> TrainConfig:
     """The TrainConfig the global phase runs ``recipes.train.loop.fit`` with (every ``global.*`` key lands here)."""
     return train_config(cfg.global_phase, out=out, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
-                        compile=cfg.compile, compile_scope=cfg.compile_scope, block_size=cfg.block_size, clipping="global", resume="auto")
+                        compile=cfg.compile, compile_scope=cfg.compile_scope, block_size=cfg.block_size, clipping="global",
+                        resume="auto", parallel=cfg.parallel)

@@ -22,13 +22,14 @@ from core import checkpoint as ckpt
 from core.cache import write_json
 from core.config import UserError, to_dict
 from core.data import Corpus, EvalBatches
+from core.distributed import Dist
 from core.step import make_eval_step
 from models import blockwise, dba, llama, losses, surgery
 from models.loading import LoadedModel, model_entry
 from recipes.distill.teacher import compute_view
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import setup
-from recipes.train.loop import LoopIO, build_steps, evaluate, fit
+from recipes.train.loop import LoopIO, build_steps, evaluate, fit, gathering
 from recipes.upcycle.config import Config, global_train_config
 
 FINAL = "final.msgpack"
@@ -44,6 +45,7 @@ class Context:
     dev: object              # token array: first half of the validation split (global phase's validation)
     heldout: EvalBatches     # windows of the test half: every reported held-out number
     say: Callable[[str], None]
+    dist: Dist = Dist()      # the ranks of a run under torchrun (parallel=ddp|fsdp: the trained phases)
 
     def extra(self, phase: str, scfg: dba.DBAConfig) -> dict:
         """What every student checkpoint carries, so ``load_model``/``recipe=generate`` read it as a model."""
@@ -158,8 +160,10 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     folder, cfg, g, t = ctx.folder / "global", ctx.cfg, ctx.cfg.global_phase, ctx.teacher
     if finished(ctx, "global", g.steps):
         return load_student(folder / FINAL, ctx.device)[0], ""
-    tc = global_train_config(cfg, str(folder))
-    run_setup = setup.start(tc, folder, student, device=ctx.device)
+    tc, dist = global_train_config(cfg, str(folder)), ctx.dist
+    run_setup = setup.start(tc, folder, student, device=ctx.device, dist=dist)
+    layout = run_setup.layout
+    student = layout.full_shapes() if layout else student   # fsdp: only the shards stay alive
     state, loop, resume = run_setup.state, run_setup.loop, run_setup.resume
     kd = g.kd_alpha > 0
 
@@ -173,12 +177,13 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
                                         temperature=g.temperature)
 
     batches = ctx.corpus.batches(g.batch_size, cfg.block_size, cfg.seed + 1, grad_accum=g.grad_accum,
-                                 device=ctx.device)
-    dev = EvalBatches(ctx.dev, g.batch_size, cfg.block_size, g.eval_batches, device=ctx.device)
+                                 device=ctx.device, rank=dist.rank, world_size=dist.world_size)
+    dev = EvalBatches(ctx.dev, g.batch_size * dist.world_size, cfg.block_size, g.eval_batches, device=ctx.device)
     vocab = ctx.corpus.tokenizer.vocab_size
-    steps = build_steps(tc, loss_fn, run_setup.optimizer, student, batches, ctx.device, vocab)
+    steps = build_steps(tc, loss_fn, run_setup.optimizer, student, batches, ctx.device, vocab, dist, layout)
     # validation and the orchestrator's probe: the student's next-token CE (the training loss adds KD)
-    student_ce = make_eval_step(lambda prm, b: dba.loss(prm, b, scfg), precision=tc.dtype, device_type=ctx.device.type)
+    student_ce = gathering(make_eval_step(lambda prm, b: dba.loss(prm, b, scfg), precision=tc.dtype,
+                                          device_type=ctx.device.type), layout)
     extra = ctx.extra("global", scfg)
     with run_setup.writing(to_dict(cfg)) as (manager, logger):
         ctx.say(f"global: {g.steps} steps of {g.batch_size * g.grad_accum} x {cfg.block_size} tokens, "
@@ -188,12 +193,16 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
             tc, steps, make_step=lambda opt: build_steps(tc, loss_fn, opt, student, batches, ctx.device, vocab).train,
             val_tokens=ctx.dev, device=ctx.device, logger=logger, folder=folder, saved=run_setup.saved_orchestrator,
             eval_step=student_ce)
-        io = LoopIO(logger, manager, checkpoint_extra=lambda: extra, evaluate_fn=lambda p: evaluate(student_ce, p, dev),
-                    tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size, resume_folder=ctx.folder)
-        result = fit(tc, state, steps, io, loop=loop, frozen=t.params if kd else None, hooks=[orchestrator])
+        io = LoopIO(logger, manager, checkpoint_extra=lambda: extra,
+                    evaluate_fn=lambda p: evaluate(student_ce, p, dev, dist=dist),
+                    tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size * dist.world_size,
+                    resume_folder=ctx.folder)
+        result = fit(tc, state, steps, io, loop=loop, frozen=t.params if kd else None, hooks=[orchestrator],
+                     dist=dist)
+    params = (layout.gather_state(result.state) if layout else result.state).params
     if result.stop_reason and not (folder / FINAL).exists():
-        return result.state.params, f"global: {result.stop_reason}"
-    return result.state.params, ""
+        return params, f"global: {result.stop_reason}"
+    return params, ""
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -20,19 +20,22 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 
 
 from core import checkpoint as ckpt
 from core.config import UserError
 from core.data import EvalBatches
 from core.docs import prepare_text
+from core import distributed
 from core.device import resolve_device
 from core.logging import Logger, format_duration, progress
 from core.runs import claim, run_folder
-from core.tree import fingerprint, size
+from core.tree import cast, fingerprint, size
 from models import dba, llama
 from recipes.distill.teacher import load_teacher
 from recipes.train.optimizer import make_optimizer
+from recipes.train.setup import sharded_layout
 from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop, gates, report
 from recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
 from recipes.upcycle.phases import (FINAL, Context, finished, load_student, phase_summary, run_global, run_surgery,
@@ -131,7 +134,10 @@ def run(cfg: Config):
     if not cfg.teacher:
         raise UserError("recipe=upcycle needs teacher=PATH (a purestep checkpoint or run folder, a Hugging Face "
                         "folder, a .gguf file, or smollm2)")
-    device = resolve_device(cfg.device)
+    dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
+    if cfg.blockwise.cache_teacher and dist.enabled and "blockwise" in cfg.phases:
+        raise UserError("blockwise.cache_teacher=true under torchrun: the cache is keyed by one process's batches; "
+                        "drop it (each rank then runs the teacher on its own rows)")
     folder = run_folder(cfg.out, cfg.name, "upcycle")
     start = time.perf_counter()
     teacher = load_teacher(cfg.teacher, device, cfg.teacher_dtype, recipe="upcycle")
@@ -143,42 +149,56 @@ def run(cfg: Config):
     _check_existing(cfg, folder)
     per = 4 if cfg.eval_windows % 4 == 0 else 2 if cfg.eval_windows % 2 == 0 else 1
     heldout = EvalBatches(test, per, cfg.block_size, cfg.eval_windows // per, device=device)
-    ctx = Context(cfg, folder, device, teacher, corpus, dev, heldout, progress)
-    with claim(folder):   # the first write: a second run on this folder stops here, naming this one
-        _record_time(folder, "load", time.perf_counter() - start)
-        return _run_phases(ctx, teacher, corpus, dev, test)
+    ctx = Context(cfg, folder, device, teacher, corpus, dev, heldout, progress if dist.is_main else _silent, dist)
+    # the first write: a second run on this folder stops here, naming this one (rank 0 writes for every rank)
+    with claim(folder) if dist.is_main else nullcontext():
+        if dist.is_main:
+            _record_time(folder, "load", time.perf_counter() - start)
+        results = _run_phases(ctx, teacher, corpus, dev, test)
+    distributed.shutdown()
+    return results
+
+
+def _silent(message: str) -> None:
+    """``Context.say`` on ranks other than 0."""
 
 
 def _run_phases(ctx: Context, teacher, corpus, dev, test):
     """Surgery, then the trained phases, verify and benchmark, each skipped when already done."""
     cfg, folder = ctx.cfg, ctx.folder
-    progress(dims_line(cfg, teacher.config))
-    progress(f"upcycle: teacher {teacher.source} ({teacher.format}), {size(teacher.params) / 1e6:.1f}M params, "
+    dist = ctx.dist
+    ctx.say(dims_line(cfg, teacher.config))
+    ctx.say(f"upcycle: teacher {teacher.source} ({teacher.format}), {size(teacher.params) / 1e6:.1f}M params, "
         f"{teacher.config.n_layers} layers, {teacher.config.n_heads} heads / {teacher.config.n_kv_heads} KV heads "
         f"x {teacher.config.head_dim}; data {corpus.meta['source']}: {len(corpus.train):,} train / "
         f"{len(dev):,} dev / {len(test):,} test tokens; phases surgery,{','.join(cfg.phases)}; run folder {folder}")
 
-    def timed(phase, fn, *args):
+    def timed(phase, fn, *args, summary=False):
         t0 = time.perf_counter()
-        out = fn(*args)
-        _record_time(folder, phase, time.perf_counter() - t0)
+        with dist.main_first() if summary else nullcontext():
+            out = fn(*args)   # a summary: rank 0 evaluates and writes it, the others then read it
+        if dist.is_main:
+            _record_time(folder, phase, time.perf_counter() - t0)
         return out
 
-    student, scfg = timed("surgery", run_surgery, ctx)
+    with dist.main_first():   # rank 0 runs the surgery and writes the student, the others load it
+        student, scfg = timed("surgery", run_surgery, ctx)
     surgery_report = ckpt.read_meta(folder / "surgery" / FINAL)["report"]
     stages = {"teacher": surgery_report["teacher_loss"],
-              "surgery": timed("surgery", phase_summary, ctx, "surgery", student, scfg)["loss"]}
+              "surgery": timed("surgery", phase_summary, ctx, "surgery", student, scfg, summary=True)["loss"]}
     label = "surgery"
     for phase, train in (("blockwise", run_blockwise), ("global", run_global)):
         if phase not in cfg.phases:
             continue
         student, stopped = timed(phase, train, ctx, student, scfg)
         if stopped:
-            progress(f"{stopped}; rerun the same command to continue")
+            ctx.say(f"{stopped}; rerun the same command to continue")
             return None
-        stages[phase] = timed(phase, phase_summary, ctx, phase, student, scfg)["loss"]
+        stages[phase] = timed(phase, phase_summary, ctx, phase, student, scfg, summary=True)["loss"]
         label = phase
     results = {"stages": stages}
+    if not dist.is_main:   # verify and benchmark: rank 0 alone (the others wait at the end)
+        return results
     if "verify" in cfg.phases:
         results["verify"] = timed("verify", run_verify, ctx, student, scfg, f"{label}/{FINAL}")
     if "benchmark" in cfg.phases:
@@ -221,11 +241,16 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
     if finished(ctx, "blockwise", bw.steps):
         return load_student(folder / FINAL, ctx.device)[0], ""
     optimizer = make_optimizer(bw_loop.optimizer_spec(bw.lr, bw.warmup_steps, bw.steps))
-    state = bw_loop.init_state(student, optimizer, bw.train, scfg.n_layers)
+    dist, layout = ctx.dist, blockwise_layout(ctx, student, optimizer)
+    state = bw_loop.init_state(layout.shard_params(student) if layout else student, optimizer, bw.train, scfg.n_layers)
     resume = ckpt.latest(folder)
-    if resume is not None:
-        state = ckpt.load(resume, template=state, device=ctx.device)["state"]
-    batches = ctx.corpus.batches(bw.batch_size, cfg.block_size, cfg.seed, device=ctx.device)
+    if resume is not None:   # fsdp: the file holds full leaves; this rank keeps its cut
+        template = state if layout is None else \
+            bw_loop.init_state(cast(student, device="meta"), optimizer, bw.train, scfg.n_layers)
+        state = ckpt.load(resume, template=template, device=ctx.device)["state"]
+        state = state if layout is None else layout.shard(state)
+    batches = ctx.corpus.batches(bw.batch_size, cfg.block_size, cfg.seed, device=ctx.device, rank=dist.rank,
+                                 world_size=dist.world_size)
     source = bw_loop.TeacherSource(t.params, t.config, batches, match=bw.match)
     if bw.cache_teacher:
         n = bw.cache_batches or bw.steps
@@ -234,15 +259,22 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
         source.cache = bw_loop.BlockIOCache.open_or_build(source, n, identity, say=progress)
     step_fn = bw_loop.make_step(scfg, optimizer, loss=bw.loss, mode=bw.mode, train=bw.train, ema=bw.ema,
                                 target=bw.convergence_target, patience=bw.patience, min_delta=bw.min_delta,
-                                match=bw.match, precision=cfg.dtype, device_type=ctx.device.type, compile=cfg.compile)
+                                match=bw.match, precision=cfg.dtype, device_type=ctx.device.type, compile=cfg.compile,
+                                layout=layout, average=dist.all_reduce_mean if dist.enabled and not layout else None)
     trainable = size(bw_loop.split(student, bw.train)[0])
-    progress(f"blockwise: {bw.mode}, {bw.loss} on {bw.match} outputs, training {bw.train} "
+    ctx.say(f"blockwise: {bw.mode}, {bw.loss} on {bw.match} outputs, training {bw.train} "
         f"({trainable / 1e6:.2f}M params) of all {scfg.n_layers} blocks at once, up to {bw.steps} steps of {bw.batch_size} x {cfg.block_size} tokens"
         + (f"; resuming from {resume} at step {int(state.step)}" if resume is not None else ""))
-    with Logger(folder) as logger:
+    with Logger(folder, enabled=dist.is_main) as logger:
         if resume is None:
             logger.hparams({"blockwise": vars(bw)})
         state, stopped = bw_loop.run(bw, state, step_fn, source, folder, lambda: ctx.extra("blockwise", scfg), logger,
-                                     resume_folder=ctx.folder)
-    return state.params, stopped
+                                     resume_folder=ctx.folder, dist=dist, layout=layout)
+    return (layout.gather_state(state) if layout else state).params, stopped
 
+
+def blockwise_layout(ctx: Context, student: dict, optimizer):
+    """Under parallel=fsdp, the blockwise phase's layout (``core.shard``): the whole student sharded as the global
+    phase shards it, the optimizer state of the trainable part following it; None otherwise."""
+    train = ctx.cfg.blockwise.train
+    return sharded_layout(ctx.dist, student, lambda p: optimizer.init(bw_loop.split(p, train)[0]), ctx.cfg.dtype)

@@ -1,0 +1,263 @@
+"""Sharded data parallel for the pure step: params, gradients and optimizer state split across ranks.
+
+ZeRO stage 3 (Rajbhandari et al. 2020, arXiv 1910.02054) with FSDP2's per-parameter layout (PyTorch FSDP,
+Zhao et al. 2023, arXiv 2304.11277; torchtitan's ``fully_shard``: every parameter split on one dim, padded to
+a multiple of the world size), written the way SimpleFSDP has it (Zhang et al. 2024, arXiv 2411.00284): the
+collectives are ordinary ops of the traced step, so ``torch.compile`` sees one graph with them inside.
+
+**Layout** (:class:`Layout`). Every leaf of the params, and every optimizer-state leaf whose shape follows a
+param's (the moments), lives on each rank as a shard of one dim: a leaf stacked along a leading layer axis
+(``[L, out, in]``, ``[L, d]``) on dim 1, its first non-layer dim, so every rank holds a slice of every layer;
+any other leaf on dim 0; a 0-d leaf as a 1-element vector. With ``c = ceil(n / W)``, rank ``r`` holds
+``[r c, (r + 1) c)``, zero past ``n``. Nothing is replicated, not even a tiny leaf (rank 0 holds it, the others
+zero padding): then a sum of squares over every rank's shards counts each element once, and every
+whole-model statistic is a local reduction plus one sum across ranks (:meth:`Layout.psum`, JAX's ``psum``)
+that the norm helpers take as an argument (``core.tree.global_norm(psum=)``, ``optim.adagc``,
+``optim.health``). Zero padding stays zero: its gradient is zero, so are its AdamW moments and its decay.
+Optimizer-state leaves that do not follow a param (hyperparameters, counters, AdaGC's per-tensor and per-layer
+gamma) and the rest of the train state (step, key, cursor, loss scale, spike monitor) are replicated: every
+rank computes them from the same global statistics.
+
+**The step** (``core.step.make_train_step(shard=...)``): the shards are gathered into full params once per
+step (:meth:`Layout.gather`: one ``all_gather_single`` per dtype, in ``gather_dtype`` under bf16 as FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16)``), the model differentiates plain full tensors (``torch.func.grad``
+or ``torch.autograd``, remat included), the micro-batches' gradients are summed as in one process, and the sum
+is reduce-scattered once per optimizer step (:meth:`Layout.reduce`: one ``reduce_scatter_single`` in float32,
+divided by W) while the loss and the aux metrics are averaged (one ``all_reduce``). The optimizer then runs on
+local shards. Not built: FSDP's per-block gather (the full params and the full gradients exist for the length
+of one step on every rank, as ZeRO-3 without prefetching; persistent memory, params + optimizer state, is 1/W).
+
+**Why plain tensors and functional collectives rather than DTensor or ``fully_shard``**: on torch 2.13
+``torch.func.grad`` fails over DTensor inputs and through collectives, ``fully_shard`` modules give
+``torch.autograd.grad`` no gradients, and ``unbind(0)`` of a sharded stacked leaf raises. Keeping the
+collectives outside the differentiated function leaves both gradient paths, the optimizer's foreach math,
+buffer donation and checkpoints on ordinary tensors, and makes the padding explicit.
+
+**Checkpoints** hold full leaves, as a one-process run writes them: :meth:`Layout.deferred` turns each
+sharded leaf into a ``core.checkpoint.Deferred`` that gathers it when the writer reaches it (peak extra
+memory: the largest leaf), and :meth:`Layout.shard` cuts a loaded full state, so a run resumes on any number
+of ranks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from core.checkpoint import Deferred
+from core.tree import leaves_of, like, tree_map, tree_map_with_name, zip_leaves
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """How one leaf is split: along ``dim`` of the full leaf (``shape``; a 0-d leaf is seen as ``[1]``), whose
+    length ``size`` becomes ``chunk`` on every rank. ``dim`` None: replicated."""
+    dim: Optional[int]
+    size: int = 0
+    chunk: int = 0
+    shape: tuple = ()
+
+    def local_shape(self) -> tuple:
+        full = self.shape or (1,)
+        return full[:self.dim] + (self.chunk,) + full[self.dim + 1:]
+
+
+class LayoutError(ValueError):
+    """A leaf this layout cannot split (named)."""
+
+
+def split_dim(name: str, leaf: torch.Tensor, stacked: Callable[[str, torch.Tensor], bool]) -> int:
+    """The dim ``leaf`` is sharded on: 1 for a leaf stacked along a layer axis, else 0."""
+    if stacked(name, leaf):
+        if leaf.ndim < 2:
+            raise LayoutError(f"{name}: a stacked leaf of shape {tuple(leaf.shape)} has no dim besides the layer "
+                              f"axis to shard on")
+        return 1
+    return 0
+
+
+def _spec(dim: int, shape: tuple, world: int) -> LeafSpec:
+    size = shape[dim] if shape else 1
+    return LeafSpec(dim, size, max(1, math.ceil(size / world)), tuple(shape))
+
+
+def _probe(params, dims, size: int):
+    """Meta tensors shaped like ``params`` with every leaf's shard dim set to ``size``."""
+    def one(p, d):
+        shape = tuple(p.shape) or (1,)
+        return torch.empty(shape[:d] + (size,) + shape[d + 1:], dtype=p.dtype, device="meta")
+    return tree_map(one, params, dims)
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
+    """The one dim where two probes' optimizer leaves differ (the leaf follows a param's shard dim), or None."""
+    if not isinstance(a, torch.Tensor) or a.shape == b.shape:
+        return None
+    diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+    if a.ndim != b.ndim or len(diff) != 1:
+        raise LayoutError(f"an optimizer state leaf of shape {tuple(a.shape)} depends on a param's shape in a way "
+                          f"this layout cannot shard (only elementwise state, like AdamW's moments)")
+    return diff[0]
+
+
+class Layout:
+    """Where every leaf of a train state lives across ``world`` ranks of ``group`` (module docstring).
+
+    ``Layout(params, optimizer.init, stacked=, world=, rank=, group=)``; ``params`` may be on the meta device.
+    """
+
+    def __init__(self, params, init: Callable, *, stacked: Callable[[str, torch.Tensor], bool], world: int,
+                 rank: int, group=None, gather_dtype: Optional[torch.dtype] = None):
+        self.world, self.rank, self.group, self.gather_dtype = world, rank, group, gather_dtype
+        dims = tree_map_with_name(lambda name, p: split_dim(name, p, stacked), params)
+        self.params = tree_map(lambda p, d: _spec(d, tuple(p.shape), world), params, dims)
+        a, b = init(_probe(params, dims, 1)), init(_probe(params, dims, 2))
+        full = init(tree_map(lambda p: torch.empty(p.shape, dtype=p.dtype, device="meta"), params))
+
+        def opt_spec(x, y, f):
+            d = _follows(x, y)
+            return LeafSpec(None) if d is None else _spec(d, tuple(f.shape), world)
+        self.opt = tree_map(opt_spec, a, b, full)
+
+    # ------------------------------------------------------------------------- host side: cut and describe
+
+    def _cut(self, x: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
+        if spec.dim is None:
+            return x
+        x = x.reshape(spec.shape or (1,))
+        pad = spec.chunk * self.world - spec.size
+        if pad:
+            shape = list(x.shape)
+            shape[spec.dim] = pad
+            x = torch.cat([x, x.new_zeros(shape)], dim=spec.dim)
+        return x.narrow(spec.dim, self.rank * spec.chunk, spec.chunk).clone()
+
+    def shard_params(self, params):
+        """This rank's shards of full ``params``."""
+        return tree_map(self._cut, params, self.params)
+
+    def shard(self, state):
+        """This rank's part of a full train state (a ``TrainState``: params and optimizer state cut)."""
+        return state._replace(params=self.shard_params(state.params),
+                              opt_state=tree_map(self._cut, state.opt_state, self.opt))
+
+    def full_shapes(self):
+        """The full params as meta tensors (their shapes and dtypes: counts, FLOPs, health rows)."""
+        return tree_map(lambda spec: torch.empty(spec.shape, device="meta"), self.params)
+
+    def describe(self) -> str:
+        """One line: which leaves are sharded on which dim."""
+        by_dim: dict = {}
+        for spec in leaves_of(self.params):
+            by_dim[spec.dim] = by_dim.get(spec.dim, 0) + 1
+        dims = ", ".join(f"{n} on dim {d}" for d, n in sorted(by_dim.items()))
+        return (f"fsdp over {self.world} ranks: every param leaf and optimizer moment sharded ({dims}; stacked "
+                f"leaves on their first non-layer dim, zero-padded to a multiple of {self.world}), gathered once "
+                f"per step, gradients reduce-scattered once per optimizer step")
+
+    # ------------------------------------------------------------------------- inside the step (traceable)
+
+    def psum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks (a partial statistic of the shards made whole-model)."""
+        import torch.distributed._functional_collectives as funcol
+        return funcol.all_reduce(x, "sum", self.group)
+
+    def gather(self, params):
+        """The full params from this rank's shards: one ``all_gather_single`` per dtype."""
+        import torch.distributed._functional_collectives as funcol
+        shards, specs = zip_leaves(params, self.params)
+        if self.gather_dtype is not None:
+            shards = [s.to(self.gather_dtype) if s.is_floating_point() else s for s in shards]
+        out: list = [None] * len(shards)
+        for dtype in sorted({s.dtype for s in shards}, key=str):
+            idx = [i for i, s in enumerate(shards) if s.dtype == dtype]
+            flat = torch.cat([shards[i].reshape(-1) for i in idx])
+            every = funcol.all_gather_single(flat, 0, self.group).view(self.world, -1)
+            offset = 0
+            for i in idx:
+                n = shards[i].numel()
+                out[i] = self._join(every[:, offset:offset + n], specs[i])
+                offset += n
+        return like(params, out, order=params)
+
+    def _join(self, pieces: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
+        """``[W, shard numel]`` -> the full leaf (the shards concatenated on ``spec.dim``, padding dropped)."""
+        local = spec.local_shape()
+        x = pieces.reshape((self.world,) + local).movedim(0, spec.dim)
+        merged = local[:spec.dim] + (self.world * spec.chunk,) + local[spec.dim + 1:]
+        return x.reshape(merged).narrow(spec.dim, 0, spec.size).reshape(spec.shape)
+
+    def _rows(self, g: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
+        """A full gradient as ``[W, shard numel]`` in float32, row r being rank r's shard (padding zero)."""
+        g = g.to(torch.float32).reshape(spec.shape or (1,))
+        pad = spec.chunk * self.world - spec.size
+        if pad:
+            shape = list(g.shape)
+            shape[spec.dim] = pad
+            g = torch.cat([g, g.new_zeros(shape)], dim=spec.dim)
+        full = g.shape
+        g = g.reshape(full[:spec.dim] + (self.world, spec.chunk) + full[spec.dim + 1:])
+        return g.movedim(spec.dim, 0).reshape(self.world, -1)
+
+    def reduce(self, grads, loss: torch.Tensor, aux: dict, specs=None):
+        """Full summed gradients -> this rank's shard of their mean over ranks (one ``reduce_scatter_single``);
+        the loss and the aux metrics (any shape) averaged over ranks (one ``all_reduce``). ``specs``: the part
+        of :attr:`params` that ``grads`` covers (all of it by default)."""
+        import torch.distributed._functional_collectives as funcol
+        full, specs = zip_leaves(grads, self.params if specs is None else specs)
+        flat = torch.cat([self._rows(g, s) for g, s in zip(full, specs)], dim=1).reshape(-1)
+        mine = funcol.reduce_scatter_single(flat, "sum", 0, self.group) / self.world
+        out, offset = [], 0
+        for g, s in zip(full, specs):   # gradients of params gathered in bf16 stay fp32, for the fp32 shards
+            n = math.prod(s.local_shape())
+            dtype = torch.float32 if self.gather_dtype is not None and g.dtype == self.gather_dtype else g.dtype
+            out.append(mine[offset:offset + n].reshape(s.local_shape()).to(dtype))
+            offset += n
+        names = sorted(aux)
+        values = [loss] + [aux[k] for k in names]
+        flat = torch.cat([v.float().reshape(-1) for v in values])
+        means = (funcol.all_reduce(flat, "sum", self.group) / self.world).split([v.numel() for v in values])
+        loss, *rest = [m.reshape(v.shape).to(v.dtype) for m, v in zip(means, values)]
+        return like(grads, out, order=grads), loss, dict(zip(names, rest))
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    def gather_leaf(self, x: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
+        """One sharded leaf made whole on every rank (eager; a checkpoint writes it)."""
+        import torch.distributed._functional_collectives as funcol
+        every = funcol.all_gather_single(x.reshape(-1).contiguous(), 0, self.group)
+        return self._join(funcol.wait_tensor(every).view(self.world, -1), spec).clone()
+
+    def deferred(self, state):
+        """``state`` with every sharded leaf a ``core.checkpoint.Deferred`` that gathers it when written."""
+        def lazy(x, spec):
+            return x if spec.dim is None else Deferred(lambda: self.gather_leaf(x, spec))
+        return state._replace(params=tree_map(lazy, state.params, self.params),
+                              opt_state=tree_map(lazy, state.opt_state, self.opt))
+
+    def gather_state(self, state):
+        """The full train state (every leaf gathered; for tests and small models)."""
+        def full(x, spec):
+            return x if spec.dim is None else self.gather_leaf(x, spec)
+        return state._replace(params=tree_map(full, state.params, self.params),
+                              opt_state=tree_map(full, state.opt_state, self.opt))
+
+
+def full_bytes(layout: Optional[Layout], state) -> int:
+    """Bytes the params and optimizer state of ``state`` take in one process (all shards joined)."""
+    if layout is None:
+        return state_bytes(state)
+
+    def one(t, spec):
+        if not isinstance(t, torch.Tensor):
+            return 0
+        return (t.numel() if spec.dim is None else math.prod(spec.shape)) * t.element_size()
+    return sum(one(t, s) for t, s in zip(*zip_leaves((state.params, state.opt_state), (layout.params, layout.opt))))
+
+
+def state_bytes(state) -> int:
+    """Bytes of this rank's params and optimizer state."""
+    return sum(t.numel() * t.element_size() for t in leaves_of((state.params, state.opt_state))
+               if isinstance(t, torch.Tensor))

@@ -1,0 +1,270 @@
+"""parallel=fsdp (core.shard): 2 gloo ranks under torchrun against one process, checkpoints across rank counts,
+the layout's cut and join, the compiled sharded step, and the refusals."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core import checkpoint as ckpt
+from core.shard import Layout
+from core.tree import max_abs_diff, tree_leaves, tree_map
+from models import llama
+from optim.health import stacked_predicate
+from recipes import main
+from recipes.train.optimizer import AdaGCConfig, OptimizerSpec, make_optimizer
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "log_every=5", "eval_every=10",
+        "steps=20", "save_every=10", "keep_last=0", "clipping=adagc", "adagc.warmup=5", "health=true"]
+
+pytestmark = pytest.mark.usefixtures("token_cache")   # corpus and token_cache: tests/conftest.py
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def torchrun(args, cwd, timeout=300):
+    return subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"), *args],
+                          cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def equal(a, b) -> bool:
+    la, lb = tree_leaves(a), tree_leaves(b)
+    return len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb))
+
+
+def test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_counts(corpus, tmp_path, one_thread):
+    common = [*TINY, f"data={corpus}", "grad_accum=2"]     # micro-batches summed, reduce-scattered once per step
+    assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
+    two = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
+    assert max_abs_diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
+    assert abs(one_ck["val_loss"] - two_ck["val_loss"]) < 1e-6
+    assert "parallel: fsdp over 2 ranks" in two.stderr
+    ratios = [float(r) for r in re.findall(r"rank \d ([\d.]+) MiB \(([\d.]+)x\)", two.stderr) for r in r[1:]]
+    assert len(ratios) == 2 and max(ratios) <= 0.55, two.stderr[-2000:]
+    losses = [_losses(tmp_path / n / "metrics.jsonl") for n in ("one", "two")]
+    assert losses[0].keys() == losses[1].keys() and max(abs(losses[0][k] - losses[1][k]) for k in losses[0]) < 1e-6
+
+    # the step-10 checkpoint of the 2-rank run continues on 2 ranks bitwise, and on 1 process within 1e-6
+    for name in ("again2", "again1"):
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "two" / "step_000000010.msgpack", tmp_path / name)
+    again2 = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={tmp_path / 'again2'}"], tmp_path)
+    assert again2.returncode == 0, again2.stderr[-3000:]
+    assert "resuming from" in again2.stderr
+    assert main([*common, "batch_size=8", "parallel=none", f"out={tmp_path / 'again1'}"]) == 0
+    again2_ck, again1_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("again2", "again1"))
+    assert equal(again2_ck["state"], two_ck["state"])
+    assert max_abs_diff(again1_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
+
+
+def _losses(path: Path) -> dict:
+    import json
+    return {r["step"]: r["train/loss"] for r in map(json.loads, path.read_text().splitlines()) if "train/loss" in r}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_layout_cuts_and_joins_every_leaf_bitwise(world):
+    """Each rank's cut of a full leaf, joined as the all-gather joins them, is the leaf again, bit for bit
+    (uneven sizes padded); the moments follow their params and the hyperparameters stay whole."""
+    cfg = llama.LlamaConfig(vocab_size=61, d_model=24, n_layers=2, n_heads=4)
+    params = llama.init(cfg, 0)
+    opt = make_optimizer(OptimizerSpec(lr=1e-3, clipping="adagc"))
+    layouts = [Layout(params, opt.init, stacked=stacked_predicate(None), world=world, rank=r) for r in range(world)]
+    state = opt.init(params)
+    state = tree_map(lambda t: torch.randn_like(t) if t.is_floating_point() else t, state)
+    for tree, specs in ((params, "params"), (state, "opt")):
+        cuts = [tree_map(lay._cut, tree, getattr(lay, specs)) for lay in layouts]
+
+        def join(spec, *pieces):
+            if spec.dim is None:
+                assert all(torch.equal(p, pieces[0]) for p in pieces)
+                return pieces[0]
+            return layouts[0]._join(torch.stack([p.reshape(-1) for p in pieces]), spec)
+        joined = tree_map(join, getattr(layouts[0], specs), *cuts)
+        assert equal(joined, tree)
+    assert layouts[0].params["layers"]["attn"]["wq"].dim == 1 and layouts[0].params["embed"].dim == 0
+    adam_mu = [s for s in tree_leaves(layouts[0].opt) if s.dim is not None]
+    assert len(adam_mu) == 2 * len(tree_leaves(params))     # AdamW's two moments sharded, nothing else
+
+
+def test_parallel_fsdp_without_a_launcher_is_one_line_exit_2(corpus, tmp_path):
+    child_env = {k: v for k, v in env().items() if k not in ("WORLD_SIZE", "RANK")}
+    proc = subprocess.run([sys.executable, str(REPO / "bin" / "run"), *TINY, f"data={corpus}", "parallel=fsdp",
+                           f"out={tmp_path / 'x'}"], cwd=tmp_path, env=child_env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "parallel=fsdp needs a launcher" in lines[0], proc.stderr
+
+
+def test_what_cannot_be_sharded_is_a_one_line_error_naming_it(corpus, tmp_path, capsys):
+    from core.config import ConfigError
+    from core.distributed import Dist
+    from recipes.train.setup import sharded_layout
+    assert main([*TINY, f"data={corpus}", "parallel=fsdp", "clipping=agc", f"out={tmp_path / 'x'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "clipping=agc with parallel=fsdp" in err[0]
+    params = {"embed": torch.zeros(4, 2), "layers": {"gate": torch.zeros(3)}}     # a per-layer scalar: [L]
+    with pytest.raises(ConfigError, match=r"parallel=fsdp: layers.gate: a stacked leaf of shape \(3,\)"):
+        sharded_layout(Dist(0, 2, 0, sharded=True), params, lambda p: (), "fp32")
+
+
+def _rank_pid(parent: int, rank: int) -> int:
+    """The pid of torchrun's worker with ``RANK=rank`` (a child of ``parent``)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in environ:
+            return int(stat.parent.name)
+    raise AssertionError(f"no worker with RANK={rank} under pid {parent}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker's pid through /proc")
+def test_a_killed_rank_stops_the_run_within_a_minute_naming_it_and_the_newest_checkpoint_resumes(corpus, tmp_path):
+    import signal
+    import time
+    common = [*TINY, f"data={corpus}", "batch_size=4", "parallel=fsdp", "eval_every=0", f"out={tmp_path / 'run'}"]
+    child = subprocess.Popen(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"),
+                              *common, "steps=5000", "decay_steps=5000"], cwd=tmp_path, env=env(),
+                             stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in child.stderr:                     # a checkpoint at step 10 is on disk once step 15 is logged
+        seen.append(line)
+        if line.startswith("step 15/"):
+            break
+    os.kill(_rank_pid(child.pid, 1), signal.SIGKILL)
+    killed = time.monotonic()
+    rest = child.stderr.read()
+    assert child.wait(timeout=60) != 0 and time.monotonic() - killed < 60
+    assert "rank 1 of 2 died" in rest and "stopped without a checkpoint" in rest, "".join(seen)[-2000:] + rest[-3000:]
+    newest = ckpt.latest(tmp_path / "run")
+    step = ckpt.read_meta(newest)["step"]
+    assert step >= 10 and f"{newest}, is intact" in rest, rest[:1500]
+    again = torchrun([*common, f"steps={step + 5}", f"decay_steps={5000}"], tmp_path)
+    assert again.returncode == 0 and f"resuming from {newest} at step {step}" in again.stderr, again.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def teacher(corpus, tmp_path_factory):
+    """A tiny byte-level Llama (d=64, 2 layers, 4 heads) trained 10 steps: a teacher for distill and upcycle."""
+    out = tmp_path_factory.mktemp("teacher") / "run"
+    assert main(["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "steps=10", "eval_every=0",
+                 f"data={corpus}", f"out={out}"]) == 0
+    return out
+
+
+def _diff(a, b) -> float:
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(tree_leaves(a), tree_leaves(b))
+               if x.numel())
+
+
+def test_sharded_distillation_equals_one_process(corpus, teacher, tmp_path, one_thread):
+    """The student (its learnable temperature too, a 0-d leaf) and the teacher (``teacher_shard=true``) sharded
+    over 2 ranks."""
+    common = ["recipe=distill", f"teacher={teacher}", f"data={corpus}", "compile=false", "sample_tokens=0",
+              "steps=20", "eval_every=10", "eval_batches=4", "block_size=32", "log_every=5", "clipping=adagc",
+              "adagc.warmup=5", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+              "temperature_mode=learnable", "temperature=2"]
+    assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
+    two = torchrun([*common, "batch_size=4", "parallel=fsdp", "teacher_shard=true", f"out={tmp_path / 'two'}"],
+                   tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
+    assert _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
+    assert abs(one_ck["val_loss"] - two_ck["val_loss"]) < 1e-6
+
+
+def test_sharded_upcycle_blockwise_and_global_phases_equal_one_process(corpus, teacher, tmp_path, one_thread):
+    common = ["recipe=upcycle", f"teacher={teacher}", f"data={corpus}", "preset=ci", "phases=blockwise,global",
+              "blockwise.steps=10", "global.steps=10", "global.eval_every=5"]
+    assert main([*common, "blockwise.batch_size=4", "global.batch_size=4", f"out={tmp_path / 'one'}"]) == 0
+    two = torchrun([*common, "blockwise.batch_size=2", "global.batch_size=2", "parallel=fsdp",
+                    f"out={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stderr.count("parallel: fsdp over 2 ranks") == 2          # both trained phases, said once each
+    for phase in ("blockwise", "global"):
+        one_ck, two_ck = (ckpt.load(tmp_path / n / phase / "final.msgpack") for n in ("one", "two"))
+        assert _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6, phase
+        assert _diff(one_ck["state"]["opt_state"], two_ck["state"]["opt_state"]) < 1e-6, phase
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-rank gloo process group in this process (the collectives of the sharded step run for real)."""
+    import torch.distributed as dist
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+    torch._dynamo.reset()
+
+
+def _sharded_run(group, *, compile, clipping, health, donate, steps=3, scope="step", explain=False):
+    """A tiny Llama trained ``steps`` steps by the sharded step over ``group`` (None: the plain step)."""
+    from core.state import init_state
+    from core.step import make_train_step
+    from core.tree import clone
+    from optim.health import GradientHealth
+    cfg = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2)
+    params = llama.init(cfg, 0)
+    spec = OptimizerSpec(lr=1e-2, clipping=clipping, adagc=AdaGCConfig(warmup=1))
+    layout = None if group is None else Layout(params, make_optimizer(spec).init, stacked=stacked_predicate(None),
+                                               world=1, rank=0, group=group)
+    psum = layout.psum if layout else None
+    opt = make_optimizer(spec, psum)
+    step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=compile, compile_scope=scope,
+                           shard=layout, donate=donate,
+                           extra_metrics=GradientHealth(params, psum=psum).metrics if health else None)
+    state = init_state(clone(params), opt)
+    state = layout.shard(state) if layout else state
+    g = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randint(0, 32, (2, 8), generator=g), "y": torch.randint(0, 32, (2, 8), generator=g)}
+               for _ in range(steps)]
+    if explain:
+        return torch._dynamo.explain(step)(state, batches[0])
+    for b in batches:
+        state, metrics = step(state, b)
+    return (layout.gather_state(state) if layout else state), metrics
+
+
+def test_the_sharded_step_traces_into_one_graph(one_rank_group):
+    """Dynamo traces the whole sharded step (all-gather, reduce-scatter, the psum'd norms of global clipping,
+    AdaGC and health) as one graph without a break: what ``compile=true compile_scope=step`` runs."""
+    for clipping in ("global", "adagc"):
+        explanation = _sharded_run(one_rank_group, compile=False, clipping=clipping, health=True, donate=False,
+                                   explain=True)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
+
+
+@pytest.mark.slow
+def test_the_sharded_step_compiles_and_matches_eager(one_rank_group, one_thread):
+    """Inductor compiles the sharded step whole (its collectives inside the graph) to the eager numbers."""
+    plain, plain_metrics = _sharded_run(None, compile=False, clipping="global", health=True, donate=False)
+    sharded, metrics = _sharded_run(one_rank_group, compile=True, clipping="global", health=True, donate=False)
+    assert _diff(sharded.params, plain.params) < 1e-5
+    assert _diff(metrics, plain_metrics) < 1e-5
+
+
+def test_sharded_compression_equals_one_process(corpus, teacher, tmp_path, one_thread):
+    common = ["recipe=compress", f"teacher={teacher}", f"data={corpus}", "d_compressed=8", "steps=20",
+              "train_tokens=2048", "val_tokens=512", "block_size=32", "eval_every=10", "warmup_steps=2"]
+    assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
+    two = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_ck, two_ck = (ckpt.load(tmp_path / n / "stage1a_best.msgpack") for n in ("one", "two"))
+    assert _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
+    assert abs(one_ck["metrics"]["cosine"] - two_ck["metrics"]["cosine"]) < 1e-6
