@@ -114,13 +114,16 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     if cfg.fault.active:
         train_loss = with_faults(loss_fn)
         batches = FaultyBatches(batches, cfg.fault, vocab_size, cfg.seed)
-    # donate: the loop never reads a state after stepping it; the orchestrator's branches do (one state, many steps)
+    # donate: the loop never reads a state after stepping it; the orchestrator's branches do (one state, many steps).
+    # Not with AdaGC compiled: the compiled donated step drifts from eager by ~1e-2 in params after 3 steps on
+    # torch 2.13 (pure compiled and donated eager agree with eager), a defect not yet found; pure until it is.
+    donate = not cfg.orchestrator.enabled and not (cfg.compile and cfg.clipping == "adagc")
     train = make_train_step(train_loss, optimizer, grad_accum=cfg.grad_accum, precision=cfg.dtype,
                             device_type=device.type, compile=cfg.compile, compile_scope=scope,
                             remat=cfg.remat, extra_metrics=health.metrics if health else None,
                             spike=cfg.spike if cfg.spike.enabled else None,
                             reduce=dist.all_reduce_mean if dist.enabled and layout is None else None,
-                            donate=not cfg.orchestrator.enabled, compile_mode=mode, shard=layout,
+                            donate=donate, compile_mode=mode, shard=layout,
                             skip=skip)
     evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile,
                                    compile_scope=scope, compile_mode=mode)
