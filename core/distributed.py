@@ -59,14 +59,7 @@ class Dist:
         """Average tensors across ranks with one collective (traceable inside a compiled step)."""
         if not self.enabled or not leaves:
             return leaves
-        import torch.distributed._functional_collectives as funcol
-        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in leaves])
-        flat = funcol.all_reduce(flat, "sum", dist.group.WORLD) / self.world_size
-        out, offset = [], 0
-        for t in leaves:
-            out.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
-            offset += t.numel()
-        return out
+        return mean_over_ranks(leaves, dist.group.WORLD, self.world_size)
 
     def agree(self, flag: bool) -> bool:
         """True on every rank if it is true on any rank (a host-side decision all ranks must share)."""
@@ -113,6 +106,19 @@ class Dist:
         yield
         if self.is_main:
             self.barrier()
+
+
+def mean_over_ranks(leaves: list[torch.Tensor], group, world: int) -> list[torch.Tensor]:
+    """``leaves`` (any shapes and dtypes) averaged over the ``world`` ranks of ``group``: one float32 buffer, one
+    functional ``all_reduce`` (which dynamo traces), split back into each leaf's shape and dtype."""
+    import torch.distributed._functional_collectives as funcol
+    flat = torch.cat([t.reshape(-1).to(torch.float32) for t in leaves])
+    flat = funcol.all_reduce(flat, "sum", group) / world
+    out, offset = [], 0
+    for t in leaves:
+        out.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
+        offset += t.numel()
+    return out
 
 
 def _dead_ranks(d: Dist) -> list[int]:

@@ -47,6 +47,7 @@ from typing import Callable, Optional
 import torch
 
 from core.checkpoint import Deferred
+from core.distributed import mean_over_ranks
 from core.tree import leaves_of, like, tree_map, tree_map_with_name, zip_leaves
 
 
@@ -216,10 +217,7 @@ class Layout:
             out.append(mine[offset:offset + n].reshape(s.local_shape()).to(dtype))
             offset += n
         names = sorted(aux)
-        values = [loss] + [aux[k] for k in names]
-        flat = torch.cat([v.float().reshape(-1) for v in values])
-        means = (funcol.all_reduce(flat, "sum", self.group) / self.world).split([v.numel() for v in values])
-        loss, *rest = [m.reshape(v.shape).to(v.dtype) for m, v in zip(means, values)]
+        loss, *rest = mean_over_ranks([loss] + [aux[k] for k in names], self.group, self.world)
         return like(grads, out, order=grads), loss, dict(zip(names, rest))
 
     # ------------------------------------------------------------------------- checkpoints
@@ -232,17 +230,18 @@ class Layout:
 
     def deferred(self, state):
         """``state`` with every sharded leaf a ``core.checkpoint.Deferred`` that gathers it when written."""
-        def lazy(x, spec):
-            return x if spec.dim is None else Deferred(lambda: self.gather_leaf(x, spec))
-        return state._replace(params=tree_map(lazy, state.params, self.params),
-                              opt_state=tree_map(lazy, state.opt_state, self.opt))
+        return self._map_sharded(state, lambda x, spec: Deferred(lambda: self.gather_leaf(x, spec)))
 
     def gather_state(self, state):
         """The full train state (every leaf gathered; for tests and small models)."""
-        def full(x, spec):
-            return x if spec.dim is None else self.gather_leaf(x, spec)
-        return state._replace(params=tree_map(full, state.params, self.params),
-                              opt_state=tree_map(full, state.opt_state, self.opt))
+        return self._map_sharded(state, self.gather_leaf)
+
+    def _map_sharded(self, state, fn: Callable):
+        """``state`` with ``fn(leaf, spec)`` in place of every sharded params/optimizer leaf."""
+        def one(x, spec):
+            return x if spec.dim is None else fn(x, spec)
+        return state._replace(params=tree_map(one, state.params, self.params),
+                              opt_state=tree_map(one, state.opt_state, self.opt))
 
 
 def full_bytes(layout: Optional[Layout], state) -> int:
