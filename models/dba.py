@@ -197,8 +197,8 @@ def apply(params: dict, tokens: torch.Tensor, cfg: DBAConfig, *, key: Optional[t
     """Logits [B, T, vocab]; the keyword arguments mean what they mean in ``llama.apply`` (``return_hidden``:
     the residual stream entering every block plus the last block's output, as the teacher's, for blockwise
     distillation)."""
-    positions = torch.arange(past_len, past_len + tokens.shape[1], device=tokens.device)
-    cos, sin = rope_tables(cfg, positions, params["embed"].dtype)
+    cos, sin = llama.position_tables(pair_frequencies, cfg, past_len, tokens.shape[1], params["embed"].dtype,
+                                     tokens.device)
     return llama.apply_with(params, tokens, cfg, zip(cos.unbind(0), sin.unbind(0)), block, key=key,
                             return_hidden=return_hidden, cache=cache, past_len=past_len, remat=remat)
 

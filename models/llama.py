@@ -184,6 +184,21 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+@torch.compiler.assume_constant_result
+def position_tables(frequencies: Callable, cfg, start: int, length: int, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """``rope_tables(frequencies(cfg), arange(start, start + length))`` stacked as one tensor ``[2, ..., length,
+    D]`` (cos, sin): a function of Python values only, so a compiled graph takes it as a constant computed once
+    at trace time (``torch.compiler.assume_constant_result``). Inlined instead, inductor recomputes the float64
+    cos and sin inside every kernel that reads the tables (on the CPU it keeps only exp and sigmoid results),
+    which cost the one-graph step at nanoGPT's shape 5 ms of its 40. Traced inside ``torch.func.grad`` the
+    call sits under functorch's transforms; ``_DisableFuncTorch`` builds a plain tensor (a wrapped one has no
+    storage for the compiled graph to read)."""
+    with torch._C._DisableFuncTorch():
+        positions = torch.arange(start, start + length, device=device)
+        return torch.stack(rope_tables(frequencies(cfg), positions, dtype))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [B, H, T, D] by position; ``cos``/``sin`` are [T, D]."""
     half = x.shape[-1] // 2
@@ -288,8 +303,8 @@ def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional
     packed rows (``core.docs``): attention stays inside a document and RoPE positions restart at each one.
     """
     if doc is None:
-        positions = torch.arange(past_len, past_len + tokens.shape[1], device=tokens.device)
-        tables = rope_tables(rope_frequencies(cfg), positions, params["embed"].dtype)
+        tables = position_tables(rope_frequencies, cfg, past_len, tokens.shape[1], params["embed"].dtype,
+                                 tokens.device).unbind(0)
     else:
         B, T = doc.shape
         cos, sin = rope_tables(rope_frequencies(cfg), doc_positions(doc).flatten(), params["embed"].dtype)
