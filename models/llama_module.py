@@ -102,14 +102,22 @@ class LlamaModule(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # cos and sin precomputed for the first positions, as torchtitan's and gpt-fast's freqs_cis buffers are
+        # (cast with the module: float64 -> the module's dtype rounds once, as computing them in forward does)
+        cos, sin = self._tables(max(cfg.max_context, 2048))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, T: int):
+        freqs = torch.outer(torch.arange(T, device=self.inv_freq.device, dtype=torch.float64), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
 
     def forward(self, tokens):
         T = tokens.shape[1]
-        t = torch.arange(T, device=tokens.device, dtype=torch.float64)
-        freqs = torch.outer(t, self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = (self.cos[:T], self.sin[:T]) if T <= self.cos.shape[0] else self._tables(T)
         x = self.embed_tokens(tokens)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
