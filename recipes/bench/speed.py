@@ -62,8 +62,9 @@ class Config:
     batch_size: int = option(12, "sequences per step", min=1)
     block_size: int = option(64, "tokens per sequence", min=1)
     warmup: int = option(20, "untimed steps per variant (compilation happens here)", min=1)
-    steps: int = option(50, "steps per variant per round", min=1)
-    rounds: int = option(5, "interleaved rounds; the median round is the result", min=1)
+    steps: int = option(30, "steps per variant per round", min=1)
+    rounds: int = option(11, "interleaved rounds; the median round is the result (many short rounds: a shared "
+                             "box's bursts fall in few of them)", min=1)
     log_every: int = option(10, "metric pulls (standard) and loss.item() (plain) every this many steps", min=1)
     compile: bool = option(True, "compile both loops (false: eager, for a quick look)")
     compile_scope: str = option("auto", "recipe=standard's compile_scope", choices=SCOPES)
