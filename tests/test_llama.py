@@ -112,3 +112,27 @@ def test_initial_loss_is_near_log_vocab():
     tok = tokens(cfg, b=8, t=33)
     loss = llama.loss(llama.init(cfg), {"x": tok[:, :-1], "y": tok[:, 1:]}, cfg)
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1 * math.log(cfg.vocab_size)
+
+
+def test_position_tables_are_the_rope_tables_and_a_constant_of_the_compiled_graph():
+    """``position_tables`` (what ``apply`` reads) equals ``rope_tables`` at every offset bitwise, and a compiled
+    ``torch.func.grad`` over it traces it as a constant (no graph input, no cos/sin op in the graph)."""
+    cfg = llama.LlamaConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, rope_scaling={"rope_type": "llama3",
+                            "factor": 8.0, "original_max_position_embeddings": 8})
+    for start, length in ((0, 5), (7, 3)):
+        cos, sin = llama.position_tables(llama.rope_frequencies, cfg, start, length, torch.float32, torch.device("cpu"))
+        ref = llama.rope_tables(llama.rope_frequencies(cfg), torch.arange(start, start + length), torch.float32)
+        assert torch.equal(cos, ref[0]) and torch.equal(sin, ref[1])
+    ops = []
+
+    def backend(gm, inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+    x = torch.randn(5, 8)
+
+    def f(x):
+        cos, sin = llama.position_tables(llama.rope_frequencies, cfg, 0, 5, x.dtype, x.device)
+        return (x * cos + x * sin).sum()
+    grad = torch.compile(torch.func.grad(f), backend=backend, fullgraph=True)(x)
+    assert torch.allclose(grad, torch.func.grad(f)(x))
+    assert not any("cos" in op or "sin" in op for op in ops), ops
