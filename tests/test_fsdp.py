@@ -54,7 +54,15 @@ def test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_c
     losses = [_losses(tmp_path / n / "metrics.jsonl") for n in ("one", "two")]
     assert losses[0].keys() == losses[1].keys() and max(abs(losses[0][k] - losses[1][k]) for k in losses[0]) < 1e-6
 
-    # the step-10 checkpoint of the 2-rank run continues on 2 ranks bitwise, and on 1 process within 1e-6
+    # the step-10 checkpoint of the 2-rank run loads bitwise, every leaf (params, moments, step counters, key,
+    # cursor, spike monitor): on 1 process as it is, on 2 ranks as their shards joined (what a gather returns)
+    saved = tmp_path / "two" / "step_000000010.msgpack"
+    on_file = ckpt.load(saved)["state"]
+    assert int(on_file["step"]) == 10
+    for world in (1, 2):
+        assert _unequal_named(_loaded_state(common, saved, world), on_file) == [], world
+
+    # it continues on 2 ranks bitwise, and on 1 process within 1e-6
     for name in ("again2", "again1"):
         (tmp_path / name).mkdir()
         shutil.copy(tmp_path / "two" / "step_000000010.msgpack", tmp_path / name)
@@ -65,6 +73,48 @@ def test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_c
     again2_ck, again1_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("again2", "again1"))
     assert equal(again2_ck["state"], two_ck["state"])
     assert max_abs_diff(again1_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
+
+
+def _loaded_state(args: list, path: Path, world: int) -> dict:
+    """The train state a ``recipe=standard`` run of ``args`` resumes from the checkpoint ``path`` on ``world`` ranks,
+    each rank's load run in this process (``recipes.train.setup.start``: the file read, then this rank's cut), the
+    ranks' shards joined as ``core.shard.Layout.gather_state`` joins them. Zero params give only the structure."""
+    from core.cli import parse_args
+    from core.config import resolve
+    from core.distributed import Dist
+    from recipes import standard
+    from recipes.train import setup
+    pairs, _ = parse_args([*args, f"resume={path}"])
+    del pairs["recipe"]
+    cfg = resolve(standard.Config, presets=standard.PRESETS, preset=pairs.pop("preset"), overrides=pairs)
+    zeros = tree_map(torch.zeros_like, ckpt.load(path)["state"]["params"])
+    runs = [setup.start(cfg, path.parent, zeros, device=torch.device("cpu"),
+                        dist=Dist(r, world, r, sharded=world > 1)) for r in range(world)]
+    if world == 1:
+        return ckpt.to_state_dict(runs[0].state)
+    layout = runs[0].layout
+
+    def join(spec, *pieces):
+        if spec.dim is None:                       # replicated: every rank holds the same
+            assert all(equal(p, pieces[0]) for p in pieces)
+            return pieces[0]
+        return layout._join(torch.stack([p.reshape(-1) for p in pieces]), spec)
+    state = runs[0].state._replace(params=tree_map(join, layout.params, *(r.state.params for r in runs)),
+                                   opt_state=tree_map(join, layout.opt, *(r.state.opt_state for r in runs)))
+    return ckpt.to_state_dict(state)
+
+
+def _unequal_named(a: dict, b: dict) -> list:
+    """The dotted names where two nested dicts with the same keys differ: a tensor not equal bit for bit (dtype
+    included), any other value not ==."""
+    from core.tree import named_leaves
+    na, nb = dict(named_leaves(a)), dict(named_leaves(b))
+    assert na.keys() == nb.keys(), sorted(set(na) ^ set(nb))
+    def same(x, y):
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        return type(x) is type(y) and x == y
+    return [k for k, x in na.items() if not same(x, nb[k])]
 
 
 def _losses(path: Path) -> dict:
