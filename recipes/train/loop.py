@@ -22,7 +22,7 @@ import torch
 from core import checkpoint as ckpt
 from core.config import UserError, to_dict
 from core.distributed import Dist
-from core.logging import Logger, memory_mb
+from core.logging import Logger, memory_mb, reset_peak_memory
 from core.shard import Layout, full_bytes, state_bytes
 from core.state import TrainState
 from core.telemetry import Preemption
@@ -184,7 +184,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
         raise UserError("orchestrator.enabled=true, but this recipe does not build an orchestrator "
                         "(recipes/orchestrator/driver.py; recipes/standard.py shows the wiring)")
     loop = loop or LoopState()
-    _announce_parallel(io.logger, state, steps.layout, dist)
+    setup_peak = _announce_parallel(io.logger, state, steps.layout, dist)
     ctx = StepContext(state, int(state.step), int(state.cursor), frozen=frozen, total=cfg.steps, loop=loop,
                       result=FitResult(state, loop), tokens_per_step=io.tokens_per_step,
                       wall_before=loop.wall_seconds)
@@ -213,18 +213,28 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
                     f"included)")
     io.logger.flush()
     ctx.result.state = ctx.state
-    if dist.enabled or steps.layout is not None:
-        peaks = dist.each(memory_mb(state.step.device))
-        io.logger.print("peak memory per rank: " + ", ".join(f"rank {r} {mb:.0f} MiB" for r, mb in enumerate(peaks)))
-        io.logger.event(int(ctx.state.step), "peak_memory", mib=peaks)
+    if setup_peak is not None:
+        _report_peaks(io.logger, int(ctx.state.step), state.step.device, dist, setup_peak)
     return ctx.result
 
 
-def _announce_parallel(logger: Logger, state: TrainState, layout: Optional[Layout], dist: Dist) -> None:
+def _report_peaks(logger: Logger, step: int, device, dist: Dist, setup_peak: float) -> None:
+    """Every rank's peak memory over the run, and while training: since :func:`_announce_parallel` reset it (CUDA's
+    allocator peak, Linux's resident high-water mark; where it cannot be reset, both are the whole run's)."""
+    training = dist.each(memory_mb(device))
+    peaks = dist.each(max(setup_peak, memory_mb(device)))
+    logger.print("peak memory per rank: " + ", ".join(f"rank {r} {mb:.0f} MiB (training {t:.0f} MiB)"
+                                                      for r, (mb, t) in enumerate(zip(peaks, training))))
+    logger.event(step, "peak_memory", mib=peaks, training_mib=training)
+
+
+def _announce_parallel(logger: Logger, state: TrainState, layout: Optional[Layout], dist: Dist) -> Optional[float]:
     """The run log's first word on parallelism: the layout, and every rank's params + optimizer state bytes next
-    to what one process holds (``core.shard``)."""
+    to what one process holds (``core.shard``). Returns this rank's peak memory so far (setup: data, model,
+    loading), and starts the peak afresh for the training (``core.logging.reset_peak_memory``); None in one
+    process."""
     if not dist.enabled and layout is None:
-        return
+        return None
     mine, whole = dist.each(state_bytes(state)), full_bytes(layout, state)
     what = layout.describe() if layout else f"ddp over {dist.world_size} ranks: params and optimizer state replicated"
     logger.print(f"parallel: {what}")
@@ -232,6 +242,9 @@ def _announce_parallel(logger: Logger, state: TrainState, layout: Optional[Layou
                  + ", ".join(f"rank {r} {b / 2**20:.2f} MiB ({b / whole:.3f}x)" for r, b in enumerate(mine))
                  + f" of {whole / 2**20:.2f} MiB in one process")
     logger.event(int(state.step), "parallel", layout=what, state_bytes=mine, one_process_bytes=whole)
+    setup_peak = memory_mb(state.step.device)
+    reset_peak_memory(state.step.device)
+    return setup_peak
 
 
 def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepContext, dist: Dist) -> list:
