@@ -48,7 +48,7 @@ def test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_c
     one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
     assert max_abs_diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
     assert abs(one_ck["val_loss"] - two_ck["val_loss"]) < 1e-6
-    assert "parallel: fsdp over 2 ranks" in two.stderr
+    assert "parallel: fsdp over 2 ranks" in two.stderr and "stacked leaves gathered per block" in two.stderr
     ratios = [float(r) for r in re.findall(r"rank \d ([\d.]+) MiB \(([\d.]+)x\)", two.stderr) for r in r[1:]]
     assert len(ratios) == 2 and max(ratios) <= 0.55, two.stderr[-2000:]
     losses = [_losses(tmp_path / n / "metrics.jsonl") for n in ("one", "two")]
@@ -73,6 +73,20 @@ def test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_c
     again2_ck, again1_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("again2", "again1"))
     assert equal(again2_ck["state"], two_ck["state"])
     assert max_abs_diff(again1_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
+
+
+def test_sharded_bf16_equals_one_process_to_bf16_rounding(corpus, tmp_path, one_thread):
+    """dtype=bf16: the 2 ranks run the model on params gathered in bf16 (FSDP2's param_dtype; the layers come gathered
+    in bf16 in the eager per-block test below), one process on fp32 params under autocast; both update fp32
+    master weights. After 10 steps: the params within 1e-3 (a few Adam steps of lr 1e-3 that round the other way),
+    the validation loss within 2e-2 (a bf16 ulp at 4)."""
+    common = [*TINY, f"data={corpus}", "dtype=bf16", "steps=10", "save_every=0", "eval_batches=4"]
+    assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
+    two = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
+    assert 0 < _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-3
+    assert abs(one_ck["val_loss"] - two_ck["val_loss"]) < 2e-2
 
 
 def _loaded_state(args: list, path: Path, world: int) -> dict:
@@ -223,14 +237,15 @@ def _diff(a, b) -> float:
 
 def test_sharded_distillation_equals_one_process(corpus, teacher, tmp_path, one_thread):
     """The student (its learnable temperature too, a 0-d leaf) and the teacher (``teacher_shard=true``) sharded
-    over 2 ranks."""
+    over 2 ranks; the 2 ranks recompute the student's blocks (``remat=true``, each block's layer gathered again for
+    its recomputation), the one process does not."""
     common = ["recipe=distill", f"teacher={teacher}", f"data={corpus}", "compile=false", "sample_tokens=0",
               "steps=20", "eval_every=10", "eval_batches=4", "block_size=32", "log_every=5", "clipping=adagc",
               "adagc.warmup=5", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
               "temperature_mode=learnable", "temperature=2"]
     assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
-    two = torchrun([*common, "batch_size=4", "parallel=fsdp", "teacher_shard=true", f"out={tmp_path / 'two'}"],
-                   tmp_path)
+    two = torchrun([*common, "batch_size=4", "parallel=fsdp", "teacher_shard=true", "remat=true",
+                    f"out={tmp_path / 'two'}"], tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
     assert _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
@@ -288,6 +303,56 @@ def _sharded_run(group, *, compile, clipping, health, donate, steps=3, scope="st
     for b in batches:
         state, metrics = step(state, b)
     return (layout.gather_state(state) if layout else state), metrics
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_backward(one_rank_group, remat,
+                                                                                        monkeypatch):
+    """Layer i is gathered when the model's loop reaches it, and backward gathers layers L-2 .. 0 again (the last is
+    still held): nothing autograd saved, nor under remat the checkpoint, kept a gathered layer. Two micro-batches
+    reduce-scatter each layer once, in the last one's backward. Under bf16 the layers come gathered in bf16. The
+    step and the per-block eval equal the plain ones (fp32; bf16: the loss to bf16 rounding)."""
+    from core import shard_blocks
+    from core.state import init_state
+    from core.step import make_eval_step, make_train_step
+    from core.tree import clone
+    gathers, reduces, gather, reduce_rows = [], [], shard_blocks.Blocks.gather, Layout.reduce_rows
+
+    def counted(self, idx, k):
+        out = gather(self, idx, k)
+        gathers.append((k, {t.dtype for t in out}))
+        return out
+    monkeypatch.setattr(shard_blocks.Blocks, "gather", counted)
+    monkeypatch.setattr(Layout, "reduce_rows", lambda self, rows: reduces.append(len(rows)) or reduce_rows(self, rows))
+    cfg = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2)
+    params = llama.init(cfg, 0)
+    spec = OptimizerSpec(lr=1e-2, clipping="adagc", adagc=AdaGCConfig(warmup=1))
+    g = torch.Generator().manual_seed(0)
+    batch = {k: torch.randint(0, 32, (2, 2, 8), generator=g) for k in ("x", "y")}       # 2 micro-batches of 2 rows
+    first = {k: v[0] for k, v in batch.items()}
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        layout = Layout(params, make_optimizer(spec).init, stacked=stacked_predicate(None), world=1, rank=0,
+                        group=one_rank_group, gather_dtype=dtype if precision == "bf16" else None)
+        runs = []
+        for shard in (None, layout):
+            opt = make_optimizer(spec, shard.psum if shard else None)
+            loss = lambda p, b: llama.loss(p, b, cfg, remat=remat)       # noqa: E731
+            step = make_train_step(loss, opt, grad_accum=2, shard=shard, remat=remat, precision=precision)
+            state = init_state(clone(params), opt)
+            gathers.clear()
+            reduces.clear()
+            state, metrics = step(shard.shard(state) if shard else state, batch)
+            evaluate = make_eval_step(loss, shard=shard, precision=precision)
+            runs.append((state, metrics, evaluate(state.params, first)["loss"]))
+        assert [k for k, _ in gathers] == [0, 1, 2, 1, 0] * 2 + [0, 1, 2]        # 2 micro-batches, then the eval
+        assert all(dtypes == {dtype} for _, dtypes in gathers)
+        assert reduces == [9, 9, 9, 2]      # layers 2, 1, 0 (9 stacked leaves each), then embed and norm
+        (plain, plain_metrics, plain_eval), (sharded, metrics, sharded_eval) = runs
+        if precision == "fp32":
+            assert _diff(plain.params, layout.gather_state(sharded).params) < 1e-6
+            assert _diff(plain_metrics, metrics) < 1e-6 and abs(plain_eval - sharded_eval) < 1e-6
+        else:     # the model runs on bf16 weights, not fp32 ones cast by autocast: the loss to bf16 rounding
+            assert abs(plain_metrics["loss"] - metrics["loss"]) < 1e-3
 
 
 def test_the_sharded_step_traces_into_one_graph(one_rank_group):
