@@ -367,11 +367,14 @@ def test_the_sharded_step_traces_into_one_graph(one_rank_group):
 
 @pytest.mark.slow
 def test_the_sharded_step_compiles_and_matches_eager(one_rank_group, one_thread):
-    """Inductor compiles the sharded step whole (its collectives inside the graph) to the eager numbers."""
+    """Inductor compiles the sharded step whole (its collectives inside the graph) to the eager numbers; and
+    with ``compile_scope=block`` the compiled block runs on layers gathered one at a time (``core.shard_blocks``)."""
     plain, plain_metrics = _sharded_run(None, compile=False, clipping="global", health=True, donate=False)
-    sharded, metrics = _sharded_run(one_rank_group, compile=True, clipping="global", health=True, donate=False)
-    assert _diff(sharded.params, plain.params) < 1e-5
-    assert _diff(metrics, plain_metrics) < 1e-5
+    for scope in ("step", "block"):
+        sharded, metrics = _sharded_run(one_rank_group, compile=True, clipping="global", health=True, donate=False,
+                                        scope=scope)
+        assert _diff(sharded.params, plain.params) < 1e-5, scope
+        assert _diff(metrics, plain_metrics) < 1e-5, scope
 
 
 def test_sharded_compression_equals_one_process(corpus, teacher, tmp_path, one_thread):
