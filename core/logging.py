@@ -75,6 +75,21 @@ def memory_mb(device: torch.device | str | None = None) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
+def reset_peak_memory(device: torch.device | str | None = None) -> bool:
+    """Start :func:`memory_mb`'s peak afresh: CUDA's peak statistics, or Linux's resident high-water mark (writing
+    5 to ``/proc/self/clear_refs``); False where neither can be reset (the peak then stays the whole process's)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def format_duration(seconds: float) -> str:
     """``42s``, ``3m07s``, ``2h05m``."""
     s = int(round(seconds))

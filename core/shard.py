@@ -18,20 +18,32 @@ Optimizer-state leaves that do not follow a param (hyperparameters, counters, Ad
 gamma) and the rest of the train state (step, key, cursor, loss scale, spike monitor) are replicated: every
 rank computes them from the same global statistics.
 
-**The step** (``core.step.make_train_step(shard=...)``): the shards are gathered into full params once per
-step (:meth:`Layout.gather`: one ``all_gather_single`` per dtype, in ``gather_dtype`` under bf16 as FSDP2's
-``MixedPrecisionPolicy(param_dtype=bf16)``), the model differentiates plain full tensors (``torch.func.grad``
-or ``torch.autograd``, remat included), the micro-batches' gradients are summed as in one process, and the sum
-is reduce-scattered once per optimizer step (:meth:`Layout.reduce`: one ``reduce_scatter_single`` in float32,
-divided by W) while the loss and the aux metrics are averaged (one ``all_reduce``). The optimizer then runs on
-local shards. Not built: FSDP's per-block gather (the full params and the full gradients exist for the length
-of one step on every rank, as ZeRO-3 without prefetching; persistent memory, params + optimizer state, is 1/W).
+**The step** (``core.step.make_train_step(shard=...)``). Eager, and with ``compile_scope=block`` (the model's loop
+in Python, one compiled block), the step gathers the stacked leaves **one block at a time** (``core.shard_blocks``):
+layer ``i``'s slice of every stacked leaf is all-gathered (one ``all_gather_single`` per dtype) when the model's
+loop reaches layer ``i`` and is not kept for backward (saved-tensor hooks put a token in its place; backward
+gathers it again, as does the recomputation of a checkpointed block under ``remat``), and its gradient is
+reduce-scattered (one ``reduce_scatter_single``, float32, divided by W) by the backward of that gather, into row
+``i`` of this rank's gradient shards; the other leaves (embedding, final norm, head) are gathered whole once per
+step and reduce-scattered at its end. With gradient accumulation a layer's full float32 gradient is summed over the
+micro-batches and reduce-scattered once, in the last micro-batch's backward (once per optimizer step; the sums are
+a full-size float32 gradient of every layer between micro-batches). A step compiled whole (``compile_scope=step``:
+one graph through ``torch.func.grad``, or under ``remat`` the loss as one graph) gathers the params **whole once
+per step** (:meth:`Layout.gather`) and reduce-scatters the summed full gradients once (:meth:`Layout.reduce`): in
+one traced graph there is no per-layer autograd node and no saved-tensor hook to free a layer with, so there the
+full params and gradients exist for the step. Either way params
+are gathered in ``gather_dtype`` under bf16 (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``; their gradients
+come back float32 for the float32 shards, its ``reduce_dtype``), the loss and the aux metrics are averaged (one
+``all_reduce``), and the optimizer runs on local shards. Not built: prefetching the next block's gather while one
+computes (the collectives are blocking), and per-block gathering of a sharded frozen teacher (gathered whole per
+step).
 
 **Why plain tensors and functional collectives rather than DTensor or ``fully_shard``**: on torch 2.13
 ``torch.func.grad`` fails over DTensor inputs and through collectives, ``fully_shard`` modules give
 ``torch.autograd.grad`` no gradients, and ``unbind(0)`` of a sharded stacked leaf raises. Keeping the
-collectives outside the differentiated function leaves both gradient paths, the optimizer's foreach math,
-buffer donation and checkpoints on ordinary tensors, and makes the padding explicit.
+collectives outside what ``torch.func`` differentiates (per block: in an autograd node of their own) leaves both
+gradient paths, the optimizer's foreach math, buffer donation and checkpoints on ordinary tensors, and makes the
+padding explicit.
 
 **Checkpoints** hold full leaves, as a one-process run writes them: :meth:`Layout.deferred` turns each
 sharded leaf into a ``core.checkpoint.Deferred`` that gathers it when the writer reaches it (peak extra
@@ -148,15 +160,18 @@ class Layout:
         """The full params as meta tensors (their shapes and dtypes: counts, FLOPs, health rows)."""
         return tree_map(lambda spec: torch.empty(spec.shape, device="meta"), self.params)
 
-    def describe(self) -> str:
-        """One line: which leaves are sharded on which dim."""
+    def describe(self, per_block: bool = False) -> str:
+        """One line: which leaves are sharded on which dim, and how the step gathers them (``per_block``: the
+        stacked leaves one layer at a time, ``core.shard_blocks``)."""
         by_dim: dict = {}
         for spec in leaves_of(self.params):
             by_dim[spec.dim] = by_dim.get(spec.dim, 0) + 1
         dims = ", ".join(f"{n} on dim {d}" for d, n in sorted(by_dim.items()))
+        gathered = "stacked leaves gathered per block (the others once per step)" if per_block else \
+            "gathered once per step"
         return (f"fsdp over {self.world} ranks: every param leaf and optimizer moment sharded ({dims}; stacked "
-                f"leaves on their first non-layer dim, zero-padded to a multiple of {self.world}), gathered once "
-                f"per step, gradients reduce-scattered once per optimizer step")
+                f"leaves on their first non-layer dim, zero-padded to a multiple of {self.world}), {gathered}, "
+                f"gradients reduce-scattered once per optimizer step")
 
     # ------------------------------------------------------------------------- inside the step (traceable)
 
@@ -167,8 +182,14 @@ class Layout:
 
     def gather(self, params):
         """The full params from this rank's shards: one ``all_gather_single`` per dtype."""
-        import torch.distributed._functional_collectives as funcol
         shards, specs = zip_leaves(params, self.params)
+        return like(params, self.gather_leaves(shards, specs), order=params)
+
+    def gather_leaves(self, shards: list, specs: list, join: Optional[Callable] = None) -> list:
+        """Full leaves from this rank's ``shards`` of leaves split as ``specs`` say (in ``gather_dtype``): one
+        ``all_gather_single`` per dtype; ``join(pieces [W, shard numel], spec)`` makes each leaf (:meth:`_join`)."""
+        import torch.distributed._functional_collectives as funcol
+        join = join or self._join
         if self.gather_dtype is not None:
             shards = [s.to(self.gather_dtype) if s.is_floating_point() else s for s in shards]
         out: list = [None] * len(shards)
@@ -179,9 +200,9 @@ class Layout:
             offset = 0
             for i in idx:
                 n = shards[i].numel()
-                out[i] = self._join(every[:, offset:offset + n], specs[i])
+                out[i] = join(every[:, offset:offset + n], specs[i])
                 offset += n
-        return like(params, out, order=params)
+        return out
 
     def _join(self, pieces: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
         """``[W, shard numel]`` -> the full leaf (the shards concatenated on ``spec.dim``, padding dropped)."""
@@ -206,10 +227,8 @@ class Layout:
         """Full summed gradients -> this rank's shard of their mean over ranks (one ``reduce_scatter_single``);
         the loss and the aux metrics (any shape) averaged over ranks (one ``all_reduce``). ``specs``: the part
         of :attr:`params` that ``grads`` covers (all of it by default)."""
-        import torch.distributed._functional_collectives as funcol
         full, specs = zip_leaves(grads, self.params if specs is None else specs)
-        flat = torch.cat([self._rows(g, s) for g, s in zip(full, specs)], dim=1).reshape(-1)
-        mine = funcol.reduce_scatter_single(flat, "sum", 0, self.group) / self.world
+        mine = self.reduce_rows([self._rows(g, s) for g, s in zip(full, specs)])
         out, offset = [], 0
         for g, s in zip(full, specs):   # gradients of params gathered in bf16 stay fp32, for the fp32 shards
             n = math.prod(s.local_shape())
@@ -219,6 +238,20 @@ class Layout:
         names = sorted(aux)
         loss, *rest = mean_over_ranks([loss] + [aux[k] for k in names], self.group, self.world)
         return like(grads, out, order=grads), loss, dict(zip(names, rest))
+
+    def reduce_rows(self, rows: list) -> torch.Tensor:
+        """Float32 ``[W, n_i]`` blocks (row r: rank r's part) -> this rank's parts, concatenated, of their mean
+        over ranks: one ``reduce_scatter_single``."""
+        import torch.distributed._functional_collectives as funcol
+        if not rows:
+            return torch.zeros(0)
+        flat = torch.cat(rows, dim=1).reshape(-1)
+        return funcol.reduce_scatter_single(flat, "sum", 0, self.group) / self.world
+
+    def blocks(self, shards, train: bool = True):
+        """A step's per-block gathering of ``shards`` (``core.shard_blocks.Blocks``)."""
+        from core.shard_blocks import Blocks
+        return Blocks(self, shards, train)
 
     # ------------------------------------------------------------------------- checkpoints
 

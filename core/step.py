@@ -145,6 +145,36 @@ def _autograd_gradients(objective: Callable, grad_accum: int) -> Callable:
     return gradients
 
 
+def _block_gradients(objective: Callable, grad_accum: int, shard) -> Callable:
+    """The autograd path over this rank's shards, the stacked layers gathered one block at a time
+    (``core.shard_blocks``): this rank's gradient shards (reduce-scattered once per optimizer step), the loss and
+    aux averaged over ranks."""
+    def gradients(shards, batch, key, frozen, scale):
+        blocks = shard.blocks(shards)
+        micros = _micro_batches(batch, grad_accum)
+        total, losses, auxes = None, [], []
+        for i, micro in enumerate(micros):
+            with blocks.running(last=i == len(micros) - 1) as params:
+                obj, (loss, aux) = objective(params, micro, rng.fold_in(key, i), frozen, scale)
+            inputs = blocks.inputs()
+            grads = torch.autograd.grad(obj, inputs, allow_unused=True)[:-1]     # the anchor's is None
+            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, inputs)]
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+            losses.append(loss.detach())
+            auxes.append({k: v.detach() for k, v in aux.items()})
+        return blocks.finish(total, _mean(losses), _mean_aux(auxes))
+
+    return gradients
+
+
+def per_block(shard, compile: bool, compile_scope: str = "step", grad_mode: Optional[str] = None) -> bool:
+    """Whether a step over sharded params (``shard``) gathers them one block at a time (``core.shard_blocks``):
+    on the autograd path when the model's loop runs in Python (eager, or ``compile_scope="block"``); a one-graph
+    compiled step gathers them whole."""
+    one_graph = compile and compile_scope != "block"
+    return shard is not None and not one_graph and grad_mode != "func"
+
+
 def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: Optional[SpikeConfig],
                           donate: bool, skip: bool = True, psum: Optional[Callable] = None) -> Callable:
     """``apply_gradients(state, grads, loss, aux) -> (state, metrics)``: unscale, norm, update, skip if not finite;
@@ -230,8 +260,9 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     ``skip=False`` drops the non-finite select (a non-finite step then writes its NaNs into the state): only
     for measuring what the select costs (``recipes/bench/speed.py``).
     ``shard`` (a ``core.shard.Layout``) says the state's params and optimizer state are this rank's shards: the
-    step gathers the full params, reduce-scatters the summed gradients once and updates the shards (``reduce``
-    is then unused); the optimizer and ``extra_metrics`` must take the layout's ``psum`` for their norms.
+    step gathers the params (one block at a time where :func:`per_block` says so, else whole), reduce-scatters
+    the summed gradients once per step and updates the shards (``reduce`` is then unused); the optimizer and
+    ``extra_metrics`` must take the layout's ``psum`` for their norms.
     """
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
@@ -247,8 +278,12 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike, donate, skip,
                                             None if shard is None else shard.psum)
     reduced = _make_reduce(reduce) if shard is None else shard.reduce
+    by_layer = per_block(shard, compile, compile_scope, grad_mode)
     if grad_mode == "func":      # one graph: forward, backward, the update
         gradients = _func_gradients(objective, grad_accum)
+    elif by_layer:               # sharded: each block's params gathered when it runs, its gradients reduce-scattered
+        gradients = _block_gradients(objective, grad_accum, shard)
+        apply_gradients = maybe_compile(apply_gradients, compile, mode=compile_mode)
     else:                        # the loss and the update compiled apart, autograd between them
         gradients = _autograd_gradients(maybe_compile(objective, compile and not by_block, fullgraph=False,
                                                       mode=compile_mode), grad_accum)
@@ -256,6 +291,8 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
 
     def train_step(state: TrainState, batch, frozen=None):
         key = rng.fold_in(state.key, state.step)
+        if by_layer:
+            return apply_gradients(state, *gradients(state.params, batch, key, frozen, _loss_scale(state)))
         params = state.params if shard is None else shard.gather(state.params)
         grads, loss, aux = gradients(params, batch, key, frozen, _loss_scale(state))
         return apply_gradients(state, *reduced(grads, loss, aux))
@@ -271,14 +308,25 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
 
 
 def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: str = "cpu",
-                   compile: bool = False, compile_scope: str = "step", compile_mode: str = "default") -> Callable:
-    """``eval_step(params, batch, frozen=None) -> metrics`` (no gradients, no dropout)."""
+                   compile: bool = False, compile_scope: str = "step", compile_mode: str = "default",
+                   shard=None) -> Callable:
+    """``eval_step(params, batch, frozen=None) -> metrics`` (no gradients, no dropout). ``shard`` (a
+    ``core.shard.Layout``): ``params`` are this rank's shards, gathered block by block where :func:`per_block`
+    says so, else whole before the step."""
     call = loss_caller(loss_fn)
     by_block = compile and compile_scope == "block"
+    by_layer = per_block(shard, compile, compile_scope)
 
     def eval_step(params, batch, frozen=None):
         with torch.no_grad(), autocast(precision, device_type), regions(by_block, compile_mode):
-            loss, aux = call(params, batch, None, frozen)
+            if by_layer:
+                with shard.blocks(params, train=False).running() as full:
+                    loss, aux = call(full, batch, None, frozen)
+            else:
+                loss, aux = call(params, batch, None, frozen)
         return {"loss": loss, **aux}
 
-    return maybe_compile(eval_step, compile and not by_block, mode=compile_mode)
+    step = maybe_compile(eval_step, compile and not by_block, mode=compile_mode)
+    if shard is None or by_layer:
+        return step
+    return lambda params, batch, frozen=None: step(shard.gather(params), batch, frozen)

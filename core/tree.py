@@ -238,14 +238,28 @@ def stack(trees: Iterable[Tree]) -> Tree:
     return tree_map(lambda *xs: torch.stack(xs), *trees)
 
 
+# Sources of lazily gathered layers (core.shard_blocks pushes one while a sharded step runs the model): each is
+# ``source(leaves, spec)`` -> the layers of a tree it owns, or None for any other tree.
+layer_sources: list[Callable] = []
+
+
 def unstack(tree: Tree) -> list[Tree]:
     """The inverse of :func:`stack`: unbind every leaf once along axis 0 into a list of pytrees.
 
     ``torch.unbind`` gives views whose gradients are gathered by one ``stack`` in backward; indexing
     ``w[i]`` in a loop would make autograd scatter into a full-size zero tensor per layer.
+
+    The one way a model reaches its stacked layers: under ``parallel=fsdp`` the step hands the model stand-ins for
+    the stacked leaves and this returns their layers lazily instead (``core.shard_blocks``: layer i is gathered
+    from the ranks' shards when the iteration reaches it), so iterate it once, in order, done with a layer's tree
+    when taking the next.
     """
     leaves, spec = tree_flatten(tree)
     if not leaves:
         return []
+    for source in reversed(layer_sources):
+        layers = source(leaves, spec)
+        if layers is not None:
+            return layers
     columns = [leaf.unbind(0) for leaf in leaves]
     return [tree_unflatten(spec, [col[i] for col in columns]) for i in range(len(columns[0]))]

@@ -36,11 +36,11 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from core import rng
 from core.compile import region
 from core.config import option
+from core.remat import checkpoint
 from core.tree import unstack
 from models import losses
 
@@ -328,7 +328,7 @@ def apply_with(params: dict, tokens: torch.Tensor, cfg, layer_tables: Iterable, 
         hidden.append(x)
         layer_key = None if key is None else rng.fold_in(key, 1000 + i)
         if remat and cache is None:
-            x = checkpoint(block_fn, lp, x, cos, sin, cfg, layer_key, use_reentrant=False, **extra)
+            x = checkpoint(block_fn, lp, x, cos, sin, cfg, layer_key, **extra)
         else:
             x = block_fn(lp, x, cos, sin, cfg, layer_key, None if cache is None else cache[i], past_len, **extra)
     hidden.append(x)

@@ -48,13 +48,21 @@ def test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_c
     one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
     assert max_abs_diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
     assert abs(one_ck["val_loss"] - two_ck["val_loss"]) < 1e-6
-    assert "parallel: fsdp over 2 ranks" in two.stderr
+    assert "parallel: fsdp over 2 ranks" in two.stderr and "stacked leaves gathered per block" in two.stderr
     ratios = [float(r) for r in re.findall(r"rank \d ([\d.]+) MiB \(([\d.]+)x\)", two.stderr) for r in r[1:]]
     assert len(ratios) == 2 and max(ratios) <= 0.55, two.stderr[-2000:]
     losses = [_losses(tmp_path / n / "metrics.jsonl") for n in ("one", "two")]
     assert losses[0].keys() == losses[1].keys() and max(abs(losses[0][k] - losses[1][k]) for k in losses[0]) < 1e-6
 
-    # the step-10 checkpoint of the 2-rank run continues on 2 ranks bitwise, and on 1 process within 1e-6
+    # the step-10 checkpoint of the 2-rank run loads bitwise, every leaf (params, moments, step counters, key,
+    # cursor, spike monitor): on 1 process as it is, on 2 ranks as their shards joined (what a gather returns)
+    saved = tmp_path / "two" / "step_000000010.msgpack"
+    on_file = ckpt.load(saved)["state"]
+    assert int(on_file["step"]) == 10
+    for world in (1, 2):
+        assert _unequal_named(_loaded_state(common, saved, world), on_file) == [], world
+
+    # it continues on 2 ranks bitwise, and on 1 process within 1e-6
     for name in ("again2", "again1"):
         (tmp_path / name).mkdir()
         shutil.copy(tmp_path / "two" / "step_000000010.msgpack", tmp_path / name)
@@ -65,6 +73,62 @@ def test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_c
     again2_ck, again1_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("again2", "again1"))
     assert equal(again2_ck["state"], two_ck["state"])
     assert max_abs_diff(again1_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
+
+
+def test_sharded_bf16_equals_one_process_to_bf16_rounding(corpus, tmp_path, one_thread):
+    """dtype=bf16: the 2 ranks run the model on params gathered in bf16 (FSDP2's param_dtype; the layers come gathered
+    in bf16 in the eager per-block test below), one process on fp32 params under autocast; both update fp32
+    master weights. After 10 steps: the params within 1e-3 (a few Adam steps of lr 1e-3 that round the other way),
+    the validation loss within 2e-2 (a bf16 ulp at 4)."""
+    common = [*TINY, f"data={corpus}", "dtype=bf16", "steps=10", "save_every=0", "eval_batches=4"]
+    assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
+    two = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
+    assert 0 < _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-3
+    assert abs(one_ck["val_loss"] - two_ck["val_loss"]) < 2e-2
+
+
+def _loaded_state(args: list, path: Path, world: int) -> dict:
+    """The train state a ``recipe=standard`` run of ``args`` resumes from the checkpoint ``path`` on ``world`` ranks,
+    each rank's load run in this process (``recipes.train.setup.start``: the file read, then this rank's cut), the
+    ranks' shards joined as ``core.shard.Layout.gather_state`` joins them. Zero params give only the structure."""
+    from core.cli import parse_args
+    from core.config import resolve
+    from core.distributed import Dist
+    from recipes import standard
+    from recipes.train import setup
+    pairs, _ = parse_args([*args, f"resume={path}"])
+    del pairs["recipe"]
+    cfg = resolve(standard.Config, presets=standard.PRESETS, preset=pairs.pop("preset"), overrides=pairs)
+    zeros = tree_map(torch.zeros_like, ckpt.load(path)["state"]["params"])
+    runs = [setup.start(cfg, path.parent, zeros, device=torch.device("cpu"),
+                        dist=Dist(r, world, r, sharded=world > 1)) for r in range(world)]
+    if world == 1:
+        return ckpt.to_state_dict(runs[0].state)
+    layout = runs[0].layout
+
+    def join(spec, *pieces):
+        if spec.dim is None:                       # replicated: every rank holds the same
+            assert all(equal(p, pieces[0]) for p in pieces)
+            return pieces[0]
+        return layout._join(torch.stack([p.reshape(-1) for p in pieces]), spec)
+    state = runs[0].state._replace(params=tree_map(join, layout.params, *(r.state.params for r in runs)),
+                                   opt_state=tree_map(join, layout.opt, *(r.state.opt_state for r in runs)))
+    return ckpt.to_state_dict(state)
+
+
+def _unequal_named(a: dict, b: dict) -> list:
+    """The dotted names where two nested dicts with the same keys differ: a tensor not equal bit for bit (dtype
+    included), any other value not ==."""
+    from core.tree import named_leaves
+    na, nb = dict(named_leaves(a)), dict(named_leaves(b))
+    assert na.keys() == nb.keys(), sorted(set(na) ^ set(nb))
+    def same(x, y):
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        return type(x) is type(y) and x == y
+    return [k for k, x in na.items() if not same(x, nb[k])]
 
 
 def _losses(path: Path) -> dict:
@@ -173,14 +237,15 @@ def _diff(a, b) -> float:
 
 def test_sharded_distillation_equals_one_process(corpus, teacher, tmp_path, one_thread):
     """The student (its learnable temperature too, a 0-d leaf) and the teacher (``teacher_shard=true``) sharded
-    over 2 ranks."""
+    over 2 ranks; the 2 ranks recompute the student's blocks (``remat=true``, each block's layer gathered again for
+    its recomputation), the one process does not."""
     common = ["recipe=distill", f"teacher={teacher}", f"data={corpus}", "compile=false", "sample_tokens=0",
               "steps=20", "eval_every=10", "eval_batches=4", "block_size=32", "log_every=5", "clipping=adagc",
               "adagc.warmup=5", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
               "temperature_mode=learnable", "temperature=2"]
     assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
-    two = torchrun([*common, "batch_size=4", "parallel=fsdp", "teacher_shard=true", f"out={tmp_path / 'two'}"],
-                   tmp_path)
+    two = torchrun([*common, "batch_size=4", "parallel=fsdp", "teacher_shard=true", "remat=true",
+                    f"out={tmp_path / 'two'}"], tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
     assert _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
@@ -240,6 +305,56 @@ def _sharded_run(group, *, compile, clipping, health, donate, steps=3, scope="st
     return (layout.gather_state(state) if layout else state), metrics
 
 
+@pytest.mark.parametrize("remat", [False, True])
+def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_backward(one_rank_group, remat,
+                                                                                        monkeypatch):
+    """Layer i is gathered when the model's loop reaches it, and backward gathers layers L-2 .. 0 again (the last is
+    still held): nothing autograd saved, nor under remat the checkpoint, kept a gathered layer. Two micro-batches
+    reduce-scatter each layer once, in the last one's backward. Under bf16 the layers come gathered in bf16. The
+    step and the per-block eval equal the plain ones (fp32; bf16: the loss to bf16 rounding)."""
+    from core import shard_blocks
+    from core.state import init_state
+    from core.step import make_eval_step, make_train_step
+    from core.tree import clone
+    gathers, reduces, gather, reduce_rows = [], [], shard_blocks.Blocks.gather, Layout.reduce_rows
+
+    def counted(self, idx, k):
+        out = gather(self, idx, k)
+        gathers.append((k, {t.dtype for t in out}))
+        return out
+    monkeypatch.setattr(shard_blocks.Blocks, "gather", counted)
+    monkeypatch.setattr(Layout, "reduce_rows", lambda self, rows: reduces.append(len(rows)) or reduce_rows(self, rows))
+    cfg = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2)
+    params = llama.init(cfg, 0)
+    spec = OptimizerSpec(lr=1e-2, clipping="adagc", adagc=AdaGCConfig(warmup=1))
+    g = torch.Generator().manual_seed(0)
+    batch = {k: torch.randint(0, 32, (2, 2, 8), generator=g) for k in ("x", "y")}       # 2 micro-batches of 2 rows
+    first = {k: v[0] for k, v in batch.items()}
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        layout = Layout(params, make_optimizer(spec).init, stacked=stacked_predicate(None), world=1, rank=0,
+                        group=one_rank_group, gather_dtype=dtype if precision == "bf16" else None)
+        runs = []
+        for shard in (None, layout):
+            opt = make_optimizer(spec, shard.psum if shard else None)
+            loss = lambda p, b: llama.loss(p, b, cfg, remat=remat)       # noqa: E731
+            step = make_train_step(loss, opt, grad_accum=2, shard=shard, remat=remat, precision=precision)
+            state = init_state(clone(params), opt)
+            gathers.clear()
+            reduces.clear()
+            state, metrics = step(shard.shard(state) if shard else state, batch)
+            evaluate = make_eval_step(loss, shard=shard, precision=precision)
+            runs.append((state, metrics, evaluate(state.params, first)["loss"]))
+        assert [k for k, _ in gathers] == [0, 1, 2, 1, 0] * 2 + [0, 1, 2]        # 2 micro-batches, then the eval
+        assert all(dtypes == {dtype} for _, dtypes in gathers)
+        assert reduces == [9, 9, 9, 2]      # layers 2, 1, 0 (9 stacked leaves each), then embed and norm
+        (plain, plain_metrics, plain_eval), (sharded, metrics, sharded_eval) = runs
+        if precision == "fp32":
+            assert _diff(plain.params, layout.gather_state(sharded).params) < 1e-6
+            assert _diff(plain_metrics, metrics) < 1e-6 and abs(plain_eval - sharded_eval) < 1e-6
+        else:     # the model runs on bf16 weights, not fp32 ones cast by autocast: the loss to bf16 rounding
+            assert abs(plain_metrics["loss"] - metrics["loss"]) < 1e-3
+
+
 def test_the_sharded_step_traces_into_one_graph(one_rank_group):
     """Dynamo traces the whole sharded step (all-gather, reduce-scatter, the psum'd norms of global clipping,
     AdaGC and health) as one graph without a break: what ``compile=true compile_scope=step`` runs."""
@@ -252,11 +367,14 @@ def test_the_sharded_step_traces_into_one_graph(one_rank_group):
 
 @pytest.mark.slow
 def test_the_sharded_step_compiles_and_matches_eager(one_rank_group, one_thread):
-    """Inductor compiles the sharded step whole (its collectives inside the graph) to the eager numbers."""
+    """Inductor compiles the sharded step whole (its collectives inside the graph) to the eager numbers; and
+    with ``compile_scope=block`` the compiled block runs on layers gathered one at a time (``core.shard_blocks``)."""
     plain, plain_metrics = _sharded_run(None, compile=False, clipping="global", health=True, donate=False)
-    sharded, metrics = _sharded_run(one_rank_group, compile=True, clipping="global", health=True, donate=False)
-    assert _diff(sharded.params, plain.params) < 1e-5
-    assert _diff(metrics, plain_metrics) < 1e-5
+    for scope in ("step", "block"):
+        sharded, metrics = _sharded_run(one_rank_group, compile=True, clipping="global", health=True, donate=False,
+                                        scope=scope)
+        assert _diff(sharded.params, plain.params) < 1e-5, scope
+        assert _diff(metrics, plain_metrics) < 1e-5, scope
 
 
 def test_sharded_compression_equals_one_process(corpus, teacher, tmp_path, one_thread):

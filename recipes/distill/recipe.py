@@ -335,8 +335,8 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     eval_step = make_eval_step(lambda prm, b: llama.loss(prm, b, student_cfg), precision=cfg.dtype,
                                device_type=device.type, compile=cfg.compile,
                                compile_scope=backend.compile_scope(cfg, params),
-                               compile_mode=backend.compile_mode(cfg, device))
-    steps = replace(steps, eval=gathering(eval_step, layout), batches=DistillBatches(steps.batches, cache))
+                               compile_mode=backend.compile_mode(cfg, device), shard=layout)
+    steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
     frozen, teacher_layout = (None, None) if cache else shard_teacher(cfg.teacher_shard, dist, teacher)
     if teacher_layout is not None:   # the train step takes the whole teacher: gathered from the shards
         steps = replace(steps, train=gathering(steps.train, teacher_layout, frozen="teacher"))
@@ -409,8 +409,8 @@ def run(cfg: Config):
             logger.print(f"resuming from {resume} at step {int(state.step)}")
         else:
             teacher_eval = make_eval_step(lambda prm, b: llama.loss(prm, b, tcfg), precision=cfg.dtype,
-                                          device_type=device.type)
-            teacher_val = evaluate(gathering(teacher_eval, p.teacher_layout),
+                                          device_type=device.type, shard=p.teacher_layout)
+            teacher_val = evaluate(teacher_eval,
                                    p.frozen["teacher"] if p.teacher_layout else p.teacher.params, p.val_batches,
                                    dist=dist)
             logger.scalars(0, {"val/teacher_loss": teacher_val})

@@ -22,11 +22,11 @@ import torch
 from core import checkpoint as ckpt
 from core.config import UserError, to_dict
 from core.distributed import Dist
-from core.logging import Logger, memory_mb
+from core.logging import Logger, memory_mb, reset_peak_memory
 from core.shard import Layout, full_bytes, state_bytes
 from core.state import TrainState
 from core.telemetry import Preemption
-from core.step import make_eval_step, make_train_step
+from core.step import make_eval_step, make_train_step, per_block
 from optim.health import GradientHealth
 from recipes.train import backend
 from recipes.train.checkpointing import Checkpointing, Stopping
@@ -95,6 +95,7 @@ class Steps:
     health: Optional[GradientHealth]
     batches: object      # the batch source the loop reads (with faults when configured)
     layout: Optional[Layout] = None   # parallel=fsdp: the state's leaves are this rank's shards (core.shard)
+    per_block: bool = False           # and the steps gather them one block at a time (core.shard_blocks)
 
 
 def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches, device: torch.device,
@@ -126,8 +127,8 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
                             donate=donate, compile_mode=mode, shard=layout,
                             skip=skip)
     evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile,
-                                   compile_scope=scope, compile_mode=mode)
-    return Steps(train, gathering(evaluate_step, layout), health, batches, layout)
+                                   compile_scope=scope, compile_mode=mode, shard=layout)
+    return Steps(train, evaluate_step, health, batches, layout, per_block(layout, cfg.compile, scope))
 
 
 def gathering(step: Callable, layout: Optional[Layout], frozen: Optional[str] = None) -> Callable:
@@ -184,7 +185,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
         raise UserError("orchestrator.enabled=true, but this recipe does not build an orchestrator "
                         "(recipes/orchestrator/driver.py; recipes/standard.py shows the wiring)")
     loop = loop or LoopState()
-    _announce_parallel(io.logger, state, steps.layout, dist)
+    setup_peak = _announce_parallel(io.logger, state, steps, dist)
     ctx = StepContext(state, int(state.step), int(state.cursor), frozen=frozen, total=cfg.steps, loop=loop,
                       result=FitResult(state, loop), tokens_per_step=io.tokens_per_step,
                       wall_before=loop.wall_seconds)
@@ -213,25 +214,40 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
                     f"included)")
     io.logger.flush()
     ctx.result.state = ctx.state
-    if dist.enabled or steps.layout is not None:
-        peaks = dist.each(memory_mb(state.step.device))
-        io.logger.print("peak memory per rank: " + ", ".join(f"rank {r} {mb:.0f} MiB" for r, mb in enumerate(peaks)))
-        io.logger.event(int(ctx.state.step), "peak_memory", mib=peaks)
+    if setup_peak is not None:
+        _report_peaks(io.logger, int(ctx.state.step), state.step.device, dist, setup_peak)
     return ctx.result
 
 
-def _announce_parallel(logger: Logger, state: TrainState, layout: Optional[Layout], dist: Dist) -> None:
+def _report_peaks(logger: Logger, step: int, device, dist: Dist, setup_peak: float) -> None:
+    """Every rank's peak memory over the run, and while training: since :func:`_announce_parallel` reset it (CUDA's
+    allocator peak, Linux's resident high-water mark; where it cannot be reset, both are the whole run's)."""
+    training = dist.each(memory_mb(device))
+    peaks = dist.each(max(setup_peak, memory_mb(device)))
+    logger.print("peak memory per rank: " + ", ".join(f"rank {r} {mb:.0f} MiB (training {t:.0f} MiB)"
+                                                      for r, (mb, t) in enumerate(zip(peaks, training))))
+    logger.event(step, "peak_memory", mib=peaks, training_mib=training)
+
+
+def _announce_parallel(logger: Logger, state: TrainState, steps: Steps, dist: Dist) -> Optional[float]:
     """The run log's first word on parallelism: the layout, and every rank's params + optimizer state bytes next
-    to what one process holds (``core.shard``)."""
+    to what one process holds (``core.shard``). Returns this rank's peak memory so far (setup: data, model,
+    loading), and starts the peak afresh for the training (``core.logging.reset_peak_memory``); None in one
+    process."""
+    layout = steps.layout
     if not dist.enabled and layout is None:
-        return
+        return None
     mine, whole = dist.each(state_bytes(state)), full_bytes(layout, state)
-    what = layout.describe() if layout else f"ddp over {dist.world_size} ranks: params and optimizer state replicated"
+    what = layout.describe(steps.per_block) if layout else \
+        f"ddp over {dist.world_size} ranks: params and optimizer state replicated"
     logger.print(f"parallel: {what}")
     logger.print("state bytes per rank (params + optimizer): "
                  + ", ".join(f"rank {r} {b / 2**20:.2f} MiB ({b / whole:.3f}x)" for r, b in enumerate(mine))
                  + f" of {whole / 2**20:.2f} MiB in one process")
     logger.event(int(state.step), "parallel", layout=what, state_bytes=mine, one_process_bytes=whole)
+    setup_peak = memory_mb(state.step.device)
+    reset_peak_memory(state.step.device)
+    return setup_peak
 
 
 def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepContext, dist: Dist) -> list:

@@ -29,7 +29,7 @@ from models.loading import LoadedModel, model_entry
 from recipes.distill.teacher import compute_view
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import setup
-from recipes.train.loop import LoopIO, build_steps, evaluate, fit, gathering
+from recipes.train.loop import LoopIO, build_steps, evaluate, fit
 from recipes.upcycle.config import Config, global_train_config
 
 FINAL = "final.msgpack"
@@ -182,8 +182,8 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     vocab = ctx.corpus.tokenizer.vocab_size
     steps = build_steps(tc, loss_fn, run_setup.optimizer, student, batches, ctx.device, vocab, dist, layout)
     # validation and the orchestrator's probe: the student's next-token CE (the training loss adds KD)
-    student_ce = gathering(make_eval_step(lambda prm, b: dba.loss(prm, b, scfg), precision=tc.dtype,
-                                          device_type=ctx.device.type), layout)
+    student_ce = make_eval_step(lambda prm, b: dba.loss(prm, b, scfg), precision=tc.dtype,
+                                device_type=ctx.device.type, shard=layout)
     extra = ctx.extra("global", scfg)
     with run_setup.writing(to_dict(cfg)) as (manager, logger):
         ctx.say(f"global: {g.steps} steps of {g.batch_size * g.grad_accum} x {cfg.block_size} tokens, "

@@ -1,0 +1,276 @@
+"""Per-block gathering for the sharded step (``parallel=fsdp``, ``core.shard``): each layer of the stacked leaves is
+all-gathered just before its block runs and is not kept for backward, so a rank holds about one full layer at a
+time rather than the whole model: FSDP2's per-block ``unshard`` with ``reshard_after_forward=True`` (PyTorch FSDP,
+Zhao et al. 2023, arXiv 2304.11277; torchtitan applies ``fully_shard`` to every ``TransformerBlock``), written for a
+model that is a plain function of a params pytree.
+
+- **Stand-ins.** The model gets the leaves that are not stacked gathered whole, once per step (embedding, final
+  norm, head: :meth:`core.shard.Layout.gather_leaves`), and for every leaf stacked along the layer axis a stand-in
+  on the meta device (its full shape and dtype, no data: arithmetic on it raises). A model reaches its layers only
+  through ``core.tree.unstack``, which for a tree of stand-ins returns :class:`_Layers`: iterating it gathers layer
+  ``i`` (one ``all_gather_single`` per dtype of layer ``i``'s slice of every stacked leaf, in ``gather_dtype``)
+  when the loop reaches it.
+- **Not kept for backward.** While the model runs, ``torch.autograd.graph.saved_tensors_hooks`` replace every
+  tensor autograd saves that lives in a gathered layer's storage (a weight ``F.linear`` keeps for its input's
+  gradient, a compiled block's saved views, the inputs ``core.remat.checkpoint`` keeps to recompute a block) by a
+  token; unpacking one in backward gathers the layer again, once, and keeps it until the layer's gradient is
+  reduced. So a layer's full tensors die with the model's last reference to them, when its loop takes the next
+  layer, and the recomputation of a checkpointed block re-gathers its layer.
+- **Gradients.** A layer's full tensors are the outputs of one autograd node (:class:`_Gathered`), whose backward
+  runs once the block's backward is done: it reduce-scatters their gradients in float32 into row ``i`` of this
+  rank's gradient shard of each stacked leaf. With several micro-batches a layer's full float32 gradient is summed
+  until the last micro-batch's backward, so each layer is still reduce-scattered once per optimizer step; the price
+  is those sums, one full float32 gradient of every layer, kept between micro-batches (FSDP2's
+  ``set_requires_gradient_sync(False)`` trade). The whole-gathered leaves' gradients are summed and reduce-scattered
+  at the end of the step, with the loss and the aux metrics averaged (:meth:`core.shard.Layout.reduce`).
+
+Every rank runs the same model code, so the collectives come in the same order on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Optional
+
+import torch
+
+from core.tree import layer_sources, like, tree_unflatten, zip_leaves
+
+
+class _Saved:
+    """What autograd keeps of a saved tensor that lives in a gathered layer: the layer, which of its tensors, and
+    the view of it (size, stride, offset)."""
+    __slots__ = ("layer", "n", "view")
+
+    def __init__(self, layer: "_Layer", n: int, t: torch.Tensor):
+        self.layer, self.n, self.view = layer, n, (tuple(t.size()), t.stride(), t.storage_offset())
+
+
+class _Layer:
+    """Layer ``k`` of the stacked leaves at positions ``idx`` of :attr:`Blocks.shards`, for one pass of the model."""
+
+    def __init__(self, blocks: "Blocks", idx: list, k: int):
+        self.blocks, self.idx, self.k = blocks, idx, k
+        self.held: Optional[list] = None     # the full (padded) tensors while this holds them
+        self.weak: list = []                 # weak references to them (the model's references outlive ``held``)
+
+    def take(self) -> list:
+        """The layer gathered from every rank's shards, held until :meth:`release`."""
+        self._hold(self.blocks.gather(self.idx, self.k))
+        return self.held
+
+    def _hold(self, tensors: list) -> None:
+        self.held, self.weak = tensors, [weakref.ref(t) for t in tensors]
+        for n, t in enumerate(tensors):
+            self.blocks.owners[t.untyped_storage().data_ptr()] = (self, n)
+
+    def release(self) -> None:
+        """The model's loop has moved on: the layer lives as long as the model's own references to it."""
+        self.held = None
+
+    def alive(self, n: int) -> Optional[torch.Tensor]:
+        return self.weak[n]() if self.weak else None
+
+    def tensors(self) -> list:
+        """The full tensors for backward or a recomputation: still alive, or gathered again (held until the
+        layer's gradient is reduced)."""
+        if self.held is None:
+            alive = [w() for w in self.weak]
+            if any(t is None for t in alive):
+                self.take()
+            else:
+                self.held = alive
+        return self.held
+
+    def backward(self, grads: tuple) -> None:
+        self.blocks.reduce(self.idx, self.k, grads)
+        self.held = None
+
+
+class _Gathered(torch.autograd.Function):
+    """``anchor -> a layer's full tensors``: the all-gather forward, the reduce-scatter backward (the anchor is a
+    0-d tensor that requires grad, so the outputs do too; its own gradient is None)."""
+
+    @staticmethod
+    def forward(ctx, layer: _Layer, anchor: torch.Tensor):
+        ctx.layer = layer
+        ctx.set_materialize_grads(False)
+        return tuple(layer.take())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.layer.backward(grads)
+        return None, None
+
+
+class _Layers:
+    """The layers of a tree of stand-ins (``core.tree.unstack``), each gathered when the iteration reaches it."""
+
+    def __init__(self, blocks: "Blocks", idx: list, spec):
+        self.blocks, self.idx, self.spec = blocks, idx, spec
+        self.n = blocks.specs[idx[0]].shape[0]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        layer = None
+        for k in range(self.n):
+            if layer is not None:
+                layer.release()
+            layer = _Layer(self.blocks, self.idx, k)
+            yield tree_unflatten(self.spec, self.blocks.model_leaves(layer))
+
+    def __getitem__(self, k):
+        raise TypeError("the layers of params sharded per block (parallel=fsdp) are gathered one at a time: iterate "
+                        "core.tree.unstack's result once, in order")
+
+
+class Blocks:
+    """One step's gathering of this rank's ``shards`` (a params tree split as ``layout.params``): the stacked leaves
+    per layer, the others whole. ``train``: the model is differentiated (gradients reduce-scattered), else only run."""
+
+    def __init__(self, layout, shards, train: bool = True):
+        self.layout, self.tree = layout, shards
+        self.shards, self.specs = zip_leaves(shards, layout.params)
+        self.stacked = [j for j, s in enumerate(self.specs) if s.dim == 1]
+        self.rest = [j for j, s in enumerate(self.specs) if s.dim != 1]
+        full = layout.gather_leaves([self.shards[j] for j in self.rest], [self.specs[j] for j in self.rest])
+        self.full = [f.detach().requires_grad_(train) for f in full]
+        self.standins = {j: torch.empty(self.specs[j].shape, dtype=self._dtype(self.shards[j]), device="meta")
+                         for j in self.stacked}
+        self.by_id = {id(t): j for j, t in self.standins.items()}
+        device = self.shards[0].device if self.shards else None
+        self.anchor = torch.zeros((), device=device, requires_grad=True) if train else None
+        self.grads = {j: torch.zeros_like(self.shards[j]) for j in self.stacked} if train else {}
+        self.sums: dict = {}      # (j, k) -> layer k's full float32 gradient of leaf j summed over micro-batches
+        self.last = True          # the micro-batch running is the step's last: its backward reduce-scatters
+        self.owners: dict = {}    # storage address -> (layer, n) of every gathered tensor
+
+    def _dtype(self, shard: torch.Tensor) -> torch.dtype:
+        gather = self.layout.gather_dtype
+        return gather if gather is not None and shard.is_floating_point() else shard.dtype
+
+    def params(self):
+        """The params tree the model gets: the whole-gathered leaves, stand-ins for the stacked ones."""
+        leaves = [None] * len(self.shards)
+        for j, t in zip(self.rest, self.full):
+            leaves[j] = t
+        for j, t in self.standins.items():
+            leaves[j] = t
+        return like(self.tree, leaves, order=self.tree)
+
+    def inputs(self) -> list:
+        """What ``torch.autograd.grad`` differentiates: the whole-gathered leaves, then the anchor."""
+        return [*self.full, self.anchor]
+
+    @contextlib.contextmanager
+    def running(self, last: bool = True):
+        """While the model runs on :meth:`params`: ``core.tree.unstack`` serves the layers and tensors saved for
+        backward that live in a gathered layer become tokens. ``last``: the step's last micro-batch."""
+        self.last = last
+        layer_sources.append(self._layers)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if self.anchor is not None \
+            else contextlib.nullcontext()
+        try:
+            with hooks:
+                yield self.params()
+        finally:
+            layer_sources.remove(self._layers)
+            if self.anchor is None:      # only run: nothing comes back for a backward
+                self.close()
+
+    def _layers(self, leaves: list, spec) -> Optional[_Layers]:
+        idx = [self.by_id.get(id(t)) for t in leaves]
+        if all(j is None for j in idx):
+            return None
+        if any(j is None for j in idx):
+            raise ValueError("core.tree.unstack: a tree mixing the stacked params of a sharded step (parallel=fsdp, "
+                             "gathered per block) with other tensors")
+        return _Layers(self, idx, spec)
+
+    def model_leaves(self, layer: _Layer) -> list:
+        """Layer ``k``'s tensors as the model sees them: gathered (through :class:`_Gathered` when differentiated),
+        the padding cut off."""
+        full = _Gathered.apply(layer, self.anchor) if self.anchor is not None and torch.is_grad_enabled() \
+            else layer.take()
+        sizes = [self.specs[j].size for j in layer.idx]
+        return [t if t.shape[0] == n else t.narrow(0, 0, n) for t, n in zip(full, sizes)]
+
+    def gather(self, idx: list, k: int) -> list:
+        """Layer ``k`` of the stacked leaves ``idx``, each full and padded (``[W chunk, ...]``): one
+        ``all_gather_single`` per dtype."""
+        world = self.layout.world
+
+        def join(pieces: torch.Tensor, spec) -> torch.Tensor:     # [W, chunk numel] -> [W chunk, ...]
+            out = torch.empty((world * spec.chunk,) + spec.shape[2:], dtype=pieces.dtype, device=pieces.device)
+            out.view(world, -1).copy_(pieces)
+            return out
+        with torch.no_grad():
+            return self.layout.gather_leaves([self.shards[j][k] for j in idx], [self.specs[j] for j in idx], join)
+
+    def reduce(self, idx: list, k: int, grads) -> None:
+        """Layer ``k``'s full gradients of the leaves ``idx`` (padded; None is zero): reduce-scattered into row
+        ``k`` of this rank's gradient shards in the step's last micro-batch, summed for it before."""
+        world, rows = self.layout.world, []
+        for j, g in zip(idx, grads):
+            spec = self.specs[j]
+            if g is None:
+                g = torch.zeros((world * spec.chunk,) + spec.shape[2:], dtype=torch.float32,
+                                device=self.grads[j].device)
+            g = g.to(torch.float32)
+            if (j, k) in self.sums:
+                g = self.sums.pop((j, k)) + g
+            elif not self.last:
+                g = g.clone()          # kept past this backward: not autograd's buffer
+            if not self.last:
+                self.sums[(j, k)] = g
+                continue
+            rows.append(g.reshape(world, -1))
+        if not self.last:
+            return
+        mine, offset = self.layout.reduce_rows(rows), 0
+        for j in idx:
+            row = self.grads[j][k]
+            row.add_(mine[offset:offset + row.numel()].view_as(row))
+            offset += row.numel()
+
+    def finish(self, full_grads: list, loss: torch.Tensor, aux: dict):
+        """This rank's gradient shards (a tree like the params), the loss and aux averaged over ranks, from the
+        summed gradients of the whole-gathered leaves (``full_grads``, in :meth:`inputs` order) and the layers'."""
+        self.last = True
+        for k in sorted({k for _, k in self.sums}):     # layers the last micro-batch did not reach
+            idx = sorted(j for j, kk in self.sums if kk == k)
+            self.reduce(idx, k, [None] * len(idx))
+        rest, loss, aux = self.layout.reduce(list(full_grads), loss, aux, specs=[self.specs[j] for j in self.rest])
+        leaves = [None] * len(self.shards)
+        for j, g in zip(self.rest, rest):
+            leaves[j] = g
+        for j, g in self.grads.items():
+            leaves[j] = g
+        self.close()
+        return like(self.tree, leaves, order=self.tree), loss, aux
+
+    def close(self) -> None:
+        """Drop what this step gathered and the layers' references back here (a cycle the garbage collector would
+        otherwise free late, gradient buffers and all)."""
+        self.owners, self.grads, self.full = {}, {}, []
+
+    def _pack(self, t):
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
+            return t
+        address = t.untyped_storage().data_ptr()
+        hit = self.owners.get(address) if address else None
+        if hit is None:
+            return t
+        layer, n = hit
+        full = layer.alive(n)
+        if full is None or full.untyped_storage().data_ptr() != address:   # a stale entry: the layer is gone
+            return t
+        return _Saved(layer, n, t)
+
+    @staticmethod
+    def _unpack(saved):
+        if isinstance(saved, _Saved):
+            return saved.layer.tensors()[saved.n].as_strided(*saved.view)
+        return saved
