@@ -65,7 +65,15 @@ def write_into(state: TrainState, new: TrainState) -> TrainState:
         if o.dtype != n.dtype or o.shape != n.shape:
             raise ValueError(f"the step changed a leaf from {o.dtype}{list(o.shape)} to {n.dtype}{list(n.shape)}: "
                              f"cannot donate")
-    if pairs:
+    if pairs and torch.compiler.is_compiling():
+        # One copy_ per leaf in a graph, not _foreach_copy_: inductor (torch 2.13, CPU) lowers _foreach_copy_ by
+        # building every copy's loader first and writing the destinations after, one by one, so a later leaf whose
+        # new value reads an earlier leaf's old value through an unrealized pointwise (AdaGC's gamma reads its step
+        # count, written just before it, in the warm-up test) reads the new one. A copy_ is lowered after the old
+        # value's readers are realized. Standalone repro: tests/test_donation.py (..._reads_an_overwritten_destination).
+        for o, n in pairs:
+            o.copy_(n)
+    elif pairs:
         torch._foreach_copy_([o for o, _ in pairs], [n for _, n in pairs])
     return new._replace(params=state.params, opt_state=state.opt_state)
 

@@ -1,7 +1,8 @@
 """Buffer donation (``make_train_step(donate=True)``, ``core.donate``) and regional compilation
 (``compile_scope="block"``, ``core.compile.region``): the same numbers as the pure, uncompiled step.
 
-Eager donated steps equal pure ones bitwise; compiled donated steps equal compiled pure ones within 1e-6. The skip on a non-finite loss leaves
+Eager donated steps equal pure ones bitwise; compiled donated steps equal compiled pure ones within 1e-6, and
+with AdaGC (whose gamma reads its step count) eager ones. The skip on a non-finite loss leaves
 the donated params and optimizer state as they were. A state that shares storage with the frozen inputs
 is copied before anything is written. The block graph's gradients equal eager ``torch.func``'s to 1e-6,
 and a deeper model of the same width compiles nothing new.
@@ -136,3 +137,34 @@ def test_compiled_donated_steps_match_the_pure_compiled_step(scope, one_thread):
     assert int(donated.step) == 20
     assert max_abs_diff(pure.params, donated.params) < 1e-6
     assert max_abs_diff(pure.opt_state, donated.opt_state) < 1e-6
+
+
+def test_inductor_foreach_copy_into_inputs_still_reads_an_overwritten_destination():
+    """The inductor defect ``core.donate.write_into`` steps around (torch 2.13, CPU), standalone: ``_foreach_copy_``
+    is lowered as every copy's loader built first, then the destinations written one by one, so ``gamma``'s new
+    value, which reads ``count``'s old one through an unrealized pointwise, is computed after ``count`` was
+    written. Eager gives ``(1, 2.0)``, compiled ``(1, 3.0)``; with two ``copy_`` calls it compiles correctly (lowering
+    a ``copy_`` realizes the old value's readers before the write: ``GraphLowering.mark_buffer_mutated``)."""
+    def update(count, limit, gamma):
+        c = count + 1
+        torch._foreach_copy_([count, gamma], [c, torch.where(c <= limit, 2.0, 3.0)])
+
+    count, limit, gamma = torch.tensor(0), torch.tensor(1), torch.tensor(0.0)
+    torch.compile(update, fullgraph=True)(count, limit, gamma)
+    assert (count.item(), gamma.item()) == (1, 3.0), \
+        "inductor now compiles this right: write_into may go back to one _foreach_copy_ in graphs too"
+
+
+def test_compiled_donated_adagc_equals_eager(one_thread):
+    """AdaGC's new gamma reads its step count (warm-up or not) and is written into the state after that count:
+    the donated graph must read the old count (it read the new one: 8.5e-3 in params after 3 AdamW steps on a
+    toy). Two warm-up steps, then per-tensor clipping, one step skipped; SGD, as AdamW's first steps magnify
+    rounding (compiled and eager AdamW differ by 1e-5 here, pure or donated)."""
+    opt, params = optim.chain(optim.adagc(t_start=2), optim.sgd(lr=1e-2, momentum=0.9)), llama.init(CFG, seed=7)
+    data = batches(5, poisoned={3})
+    eager = run(make_train_step(loss_fn, opt), init_state(clone(params), opt), data)[0]
+    step = make_train_step(loss_fn, opt, donate=True, compile=True, compile_scope="block")   # the update's graph
+    donated = run(step, init_state(clone(params), opt), data)[0]
+    assert int(donated.step) == 5 and int(donated.opt_state[0].count) == 4
+    assert max_abs_diff(eager.params, donated.params) < 1e-6
+    assert max_abs_diff(eager.opt_state, donated.opt_state) < 1e-6

@@ -116,9 +116,7 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
         train_loss = with_faults(loss_fn)
         batches = FaultyBatches(batches, cfg.fault, vocab_size, cfg.seed)
     # donate: the loop never reads a state after stepping it; the orchestrator's branches do (one state, many steps).
-    # Not with AdaGC compiled: the compiled donated step drifts from eager by ~1e-2 in params after 3 steps on
-    # torch 2.13 (pure compiled and donated eager agree with eager), a defect not yet found; pure until it is.
-    donate = not cfg.orchestrator.enabled and not (cfg.compile and cfg.clipping == "adagc")
+    donate = not cfg.orchestrator.enabled
     train = make_train_step(train_loss, optimizer, grad_accum=cfg.grad_accum, precision=cfg.dtype,
                             device_type=device.type, compile=cfg.compile, compile_scope=scope,
                             remat=cfg.remat, extra_metrics=health.metrics if health else None,
