@@ -181,3 +181,17 @@ def test_memory_and_durations():
     grew = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert grew > 200
     assert [format_duration(s) for s in (0.4, 59, 61, 3599, 3600 * 2 + 300)] == ["0s", "59s", "1m01s", "59m59s", "2h05m"]
+
+
+def test_scalars_of_one_step_are_one_event_that_tensorboard_reads_as_separate_tags(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from core.logging import Logger
+    logger = Logger(tmp_path, console=False)
+    logger.scalars(10, {"train/loss": 1.5, "health/a/norm": 2.0})
+    logger.scalars(20, {"train/loss": 1.25, "health/a/norm": float("nan")})
+    logger.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    by_tag = {t.split("_", 1)[1]: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}
+    assert by_tag["train/loss"] == [(10, 1.5), (20, 1.25)]
+    assert by_tag["health/a/norm"][0] == (10, 2.0) and by_tag["health/a/norm"][1][1] != by_tag["health/a/norm"][1][1]
