@@ -18,7 +18,9 @@ In one process, on the same Llama (the same initial weights), the same data and 
   step without its non-finite select), for what each costs.
 
 The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (``fit`` resumed from
-where it stopped), the median round of each is its time. Every round also times a ``peak_size``-square fp32
+where it stopped), timed from the end of a round's first step to the end of its last (so what ``fit`` does once
+per call, the rollback ring's starting copy of the state above all, stays out, as it does from a run, which calls
+``fit`` once), the median round of each is its time. Every round also times a ``peak_size``-square fp32
 matmul (the machine's measured matmul peak, FLOP/s = 2 n^3 / time); the step's achieved FLOP/s is tokens/s
 times PaLM's training FLOPs per token (``core.telemetry.flops_per_token``). Ratios are the result: this machine
 is shared and noisy.
@@ -44,6 +46,7 @@ from models.llama_module import LlamaModule, load_params
 from recipes import standard
 from recipes.train import backend
 from recipes.train.backend import SCOPES
+from recipes.train.hooks import Hook
 from recipes.train.loop import LoopIO, LoopState, build_steps, fit
 
 DESCRIPTION = ("tokens/s of bin/run recipe=standard's loop against nanoGPT's plain loop (torch.compile(module) + "
@@ -62,7 +65,7 @@ class Config:
     batch_size: int = option(12, "sequences per step", min=1)
     block_size: int = option(64, "tokens per sequence", min=1)
     warmup: int = option(20, "untimed steps per variant (compilation happens here)", min=1)
-    steps: int = option(30, "steps per variant per round", min=1)
+    steps: int = option(30, "steps per variant per round (timed from the end of the first)", min=2)
     rounds: int = option(11, "interleaved rounds; the median round is the result (many short rounds: a shared "
                              "box's bursts fall in few of them)", min=1)
     log_every: int = option(10, "metric pulls (standard) and loss.item() (plain) every this many steps", min=1)
@@ -78,7 +81,7 @@ class Config:
 
 PRESETS = {
     "100m": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4,
-             "batch_size": 2, "block_size": 128, "warmup": 3, "steps": 3, "rounds": 3, "log_every": 10},
+             "batch_size": 2, "block_size": 128, "warmup": 3, "steps": 5, "rounds": 3, "log_every": 10},
 }
 
 
@@ -107,11 +110,26 @@ class Standard:
         self.params, self.model_cfg = p.params, p.model_cfg
 
     def __call__(self, n: int) -> float:
-        """Run ``n`` more steps; returns the last logged loss."""
+        """Run ``n`` more steps; returns seconds per step from the end of the first to the end of the last (what
+        ``fit`` does once per call, such as the rollback ring's starting copy, stays out: a run calls it once)."""
         cfg = replace(self.cfg, steps=int(self.state.step) + n)
-        result = fit(cfg, self.state, self.steps, self.io, loop=self.loop)
+        clock = _Clock()
+        result = fit(cfg, self.state, self.steps, self.io, loop=self.loop, hooks=[clock])
         self.state = result.state
-        return float(self.loop.tokens)
+        return clock.per_step()
+
+
+class _Clock(Hook):
+    """The time at the end of every step's train step (the first hook to run after it)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def after_step(self, ctx):
+        self.times.append(time.perf_counter())
+
+    def per_step(self) -> float:
+        return (self.times[-1] - self.times[0]) / max(len(self.times) - 1, 1)
 
 
 def _lr(step: int, total: int, warmup: int = 100, peak: float = 1e-3, floor: float = 1e-4) -> float:
@@ -137,7 +155,8 @@ class Plain:
         self.it, self.log_every = 0, cfg.log_every
 
     def __call__(self, n: int) -> float:
-        lossf = math.nan
+        """Run ``n`` more steps; returns seconds per step from the end of the first to the end of the last."""
+        times = []
         for _ in range(n):
             for group in self.opt.param_groups:
                 group["lr"] = _lr(self.it, self.total)
@@ -149,8 +168,9 @@ class Plain:
             self.opt.zero_grad(set_to_none=True)
             self.it += 1
             if self.it % self.log_every == 0:
-                lossf = loss.item()
-        return lossf
+                loss.item()
+            times.append(time.perf_counter())
+        return (times[-1] - times[0]) / max(n - 1, 1)
 
 
 def matmul_peak(n: int, repeats: int = 3) -> float:
@@ -187,9 +207,7 @@ def _rounds(cfg: Config, variants: dict) -> tuple[dict, list]:
     peaks = []
     for r in range(cfg.rounds):
         for name, run in variants.items():
-            start = time.perf_counter()
-            run(cfg.steps)
-            times[name].append((time.perf_counter() - start) / cfg.steps)
+            times[name].append(run(cfg.steps))
         peaks.append(matmul_peak(cfg.peak_size))
         progress(f"  round {r + 1}/{cfg.rounds}: " + ", ".join(f"{n} {t[-1] * 1e3:.1f} ms" for n, t in times.items()))
     return times, peaks
