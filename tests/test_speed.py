@@ -18,7 +18,7 @@ def test_bench_speed_times_every_variant(tmp_path, monkeypatch, capsys):
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     cfg = speed.Config(data=str(text), d_model=32, n_layers=1, n_heads=2, batch_size=2, block_size=16, warmup=1,
-                       steps=2, rounds=1, log_every=1, compile=False, overhead=True, peak_size=64, threads=0)
+                       steps=3, rounds=1, log_every=1, compile=False, overhead=True, peak_size=64, threads=0)
     out = speed.run(cfg)
     rows = out["rows"]
     assert set(rows) == {"standard", "plain", "standard, health=false", "standard, spike.enabled=false",

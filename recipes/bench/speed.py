@@ -18,9 +18,9 @@ In one process, on the same Llama (the same initial weights), the same data and 
   step without its non-finite select), for what each costs.
 
 The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (``fit`` resumed from
-where it stopped), timed from the end of a round's first step to the end of its last (so what ``fit`` does once
-per call, the rollback ring's starting copy of the state above all, stays out, as it does from a run, which calls
-``fit`` once), the median round of each is its time. Every round also times a ``peak_size``-square fp32
+where it stopped), timed from the end of a round's second step to the end of its last (so what ``fit`` does once
+per call stays out, as it does from a run, which calls ``fit`` once: the rollback ring's starting copy of the
+state, and the step after it, which ran 2x slower at 100M), the median round of each is its time. Every round also times a ``peak_size``-square fp32
 matmul (the machine's measured matmul peak, FLOP/s = 2 n^3 / time); the step's achieved FLOP/s is tokens/s
 times PaLM's training FLOPs per token (``core.telemetry.flops_per_token``). Ratios are the result: this machine
 is shared and noisy.
@@ -65,7 +65,7 @@ class Config:
     batch_size: int = option(12, "sequences per step", min=1)
     block_size: int = option(64, "tokens per sequence", min=1)
     warmup: int = option(20, "untimed steps per variant (compilation happens here)", min=1)
-    steps: int = option(30, "steps per variant per round (timed from the end of the first)", min=2)
+    steps: int = option(30, "steps per variant per round (timed from the end of the second)", min=3)
     rounds: int = option(11, "interleaved rounds; the median round is the result (many short rounds: a shared "
                              "box's bursts fall in few of them)", min=1)
     log_every: int = option(10, "metric pulls (standard) and loss.item() (plain) every this many steps", min=1)
@@ -81,7 +81,7 @@ class Config:
 
 PRESETS = {
     "100m": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4,
-             "batch_size": 2, "block_size": 128, "warmup": 3, "steps": 5, "rounds": 3, "log_every": 10},
+             "batch_size": 2, "block_size": 128, "warmup": 3, "steps": 6, "rounds": 3, "log_every": 10},
 }
 
 
@@ -110,8 +110,9 @@ class Standard:
         self.params, self.model_cfg = p.params, p.model_cfg
 
     def __call__(self, n: int) -> float:
-        """Run ``n`` more steps; returns seconds per step from the end of the first to the end of the last (what
-        ``fit`` does once per call, such as the rollback ring's starting copy, stays out: a run calls it once)."""
+        """Run ``n`` more steps; returns seconds per step from the end of the second to the end of the last (what
+        ``fit`` does once per call stays out, as a run calls it once: the rollback ring's starting copy of the
+        state, and the step after it, 2x slower at 100M)."""
         cfg = replace(self.cfg, steps=int(self.state.step) + n)
         clock = _Clock()
         result = fit(cfg, self.state, self.steps, self.io, loop=self.loop, hooks=[clock])
@@ -129,7 +130,7 @@ class _Clock(Hook):
         self.times.append(time.perf_counter())
 
     def per_step(self) -> float:
-        return (self.times[-1] - self.times[0]) / max(len(self.times) - 1, 1)
+        return (self.times[-1] - self.times[1]) / max(len(self.times) - 2, 1)
 
 
 def _lr(step: int, total: int, warmup: int = 100, peak: float = 1e-3, floor: float = 1e-4) -> float:
@@ -155,7 +156,7 @@ class Plain:
         self.it, self.log_every = 0, cfg.log_every
 
     def __call__(self, n: int) -> float:
-        """Run ``n`` more steps; returns seconds per step from the end of the first to the end of the last."""
+        """Run ``n`` more steps; returns seconds per step from the end of the second to the end of the last."""
         times = []
         for _ in range(n):
             for group in self.opt.param_groups:
@@ -170,7 +171,7 @@ class Plain:
             if self.it % self.log_every == 0:
                 loss.item()
             times.append(time.perf_counter())
-        return (times[-1] - times[0]) / max(n - 1, 1)
+        return (times[-1] - times[1]) / max(n - 2, 1)
 
 
 def matmul_peak(n: int, repeats: int = 3) -> float:
