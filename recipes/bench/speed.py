@@ -130,7 +130,7 @@ class _Clock(Hook):
         self.times.append(time.perf_counter())
 
     def per_step(self) -> float:
-        return (self.times[-1] - self.times[1]) / max(len(self.times) - 2, 1)
+        return _per_step(self.times)
 
 
 def _lr(step: int, total: int, warmup: int = 100, peak: float = 1e-3, floor: float = 1e-4) -> float:
@@ -171,7 +171,14 @@ class Plain:
             if self.it % self.log_every == 0:
                 loss.item()
             times.append(time.perf_counter())
-        return (times[-1] - times[1]) / max(n - 2, 1)
+        return _per_step(times)
+
+
+def _per_step(times: list) -> float:
+    """Seconds per step between the end of the second step and the end of the last (fewer steps: what there is;
+    the warm-up's calls)."""
+    first = min(1, len(times) - 1)
+    return (times[-1] - times[first]) / max(len(times) - 1 - first, 1)
 
 
 def matmul_peak(n: int, repeats: int = 3) -> float:
