@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 import optim
 from core.config import ConfigError, option
-from core.logging import progress
+from core.logging import memory_mb, progress, reset_peak_memory
 from recipes.bench.common import StepBench, model_and_batch, warm_up
 from core.state import init_state
 from core.step import COMPILE_SCOPES, make_train_step
@@ -140,29 +140,6 @@ def _peak_mb(device: torch.device) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
-def _reset_steady_peak(device: torch.device) -> bool:
-    """Start measuring the peak afresh (after the first step, so a compile's own memory is left out): CUDA's
-    peak statistics, or Linux's resident high-water mark (``/proc/self/clear_refs``); False where neither is."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return True
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _steady_peak_mb(device: torch.device) -> float:
-    """The peak since :func:`_reset_steady_peak`, in MB (``VmHWM`` of ``/proc/self/status`` on Linux)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2**10
-    raise OSError("no VmHWM in /proc/self/status")
-
-
 def measure_variant(cfg: Config, name: str) -> dict:
     """Build variant ``name`` alone, time its first step and its median round, and read the peak memory: over
     the whole process, and over the steps after the first (the steady state, when this platform can say)."""
@@ -173,12 +150,12 @@ def measure_variant(cfg: Config, name: str) -> dict:
     start = time.perf_counter()
     step().item()
     first = time.perf_counter() - start
-    steady = _reset_steady_peak(device)
+    steady = reset_peak_memory(device)   # after the first step: a compile's own memory stays out
     for _ in range(cfg.warmup - 1):
         step().item()
     per_step = statistics.median(_time(step, cfg.steps) for _ in range(cfg.rounds))
     return {"seconds_per_step": per_step, "first_step_s": first, "peak_mb": _peak_mb(device),
-            "steady_mb": _steady_peak_mb(device) if steady else None}
+            "steady_mb": memory_mb(device) if steady else None}
 
 
 def _child_main() -> None:
