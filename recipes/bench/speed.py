@@ -74,6 +74,8 @@ class Config:
     plain_optimizer: str = option("fused", "torch.optim.AdamW's implementation in the plain loop",
                                   choices=("fused", "foreach"))
     overhead: bool = option(False, "also time standard without health, without spike detection, without the skip")
+    profile: int = option(0, "after the rounds, profile this many steps of standard and of plain (torch.profiler "
+                               "with inductor's per-kernel records) and print their costliest kernels", min=0)
     peak_size: int = option(2048, "side of the square fp32 matmul that measures the machine's peak", min=1)
     threads: int = option(2, "torch.set_num_threads (0 keeps the default)", min=0)
     seed: int = option(1337, "seed for weights and data", min=0)
@@ -221,14 +223,29 @@ def _rounds(cfg: Config, variants: dict) -> tuple[dict, list]:
     return times, peaks
 
 
+def _profile(name: str, run, steps: int, rows: int = 25) -> None:
+    """Print the ``rows`` costliest ops and inductor kernels of ``steps`` steps of ``run``, per step."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(steps)
+    print(f"\n{name}: {steps} steps profiled (self CPU time; divide by {steps} for per step)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=90))
+
+
 def run(cfg: Config) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.profile:   # before anything compiles: the generated kernels then record themselves
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp.enable_kernel_profile = True
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-speed-") as tmp:
         variants = build(cfg, Path(tmp))
         std = variants["standard"]
         times, peaks = _rounds(cfg, variants)
+        if cfg.profile:
+            for name in ("standard", "plain"):
+                _profile(name, variants[name], cfg.profile)
         for v in variants.values():
             if isinstance(v, Standard):
                 v.logger.close()
