@@ -7,9 +7,9 @@ move as ``torch.optim``'s multi-tensor Adam moves its first one, by ``lerp`` (``
 one pass over memory instead of three); the math runs on the list of leaves (:mod:`optim.foreach`).
 
 In an eager donated step (``core.donate``) every pass writes into a buffer the step gave up: the moments
-in place, ``g * g`` into the gradients once the first moment has read them, the directions into them
-again, so one temporary (the denominators) is live at a time, as in ``torch.optim``'s
-``_multi_tensor_adam``.
+in place, ``g * g`` into the gradients once the first moment has read them, the denominators and then the
+directions (``m / denominator / bc1``: ``m_hat / denominator`` with the bias correction last) into them again, so
+the update allocates no full-size temporary.
 """
 from __future__ import annotations
 
@@ -33,14 +33,16 @@ class ScaleByAdamState(NamedTuple):
 
 def _adam_directions(mu: list, nu: list, bc1: torch.Tensor, bc2_sqrt: torch.Tensor, eps: torch.Tensor,
                      spare: list) -> list:
-    """``(m / bc1) / (sqrt(v) / bc2_sqrt + eps)`` leaf by leaf, one multi-tensor op at a time; written into
-    ``spare`` (spent gradients) when the step donated them."""
+    """``(m / (sqrt(v) / bc2_sqrt + eps)) / bc1`` leaf by leaf, one multi-tensor op at a time; the denominators
+    and then the directions written into ``spare`` (spent gradients) when the step donated them."""
     if not mu:
         return []
-    denominators = torch._foreach_sqrt(nu)
+    denominators = foreach.roots(nu, spare)
     torch._foreach_div_(denominators, bc2_sqrt)
     foreach.add_scalar_(denominators, eps)
-    return foreach.div_into(foreach.divide(mu, bc1, spare), denominators)
+    directions = foreach.over(mu, denominators)
+    torch._foreach_div_(directions, bc1)
+    return directions
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:

@@ -8,8 +8,10 @@ The fixture (``tests/fixtures/behaviour/``) was made before the recipes were reo
 
 A change that moves rounding on purpose re-records ``state.sha256`` (python state_hash.py on the new final
 checkpoint) and says so in its commit; the committed checkpoint stays the first recording, and the run
-must stay within float rounding of it. Re-recorded once: AdamW's moments by ``lerp`` and eager steps
-through ``torch.autograd`` (issue "the functional step at plain PyTorch's cost"; params moved <= 1.2e-7).
+must stay within float rounding of it. Re-recorded twice: AdamW's moments by ``lerp`` and eager steps
+through ``torch.autograd`` (issue "the functional step at plain PyTorch's cost"; params moved <= 1.2e-7); Adam's
+direction divided by its bias correction last, so the donated step writes it into the gradients without a
+fresh temporary (params 1.2e-7 from the first recording).
 """
 import shutil
 from pathlib import Path
