@@ -175,6 +175,19 @@ def per_block(shard, compile: bool, compile_scope: str = "step", grad_mode: Opti
     return shard is not None and not one_graph and grad_mode != "func"
 
 
+def _takes_step(extra_metrics: Callable) -> bool:
+    return "step" in inspect.signature(extra_metrics).parameters
+
+
+def _reads_old_params(extra_metrics: Optional[Callable], state: TrainState, finite: torch.Tensor) -> bool:
+    """Whether ``extra_metrics`` reads the params from before the update this (eager) step: always, unless it
+    says when it is due (``due(step, finite)``, as ``optim.health.GradientHealth`` does)."""
+    if extra_metrics is None:
+        return False
+    due = getattr(extra_metrics, "due", None)
+    return due is None or bool(due(state.step + 1, finite))
+
+
 def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: Optional[SpikeConfig],
                           donate: bool, skip: bool = True, psum: Optional[Callable] = None) -> Callable:
     """``apply_gradients(state, grads, loss, aux) -> (state, metrics)``: unscale, norm, update, skip if not finite;
@@ -190,15 +203,18 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
                    "param_norm": global_norm(state.params, psum), **aux}
         in_place = donate and not torch.compiler.is_compiling() and bool(finite)   # eager: one host sync
         keep_old = skip and not in_place
-        if in_place:   # eager donated step: moments and (without health statistics) params updated in place
-            updates, opt_state, new_params = update_in_place(optimizer, state, grads, keep=extra_metrics is not None)
+        if in_place:   # eager donated step: moments and (unless extra metrics read the old params) params in place
+            updates, opt_state, new_params = update_in_place(optimizer, state, grads,
+                                                             keep=_reads_old_params(extra_metrics, state, finite))
         else:
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params = apply_updates(state.params, updates)
         if getattr(optimizer, "metrics", None) is not None:   # what the transforms report: lr, clip activity
             metrics.update(optimizer.metrics(opt_state))
         if extra_metrics is not None:
-            metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=new_params))
+            when = {"step": state.step + 1, "finite": finite} if _takes_step(extra_metrics) else {}
+            metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=new_params,
+                                         **when))
         monitor = state.monitor
         if spike is not None and spike.enabled:
             monitor = update_monitor(state.monitor, loss, grad_norm, state.step + 1, spike)
@@ -246,8 +262,10 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
                     shard=None) -> Callable:
     """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
 
-    ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the
-    metrics from inside the step, e.g. gradient health statistics. ``spike`` runs the spike detector
+    ``extra_metrics(grads=, updates=, params=, new_params=[, step=, finite=])`` may add 0-d (or small packed)
+    tensors to the metrics from inside the step, e.g. gradient health statistics (``optim.health``); it gets the
+    step count after this step and whether the step is finite when it takes ``step``, and with a ``due(step,
+    finite)`` method an eager donated step updates the params in place on the steps it is not due. ``spike`` runs the spike detector
     (``core.spike``) on the step's loss and gradient norm; its state must exist in ``state.monitor``
     (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation checkpointing, which
     ``torch.func`` cannot differentiate: it selects the autograd path. ``reduce(list of tensors) -> list``

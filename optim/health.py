@@ -33,6 +33,7 @@ The stacked-leaf convention (``stacked_predicate``, ``slice_norms``) lives here 
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Union
 
 import torch
@@ -41,6 +42,7 @@ from core.tree import Tree, named_leaves, tree_leaves
 
 COLUMNS = ("nonfinite", "zero", "grad_norm", "grad_to_weight", "update_to_weight")
 GLOBAL = "global"
+NOT_COMPUTED = -1.0   # every entry of a packed tensor from a step that skipped the statistics (GradientHealth.every)
 
 Stacked = Union[None, Callable[[str, torch.Tensor], bool], str, Iterable[str]]
 
@@ -71,6 +73,11 @@ def stacked_predicate(stacked: Stacked = None) -> Callable[[str, torch.Tensor], 
     return predicate
 
 
+def computed(packed) -> bool:
+    """Whether a packed health tensor holds statistics (not a step that skipped them: ``GradientHealth.every``)."""
+    return bool(packed[0, 0] >= 0)
+
+
 def wide(dtype: torch.dtype) -> torch.dtype:
     """float32 for half types, the dtype itself for float32/float64: norms never accumulate below fp32."""
     return torch.promote_types(dtype, torch.float32)
@@ -99,9 +106,12 @@ class GradientHealth:
     partial statistics over the ranks holding the other shards of sharded params and gradients (``core.shard``).
     """
 
-    def __init__(self, params: Tree, *, stacked: Stacked = None, clip_norm: float | None = None, psum=None):
+    def __init__(self, params: Tree, *, stacked: Stacked = None, clip_norm: float | None = None, psum=None,
+                 every: int | None = None):
+        if every is not None and every < 1:
+            raise ValueError(f"GradientHealth: every must be >= 1, got {every}")
         is_stacked = stacked_predicate(stacked)
-        self.clip_norm, self.psum = clip_norm, psum
+        self.clip_norm, self.psum, self.every = clip_norm, psum, every
         self.leaves: list[tuple[str, bool, int]] = []      # (name, stacked, number of rows)
         self.rows: list[tuple[str, int | None]] = []        # (leaf name, layer index or None)
         for name, leaf in named_leaves(params):
@@ -114,27 +124,38 @@ class GradientHealth:
 
     # ---------------------------------------------------------------------------------- inside the step
 
+    def due(self, step: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        """Whether the step that brings the count to ``step`` computes the statistics (a bool tensor): every step
+        without ``every``; else the multiples of ``every`` (the loop's log steps), the first step and any step
+        whose loss or gradient norm is not finite (the steps the loop reports on)."""
+        if self.every is None:
+            return torch.ones((), dtype=torch.bool, device=step.device)
+        return (step % self.every == 0) | (step == 1) | ~finite
+
     def metrics(self, *, grads: Tree, params: Tree, new_params: Tree | None = None,
-                updates: Tree | None = None) -> dict[str, torch.Tensor]:
-        """``{"health": packed}``; traceable, no host sync. The update ratio uses ``new_params - params``
-        (what the step applied), or ``updates`` when ``new_params`` is not given."""
-        g_leaves = tree_leaves(grads)
-        w_leaves = tree_leaves(params)
-        if new_params is not None:
-            d_leaves = [nw.to(wide(w.dtype)) - w.to(wide(w.dtype)) for nw, w in zip(tree_leaves(new_params), w_leaves)]
-        elif updates is not None:
-            d_leaves = tree_leaves(updates)
-        else:
+                updates: Tree | None = None, step: torch.Tensor | None = None,
+                finite: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """``{"health": packed}``; traceable, no host sync in a graph. The update ratio uses ``new_params - params``
+        (what the step applied), or ``updates`` when ``new_params`` is not given. With ``every`` and ``step``
+        (the count after this step) and ``finite``, a step that is not :meth:`due` skips the per-leaf work
+        (``torch.cond`` in a compiled graph, a host check eagerly) and returns ``packed`` filled with -1
+        (:func:`computed` is false)."""
+        g_leaves, w_leaves = tree_leaves(grads), tree_leaves(params)
+        d_new = new_params is not None
+        if not d_new and updates is None:
             raise ValueError("GradientHealth.metrics needs new_params= or updates=")
+        d_leaves = tree_leaves(new_params if d_new else updates)
         if not (len(g_leaves) == len(w_leaves) == len(d_leaves) == len(self.leaves)):
             raise ValueError(f"GradientHealth was built for {len(self.leaves)} leaves, got "
                              f"{len(g_leaves)} grads / {len(w_leaves)} params / {len(d_leaves)} updates")
-        raw = []                                            # per row: nonfinite, ||g||, ||w||, ||d||
-        for (_, s, _), g, w, d in zip(self.leaves, g_leaves, w_leaves, d_leaves):
-            nonfinite = (~torch.isfinite(slices(g, s))).sum(-1, dtype=torch.float32)
-            norms = [slice_norms(x, s).float() for x in (g, w, d)]
-            raw.append(torch.stack([nonfinite] + norms, dim=-1).reshape(-1, 4))
-        raw = torch.cat(raw)
+        statistics = functools.partial(self._raw, d_new)
+        want = None if self.every is None or step is None else self.due(step, finite)
+        if want is None:
+            raw = statistics(g_leaves, w_leaves, d_leaves)
+        elif torch.compiler.is_compiling():   # one graph, and only the due steps run the reductions
+            raw = torch.cond(want, statistics, self._not_computed, (g_leaves, w_leaves, d_leaves))
+        else:
+            raw = statistics(g_leaves, w_leaves, d_leaves) if bool(want) else self._not_computed(g_leaves)
         if self.psum is not None:   # counts add up, norms add up as squares: one collective for every row
             counts, norms = raw.split([1, 3], dim=-1)
             counts, norms = self.psum(torch.cat([counts, norms.square()], dim=-1)).split([1, 3], dim=-1)
@@ -143,7 +164,25 @@ class GradientHealth:
         _, g_all, w_all, d_all = raw.square().sum(0).sqrt().unbind()
         rows = torch.stack([nonfinite, (gn == 0).float(), gn, gn / wn, dn / wn], dim=-1)
         total = torch.stack([nonfinite.sum(), (g_all == 0).float(), g_all, g_all / w_all, d_all / w_all])
-        return {"health": torch.cat([rows, total.reshape(1, 5)])}
+        packed = torch.cat([rows, total.reshape(1, 5)])
+        return {"health": packed if want is None else torch.where(want, packed, NOT_COMPUTED)}
+
+    __call__ = metrics
+
+    def _raw(self, d_new: bool, g_leaves: list, w_leaves: list, d_leaves: list) -> torch.Tensor:
+        """``[rows, 4]``: per row the non-finite count, ||g||, ||w||, ||d||; ``d_leaves`` are the new params
+        (``d_new``) or the updates."""
+        raw = []
+        for (_, s, _), g, w, d in zip(self.leaves, g_leaves, w_leaves, d_leaves):
+            if d_new:
+                d = d.to(wide(w.dtype)) - w.to(wide(w.dtype))
+            nonfinite = (~torch.isfinite(slices(g, s))).sum(-1, dtype=torch.float32)
+            norms = [slice_norms(x, s).float() for x in (g, w, d)]
+            raw.append(torch.stack([nonfinite] + norms, dim=-1).reshape(-1, 4))
+        return torch.cat(raw)
+
+    def _not_computed(self, g_leaves: list, *_) -> torch.Tensor:
+        return torch.full((len(self.rows) - 1, 4), NOT_COMPUTED, device=g_leaves[0].device)
 
     # ---------------------------------------------------------------------------------- on the host
 

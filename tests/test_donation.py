@@ -20,7 +20,7 @@ from core.state import init_state
 from core.step import make_train_step
 from core.tree import clone, leaves_of, max_abs_diff, tree_flatten, tree_map, tree_unflatten
 from models import llama
-from optim.health import GradientHealth
+from optim.health import GradientHealth, computed
 
 CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
@@ -53,14 +53,16 @@ OPTIMIZERS = {"adamw": optimizer, "lion": lambda: optim.chain(optim.clip_by_glob
               "sgd": lambda: optim.sgd(lr=1e-2, momentum=0.9)}
 
 
-@pytest.mark.parametrize("name,health,dtype", [("adamw", True, torch.float32), ("adamw", False, torch.float32),
+@pytest.mark.parametrize("name,health,dtype", [("adamw", True, torch.float32), ("adamw", 3, torch.float32),
+                                               ("adamw", False, torch.float32),
                                                ("adamw", False, torch.bfloat16), ("lion", False, torch.float32),
                                                ("sgd", False, torch.float32)])
 def test_donated_eager_steps_equal_pure_bitwise_in_the_same_buffers(name, health, dtype):
-    """With health statistics the params are updated apart and copied; without, in place with the moments
-    (and AdamW's intermediate results in the spent gradients, for bf16 leaves too)."""
+    """With health statistics the params are updated apart and copied (with ``every=3``, only on the steps they are
+    due); without, in place with the moments (and AdamW's intermediate results in the spent gradients, for bf16
+    leaves too)."""
     opt, params = OPTIMIZERS[name](), tree_map(lambda p: p.to(dtype), llama.init(CFG, seed=1))
-    extra = GradientHealth(params, clip_norm=1.0).metrics if health else None
+    extra = GradientHealth(params, clip_norm=1.0, every=None if health is True else health) if health else None
     kw = dict(spike=SpikeConfig(), extra_metrics=extra)
     pure = make_train_step(loss_fn, opt, **kw)
     donated = make_train_step(loss_fn, opt, donate=True, **kw)
@@ -129,14 +131,18 @@ def test_compiled_donated_steps_match_the_pure_compiled_step(scope, one_thread):
     they agree to 1e-6 after 20 AdamW steps at lr 1e-2 (on two threads this CPU drifted to 2e-6)."""
     opt, params = optimizer(), llama.init(CFG, seed=6)
     data = batches(20, poisoned={5})
+    health = GradientHealth(params, clip_norm=1.0, every=4)   # due on 4, 8, ..., 20, the first and the skipped
     results = []
     for donate in (False, True):
-        step = make_train_step(loss_fn, opt, donate=donate, compile=True, compile_scope=scope)
-        results.append(run(step, init_state(clone(params), opt), data)[0])
-    pure, donated = results
+        step = make_train_step(loss_fn, opt, donate=donate, compile=True, compile_scope=scope, extra_metrics=health)
+        results.append(run(step, init_state(clone(params), opt), data))
+    (pure, pure_metrics), (donated, metrics) = results
     assert int(donated.step) == 20
     assert max_abs_diff(pure.params, donated.params) < 1e-6
     assert max_abs_diff(pure.opt_state, donated.opt_state) < 1e-6
+    assert computed(metrics["health"])
+    torch.testing.assert_close(metrics["health"], pure_metrics["health"], rtol=1e-4, atol=1e-6)
+    assert not computed(step(donated, data[0])[1]["health"])          # step 21 (the donated step's graph)
 
 
 def test_inductor_foreach_copy_into_inputs_still_reads_an_overwritten_destination():

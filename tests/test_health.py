@@ -10,7 +10,7 @@ from core.state import init_state
 from core.step import make_train_step
 from core.tree import named_leaves, tree_map
 from models import llama
-from optim.health import COLUMNS, GradientHealth
+from optim.health import COLUMNS, GradientHealth, computed
 
 CFG = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, ffn_dim=32)
 
@@ -132,3 +132,18 @@ def test_a_column_with_no_finite_value_has_no_histogram():
     packed[:, COLUMNS.index("grad_norm")] = float("nan")           # a diverged step: every norm is NaN
     hist = health.histograms(packed)
     assert "health/grad_norm" not in hist and hist                  # the others are still there
+
+
+def test_with_every_only_due_steps_compute_the_statistics():
+    """Due: the multiples of ``every``, the first step and a non-finite one; the others skip the per-leaf work and
+    return -1 everywhere. The due ones equal the ungated statistics, eagerly and traced (``torch.cond``)."""
+    params, grads, new_params = setup()
+    full = GradientHealth(params).metrics(grads=grads, params=params, new_params=new_params)["health"]
+    health = GradientHealth(params, every=4)
+    traced = torch.compile(health.metrics, backend="eager", fullgraph=True)
+    for step, finite, due in [(1, True, True), (2, True, False), (4, True, True), (5, False, True), (6, True, False)]:
+        when = dict(step=torch.tensor(step), finite=torch.tensor(finite))
+        for fn in (health.metrics, traced):
+            packed = fn(grads=grads, params=params, new_params=new_params, **when)["health"]
+            assert computed(packed) == due and packed.shape == full.shape
+            assert torch.equal(packed, full) if due else bool((packed == -1).all())

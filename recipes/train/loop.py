@@ -109,8 +109,8 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     ``skip=False`` (benchmarks only) drops the step's non-finite select.
     """
     psum = layout.psum if layout else None
-    health = GradientHealth(params, clip_norm=cfg.grad_clip if cfg.clipping == "global" else None, psum=psum) \
-        if cfg.health else None
+    clip_norm = cfg.grad_clip if cfg.clipping == "global" else None
+    health = GradientHealth(params, clip_norm=clip_norm, psum=psum, every=cfg.log_every) if cfg.health else None
     train_loss, mode, scope = loss_fn, backend.compile_mode(cfg, device), backend.compile_scope(cfg, params)
     if cfg.fault.active:
         train_loss = with_faults(loss_fn)
@@ -119,7 +119,7 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     donate = not cfg.orchestrator.enabled
     train = make_train_step(train_loss, optimizer, grad_accum=cfg.grad_accum, precision=cfg.dtype,
                             device_type=device.type, compile=cfg.compile, compile_scope=scope,
-                            remat=cfg.remat, extra_metrics=health.metrics if health else None,
+                            remat=cfg.remat, extra_metrics=health,
                             spike=cfg.spike if cfg.spike.enabled else None,
                             reduce=dist.all_reduce_mean if dist.enabled and layout is None else None,
                             donate=donate, compile_mode=mode, shard=layout,

@@ -16,22 +16,26 @@ import torch
 from core.board import board_tag, exact, training_charts
 from core.logging import Logger, memory_mb
 from core.telemetry import peak_flops
-from optim.health import COLUMNS, GLOBAL, GradientHealth
+from optim.health import COLUMNS, GLOBAL, GradientHealth, computed
 from recipes.train.hooks import Hook, StepContext, Stop
 
 LAST_VALUE = ("lr", "loss_scale", "spike", "z_loss", "z_grad")
 
 
-def pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor]]:
-    """Means of the buffered 0-d step metrics (the loss, clip activity, ...), the last value of the rest,
-    and the last packed health tensor: one host transfer for the whole interval."""
+def pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor], int]:
+    """Means of the buffered 0-d step metrics (the loss, clip activity, ...), the last value of the rest, the
+    newest packed health tensor that holds statistics (``optim.health.computed``: with ``every`` only the due
+    steps compute them) and how many steps before the last it came from: one host transfer for the interval."""
     keys = [k for k, v in pending[-1].items() if v.dim() == 0]
-    pending = [m for m in pending if all(k in m for k in keys)]   # a strategy switch may change the keys
-    stacked = torch.stack([torch.stack([m[k].float() for k in keys]) for m in pending]).cpu()
+    alike = [m for m in pending if all(k in m for k in keys)]   # a strategy switch may change the keys
+    stacked = torch.stack([torch.stack([m[k].float() for k in keys]) for m in alike]).cpu()
     means, lasts = stacked.mean(0).tolist(), stacked[-1].tolist()
     values = {k: (lasts[i] if k in LAST_VALUE else means[i]) for i, k in enumerate(keys)}
-    health = pending[-1].get("health")
-    return values, None if health is None else health.cpu()
+    for age, metrics in enumerate(reversed(pending)):
+        health = metrics.get("health")
+        if health is not None and computed(health):
+            return values, health.cpu(), age
+    return values, None, 0
 
 
 def board_layout(health: Optional[GradientHealth]) -> dict:
@@ -71,7 +75,7 @@ class FirstStepCheck(Hook):
             if abs(first - self.expected) > 0.25 * self.expected:
                 self.logger.print(f"warning: initial loss {first:.3f} is far from ln(vocab) = {self.expected:.3f}; "
                                   f"check the init and the data")
-        if self.health is not None and "health" in metrics:
+        if self.health is not None and "health" in metrics and computed(metrics["health"]):
             problems = self.health.report(metrics["health"].cpu())
             for name, problem in problems:
                 self.logger.print(f"gradient check after step 1: {name}: {problem}")
@@ -97,7 +101,7 @@ class TrainLog(Hook):
         cfg, logger = self.cfg, self.logger
         if ctx.step % cfg.log_every != 0 and not ctx.last:
             return None
-        values, health = pull(ctx.pending)
+        values, health, age = pull(ctx.pending)
         interval = len(ctx.pending)
         ctx.pending.clear()
         now = time.perf_counter()
@@ -116,9 +120,9 @@ class TrainLog(Hook):
         logged = logger.scalars(ctx.step, {f"train/{k}" if k in ("loss", "grad_norm") else k: v
                                            for k, v in values.items()})
         if health is not None and self.health is not None:
-            logger.scalars(ctx.step, self.health.to_scalars(health))
+            logger.scalars(ctx.step - age, self.health.to_scalars(health))
             for tag, hist in self.health.histograms(health).items():
-                logger.histogram(ctx.step, tag, hist)
+                logger.histogram(ctx.step - age, tag, hist)
         logger.progress(ctx.step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
                         extra={k: logged[k] for k in ("epoch", "lr", "data_ms") if k in logged} or None)
         self.last_time, self.last_tokens, ctx.excluded = now, ctx.loop.tokens, 0.0
