@@ -43,6 +43,7 @@ from core import rng
 from core.compile import maybe_compile, regions
 from core.donate import owned, update_in_place, write_into
 from core.loss_scale import update_loss_scale
+from core.row_grads import RowGradients
 from core.spike import SpikeConfig, update_monitor
 from core.state import TrainState
 from core.tree import apply_updates, global_norm, map_flat, tree_flatten, tree_map, tree_unflatten, where
@@ -126,21 +127,22 @@ def _func_gradients(objective: Callable, grad_accum: int) -> Callable:
     return gradients
 
 
-def _autograd_gradients(objective: Callable, grad_accum: int) -> Callable:
-    """The same through ``torch.autograd.grad`` on leaves that require grad (activation checkpointing works)."""
+def _autograd_gradients(objective: Callable, grad_accum: int, by_row: bool = True) -> Callable:
+    """The same through ``torch.autograd`` on leaves that require grad (activation checkpointing works); with
+    ``by_row`` (the objective is not one compiled graph) the stacked leaves' gradients are written layer by layer
+    (``core.row_grads``)."""
     def gradients(params, batch, key, frozen, scale):
         leaves, spec = tree_flatten(params)
-        live = [p.detach().requires_grad_() for p in leaves]
-        live_params = tree_unflatten(spec, live)
-        total, losses, auxes = None, [], []
+        rows = RowGradients([p.detach().requires_grad_() for p in leaves])
+        live_params = tree_unflatten(spec, rows.live)
+        losses, auxes = [], []
         for i, micro in enumerate(_micro_batches(batch, grad_accum)):
-            obj, (loss, aux) = objective(live_params, micro, rng.fold_in(key, i), frozen, scale)
-            grads = torch.autograd.grad(obj, live, allow_unused=True)
-            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves)]
-            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+            with rows.installed() if by_row else contextlib.nullcontext():
+                obj, (loss, aux) = objective(live_params, micro, rng.fold_in(key, i), frozen, scale)
+            rows.backward(obj)
             losses.append(loss.detach())
             auxes.append({k: v.detach() for k, v in aux.items()})
-        return tree_unflatten(spec, total), _mean(losses), _mean_aux(auxes)
+        return tree_unflatten(spec, rows.gradients()), _mean(losses), _mean_aux(auxes)
 
     return gradients
 
@@ -303,8 +305,9 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         gradients = _block_gradients(objective, grad_accum, shard)
         apply_gradients = maybe_compile(apply_gradients, compile, mode=compile_mode)
     else:                        # the loss and the update compiled apart, autograd between them
-        gradients = _autograd_gradients(maybe_compile(objective, compile and not by_block, fullgraph=False,
-                                                      mode=compile_mode), grad_accum)
+        one_graph = compile and not by_block
+        gradients = _autograd_gradients(maybe_compile(objective, one_graph, fullgraph=False, mode=compile_mode),
+                                        grad_accum, by_row=not one_graph)
         apply_gradients = maybe_compile(apply_gradients, compile, mode=compile_mode)
 
     def train_step(state: TrainState, batch, frozen=None):
