@@ -86,16 +86,21 @@ def heldout_block_l1(t, scfg, params, held):
 
 def test_teacher_forced_blockwise_beats_surgery_on_every_block(teacher, corpus):
     """Acceptance 3: each block's held-out L1 (validation windows, never trained on) falls below its surgery-only
-    value; only the attention trains (the MLP and norms are the teacher's, bit for bit)."""
+    value; only the attention trains (the MLP and norms are the teacher's, bit for bit).
+
+    Over the optimizer's whole schedule (100 steps): the second block starts near its floor (L1 1.5e-4), Adam's
+    first steps overshoot it (4.5e-4 at step 10) and it comes back below while the learning rate decays (1.2e-4 at
+    step 100). Mid-schedule it hovers about the start (1.5-1.9e-4 at steps 40-60), where a change of rounding
+    decides the comparison."""
     t, _, scfg, step, state, source, held = setup_blockwise(teacher, corpus)
     before = heldout_block_l1(t, scfg, state.params, held)
     mlp = state.params["layers"]["mlp"]["w_up"].clone()
-    for cursor in range(60):
+    for cursor in range(100):
         state, metrics = step(state, source.get(cursor))
     after = heldout_block_l1(t, scfg, state.params, held)
     assert (after < before).all() and after.sum() < 0.8 * before.sum(), (before, after)
     assert torch.equal(state.params["layers"]["mlp"]["w_up"], mlp)
-    assert int(state.step) == int(state.cursor) == 60
+    assert int(state.step) == int(state.cursor) == 100
 
 
 @pytest.mark.parametrize("match", ["block", "attention"])
