@@ -177,10 +177,6 @@ def per_block(shard, compile: bool, compile_scope: str = "step", grad_mode: Opti
     return shard is not None and not one_graph and grad_mode != "func"
 
 
-def _takes_step(extra_metrics: Callable) -> bool:
-    return "step" in inspect.signature(extra_metrics).parameters
-
-
 def _reads_old_params(extra_metrics: Optional[Callable], state: TrainState, finite: torch.Tensor) -> bool:
     """Whether ``extra_metrics`` reads the params from before the update this (eager) step: always, unless it
     says when it is due (``due(step, finite)``, as ``optim.health.GradientHealth`` does)."""
@@ -195,6 +191,8 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
     """``apply_gradients(state, grads, loss, aux) -> (state, metrics)``: unscale, norm, update, skip if not finite;
     with ``donate`` the new params and optimizer state are written into ``state``'s (``core.donate``); ``psum``
     makes the norms of sharded params and gradients whole-model (``core.shard``)."""
+    takes_step = extra_metrics is not None and "step" in inspect.signature(extra_metrics).parameters
+
     def apply_gradients(state: TrainState, grads, loss, aux):
         scale = state.loss_scale.get("scale") if state.loss_scale else None
         if scale is not None:
@@ -214,7 +212,7 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
         if getattr(optimizer, "metrics", None) is not None:   # what the transforms report: lr, clip activity
             metrics.update(optimizer.metrics(opt_state))
         if extra_metrics is not None:
-            when = {"step": state.step + 1, "finite": finite} if _takes_step(extra_metrics) else {}
+            when = {"step": state.step + 1, "finite": finite} if takes_step else {}
             metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=new_params,
                                          **when))
         monitor = state.monitor
@@ -267,10 +265,11 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     ``extra_metrics(grads=, updates=, params=, new_params=[, step=, finite=])`` may add 0-d (or small packed)
     tensors to the metrics from inside the step, e.g. gradient health statistics (``optim.health``); it gets the
     step count after this step and whether the step is finite when it takes ``step``, and with a ``due(step,
-    finite)`` method an eager donated step updates the params in place on the steps it is not due. ``spike`` runs the spike detector
-    (``core.spike``) on the step's loss and gradient norm; its state must exist in ``state.monitor``
-    (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation checkpointing, which
-    ``torch.func`` cannot differentiate: it selects the autograd path. ``reduce(list of tensors) -> list``
+    finite)`` method an eager donated step updates the params in place on the steps it is not due.
+    ``spike`` runs the spike detector (``core.spike``) on the step's loss and gradient norm; its state must exist
+    in ``state.monitor`` (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation
+    checkpointing, which ``torch.func`` cannot differentiate: it selects the autograd path. ``reduce(list of
+    tensors) -> list``
     averages the gradients, loss and aux across data-parallel ranks before the update
     (``core.distributed.Dist.all_reduce_mean``). ``donate=True`` lets the step write the new params and
     optimizer state into the state it is given (``core.donate``: JAX's buffer donation; the same numbers, about
