@@ -177,23 +177,15 @@ def per_block(shard, compile: bool, compile_scope: str = "step", grad_mode: Opti
     return shard is not None and not one_graph and grad_mode != "func"
 
 
-def _reads_old_params(extra_metrics: Optional[Callable], state: TrainState, finite: torch.Tensor) -> bool:
-    """Whether ``extra_metrics`` reads the params from before the update this (eager) step: always, unless it
-    says when it is due (``due(step, finite)``, as ``optim.health.GradientHealth`` does)."""
-    if extra_metrics is None:
-        return False
-    due = getattr(extra_metrics, "due", None)
-    return due is None or bool(due(state.step + 1, finite))
-
-
 def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: Optional[SpikeConfig],
                           donate: bool, skip: bool = True, psum: Optional[Callable] = None) -> Callable:
-    """``apply_gradients(state, grads, loss, aux) -> (state, metrics)``: unscale, norm, update, skip if not finite;
-    with ``donate`` the new params and optimizer state are written into ``state``'s (``core.donate``); ``psum``
-    makes the norms of sharded params and gradients whole-model (``core.shard``)."""
+    """``apply_gradients(state, grads, loss, aux, due=None) -> (state, metrics)``: unscale, norm, update, skip if not
+    finite; with ``donate`` the new params and optimizer state are written into ``state``'s (``core.donate``);
+    ``psum`` makes the norms of sharded params and gradients whole-model (``core.shard``); ``due`` (a bool decided
+    on the host, or None: in the graph or always) says whether ``extra_metrics`` are computed this step."""
     takes_step = extra_metrics is not None and "step" in inspect.signature(extra_metrics).parameters
 
-    def apply_gradients(state: TrainState, grads, loss, aux):
+    def apply_gradients(state: TrainState, grads, loss, aux, due: Optional[bool] = None):
         scale = state.loss_scale.get("scale") if state.loss_scale else None
         if scale is not None:
             grads = tree_map(lambda g: g / scale.to(g.dtype), grads)   # unscale before clipping or stats
@@ -205,14 +197,16 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
         keep_old = skip and not in_place
         if in_place:   # eager donated step: moments and (unless extra metrics read the old params) params in place
             updates, opt_state, new_params = update_in_place(optimizer, state, grads,
-                                                             keep=_reads_old_params(extra_metrics, state, finite))
+                                                             keep=extra_metrics is not None and due is not False)
         else:
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             new_params = apply_updates(state.params, updates)
         if getattr(optimizer, "metrics", None) is not None:   # what the transforms report: lr, clip activity
             metrics.update(optimizer.metrics(opt_state))
-        if extra_metrics is not None:
-            when = {"step": state.step + 1, "finite": finite} if takes_step else {}
+        if due is False:      # the host said the extra metrics are not due (make_train_step)
+            metrics.update(extra_metrics.skipped(grad_norm.device))
+        elif extra_metrics is not None:
+            when = {"step": state.step + 1} if takes_step and due is None else {}
             metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=new_params,
                                          **when))
         monitor = state.monitor
@@ -262,10 +256,13 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
                     shard=None) -> Callable:
     """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
 
-    ``extra_metrics(grads=, updates=, params=, new_params=[, step=, finite=])`` may add 0-d (or small packed)
-    tensors to the metrics from inside the step, e.g. gradient health statistics (``optim.health``); it gets the
-    step count after this step and whether the step is finite when it takes ``step``, and with a ``due(step,
-    finite)`` method an eager donated step updates the params in place on the steps it is not due.
+    ``extra_metrics(grads=, updates=, params=, new_params=[, step=])`` may add 0-d (or small packed) tensors to the
+    metrics from inside the step, e.g. gradient health statistics (``optim.health``); it gets the step count after
+    this step when it takes ``step``. With a ``due(step: int) -> bool`` method and a ``skipped(device)`` one (what
+    it returns when not due), a step whose update runs apart from the backward (eager, or
+    ``compile_scope="block"``) asks it on the host (one read of the step count) and computes the metrics only when
+    due, the eager donated step updating the params in place when not; the one-graph step passes ``step`` and lets
+    it decide inside.
     ``spike`` runs the spike detector (``core.spike``) on the step's loss and gradient norm; its state must exist
     in ``state.monitor`` (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation
     checkpointing, which ``torch.func`` cannot differentiate: it selects the autograd path. ``reduce(list of
@@ -309,13 +306,19 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
                                         grad_accum, by_row=not one_graph)
         apply_gradients = maybe_compile(apply_gradients, compile, mode=compile_mode)
 
+    # Extra metrics that say when they are due (optim.health) are asked on the host where the update is its own graph
+    # or eager: a Python bool, so a compiled update has one graph with them and one without. The one graph decides
+    # inside (torch.cond), as the host cannot branch it without a second compile of the whole step.
+    host_due = getattr(extra_metrics, "due", None) if grad_mode != "func" else None
+
     def train_step(state: TrainState, batch, frozen=None):
         key = rng.fold_in(state.key, state.step)
+        due = None if host_due is None else bool(host_due(int(state.step) + 1))
         if by_layer:
-            return apply_gradients(state, *gradients(state.params, batch, key, frozen, _loss_scale(state)))
+            return apply_gradients(state, *gradients(state.params, batch, key, frozen, _loss_scale(state)), due=due)
         params = state.params if shard is None else shard.gather(state.params)
         grads, loss, aux = gradients(params, batch, key, frozen, _loss_scale(state))
-        return apply_gradients(state, *reduced(grads, loss, aux))
+        return apply_gradients(state, *reduced(grads, loss, aux), due=due)
 
     step = maybe_compile(train_step, compile, mode=compile_mode) if grad_mode == "func" else train_step
     if not donate:

@@ -126,22 +126,28 @@ class GradientHealth:
 
     # ---------------------------------------------------------------------------------- inside the step
 
-    def due(self, step: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-        """Whether the step that brings the count to ``step`` computes the statistics (a bool tensor): every step
-        without ``every``; else the multiples of ``every`` (the loop's log steps), the first step and any step
-        whose loss or gradient norm is not finite (the steps the loop reports on)."""
+    def due(self, step):
+        """Whether the step that brings the count to ``step`` (an int, or a tensor inside a graph) computes the
+        statistics: every step without ``every``; else the multiples of ``every`` (the loop's log steps) and the
+        first (the loop's check for unused parameters)."""
         if self.every is None:
-            return torch.ones((), dtype=torch.bool, device=step.device)
-        return (step % self.every == 0) | (step == 1) | ~finite
+            return True if isinstance(step, int) else torch.ones((), dtype=torch.bool, device=step.device)
+        return (step % self.every == 0) | (step == 1)
+
+    def skipped(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """What :meth:`metrics` returns on a step that is not due (:func:`computed` is false)."""
+        return {"health": torch.full((len(self.rows), len(COLUMNS)), NOT_COMPUTED, device=device)}
 
     def metrics(self, *, grads: Tree, params: Tree, new_params: Tree | None = None,
-                updates: Tree | None = None, step: torch.Tensor | None = None,
-                finite: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                updates: Tree | None = None, step: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """``{"health": packed}``; traceable, no host sync in a graph. The update ratio uses ``new_params - params``
-        (what the step applied), or ``updates`` when ``new_params`` is not given. With ``every`` and ``step``
-        (the count after this step) and ``finite``, a step that is not :meth:`due` skips the per-leaf work
-        (``torch.cond`` in a compiled graph, a host check eagerly) and returns ``packed`` filled with -1
-        (:func:`computed` is false)."""
+        (what the step applied), or ``updates`` when ``new_params`` is not given. With ``every`` and ``step`` (the
+        count after this step, a tensor), a step that is not :meth:`due` skips the per-leaf work (``torch.cond``
+        in a compiled graph, a host check eagerly) and returns :meth:`skipped`'s tensor. A step whose update is
+        not inside the same graph as its backward asks :meth:`due` on the host instead and calls this only when
+        due (``core.step``): in a graph of its own, inductor writes out the new params the branch reads and
+        copies them into the donated params afterwards instead of storing each where it belongs in one pass,
+        which cost 0.36 s of a 1.3 s step at 100M parameters even on the steps that skipped the branch."""
         g_leaves, w_leaves = tree_leaves(grads), tree_leaves(params)
         d_new = new_params is not None
         if not d_new and updates is None:
@@ -151,7 +157,7 @@ class GradientHealth:
             raise ValueError(f"GradientHealth was built for {len(self.leaves)} leaves, got "
                              f"{len(g_leaves)} grads / {len(w_leaves)} params / {len(d_leaves)} updates")
         statistics = functools.partial(self._raw, d_new)
-        want = None if self.every is None or step is None else self.due(step, finite)
+        want = None if self.every is None or step is None else self.due(step)
         if want is None:
             raw = statistics(g_leaves, w_leaves, d_leaves)
         elif torch.compiler.is_compiling():   # one graph, and only the due steps run the reductions

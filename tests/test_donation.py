@@ -131,7 +131,7 @@ def test_compiled_donated_steps_match_the_pure_compiled_step(scope, one_thread):
     they agree to 1e-6 after 20 AdamW steps at lr 1e-2 (on two threads this CPU drifted to 2e-6)."""
     opt, params = optimizer(), llama.init(CFG, seed=6)
     data = batches(20, poisoned={5})
-    health = GradientHealth(params, clip_norm=1.0, every=4)   # due on 4, 8, ..., 20, the first and the skipped
+    health = GradientHealth(params, clip_norm=1.0, every=4)   # due on 1, 4, 8, ..., 20
     results = []
     for donate in (False, True):
         step = make_train_step(loss_fn, opt, donate=donate, compile=True, compile_scope=scope, extra_metrics=health)

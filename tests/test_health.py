@@ -135,15 +135,17 @@ def test_a_column_with_no_finite_value_has_no_histogram():
 
 
 def test_with_every_only_due_steps_compute_the_statistics():
-    """Due: the multiples of ``every``, the first step and a non-finite one; the others skip the per-leaf work and
-    return -1 everywhere. The due ones equal the ungated statistics, eagerly and traced (``torch.cond``)."""
+    """Due: the multiples of ``every`` and the first step (asked on the host with an int, in a graph with a tensor);
+    the others skip the per-leaf work and return -1 everywhere, as :meth:`skipped` does. The due ones equal the
+    ungated statistics, eagerly and traced (``torch.cond``)."""
     params, grads, new_params = setup()
     full = GradientHealth(params).metrics(grads=grads, params=params, new_params=new_params)["health"]
     health = GradientHealth(params, every=4)
     traced = torch.compile(health.metrics, backend="eager", fullgraph=True)
-    for step, finite, due in [(1, True, True), (2, True, False), (4, True, True), (5, False, True), (6, True, False)]:
-        when = dict(step=torch.tensor(step), finite=torch.tensor(finite))
+    assert torch.equal(health.skipped(torch.device("cpu"))["health"], torch.full_like(full, -1))
+    for step, due in [(1, True), (2, False), (4, True), (5, False), (8, True)]:
+        assert health.due(step) is due
         for fn in (health.metrics, traced):
-            packed = fn(grads=grads, params=params, new_params=new_params, **when)["health"]
+            packed = fn(grads=grads, params=params, new_params=new_params, step=torch.tensor(step))["health"]
             assert computed(packed) == due and packed.shape == full.shape
             assert torch.equal(packed, full) if due else bool((packed == -1).all())
