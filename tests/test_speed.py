@@ -3,8 +3,10 @@
 runs eagerly on a tiny model in seconds."""
 import math
 
+import pytest
 import torch
 
+from core.config import ConfigError
 from core.state import init_state
 from core.step import make_train_step
 from optim import adamw
@@ -29,6 +31,18 @@ def test_bench_speed_times_every_variant(tmp_path, monkeypatch, capsys):
     assert out["peak_flops"] > 0 and out["wall_seconds"] > 0
     printed = capsys.readouterr().out
     assert "| variant | ms/step | tokens/s | vs plain (tokens/s) |" in printed and "standard / plain tokens/s" in printed
+
+
+def test_without_names_a_subset_of_the_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("PURESTEP_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    with pytest.raises(ConfigError, match="without='health,bogus'"):
+        speed.Config(data=str(text), without="health,bogus")
+    cfg = speed.Config(data=str(text), d_model=32, n_layers=1, n_heads=2, batch_size=2, block_size=16, warmup=1,
+                       steps=3, rounds=1, log_every=1, compile=False, overhead=True, without="skip", peak_size=64,
+                       threads=0)
+    assert set(speed.run(cfg)["rows"]) == {"standard", "plain", "standard, no non-finite skip"}
 
 
 def test_auto_compile_scope_is_the_one_graph_up_to_four_layers():

@@ -15,7 +15,8 @@ In one process, on the same Llama (the same initial weights), the same data and 
   ``recipes.train.loop.fit``, the loop ``bin/run recipe=standard`` runs (prefetch, metric pulls, TensorBoard
   and JSONL logging into a temporary folder).
 - with ``overhead=true`` also ``standard`` without each default (``health=false``, ``spike.enabled=false``, the
-  step without its non-finite select), for what each costs.
+  step without its non-finite select), for what each costs; ``without=`` names a subset (at 100M each variant
+  holds its own model, optimizer state and rollback copy).
 
 The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (``fit`` resumed from
 where it stopped), timed from the end of a round's second step to the end of its last (so what ``fit`` does once
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from core.config import option
+from core.config import ConfigError, option
 from core.logging import Logger, progress
 from core.spike import SpikeConfig
 from core.telemetry import flops_per_token
@@ -74,13 +75,19 @@ class Config:
     plain_optimizer: str = option("fused", "torch.optim.AdamW's implementation in the plain loop",
                                   choices=("fused", "foreach"))
     overhead: bool = option(False, "also time standard without health, without spike detection, without the skip")
+    without: str = option("health,spike,skip", "with overhead=true, which of the three to time standard without "
+                                               "(comma-separated: fewer resident copies of a large model)")
     profile: int = option(0, "after the rounds, profile this many steps of standard and of plain (torch.profiler "
                                "with inductor's per-kernel records) and print their costliest kernels", min=0)
     peak_size: int = option(2048, "side of the square fp32 matmul that measures the machine's peak", min=1)
     threads: int = option(2, "torch.set_num_threads (0 keeps the default)", min=0)
     seed: int = option(1337, "seed for weights and data", min=0)
 
+    def __post_init__(self):
+        _without(self)   # a bad name is an error before anything is built
 
+
+DEFAULTS = ("health", "spike", "skip")   # what overhead=true times standard without
 PRESETS = {
     "100m": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4,
              "batch_size": 2, "block_size": 128, "warmup": 3, "steps": 6, "rounds": 3, "log_every": 10},
@@ -199,12 +206,23 @@ def build(cfg: Config, folder: Path) -> dict:
     """The variants, keyed by name: ``standard`` first, ``plain`` second, the overhead variants after."""
     std = Standard(standard_config(cfg), folder / "standard")
     variants = {"standard": std, "plain": Plain(cfg, std)}
-    if cfg.overhead:
+    left = _without(cfg) if cfg.overhead else ()
+    if "health" in left:
         variants["standard, health=false"] = Standard(standard_config(cfg, health=False), folder / "nohealth")
+    if "spike" in left:
         variants["standard, spike.enabled=false"] = Standard(
             standard_config(cfg, spike=SpikeConfig(enabled=False)), folder / "nospike")
+    if "skip" in left:
         variants["standard, no non-finite skip"] = Standard(standard_config(cfg), folder / "noskip", skip=False)
     return variants
+
+
+def _without(cfg: Config) -> tuple:
+    names = tuple(n.strip() for n in cfg.without.split(",") if n.strip())
+    bad = [n for n in names if n not in DEFAULTS]
+    if bad or not names:
+        raise ConfigError(f"without={cfg.without!r}: name one or more of {', '.join(DEFAULTS)}, comma-separated")
+    return names
 
 
 def _rounds(cfg: Config, variants: dict) -> tuple[dict, list]:
