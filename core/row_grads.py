@@ -17,7 +17,6 @@ block is called once per layer): a compiled objective traces ``unstack`` and kee
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Optional
 
 import torch
