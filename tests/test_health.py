@@ -149,3 +149,17 @@ def test_with_every_only_due_steps_compute_the_statistics():
             packed = fn(grads=grads, params=params, new_params=new_params, step=torch.tensor(step))["health"]
             assert computed(packed) == due and packed.shape == full.shape
             assert torch.equal(packed, full) if due else bool((packed == -1).all())
+
+
+def test_the_loop_logs_the_newest_computed_statistics_at_their_own_step():
+    """``recipes.train.metrics.pull``: at a log step that was not due (a run's last step) the interval's newest
+    computed statistics, and how many steps before the last they came from; none when the interval has none."""
+    from recipes.train.metrics import pull
+    params, grads, new_params = setup()
+    health = GradientHealth(params, every=4)
+    done = health.metrics(grads=grads, params=params, new_params=new_params)["health"]
+    skipped = health.skipped(torch.device("cpu"))["health"]
+    pending = [{"loss": torch.tensor(2.0), "health": h} for h in (skipped, done, skipped, skipped)]
+    values, packed, age = pull(pending)
+    assert values["loss"] == 2.0 and torch.equal(packed, done) and age == 2
+    assert pull(pending[2:])[1:] == (None, 0)
