@@ -5,7 +5,7 @@ whose backward is one ``stack``: every layer's gradient of a stacked leaf stays 
 the first layer, then ``stack`` copies them into a fresh full-size tensor, so the peak holds one stacked leaf
 twice (75 MB for the MLP weights of a 100M Llama: the gap between the block-compiled step's peak and plain
 PyTorch's in ``recipe=bench.step``). Here ``unstack`` hands the model each layer's rows through one autograd
-function per layer (``_Rows``, the pattern of ``core.shard_blocks``' per-layer gather), whose backward copies
+node per layer (``core.tree.LayerNode``, as ``core.shard_blocks`` gathers a layer), whose backward copies
 the layer's gradients into their rows of the stacked gradients as soon as autograd has them all, and drops
 them. Rows are copied on a micro-batch's first landing, added after, so the numbers are ``unbind``'s to the bit.
 (A post-accumulate-grad hook on per-layer leaf tensors frees them as early, but ``AccumulateGrad`` first clones a
@@ -21,27 +21,24 @@ from typing import Optional
 
 import torch
 
-from core.tree import layer_sources, tree_unflatten
+from core.tree import LayerNode, layer_sources, tree_unflatten
 
 
-class _Rows(torch.autograd.Function):
-    """``anchor -> layer i's rows of the stacked tensors``; backward hands their gradients to ``rows`` (the anchor
-    is a 0-d tensor that requires grad, so the rows do too; its own gradient is None)."""
+class _Row:
+    """Layer ``i``'s rows of the stacked leaves at positions ``ks``, made by ``core.tree.LayerNode``."""
 
-    @staticmethod
-    def forward(ctx, rows: "RowGradients", ks: tuple, i: int, anchor: torch.Tensor):
-        ctx.rows, ctx.ks, ctx.i = rows, ks, i
-        ctx.set_materialize_grads(False)
-        return tuple(rows.live[k].detach()[i] for k in ks)
+    def __init__(self, rows: "RowGradients", ks: tuple, i: int):
+        self.rows, self.ks, self.i = rows, ks, i
 
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.rows.land(ctx.ks, ctx.i, grads)
-        return None, None, None, None
+    def take(self) -> list:
+        return [self.rows.live[k].detach()[self.i] for k in self.ks]
+
+    def backward(self, grads: tuple) -> None:
+        self.rows.land(self.ks, self.i, grads)
 
 
 class _Layers:
-    """The layers, each made when the model's loop reaches it: its ``_Rows`` node then comes after the layers
+    """The layers, each made when the model's loop reaches it: its ``LayerNode`` then comes after the layers
     before it, so backward runs it as soon as the layer's own backward is done (autograd runs the ready node made
     last first), not after every layer (what making them all up front would do, holding every layer's
     gradients, as ``unbind`` does)."""
@@ -55,7 +52,8 @@ class _Layers:
     def __getitem__(self, i: int):
         if not -self.n <= i < self.n:
             raise IndexError(f"layer {i} of {self.n}")
-        return tree_unflatten(self.spec, list(_Rows.apply(self.rows, self.ks, i % self.n, self.rows.anchor)))
+        row = _Row(self.rows, self.ks, i % self.n)
+        return tree_unflatten(self.spec, list(LayerNode.apply(row, self.rows.anchor)))
 
     def __iter__(self):
         return (self[i] for i in range(self.n))
@@ -75,7 +73,6 @@ class RowGradients:
         self.stacked: list[Optional[torch.Tensor]] = [None] * len(live)
         self.written: list[set] = [set() for _ in live]
         self.direct: list[Optional[torch.Tensor]] = [None] * len(live)   # gradients through the whole leaf
-        self.first = True                                                 # this micro-batch is the first
 
     @contextlib.contextmanager
     def installed(self):

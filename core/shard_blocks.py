@@ -16,7 +16,7 @@ model that is a plain function of a params pytree.
   token; unpacking one in backward gathers the layer again, once, and keeps it until the layer's gradient is
   reduced. So a layer's full tensors die with the model's last reference to them, when its loop takes the next
   layer, and the recomputation of a checkpointed block re-gathers its layer.
-- **Gradients.** A layer's full tensors are the outputs of one autograd node (:class:`_Gathered`), whose backward
+- **Gradients.** A layer's full tensors are the outputs of one autograd node (``core.tree.LayerNode``), whose backward
   runs once the block's backward is done: it reduce-scatters their gradients in float32 into row ``i`` of this
   rank's gradient shard of each stacked leaf. With several micro-batches a layer's full float32 gradient is summed
   until the last micro-batch's backward, so each layer is still reduce-scattered once per optimizer step; the price
@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from core.tree import layer_sources, like, tree_unflatten, zip_leaves
+from core.tree import LayerNode, layer_sources, like, tree_unflatten, zip_leaves
 
 
 class _Saved:
@@ -85,22 +85,6 @@ class _Layer:
     def backward(self, grads: tuple) -> None:
         self.blocks.reduce(self.idx, self.k, grads)
         self.held = None
-
-
-class _Gathered(torch.autograd.Function):
-    """``anchor -> a layer's full tensors``: the all-gather forward, the reduce-scatter backward (the anchor is a
-    0-d tensor that requires grad, so the outputs do too; its own gradient is None)."""
-
-    @staticmethod
-    def forward(ctx, layer: _Layer, anchor: torch.Tensor):
-        ctx.layer = layer
-        ctx.set_materialize_grads(False)
-        return tuple(layer.take())
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.layer.backward(grads)
-        return None, None
 
 
 class _Layers:
@@ -190,9 +174,9 @@ class Blocks:
         return _Layers(self, idx, spec)
 
     def model_leaves(self, layer: _Layer) -> list:
-        """Layer ``k``'s tensors as the model sees them: gathered (through :class:`_Gathered` when differentiated),
+        """Layer ``k``'s tensors as the model sees them: gathered (through ``core.tree.LayerNode`` when differentiated),
         the padding cut off."""
-        full = _Gathered.apply(layer, self.anchor) if self.anchor is not None and torch.is_grad_enabled() \
+        full = LayerNode.apply(layer, self.anchor) if self.anchor is not None and torch.is_grad_enabled() \
             else layer.take()
         sizes = [self.specs[j].size for j in layer.idx]
         return [t if t.shape[0] == n else t.narrow(0, 0, n) for t, n in zip(full, sizes)]

@@ -183,7 +183,7 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
     finite; with ``donate`` the new params and optimizer state are written into ``state``'s (``core.donate``);
     ``psum`` makes the norms of sharded params and gradients whole-model (``core.shard``); ``due`` (a bool decided
     on the host, or None: in the graph or always) says whether ``extra_metrics`` are computed this step."""
-    takes_step = extra_metrics is not None and "step" in inspect.signature(extra_metrics).parameters
+    gated = getattr(extra_metrics, "due", None) is not None   # it says when it is due (optim.health)
 
     def apply_gradients(state: TrainState, grads, loss, aux, due: Optional[bool] = None):
         scale = state.loss_scale.get("scale") if state.loss_scale else None
@@ -206,7 +206,7 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
         if due is False:      # the host said the extra metrics are not due (make_train_step)
             metrics.update(extra_metrics.skipped(grad_norm.device))
         elif extra_metrics is not None:
-            when = {"step": state.step + 1} if takes_step and due is None else {}
+            when = {"step": state.step + 1} if gated and due is None else {}
             metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=new_params,
                                          **when))
         monitor = state.monitor
@@ -256,13 +256,12 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
                     shard=None) -> Callable:
     """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
 
-    ``extra_metrics(grads=, updates=, params=, new_params=[, step=])`` may add 0-d (or small packed) tensors to the
-    metrics from inside the step, e.g. gradient health statistics (``optim.health``); it gets the step count after
-    this step when it takes ``step``. With a ``due(step: int) -> bool`` method and a ``skipped(device)`` one (what
-    it returns when not due), a step whose update runs apart from the backward (eager, or
-    ``compile_scope="block"``) asks it on the host (one read of the step count) and computes the metrics only when
-    due, the eager donated step updating the params in place when not; the one-graph step passes ``step`` and lets
-    it decide inside.
+    ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the metrics
+    from inside the step, e.g. gradient health statistics (``optim.health``). With a ``due(step) -> bool`` method and
+    a ``skipped(device)`` one (what it returns when not due), a step whose update runs apart from the backward
+    (eager, or ``compile_scope="block"``) asks ``due`` on the host (one read of the step count) and computes the
+    metrics only when due, the eager donated step updating the params in place when not; the one-graph step
+    passes ``step=`` (the count after this step, a tensor) and lets it decide inside.
     ``spike`` runs the spike detector (``core.spike``) on the step's loss and gradient norm; its state must exist
     in ``state.monitor`` (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation
     checkpointing, which ``torch.func`` cannot differentiate: it selects the autograd path. ``reduce(list of

@@ -238,9 +238,28 @@ def stack(trees: Iterable[Tree]) -> Tree:
     return tree_map(lambda *xs: torch.stack(xs), *trees)
 
 
-# Sources of lazily gathered layers (core.shard_blocks pushes one while a sharded step runs the model): each is
+# Sources of a model's layers other than unbind, pushed while a step runs the model: core.shard_blocks (layers
+# gathered from the ranks' shards), core.row_grads (layers whose gradients land in rows). Each is
 # ``source(leaves, spec)`` -> the layers of a tree it owns, or None for any other tree.
 layer_sources: list[Callable] = []
+
+
+class LayerNode(torch.autograd.Function):
+    """``anchor -> layer.take()``: one layer's tensors as the outputs of one autograd node, whose backward hands their
+    gradients (None where none) to ``layer.backward(grads)`` as soon as the layer's own backward is done. The anchor
+    is a 0-d tensor that requires grad, so the outputs do too (its own gradient is None). How a layer source makes
+    a layer: ``core.shard_blocks`` gathers it and reduce-scatters its gradients, ``core.row_grads`` writes them."""
+
+    @staticmethod
+    def forward(ctx, layer, anchor: torch.Tensor):
+        ctx.layer = layer
+        ctx.set_materialize_grads(False)
+        return tuple(layer.take())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.layer.backward(grads)
+        return None, None
 
 
 def unstack(tree: Tree) -> list[Tree]:
@@ -249,10 +268,11 @@ def unstack(tree: Tree) -> list[Tree]:
     ``torch.unbind`` gives views whose gradients are gathered by one ``stack`` in backward; indexing
     ``w[i]`` in a loop would make autograd scatter into a full-size zero tensor per layer.
 
-    The one way a model reaches its stacked layers: under ``parallel=fsdp`` the step hands the model stand-ins for
-    the stacked leaves and this returns their layers lazily instead (``core.shard_blocks``: layer i is gathered
-    from the ranks' shards when the iteration reaches it), so iterate it once, in order, done with a layer's tree
-    when taking the next.
+    The one way a model reaches its stacked layers: a step may hand out the layers lazily instead, from a
+    ``layer_sources`` entry (under ``parallel=fsdp`` layer i is gathered from the ranks' shards when the iteration
+    reaches it, ``core.shard_blocks``; on the autograd path each layer's gradients are written into their rows as
+    its backward ends, ``core.row_grads``), so iterate it once, in order, done with a layer's tree when taking the
+    next.
     """
     leaves, spec = tree_flatten(tree)
     if not leaves:

@@ -146,8 +146,8 @@ class GradientHealth:
         in a compiled graph, a host check eagerly) and returns :meth:`skipped`'s tensor. A step whose update is
         not inside the same graph as its backward asks :meth:`due` on the host instead and calls this only when
         due (``core.step``): in a graph of its own, inductor writes out the new params the branch reads and
-        copies them into the donated params afterwards instead of storing each where it belongs in one pass,
-        which cost 0.36 s of a 1.3 s step at 100M parameters even on the steps that skipped the branch."""
+        copies them into the donated params afterwards instead of storing each where it belongs in one pass, on
+        every step, taken or not (the update kernel's time doubled at 100M parameters in a kernel profile)."""
         g_leaves, w_leaves = tree_leaves(grads), tree_leaves(params)
         d_new = new_params is not None
         if not d_new and updates is None:

@@ -38,7 +38,9 @@ def test_without_names_a_subset_of_the_defaults(tmp_path, monkeypatch):
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     with pytest.raises(ConfigError, match="without='health,bogus'"):
-        speed.Config(data=str(text), without="health,bogus")
+        speed.Config(data=str(text), overhead=True, without="health,bogus")
+    with pytest.raises(ConfigError, match="set overhead=true"):
+        speed.Config(data=str(text), without="health")
     cfg = speed.Config(data=str(text), d_model=32, n_layers=1, n_heads=2, batch_size=2, block_size=16, warmup=1,
                        steps=3, rounds=1, log_every=1, compile=False, overhead=True, without="skip", peak_size=64,
                        threads=0)

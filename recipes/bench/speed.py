@@ -21,9 +21,9 @@ In one process, on the same Llama (the same initial weights), the same data and 
 The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (``fit`` resumed from
 where it stopped), timed from the end of a round's second step to the end of its last (so what ``fit`` does once
 per call stays out, as it does from a run, which calls ``fit`` once: the rollback ring's starting copy of the
-state, and the step after it, which ran 2x slower at 100M), the median round of each is its time. Every round also times a ``peak_size``-square fp32
-matmul (the machine's measured matmul peak, FLOP/s = 2 n^3 / time); the step's achieved FLOP/s is tokens/s
-times PaLM's training FLOPs per token (``core.telemetry.flops_per_token``). Ratios are the result: this machine
+state, and the step after it, which ran 2x slower at 100M), the median round of each is its time. Every round
+also times a ``peak_size``-square fp32 matmul (the machine's measured matmul peak, FLOP/s = 2 n^3 / time); the
+step's achieved FLOP/s is tokens/s times PaLM's training FLOPs per token (``core.telemetry.flops_per_token``). Ratios are the result: this machine
 is shared and noisy.
 """
 from __future__ import annotations
@@ -50,6 +50,9 @@ from recipes.train.backend import SCOPES
 from recipes.train.hooks import Hook
 from recipes.train.loop import LoopIO, LoopState, build_steps, fit
 
+DEFAULTS = ("health", "spike", "skip")   # what overhead=true times standard without
+DEFAULTS_TEXT = ",".join(DEFAULTS)
+
 DESCRIPTION = ("tokens/s of bin/run recipe=standard's loop against nanoGPT's plain loop (torch.compile(module) + "
                "torch.optim.AdamW), interleaved; FLOP/s against a measured matmul peak; the defaults' costs")
 
@@ -75,7 +78,7 @@ class Config:
     plain_optimizer: str = option("fused", "torch.optim.AdamW's implementation in the plain loop",
                                   choices=("fused", "foreach"))
     overhead: bool = option(False, "also time standard without health, without spike detection, without the skip")
-    without: str = option("health,spike,skip", "with overhead=true, which of the three to time standard without "
+    without: str = option(DEFAULTS_TEXT, "with overhead=true, which of the three to time standard without "
                                                "(comma-separated: fewer resident copies of a large model)")
     profile: int = option(0, "after the rounds, profile this many steps of standard and of plain (torch.profiler "
                                "with inductor's per-kernel records) and print their costliest kernels", min=0)
@@ -85,9 +88,10 @@ class Config:
 
     def __post_init__(self):
         _without(self)   # a bad name is an error before anything is built
+        if self.without != DEFAULTS_TEXT and not self.overhead:
+            raise ConfigError(f"without={self.without} chooses among overhead=true's variants: set overhead=true")
 
 
-DEFAULTS = ("health", "spike", "skip")   # what overhead=true times standard without
 PRESETS = {
     "100m": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4,
              "batch_size": 2, "block_size": 128, "warmup": 3, "steps": 6, "rounds": 3, "log_every": 10},
