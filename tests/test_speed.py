@@ -71,3 +71,22 @@ def test_step_without_skip_writes_a_non_finite_update():
         state, metrics = step(init_state(params, adamw(1e-2)), bad)
         assert metrics["skipped"].item() == 1.0
         assert bool(torch.isfinite(state.params["w"]).all()) is finite
+
+
+def test_overhead_variants_step_standards_own_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("PURESTEP_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    with pytest.raises(ConfigError, match="multiples of log_every=2"):
+        speed.Config(data=str(text), overhead=True, steps=3, warmup=2, log_every=2)
+    cfg = speed.Config(data=str(text), d_model=32, n_layers=1, n_heads=2, batch_size=2, block_size=16, warmup=2,
+                       steps=4, rounds=1, log_every=2, compile=False, overhead=True, peak_size=64, threads=0)
+    variants = speed.build(cfg, tmp_path / "runs")
+    std, others = variants["standard"], [v for k, v in variants.items() if k not in ("standard", "plain")]
+    assert len(others) == 3 and all(v.state is None and v.params is None for v in others)
+    for v in [std, *others]:
+        v(cfg.steps)
+    assert int(std.state.step) == 4 * cfg.steps and int(std.state.cursor) == 4 * cfg.steps
+    assert std.state.monitor and others[1].monitor == {}   # spike.enabled=false keeps no detector state
+    for v in [std, *others]:
+        v.logger.close()

@@ -15,8 +15,11 @@ In one process, on the same Llama (the same initial weights), the same data and 
   ``recipes.train.loop.fit``, the loop ``bin/run recipe=standard`` runs (prefetch, metric pulls, TensorBoard
   and JSONL logging into a temporary folder).
 - with ``overhead=true`` also ``standard`` without each default (``health=false``, ``spike.enabled=false``, the
-  step without its non-finite select), for what each costs; ``without=`` names a subset (at 100M each variant
-  holds its own model, optimizer state and rollback copy).
+  step without its non-finite select), for what each costs; ``without=`` names a subset. These variants step
+  ``standard``'s own state in turn (params, optimizer state, data cursor; each keeps its spike detector's
+  state), so one model is resident however many variants run, and every variant times the same model at the
+  same point of training. ``steps`` and ``warmup`` are then multiples of ``log_every``: each variant's timed
+  steps hold the same number of gradient-health steps.
 
 The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (``fit`` resumed from
 where it stopped), timed from the end of a round's second step to the end of its last (so what ``fit`` does once
@@ -34,6 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -90,19 +94,24 @@ class Config:
         _without(self)   # a bad name is an error before anything is built
         if self.without != DEFAULTS_TEXT and not self.overhead:
             raise ConfigError(f"without={self.without} chooses among overhead=true's variants: set overhead=true")
+        if self.overhead and (self.steps % self.log_every or self.warmup % self.log_every):
+            raise ConfigError(f"overhead=true: steps={self.steps} and warmup={self.warmup} must be multiples of "
+                              f"log_every={self.log_every} (the variants share one state, so each variant's "
+                              f"timed steps then hold the same number of gradient-health steps)")
 
 
 PRESETS = {
     "100m": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4,
-             "batch_size": 2, "block_size": 128, "warmup": 3, "steps": 6, "rounds": 3, "log_every": 10},
+             "batch_size": 2, "block_size": 128, "warmup": 10, "steps": 10, "rounds": 3, "log_every": 10},
 }
 
 
-def standard_config(cfg: Config, **changes) -> standard.Config:
-    """recipe=standard's config for this benchmark (nanoGPT's hyperparameters), with ``changes``."""
+def standard_config(cfg: Config, sharing: int = 1, **changes) -> standard.Config:
+    """recipe=standard's config for this benchmark (nanoGPT's hyperparameters), with ``changes``; ``sharing``
+    variants step one state, so its schedule spans all their steps."""
     model = llama.LlamaConfig(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
                               n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads)
-    total = cfg.warmup + cfg.steps * cfg.rounds
+    total = (cfg.warmup + cfg.steps * cfg.rounds) * sharing
     base = dict(data=cfg.data, tokenizer=cfg.tokenizer, model=model, batch_size=cfg.batch_size,
                 block_size=cfg.block_size, lr=1e-3, beta2=0.99, warmup_steps=min(100, total), min_lr=1e-4,
                 steps=total, eval_every=0, sample_tokens=0, log_every=cfg.log_every, compile=cfg.compile,
@@ -111,25 +120,30 @@ def standard_config(cfg: Config, **changes) -> standard.Config:
 
 
 class Standard:
-    """recipe=standard's run (``prepare_run``) stepped ``n`` steps at a time through ``fit``."""
+    """recipe=standard's run (``prepare_run``) stepped ``n`` steps at a time through ``fit``; with ``owner``, the
+    steps go on from ``owner``'s state (this variant keeps only its spike detector's state, ``monitor``)."""
 
-    def __init__(self, cfg: standard.Config, folder: Path, skip: bool = True):
+    def __init__(self, cfg: standard.Config, folder: Path, skip: bool = True, owner: Optional["Standard"] = None):
         p = standard.prepare_run(cfg, None)
-        self.cfg, self.state, self.loop = p.cfg, p.run.state, LoopState()
+        self.cfg, self.loop, self.owner = p.cfg, LoopState(), owner or self
+        self.state = None if owner else p.run.state
+        self.monitor = p.run.state.monitor
         self.steps = p.steps if skip else build_steps(p.cfg, p.loss_fn, p.run.optimizer, p.params, p.batches,
                                                       p.device, p.vocab, p.dist, skip=False)
         self.logger = Logger(folder, console=False)
         self.io = LoopIO(self.logger, None, tokens_per_step=cfg.batch_size * cfg.block_size)
-        self.params, self.model_cfg = p.params, p.model_cfg
+        self.params = None if owner else p.params
+        self.model_cfg = p.model_cfg
 
     def __call__(self, n: int) -> float:
         """Run ``n`` more steps; returns seconds per step from the end of the second to the end of the last (what
         ``fit`` does once per call stays out, as a run calls it once: the rollback ring's starting copy of the
         state, and the step after it, 2x slower at 100M)."""
-        cfg = replace(self.cfg, steps=int(self.state.step) + n)
+        state = self.owner.state._replace(monitor=self.monitor)
+        cfg = replace(self.cfg, steps=int(state.step) + n)
         clock = _Clock()
-        result = fit(cfg, self.state, self.steps, self.io, loop=self.loop, hooks=[clock])
-        self.state = result.state
+        result = fit(cfg, state, self.steps, self.io, loop=self.loop, hooks=[clock])
+        self.owner.state, self.monitor = result.state, result.state.monitor
         return clock.per_step()
 
 
@@ -165,7 +179,7 @@ class Plain:
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         kind = {"fused": True} if cfg.plain_optimizer == "fused" else {"foreach": True}
         self.opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99), **kind)
-        self.params, self.batches, self.total = params, std.steps.batches, std.cfg.steps
+        self.params, self.batches, self.total = params, std.steps.batches, cfg.warmup + cfg.steps * cfg.rounds
         self.it, self.log_every = 0, cfg.log_every
 
     def __call__(self, n: int) -> float:
@@ -208,16 +222,19 @@ def matmul_peak(n: int, repeats: int = 3) -> float:
 
 def build(cfg: Config, folder: Path) -> dict:
     """The variants, keyed by name: ``standard`` first, ``plain`` second, the overhead variants after."""
-    std = Standard(standard_config(cfg), folder / "standard")
-    variants = {"standard": std, "plain": Plain(cfg, std)}
     left = _without(cfg) if cfg.overhead else ()
+    n = 1 + len(left)
+    std = Standard(standard_config(cfg, n), folder / "standard")
+    variants = {"standard": std, "plain": Plain(cfg, std)}
     if "health" in left:
-        variants["standard, health=false"] = Standard(standard_config(cfg, health=False), folder / "nohealth")
+        variants["standard, health=false"] = Standard(standard_config(cfg, n, health=False), folder / "nohealth",
+                                                      owner=std)
     if "spike" in left:
         variants["standard, spike.enabled=false"] = Standard(
-            standard_config(cfg, spike=SpikeConfig(enabled=False)), folder / "nospike")
+            standard_config(cfg, n, spike=SpikeConfig(enabled=False)), folder / "nospike", owner=std)
     if "skip" in left:
-        variants["standard, no non-finite skip"] = Standard(standard_config(cfg), folder / "noskip", skip=False)
+        variants["standard, no non-finite skip"] = Standard(standard_config(cfg, n), folder / "noskip", skip=False,
+                                                            owner=std)
     return variants
 
 
