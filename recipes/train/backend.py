@@ -1,4 +1,4 @@
-"""How the run's kernels execute on its device: ``compile_mode`` and ``tf32`` (``TrainConfig``).
+"""How the run's kernels execute on its device: ``compile_mode``, ``tf32`` and ``host_memory`` (``TrainConfig``).
 
 ``tf32=true`` lets CUDA matmuls and cuDNN use TensorFloat-32 (``torch.backends.cuda.matmul.allow_tf32``,
 ``torch.backends.cudnn.allow_tf32``; Ampere and later); on a CUDA device ``tf32=false`` turns both off. Off
@@ -11,11 +11,15 @@ graph at 0.85x (``recipe=bench.speed``, README), while at 12 layers the unrolled
 22 s (``recipe=bench.step``). ``compile_mode`` is ``torch.compile``'s ``mode`` (through
 ``core.compile``); ``reduce-overhead`` (CUDA graphs) is ignored with a warning off CUDA and compiles with
 the default mode; any mode other than ``default`` is ignored with a warning under ``compile=false``.
+``host_memory`` sets how the process's C library treats freed host memory (``core.host_memory``): ``keep``
+reuses it without page faults, at a higher resident peak; ``auto`` keeps it when the run trains on the CPU
+(README: "Host memory" has the figures at 100M).
 """
 from __future__ import annotations
 
 import torch
 
+from core.host_memory import set_host_memory
 from core.logging import progress
 from core.step import COMPILE_SCOPES
 from core.tree import named_leaves
@@ -41,9 +45,19 @@ def compile_mode(cfg, device: torch.device) -> str:
     return cfg.compile_mode
 
 
+def host_memory(cfg, device: torch.device) -> str:
+    """``core.host_memory``'s mode for ``cfg.host_memory`` (``auto``: ``keep`` when training on the CPU, where the
+    step's tensors are host memory)."""
+    if cfg.host_memory != "auto":
+        return cfg.host_memory
+    return "keep" if device.type == "cpu" else "system"
+
+
 def configure(cfg, device: torch.device) -> str:
-    """Apply ``tf32`` on CUDA, warn (``core.logging.progress``) about settings this device ignores, and
-    return :func:`compile_mode`. Called once per run (``recipes.train.setup.start``)."""
+    """Apply ``tf32`` on CUDA and ``host_memory``, warn (``core.logging.progress``) about settings this device or
+    C library ignores, and return :func:`compile_mode`. Called once per run (``recipes.train.setup.start``)."""
+    if not set_host_memory(host_memory(cfg, device)):
+        progress(f"warning: host_memory={cfg.host_memory} is ignored: this process's C library is not glibc")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32

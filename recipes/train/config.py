@@ -13,6 +13,7 @@ from core.compile import COMPILE_MODES
 from core.config import ConfigError, option
 from core.device import DEVICES
 from core.distributed import PARALLEL
+from core.host_memory import MODES as HOST_MEMORY
 from core.spike import SpikeConfig
 from core.step import PRECISIONS
 from optim.schedules import KINDS
@@ -79,6 +80,10 @@ class TrainConfig:
     compile_mode: str = option("default", "torch.compile mode (reduce-overhead: CUDA graphs, ignored with a warning "
                                "off CUDA; max-autotune: kernel autotuning)", choices=COMPILE_MODES)
     tf32: bool = option(False, "TensorFloat-32 CUDA matmuls and cuDNN (Ampere+); ignored with a warning off CUDA")
+    host_memory: str = option("auto", "host memory freed by a step: keep it in the process for the next step (no "
+                              "page faults, a higher resident peak), or leave glibc's malloc as it is (system); "
+                              "auto: keep when training on the CPU; keep is ignored with a warning off glibc",
+                              choices=("auto", *HOST_MEMORY))
     data: str = option("stdlib", "text: a file, folder, glob, or 'stdlib' (this Python's own source); or JSONL "
                        "(.jsonl, .jsonl.gz: a file, folder or glob) of {\"text\"} or {\"messages\"} records")
     text_field: str = option("text", "JSONL: the field holding a text record's document")
