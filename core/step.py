@@ -46,7 +46,7 @@ from core.loss_scale import update_loss_scale
 from core.row_grads import RowGradients
 from core.spike import SpikeConfig, update_monitor
 from core.state import TrainState
-from core.tree import apply_updates, global_norm, map_flat, tree_flatten, tree_map, tree_unflatten, where
+from core.tree import apply_updates, global_norm, leaves_of, map_flat, tree_flatten, tree_map, tree_unflatten, where
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_MODES = ("func", "autograd")
@@ -207,7 +207,8 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
             metrics.update(extra_metrics.skipped(grad_norm.device))
         elif extra_metrics is not None:
             when = {"step": state.step + 1} if gated and due is None else {}
-            metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=new_params,
+            applied = None if torch.compiler.is_compiling() and not _rounds_updates(state.params) else new_params
+            metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=applied,
                                          **when))
         monitor = state.monitor
         if spike is not None and spike.enabled:
@@ -230,6 +231,15 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
         return (write_into(state, new_state) if donate else new_state), metrics
 
     return apply_gradients
+
+
+def _rounds_updates(params) -> bool:
+    """Whether storing an update in ``params`` can round it away (a leaf narrower than fp32). Extra metrics read what
+    was applied, ``new_params - params``, except in a compiled step over fp32 params: there they read the updates
+    (the same to fp32 rounding), so the update stores the new params once, where they belong, instead of writing
+    them out for the metrics and copying them into the donated params."""
+    return any(leaf.dtype not in (torch.float32, torch.float64) for leaf in leaves_of(params)
+               if leaf.is_floating_point())
 
 
 def _make_reduce(reduce: Optional[Callable]) -> Callable:
