@@ -88,5 +88,7 @@ def test_overhead_variants_step_standards_own_state(tmp_path, monkeypatch):
         v(cfg.steps)
     assert int(std.state.step) == 4 * cfg.steps and int(std.state.cursor) == 4 * cfg.steps
     assert std.state.monitor and others[1].monitor == {}   # spike.enabled=false keeps no detector state
+    assert len(std.health_excess) == 1 and not others[0].health_excess   # step 4 is due, step 3 is not
+    assert speed._health_cost(cfg, std.health_excess, 0.01) == pytest.approx(std.health_excess[0] / 2 / 0.01)
     for v in [std, *others]:
         v.logger.close()

@@ -24,10 +24,12 @@ In one process, on the same Llama (the same initial weights), the same data and 
 The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (``fit`` resumed from
 where it stopped), timed from the end of a round's second step to the end of its last (so what ``fit`` does once
 per call stays out, as it does from a run, which calls ``fit`` once: the rollback ring's starting copy of the
-state, and the step after it, which ran 2x slower at 100M), the median round of each is its time. Every round
+state, and the step after it, which ran 2x slower at 100M), the median round of each is its time; "paired" is
+the median of each round's ratio to ``standard``'s time in that round (what a default costs). Every round
 also times a ``peak_size``-square fp32 matmul (the machine's measured matmul peak, FLOP/s = 2 n^3 / time); the
-step's achieved FLOP/s is tokens/s times PaLM's training FLOPs per token (``core.telemetry.flops_per_token``). Ratios are the result: this machine
-is shared and noisy.
+step's achieved FLOP/s is tokens/s times PaLM's training FLOPs per token (``core.telemetry.flops_per_token``).
+Gradient health's cost is also read off ``standard``'s own steps: its due steps against the other steps of their
+call. Ratios are the result: this machine is shared and noisy.
 """
 from __future__ import annotations
 
@@ -134,16 +136,20 @@ class Standard:
         self.io = LoopIO(self.logger, None, tokens_per_step=cfg.batch_size * cfg.block_size)
         self.params = None if owner else p.params
         self.model_cfg = p.model_cfg
+        self.health_excess: list[float] = []   # seconds a timed health step took beyond the call's others
 
     def __call__(self, n: int) -> float:
         """Run ``n`` more steps; returns seconds per step from the end of the second to the end of the last (what
         ``fit`` does once per call stays out, as a run calls it once: the rollback ring's starting copy of the
         state, and the step after it, 2x slower at 100M)."""
         state = self.owner.state._replace(monitor=self.monitor)
-        cfg = replace(self.cfg, steps=int(state.step) + n)
+        first = int(state.step) + 1
+        cfg = replace(self.cfg, steps=first - 1 + n)
         clock = _Clock()
         result = fit(cfg, state, self.steps, self.io, loop=self.loop, hooks=[clock])
         self.owner.state, self.monitor = result.state, result.state.monitor
+        if self.cfg.health:
+            self.health_excess += clock.due_excess(first, self.cfg.log_every)
         return clock.per_step()
 
 
@@ -158,6 +164,14 @@ class _Clock(Hook):
 
     def per_step(self) -> float:
         return _per_step(self.times)
+
+    def due_excess(self, first: int, every: int) -> list[float]:
+        """Seconds each timed step whose count is a multiple of ``every`` (gradient health's due steps; the
+        first step counts ``first``) took beyond the median of the call's other timed steps."""
+        took = {first + k: b - a for k, (a, b) in enumerate(zip(self.times, self.times[1:]), start=1) if k >= 2}
+        due = [n for n in took if n % every == 0]
+        rest = [t for n, t in took.items() if n % every]
+        return [took[n] - statistics.median(rest) for n in due] if rest else []
 
 
 def _lr(step: int, total: int, warmup: int = 100, peak: float = 1e-3, floor: float = 1e-4) -> float:
@@ -238,6 +252,12 @@ def build(cfg: Config, folder: Path) -> dict:
     return variants
 
 
+def _paired(times: list, standard: list) -> float:
+    """The median over rounds of a variant's step time over standard's in the same round: the two ran back to back,
+    so drift slower than a round cancels (a ratio of medians mixes rounds the machine ran at different speeds)."""
+    return statistics.median(t / s for t, s in zip(times, standard))
+
+
 def _without(cfg: Config) -> tuple:
     names = tuple(n.strip() for n in cfg.without.split(",") if n.strip())
     bad = [n for n in names if n not in DEFAULTS]
@@ -252,6 +272,8 @@ def _rounds(cfg: Config, variants: dict) -> tuple[dict, list]:
         start = time.perf_counter()
         run(cfg.warmup)
         progress(f"  warmed up {name} ({cfg.warmup} steps) in {time.perf_counter() - start:.1f}s")
+        if isinstance(run, Standard):
+            run.health_excess.clear()   # the warm-up's due steps compile the update with health
     times: dict = {name: [] for name in variants}
     peaks = []
     for r in range(cfg.rounds):
@@ -282,6 +304,7 @@ def run(cfg: Config) -> dict:
         variants = build(cfg, Path(tmp))
         std = variants["standard"]
         times, peaks = _rounds(cfg, variants)
+        excess = list(std.health_excess)    # the rounds' (a profile's steps add more)
         if cfg.profile:
             for name in ("standard", "plain"):
                 _profile(name, variants[name], cfg.profile)
@@ -290,12 +313,14 @@ def run(cfg: Config) -> dict:
                 v.logger.close()
     m = std.model_cfg
     per_token = flops_per_token(llama.matmul_params(std.params), m.n_layers, cfg.block_size, m.d_model)
-    return _table(cfg, std, times, statistics.median(peaks), per_token, time.perf_counter() - start)
+    return _table(cfg, std, times, excess, statistics.median(peaks), per_token, time.perf_counter() - start)
 
 
-def _table(cfg: Config, std: Standard, times: dict, peak: float, per_token: float, wall: float) -> dict:
+def _table(cfg: Config, std: Standard, times: dict, excess: list, peak: float, per_token: float,
+           wall: float) -> dict:
     tokens = cfg.batch_size * cfg.block_size
     med = {name: statistics.median(ts) for name, ts in times.items()}
+    paired = {name: _paired(ts, times["standard"]) for name, ts in times.items()}
     m = std.model_cfg
     scope = f"{std.cfg.compile_scope}: {backend.compile_scope(std.cfg, std.params)}"
     print(f"\nbench.speed: Llama d={m.d_model} L={m.n_layers} H={m.n_heads}/{m.n_kv_heads} vocab {m.vocab_size}, "
@@ -303,15 +328,32 @@ def _table(cfg: Config, std: Standard, times: dict, peak: float, per_token: floa
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of "
           f"{cfg.rounds} interleaved rounds of {cfg.steps} steps; matmul peak {peak / 1e9:.1f} GFLOP/s "
           f"({cfg.peak_size}^2 fp32)")
-    print("| variant | ms/step | tokens/s | vs plain (tokens/s) | vs standard (step time) | GFLOP/s | of peak |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| variant | ms/step | tokens/s | vs plain (tokens/s) | vs standard (step time) | vs standard, paired "
+          "| GFLOP/s | of peak |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = {}
     for name, t in med.items():
         flops = tokens / t * per_token
         rows[name] = {"ms_per_step": t * 1e3, "tokens_per_sec": tokens / t, "vs_plain": med["plain"] / t,
-                      "vs_standard": t / med["standard"], "flops": flops, "of_peak": flops / peak}
+                      "vs_standard": t / med["standard"], "paired_vs_standard": paired[name],
+                      "flops": flops, "of_peak": flops / peak}
         r = rows[name]
         print(f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_sec']:,.0f} | {r['vs_plain']:.3f} "
-              f"| {r['vs_standard']:.3f} | {flops / 1e9:.2f} | {r['of_peak']:.1%} |")
-    print(f"standard / plain tokens/s: {rows['standard']['vs_plain']:.3f}x; wall time {wall:.1f}s")
-    return {"rows": rows, "peak_flops": peak, "wall_seconds": wall}
+              f"| {r['vs_standard']:.3f} | {r['paired_vs_standard']:.3f} | {flops / 1e9:.2f} | {r['of_peak']:.1%} |")
+    print(f"standard / plain tokens/s: {rows['standard']['vs_plain']:.3f}x (paired by round: "
+          f"{1 / paired['plain']:.3f}x); wall time {wall:.1f}s")
+    health = _health_cost(cfg, excess, med["standard"])
+    return {"rows": rows, "peak_flops": peak, "wall_seconds": wall, "health_share": health}
+
+
+def _health_cost(cfg: Config, excesses: list, step: float) -> Optional[float]:
+    """Print and return gradient health's share of standard's step from its due steps' excess over the same call's
+    other steps (drift slower than a call cancels): the median excess once every ``log_every`` steps."""
+    if not excesses:
+        return None
+    excess = statistics.median(excesses)
+    share = excess / cfg.log_every / step
+    print(f"gradient health, from standard's own steps: its {len(excesses)} timed due steps took a median "
+          f"{excess * 1e3:+.1f} ms beyond the other steps of their call; once every {cfg.log_every} steps that is "
+          f"{share:.2%} of the step")
+    return share
