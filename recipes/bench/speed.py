@@ -341,7 +341,7 @@ def _table(cfg: Config, std: Standard, times: dict, excess: list, peak: float, p
         print(f"| {name} | {r['ms_per_step']:.1f} | {r['tokens_per_sec']:,.0f} | {r['vs_plain']:.3f} "
               f"| {r['vs_standard']:.3f} | {r['paired_vs_standard']:.3f} | {flops / 1e9:.2f} | {r['of_peak']:.1%} |")
     print(f"standard / plain tokens/s: {rows['standard']['vs_plain']:.3f}x (paired by round: "
-          f"{1 / paired['plain']:.3f}x); wall time {wall:.1f}s")
+          f"{paired['plain']:.3f}x); wall time {wall:.1f}s")
     health = _health_cost(cfg, excess, med["standard"])
     return {"rows": rows, "peak_flops": peak, "wall_seconds": wall, "health_share": health}
 
