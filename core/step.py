@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -242,6 +243,30 @@ def _rounds_updates(params) -> bool:
                if leaf.is_floating_point())
 
 
+class HostDue:
+    """``extra_metrics.due`` (optim.health) asked on the host where the update is its own graph or eager: a Python
+    bool, so a compiled update has one graph with the metrics and one without (the one graph decides inside with
+    ``torch.cond``: the host cannot branch it without a second compile of the whole step). The step count is known
+    on the host when ``state.step`` is the tensor the step last returned, unchanged since (the same object, the
+    same version counter), and read once otherwise (a resumed or rolled-back state): on CUDA ``int(state.step)``
+    every step would wait for the previous step's kernels."""
+
+    def __init__(self, due: Callable):
+        self.due, self.ref, self.version, self.value, self.next = due, None, -1, 0, 0
+
+    def __call__(self, step: torch.Tensor) -> bool:
+        known = self.ref is not None and self.ref() is step and step._version == self.version
+        self.next = (self.value if known else self.read(step)) + 1
+        return bool(self.due(self.next))
+
+    @staticmethod
+    def read(step: torch.Tensor) -> int:
+        return int(step)
+
+    def returned(self, step: torch.Tensor) -> None:
+        self.ref, self.version, self.value = weakref.ref(step), step._version, self.next
+
+
 def _make_reduce(reduce: Optional[Callable]) -> Callable:
     """``reduced(grads, loss, aux)``: averaged across data-parallel ranks by ``reduce``, or as they are."""
     def reduced(grads, loss, aux):
@@ -269,9 +294,9 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the metrics
     from inside the step, e.g. gradient health statistics (``optim.health``). With a ``due(step) -> bool`` method and
     a ``skipped(device)`` one (what it returns when not due), a step whose update runs apart from the backward
-    (eager, or ``compile_scope="block"``) asks ``due`` on the host (one read of the step count) and computes the
-    metrics only when due, the eager donated step updating the params in place when not; the one-graph step
-    passes ``step=`` (the count after this step, a tensor) and lets it decide inside.
+    (eager, or ``compile_scope="block"``) asks ``due`` on the host (the count as the host knows it, ``HostDue``)
+    and computes the metrics only when due, the eager donated step updating the params in place when not; the
+    one-graph step passes ``step=`` (the count after this step, a tensor) and lets it decide inside.
     ``spike`` runs the spike detector (``core.spike``) on the step's loss and gradient norm; its state must exist
     in ``state.monitor`` (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation
     checkpointing, which ``torch.func`` cannot differentiate: it selects the autograd path. ``reduce(list of
@@ -315,19 +340,20 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
                                         grad_accum, by_row=not one_graph)
         apply_gradients = maybe_compile(apply_gradients, compile, mode=compile_mode)
 
-    # Extra metrics that say when they are due (optim.health) are asked on the host where the update is its own graph
-    # or eager: a Python bool, so a compiled update has one graph with them and one without. The one graph decides
-    # inside (torch.cond), as the host cannot branch it without a second compile of the whole step.
-    host_due = getattr(extra_metrics, "due", None) if grad_mode != "func" else None
+    host_due = HostDue(extra_metrics.due) if getattr(extra_metrics, "due", None) and grad_mode != "func" else None
 
     def train_step(state: TrainState, batch, frozen=None):
         key = rng.fold_in(state.key, state.step)
-        due = None if host_due is None else bool(host_due(int(state.step) + 1))
+        due = None if host_due is None else host_due(state.step)
         if by_layer:
-            return apply_gradients(state, *gradients(state.params, batch, key, frozen, _loss_scale(state)), due=due)
-        params = state.params if shard is None else shard.gather(state.params)
-        grads, loss, aux = gradients(params, batch, key, frozen, _loss_scale(state))
-        return apply_gradients(state, *reduced(grads, loss, aux), due=due)
+            grads, loss, aux = gradients(state.params, batch, key, frozen, _loss_scale(state))
+        else:
+            params = state.params if shard is None else shard.gather(state.params)
+            grads, loss, aux = reduced(*gradients(params, batch, key, frozen, _loss_scale(state)))
+        new, metrics = apply_gradients(state, grads, loss, aux, due=due)
+        if host_due is not None:
+            host_due.returned(new.step)
+        return new, metrics
 
     step = maybe_compile(train_step, compile, mode=compile_mode) if grad_mode == "func" else train_step
     if not donate:

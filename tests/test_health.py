@@ -163,3 +163,26 @@ def test_the_loop_logs_the_newest_computed_statistics_at_their_own_step():
     values, packed, age = pull(pending)
     assert values["loss"] == 2.0 and torch.equal(packed, done) and age == 2
     assert pull(pending[2:])[1:] == (None, 0)
+
+
+def test_the_host_knows_the_step_count_without_reading_the_device(monkeypatch):
+    """A step that asks ``due`` on the host reads ``state.step`` once for a state it did not return (a fresh,
+    resumed or rolled-back one) and never for the one it returned; health is still due where it should be."""
+    from core.step import HostDue
+    reads = []
+    monkeypatch.setattr(HostDue, "read", staticmethod(lambda step: reads.append(1) or int(step)))
+    params, opt = llama.init(CFG, seed=0), optim.adamw(1e-3)
+    health = GradientHealth(params, every=3)
+    step = make_train_step(lambda p, b: llama.apply(p, b, CFG).logsumexp(-1).mean(), opt, extra_metrics=health,
+                           donate=True)
+    tokens, state, seen = torch.randint(0, 32, (2, 8)), init_state(params, opt), []
+    for _ in range(7):
+        state, metrics = step(state, tokens)
+        seen.append(computed(metrics["health"]))
+    assert len(reads) == 1 and seen == [True, False, True, False, False, True, False]
+    rolled_back = state._replace(step=state.step.clone() - 2)   # a state the step did not return: one read
+    state, metrics = step(rolled_back, tokens)
+    assert len(reads) == 2 and int(state.step) == 6 and computed(metrics["health"])
+    state.step.fill_(0)                                        # changed in place since returned: read again
+    state, metrics = step(state, tokens)
+    assert len(reads) == 3 and computed(metrics["health"])     # step 1
