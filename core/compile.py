@@ -32,22 +32,35 @@ def enable_caches() -> None:
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
-def _mode(mode: str | None) -> dict:
-    """``torch.compile``'s ``mode=`` keyword for ``mode`` (none for ``default``: torch's own default)."""
-    if mode in (None, "default"):
-        return {}
-    if mode not in COMPILE_MODES:
+def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
+    """Whether a graph on ``device_type`` runs through inductor's C++ wrapper (``cpp_wrapper``: the generated code
+    that allocates buffers and calls the kernels is C++, not Python), taking the interpreter off the path between
+    kernels: 5-8% of the step at nanoGPT's shakespeare-char shape on this CPU (``recipe=bench.speed``, README).
+    On the CPU, for graphs without ``collectives``: in torch 2.13 the C++ wrapper does not take the functional
+    collectives' ops ("arg type Any is not yet supported by custom_op_wrapper"). On CUDA the Python wrapper stays
+    (CUDA graphs, ``compile_mode=reduce-overhead``, remove the launch overhead there)."""
+    return device_type == "cpu" and not collectives
+
+
+def _compile_kwargs(mode: str | None, cpp: bool) -> dict:
+    """``torch.compile``'s keywords for ``mode`` (``COMPILE_MODES``), with inductor's C++ wrapper when ``cpp``."""
+    if mode not in (None, *COMPILE_MODES):
         raise ValueError(f"unknown compile mode {mode!r}; choose one of {', '.join(COMPILE_MODES)}")
-    return {"mode": mode}
+    if cpp:   # torch.compile takes a mode or options, not both: the mode's own options, plus the wrapper
+        from torch._inductor import list_mode_options
+        return {"options": {**list_mode_options(mode or "default"), "cpp_wrapper": True}}
+    return {} if mode in (None, "default") else {"mode": mode}
 
 
-def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True, mode: str | None = None) -> Callable:
-    """``torch.compile(fn, fullgraph=fullgraph, dynamic=False, mode=mode)`` when enabled, else ``fn`` unchanged.
-    ``mode`` is one of ``COMPILE_MODES`` (``reduce-overhead``: CUDA graphs; ``max-autotune``: kernel autotuning)."""
+def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True, mode: str | None = None,
+                  cpp: bool = False) -> Callable:
+    """``torch.compile(fn, fullgraph=fullgraph, dynamic=False)`` for ``mode`` when enabled, else ``fn`` unchanged.
+    ``mode`` is one of ``COMPILE_MODES`` (``reduce-overhead``: CUDA graphs; ``max-autotune``: kernel autotuning);
+    ``cpp``: through inductor's C++ wrapper (:func:`cpp_wrapper` says where)."""
     if not enabled:
         return fn
     enable_caches()
-    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_mode(mode))
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp))
 
 
 def compile_count() -> int:
@@ -56,18 +69,18 @@ def compile_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-_regions = {"active": False, "mode": None}
+_regions = {"active": False, "mode": None, "cpp": False}
 _compiled_regions: dict = {}
 
 
 @contextlib.contextmanager
-def regions(enabled: bool = True, mode: str | None = None):
-    """Inside, functions passed through :func:`region` run compiled with ``mode`` (nested uses keep the outer
-    setting on)."""
+def regions(enabled: bool = True, mode: str | None = None, cpp: bool = False):
+    """Inside, functions passed through :func:`region` run compiled with ``mode`` (and the C++ wrapper with ``cpp``;
+    nested uses keep the outer setting on)."""
     was = dict(_regions)
     _regions["active"] = was["active"] or enabled
     if enabled and not was["active"]:
-        _regions["mode"] = mode
+        _regions["mode"], _regions["cpp"] = mode, cpp
     try:
         yield
     finally:
@@ -81,8 +94,9 @@ def region(fn: Callable) -> Callable:
     graph traces straight through it."""
     if not _regions["active"] or torch.compiler.is_compiling():
         return fn
-    key = (fn, _regions["mode"])
+    key = (fn, _regions["mode"], _regions["cpp"])
     if key not in _compiled_regions:
         enable_caches()
-        _compiled_regions[key] = torch.compile(fn, fullgraph=True, dynamic=False, **_mode(_regions["mode"]))
+        _compiled_regions[key] = torch.compile(fn, fullgraph=True, dynamic=False,
+                                               **_compile_kwargs(_regions["mode"], _regions["cpp"]))
     return _compiled_regions[key]

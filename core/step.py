@@ -34,6 +34,7 @@ pulls them when it logs, never per step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
 from typing import Callable, Optional
@@ -41,7 +42,7 @@ from typing import Callable, Optional
 import torch
 
 from core import rng
-from core.compile import maybe_compile, regions
+from core.compile import cpp_wrapper, maybe_compile, regions
 from core.donate import owned, update_in_place, write_into
 from core.loss_scale import update_loss_scale
 from core.row_grads import RowGradients
@@ -100,11 +101,11 @@ def _mean_aux(auxes: list[dict]) -> dict:
 
 
 def _make_objective(call: Callable, grad_accum: int, precision: str, device_type: str,
-                    in_regions: bool = False, mode: str = "default") -> Callable:
+                    in_regions: bool = False, mode: str = "default", cpp: bool = False) -> Callable:
     """``objective(params, batch, key, frozen, scale) -> (scaled loss / grad_accum, (loss, aux))``; with
-    ``in_regions`` the model's blocks run compiled (``core.compile.regions``)."""
+    ``in_regions`` the model's blocks run compiled (``core.compile.regions``; ``cpp``: its C++ wrapper)."""
     def objective(params, batch, key, frozen, scale):
-        with autocast(precision, device_type), regions(in_regions, mode):
+        with autocast(precision, device_type), regions(in_regions, mode, cpp):
             loss, aux = call(params, batch, key, frozen)
         loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         return loss * scale / grad_accum, (loss.detach(), aux)
@@ -283,6 +284,20 @@ def _loss_scale(state: TrainState) -> torch.Tensor:
     return torch.ones((), device=state.step.device)
 
 
+def _grad_mode(grad_mode: Optional[str], compile: bool, compile_scope: str, remat: bool, grad_accum: int) -> str:
+    """How :func:`make_train_step` differentiates (``GRAD_MODES``), its arguments checked."""
+    if compile_scope not in COMPILE_SCOPES:
+        raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
+    by_block = compile and compile_scope == "block"
+    if remat or by_block or grad_mode is None:
+        grad_mode = "func" if compile and not (remat or by_block) else "autograd"
+    if grad_mode not in GRAD_MODES:
+        raise ValueError(f"unknown grad_mode {grad_mode!r}; choose one of {', '.join(GRAD_MODES)}")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    return grad_mode
+
+
 def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precision: str = "fp32",
                     device_type: str = "cpu", grad_mode: Optional[str] = None, compile: bool = False,
                     extra_metrics: Optional[Callable] = None, spike: Optional[SpikeConfig] = None,
@@ -306,7 +321,8 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     optimizer state into the state it is given (``core.donate``: JAX's buffer donation; the same numbers, about
     half the peak memory under ``torch.compile``); the caller must not read the old state again. The default
     keeps the step pure: research code may branch several steps from one state. ``compile_scope`` is what one
-    graph covers under ``compile`` (module docstring); ``compile_mode`` is ``torch.compile``'s ``mode``.
+    graph covers under ``compile`` (module docstring); ``compile_mode`` is ``torch.compile``'s ``mode``; on the CPU
+    a step without collectives (``reduce``, ``shard``) compiles with inductor's C++ wrapper (``core.compile``).
     ``skip=False`` drops the non-finite select (a non-finite step then writes its NaNs into the state): only
     for measuring what the select costs (``recipes/bench/speed.py``).
     ``shard`` (a ``core.shard.Layout``) says the state's params and optimizer state are this rank's shards: the
@@ -314,17 +330,12 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     the summed gradients once per step and updates the shards (``reduce`` is then unused); the optimizer and
     ``extra_metrics`` must take the layout's ``psum`` for their norms.
     """
-    if compile_scope not in COMPILE_SCOPES:
-        raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
     by_block = compile and compile_scope == "block"
-    if remat or by_block or grad_mode is None:
-        grad_mode = "func" if compile and not (remat or by_block) else "autograd"
-    if grad_mode not in GRAD_MODES:
-        raise ValueError(f"unknown grad_mode {grad_mode!r}; choose one of {', '.join(GRAD_MODES)}")
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    grad_mode = _grad_mode(grad_mode, compile, compile_scope, remat, grad_accum)
+    cpp = cpp_wrapper(device_type, collectives=shard is not None or reduce is not None)
+    compiled = functools.partial(maybe_compile, mode=compile_mode, cpp=cpp)
     objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type, in_regions=by_block,
-                                mode=compile_mode)
+                                mode=compile_mode, cpp=cpp)
     apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike, donate, skip,
                                             None if shard is None else shard.psum)
     reduced = _make_reduce(reduce) if shard is None else shard.reduce
@@ -333,12 +344,12 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         gradients = _func_gradients(objective, grad_accum)
     elif by_layer:               # sharded: each block's params gathered when it runs, its gradients reduce-scattered
         gradients = _block_gradients(objective, grad_accum, shard)
-        apply_gradients = maybe_compile(apply_gradients, compile, mode=compile_mode)
+        apply_gradients = compiled(apply_gradients, compile)
     else:                        # the loss and the update compiled apart, autograd between them
         one_graph = compile and not by_block
-        gradients = _autograd_gradients(maybe_compile(objective, one_graph, fullgraph=False, mode=compile_mode),
-                                        grad_accum, by_row=not one_graph)
-        apply_gradients = maybe_compile(apply_gradients, compile, mode=compile_mode)
+        gradients = _autograd_gradients(compiled(objective, one_graph, fullgraph=False), grad_accum,
+                                        by_row=not one_graph)
+        apply_gradients = compiled(apply_gradients, compile)
 
     host_due = HostDue(extra_metrics.due) if getattr(extra_metrics, "due", None) and grad_mode != "func" else None
 
@@ -355,7 +366,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
             host_due.returned(new.step)
         return new, metrics
 
-    step = maybe_compile(train_step, compile, mode=compile_mode) if grad_mode == "func" else train_step
+    step = compiled(train_step, compile) if grad_mode == "func" else train_step
     if not donate:
         return step
 
@@ -374,9 +385,10 @@ def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: s
     call = loss_caller(loss_fn)
     by_block = compile and compile_scope == "block"
     by_layer = per_block(shard, compile, compile_scope)
+    cpp = cpp_wrapper(device_type, collectives=shard is not None)
 
     def eval_step(params, batch, frozen=None):
-        with torch.no_grad(), autocast(precision, device_type), regions(by_block, compile_mode):
+        with torch.no_grad(), autocast(precision, device_type), regions(by_block, compile_mode, cpp):
             if by_layer:
                 with shard.blocks(params, train=False).running() as full:
                     loss, aux = call(full, batch, None, frozen)
@@ -384,7 +396,7 @@ def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: s
                 loss, aux = call(params, batch, None, frozen)
         return {"loss": loss, **aux}
 
-    step = maybe_compile(eval_step, compile and not by_block, mode=compile_mode)
+    step = maybe_compile(eval_step, compile and not by_block, mode=compile_mode, cpp=cpp)
     if shard is None or by_layer:
         return step
     return lambda params, batch, frozen=None: step(shard.gather(params), batch, frozen)

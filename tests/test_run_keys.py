@@ -109,24 +109,32 @@ def test_two_ranks_save_by_wall_time_together_at_log_steps(corpus, tmp_path):
 # ---------------------------------------------------------------------------------------------- compile_mode
 
 def test_compile_mode_reaches_torch_compile(monkeypatch):
+    """The mode arrives as ``mode=``, or with the C++ wrapper (CPU steps without collectives) as its inductor
+    options plus ``cpp_wrapper``."""
+    from torch._inductor import list_mode_options
     from core import compile as compile_module
     from core.step import make_train_step
     from optim.adamw import adamw
     seen = []
 
     def fake_compile(fn, **kwargs):
-        seen.append(kwargs.get("mode"))
+        seen.append({k: v for k, v in kwargs.items() if k in ("mode", "options")})
         return fn
     monkeypatch.setattr(torch, "compile", fake_compile)
     compile_module.maybe_compile(lambda x: x, True, mode="max-autotune")
-    assert seen == ["max-autotune"]
-    seen.clear()
-    make_train_step(lambda p, b, k: ((p["w"] * b).sum(), {}), adamw(1e-3), compile=True, compile_scope="step",
-                    compile_mode="max-autotune")
-    assert seen and set(seen) == {"max-autotune"}
-    seen.clear()
     compile_module.maybe_compile(lambda x: x, True)
-    assert seen == [None]                   # compile_mode=default: torch's own default, no mode passed
+    compile_module.maybe_compile(lambda x: x, True, cpp=True)
+    assert seen == [{"mode": "max-autotune"}, {}, {"options": {"cpp_wrapper": True}}]   # default: torch's own
+    seen.clear()
+
+    def loss(p, b, k):
+        return (p["w"] * b).sum(), {}
+    cpu = {"options": {**list_mode_options("max-autotune"), "cpp_wrapper": True}}
+    for kwargs, expected in (({}, cpu), ({"device_type": "cuda"}, {"mode": "max-autotune"}),
+                             ({"reduce": lambda ts: ts}, {"mode": "max-autotune"})):   # collectives: Python
+        make_train_step(loss, adamw(1e-3), compile=True, compile_scope="step", compile_mode="max-autotune", **kwargs)
+        assert seen and all(s == expected for s in seen), kwargs
+        seen.clear()
 
 
 def test_cpu_ignores_tf32_and_reduce_overhead_with_a_warning(capsys):

@@ -36,7 +36,7 @@ import torch
 
 from core import cache
 from core import checkpoint as ckpt
-from core.compile import maybe_compile
+from core.compile import cpp_wrapper, maybe_compile
 from core.data import cache_root
 from core.distributed import Dist
 from core.logging import Logger, format_duration
@@ -174,7 +174,8 @@ def make_step(scfg: dba.DBAConfig, optimizer, *, loss: str, mode: str, train: st
                    "ema": conv["ema"], "active": conv["active"].float(), "lr": current_lr(opt_state).float()}
         return BlockwiseState(state.step + 1, merge(new, rest), opt_state, state.cursor + 1, conv), metrics
 
-    return maybe_compile(step, compile)
+    collectives = layout is not None or average is not None
+    return maybe_compile(step, compile, cpp=cpp_wrapper(device_type, collectives))
 
 
 def init_state(params: dict, optimizer, train: str, n_layers: int) -> BlockwiseState:
