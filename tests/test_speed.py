@@ -2,6 +2,7 @@
 ``skip=False`` (only the benchmark builds it). The benchmark's figures are README benchmarks; here its code path
 runs eagerly on a tiny model in seconds."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ def test_bench_speed_times_every_variant(tmp_path, monkeypatch, capsys):
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     cfg = speed.Config(data=str(text), d_model=32, n_layers=1, n_heads=2, batch_size=2, block_size=16, warmup=1,
-                       steps=3, rounds=1, log_every=1, compile=False, overhead=True, peak_size=64, threads=0)
+                       steps=3, rounds=1, log_every=1, compile=False, overhead=True, peak_size=64, threads=0, pairs=2)
     out = speed.run(cfg)
     rows = out["rows"]
     assert set(rows) == {"standard", "plain", "standard, health=false", "standard, spike.enabled=false",
@@ -31,6 +32,8 @@ def test_bench_speed_times_every_variant(tmp_path, monkeypatch, capsys):
     assert out["peak_flops"] > 0 and out["wall_seconds"] > 0
     printed = capsys.readouterr().out
     assert "| variant | ms/step | tokens/s | vs plain (tokens/s) |" in printed and "standard / plain tokens/s" in printed
+    assert set(out["defaults"]) == set(speed.DEFAULTS) and all(math.isfinite(v) for v in out["defaults"].values())
+    assert "each default's cost, as a share of standard's step (2 alternating step pairs" in printed
 
 
 def test_without_names_a_subset_of_the_defaults(tmp_path, monkeypatch):
@@ -90,5 +93,13 @@ def test_overhead_variants_step_standards_own_state(tmp_path, monkeypatch):
     assert std.state.monitor and others[1].monitor == {}   # spike.enabled=false keeps no detector state
     assert len(std.health_excess) == 1 and not others[0].health_excess   # step 4 is due, step 3 is not
     assert speed._health_cost(cfg, std.health_excess, 0.01) == pytest.approx(std.health_excess[0] / 2 / 0.01)
+    timed = []
+    monkeypatch.setattr(speed.Standard, "step_once", lambda self, f=speed.Standard.step_once: timed.append(
+        (self, int(self.owner.state.step) + 1)) or f(self))
+    shares = speed._step_pairs(replace(cfg, pairs=2), variants)
+    assert set(shares) == set(speed.DEFAULTS) and int(std.state.step) > 16 + 2 * 3 * 2
+    mine = [n for run, n in timed if run is not std]
+    assert len(mine) == 2 * 3 and all(n % 2 for n in mine)                 # never a due step (even)
+    assert sum(n % 2 for run, n in timed if run is std) == 2 * 3           # standard's due steps: untimed extras
     for v in [std, *others]:
         v.logger.close()

@@ -30,6 +30,13 @@ also times a ``peak_size``-square fp32 matmul (the machine's measured matmul pea
 step's achieved FLOP/s is tokens/s times PaLM's training FLOPs per token (``core.telemetry.flops_per_token``).
 Gradient health's cost is also read off ``standard``'s own steps: its due steps against the other steps of their
 call. Ratios are the result: this machine is shared and noisy.
+
+What each default costs (``overhead=true``) is then measured step by step, where rounds of many steps cannot
+resolve a few percent (at 100M this VM's speed drifted by up to 50% between rounds): ``pairs`` times per default,
+``standard``'s train step and then the variant's without it, alone (outside ``fit``), on the shared state, neither
+due for gradient health; the median of 1 - variant / standard is the default's share inside every step. Added to
+it: gradient health's due steps (above) and the spike rollback's snapshot ring, one copy of the state every
+``ring_gap`` steps (``recipes.train.rollback``; a copy is timed).
 """
 from __future__ import annotations
 
@@ -55,8 +62,11 @@ from recipes.train import backend
 from recipes.train.backend import SCOPES
 from recipes.train.hooks import Hook
 from recipes.train.loop import LoopIO, LoopState, build_steps, fit
+from recipes.train.rollback import ring_gap, state_copy
 
 DEFAULTS = ("health", "spike", "skip")   # what overhead=true times standard without
+WITHOUT = {"health": "standard, health=false", "spike": "standard, spike.enabled=false",
+           "skip": "standard, no non-finite skip"}   # the variant without each, by name
 DEFAULTS_TEXT = ",".join(DEFAULTS)
 
 DESCRIPTION = ("tokens/s of bin/run recipe=standard's loop against nanoGPT's plain loop (torch.compile(module) + "
@@ -86,6 +96,9 @@ class Config:
     overhead: bool = option(False, "also time standard without health, without spike detection, without the skip")
     without: str = option(DEFAULTS_TEXT, "with overhead=true, which of the three to time standard without "
                                                "(comma-separated: fewer resident copies of a large model)")
+    pairs: int = option(20, "with overhead=true, then alternate standard's train step with each variant's this many "
+                            "times, step by step on the shared state (each default's cost inside the step, between "
+                            "neighbouring steps: the 100M shape's drift needs it; 0: skip)", min=0)
     profile: int = option(0, "after the rounds, profile this many steps of standard and of plain (torch.profiler "
                                "with inductor's per-kernel records) and print their costliest kernels", min=0)
     peak_size: int = option(2048, "side of the square fp32 matmul that measures the machine's peak", min=1)
@@ -94,8 +107,9 @@ class Config:
 
     def __post_init__(self):
         _without(self)   # a bad name is an error before anything is built
-        if self.without != DEFAULTS_TEXT and not self.overhead:
-            raise ConfigError(f"without={self.without} chooses among overhead=true's variants: set overhead=true")
+        for key, default in (("without", DEFAULTS_TEXT), ("pairs", 20)):
+            if getattr(self, key) != default and not self.overhead:
+                raise ConfigError(f"{key}={getattr(self, key)} times overhead=true's variants: set overhead=true")
         if self.overhead and (self.steps % self.log_every or self.warmup % self.log_every):
             raise ConfigError(f"overhead=true: steps={self.steps} and warmup={self.warmup} must be multiples of "
                               f"log_every={self.log_every} (the variants share one state, so each variant's "
@@ -113,7 +127,7 @@ def standard_config(cfg: Config, sharing: int = 1, **changes) -> standard.Config
     variants step one state, so its schedule spans all their steps."""
     model = llama.LlamaConfig(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
                               n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads)
-    total = (cfg.warmup + cfg.steps * cfg.rounds) * sharing
+    total = (cfg.warmup + cfg.steps * cfg.rounds) * sharing + 3 * cfg.pairs * (sharing - 1)
     base = dict(data=cfg.data, tokenizer=cfg.tokenizer, model=model, batch_size=cfg.batch_size,
                 block_size=cfg.block_size, lr=1e-3, beta2=0.99, warmup_steps=min(100, total), min_lr=1e-4,
                 steps=total, eval_every=0, sample_tokens=0, log_every=cfg.log_every, compile=cfg.compile,
@@ -151,6 +165,16 @@ class Standard:
         if self.cfg.health:
             self.health_excess += clock.due_excess(first, self.cfg.log_every)
         return clock.per_step()
+
+    def step_once(self) -> float:
+        """One train step on the shared state, outside ``fit`` (the batch fetched first); returns its seconds."""
+        state = self.owner.state._replace(monitor=self.monitor)
+        batch = self.steps.batches.get(int(state.cursor))
+        start = time.perf_counter()
+        state, _ = self.steps.train(state, batch, None)
+        took = time.perf_counter() - start
+        self.owner.state, self.monitor = state, state.monitor
+        return took
 
 
 class _Clock(Hook):
@@ -240,15 +264,10 @@ def build(cfg: Config, folder: Path) -> dict:
     n = 1 + len(left)
     std = Standard(standard_config(cfg, n), folder / "standard")
     variants = {"standard": std, "plain": Plain(cfg, std)}
-    if "health" in left:
-        variants["standard, health=false"] = Standard(standard_config(cfg, n, health=False), folder / "nohealth",
-                                                      owner=std)
-    if "spike" in left:
-        variants["standard, spike.enabled=false"] = Standard(
-            standard_config(cfg, n, spike=SpikeConfig(enabled=False)), folder / "nospike", owner=std)
-    if "skip" in left:
-        variants["standard, no non-finite skip"] = Standard(standard_config(cfg, n), folder / "noskip", skip=False,
-                                                            owner=std)
+    changes = {"health": {"health": False}, "spike": {"spike": SpikeConfig(enabled=False)}, "skip": {}}
+    for default in left:
+        variants[WITHOUT[default]] = Standard(standard_config(cfg, n, **changes[default]), folder / f"no{default}",
+                                              skip=default != "skip", owner=std)
     return variants
 
 
@@ -284,6 +303,36 @@ def _rounds(cfg: Config, variants: dict) -> tuple[dict, list]:
     return times, peaks
 
 
+def _step_pairs(cfg: Config, variants: dict) -> dict:
+    """Each default's share of standard's train step, from ``pairs`` pairs per default: standard's step, then the
+    variant's without it, on the shared state, alone (outside ``fit``), neither due for gradient health (its due
+    steps are ``_health_cost``'s); the median of 1 - variant / standard. Neighbouring steps run at the same machine
+    speed, where ``rounds`` of many steps do not (the 100M shape drifted up to 50% between rounds)."""
+    std = variants["standard"]
+    due = std.steps.health.due if std.steps.health and cfg.log_every > 1 else (lambda n: False)   # 1: all are
+    shares: dict = {d: [] for d in DEFAULTS if WITHOUT[d] in variants}
+    for _ in range(cfg.pairs):
+        for default in shares:
+            pair = []
+            for run in (std, variants[WITHOUT[default]]):
+                while due(int(std.owner.state.step) + 1):
+                    std.step_once()   # a due step, untimed
+                pair.append(run.step_once())
+            shares[default].append(1 - pair[1] / pair[0])
+    return {d: statistics.median(v) for d, v in shares.items()}
+
+
+def _ring_share(std: "Standard", step: float) -> float:
+    """The spike rollback's host work as a share of ``step``: one copy of the state into the snapshot ring (the
+    fastest of three) every ``ring_gap`` steps (``recipes.train.rollback``)."""
+    copies = []
+    for _ in range(3):
+        start = time.perf_counter()
+        state_copy(std.owner.state)
+        copies.append(time.perf_counter() - start)
+    return min(copies) / ring_gap(std.cfg.spike) / step
+
+
 def _profile(name: str, run, steps: int, rows: int = 25) -> None:
     """Print the ``rows`` costliest ops and inductor kernels of ``steps`` steps of ``run``, per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -305,6 +354,7 @@ def run(cfg: Config) -> dict:
         std = variants["standard"]
         times, peaks = _rounds(cfg, variants)
         excess = list(std.health_excess)    # the rounds' (a profile's steps add more)
+        shares = _step_pairs(cfg, variants) if cfg.overhead and cfg.pairs else {}
         if cfg.profile:
             for name in ("standard", "plain"):
                 _profile(name, variants[name], cfg.profile)
@@ -313,7 +363,11 @@ def run(cfg: Config) -> dict:
                 v.logger.close()
     m = std.model_cfg
     per_token = flops_per_token(llama.matmul_params(std.params), m.n_layers, cfg.block_size, m.d_model)
-    return _table(cfg, std, times, excess, statistics.median(peaks), per_token, time.perf_counter() - start)
+    out = _table(cfg, std, times, excess, statistics.median(peaks), per_token, time.perf_counter() - start)
+    if shares:
+        ring = _ring_share(std, out["rows"]["standard"]["ms_per_step"] / 1e3) if std.cfg.spike.enabled else 0.0
+        out["defaults"] = _defaults_table(cfg, shares, out["health_share"] or 0.0, ring)
+    return out
 
 
 def _table(cfg: Config, std: Standard, times: dict, excess: list, peak: float, per_token: float,
@@ -357,3 +411,18 @@ def _health_cost(cfg: Config, excesses: list, step: float) -> Optional[float]:
           f"{excess * 1e3:+.1f} ms beyond the other steps of their call; once every {cfg.log_every} steps that is "
           f"{share:.2%} of the step")
     return share
+
+
+def _defaults_table(cfg: Config, inside: dict, health_due: float, ring: float) -> dict:
+    """Print and return each default's share of standard's step: inside the step (``_step_pairs``), plus gradient
+    health's due steps (``_health_cost``) and the spike rollback's ring copies (``_ring_share``)."""
+    extra = {"health": health_due, "spike": ring, "skip": 0.0}
+    print(f"\neach default's cost, as a share of standard's step ({cfg.pairs} alternating step pairs per default, "
+          f"median; health's due steps and the spike ring's copies added)")
+    print("| default | inside every step (pairs) | due steps / ring copies | total |")
+    print("|---|---:|---:|---:|")
+    total = {}
+    for default, share in inside.items():
+        total[default] = share + extra[default]
+        print(f"| {default} | {share:.2%} | {extra[default]:.2%} | {total[default]:.2%} |")
+    return total
