@@ -193,8 +193,7 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
             grads = tree_map(lambda g: g / scale.to(g.dtype), grads)   # unscale before clipping or stats
         grad_norm = global_norm(grads, psum)
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(),
-                   "param_norm": global_norm(state.params, psum), **aux}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(), **aux}
         in_place = donate and not torch.compiler.is_compiling() and bool(finite)   # eager: one host sync
         keep_old = skip and not in_place
         if in_place:   # eager donated step: moments and (unless extra metrics read the old params) params in place
@@ -221,9 +220,11 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
         if scale is not None:
             loss_scale = update_loss_scale(state.loss_scale, finite)
             metrics["loss_scale"] = loss_scale["scale"]
+        kept = where(finite, new_params, state.params) if keep_old else new_params
+        metrics["param_norm"] = global_norm(kept, psum)   # of the params it keeps: one pass with the update
         new_state = TrainState(
             step=state.step + 1,
-            params=where(finite, new_params, state.params) if keep_old else new_params,
+            params=kept,
             opt_state=where(finite, opt_state, state.opt_state) if keep_old else opt_state,
             key=state.key,
             cursor=state.cursor + 1,

@@ -138,6 +138,22 @@ def test_nonfinite_loss_never_reaches_params():
     assert bad.step.item() == good.step.item() + 1  # the batch was consumed
 
 
+def test_param_norm_is_the_norm_of_the_params_the_step_keeps():
+    """After the update (one pass with it), and the old params' norm on a skipped step."""
+    opt = optim.adamw(lr=1e-2)
+    step = make_train_step(lambda p, b: llama.loss(p, b, TINY) * b["poison"], opt)
+    state = init_state(llama.init(TINY), opt)
+
+    def norm(params):
+        return math.sqrt(sum(float((t.double() ** 2).sum()) for t in flatten_dict(params).values()))
+    batch = batch_of(TINY, 2, 8)
+    new, m = step(state, {**batch, "poison": torch.tensor(1.0)})
+    assert m["param_norm"].item() == pytest.approx(norm(new.params), rel=1e-6)
+    assert abs(norm(new.params) - norm(state.params)) > 1e-4   # so the test tells the two apart
+    kept, m = step(new, {**batch, "poison": torch.tensor(float("nan"))})
+    assert m["param_norm"].item() == pytest.approx(norm(new.params), rel=1e-6)
+
+
 def test_eval_step_equals_loss():
     params = llama.init(TINY)
     batch = batch_of(TINY, 2, 8)
