@@ -132,7 +132,7 @@ class Logger:
     def __init__(self, folder: str | os.PathLike, *, tensorboard: bool = True, jsonl: bool = True,
                  console: bool = True, enabled: bool = True):
         self.folder = os.fspath(folder)
-        self._tb = self._jsonl = None
+        self._tb = self._jsonl = self._bins = None
         self._console = console and enabled
         if enabled and (tensorboard or jsonl):
             os.makedirs(self.folder, exist_ok=True)
@@ -176,11 +176,16 @@ class Logger:
             self._tb.add_text(tag, text, int(step))
 
     def histogram(self, step: int, tag: str, values) -> None:
-        """A histogram of ``values`` (a tensor or array) at ``step``."""
+        """A histogram of ``values`` (a tensor or array) at ``step``, over TensorBoard's default ("tensorflow")
+        buckets, handed over as an array: ``add_histogram`` turns its list of ~1,500 edges into one on every call
+        (0.2 of its 0.3 ms; gradient health writes five on each log step)."""
         if self._tb is not None:
             if isinstance(values, torch.Tensor):
                 values = values.detach().float().cpu()
-            self._tb.add_histogram(board_tag(tag), values, int(step))
+            if self._bins is None:
+                import numpy as np
+                self._bins = np.asarray(self._tb.default_bins)
+            self._tb.add_histogram(board_tag(tag), values, int(step), bins=self._bins)
 
     def hparams(self, config: Mapping[str, Any], metrics: Mapping[str, Any] | None = None,
                 step: int = 0) -> None:

@@ -231,11 +231,11 @@ class GradientHealth:
         """``{"health/grad_norm/layers.attn.wq/3": value, ...}`` for TensorBoard, plus ``health/clip/ratio``
         (global grad norm / ``clip_norm``) and ``health/clip/clipped`` (1.0 when the global clip scaled
         the gradients: ``norm + 1e-6 > clip_norm``, torch's rule) when ``clip_norm`` was given."""
-        packed = self._check(packed)
+        table = self._check(packed).tolist()   # one conversion, not one per entry
         cols = [COLUMNS.index(c) for c in columns]
-        out = {self.tag(COLUMNS[c], r): float(packed[r, c]) for r in range(len(self.rows)) for c in cols}
+        out = {self.tag(COLUMNS[c], r): float(table[r][c]) for r in range(len(self.rows)) for c in cols}
         if self.clip_norm is not None:
-            norm = float(packed[-1, 2])
+            norm = float(table[-1][2])
             out["health/clip/ratio"] = norm / self.clip_norm
             out["health/clip/clipped"] = float(norm + 1e-6 > self.clip_norm)
         return out

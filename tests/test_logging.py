@@ -70,6 +70,21 @@ def test_text_events_histogram(tmp_path):
                       "reason": "loss spike", "loss": 9.0}
 
 
+def test_histograms_are_tensorboards_default_buckets(tmp_path):
+    """The same buckets as ``add_histogram``'s default ("tensorflow"), which the Logger hands over as an array."""
+    from torch.utils.tensorboard import SummaryWriter
+    values = torch.tensor([1e-6, 3e-4, 2e-3, 0.5, -0.02, 7.0, 7.0])
+    with Logger(tmp_path / "ours", console=False) as logger:
+        logger.histogram(1, "h", values)
+        logger.histogram(2, "h", values * 3)
+    writer = SummaryWriter(str(tmp_path / "torch"))
+    writer.add_histogram(log.board_tag("h"), values, 1)
+    writer.add_histogram(log.board_tag("h"), values * 3, 2)
+    writer.close()
+    ours, theirs = (read_events(tmp_path / name).Histograms(log.board_tag("h")) for name in ("ours", "torch"))
+    assert [(e.step, e.histogram_value) for e in ours] == [(e.step, e.histogram_value) for e in theirs]
+
+
 def test_layout_is_a_custom_scalars_config_and_histograms_follow_the_tag_scheme(tmp_path):
     from tensorboard.plugins.custom_scalar import layout_pb2
     with Logger(tmp_path, console=False) as logger:
