@@ -21,22 +21,21 @@ In one process, on the same Llama (the same initial weights), the same data and 
   same point of training. ``steps`` and ``warmup`` are then multiples of ``log_every``: each variant's timed
   steps hold the same number of gradient-health steps.
 
-The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (``fit`` resumed from
-where it stopped), timed from the end of a round's second step to the end of its last (so what ``fit`` does once
-per call stays out, as it does from a run, which calls ``fit`` once: the rollback ring's starting copy of the
-state, and the step after it, which ran 2x slower at 100M), the median round of each is its time; "paired" is
-the median of each round's ratio to ``standard``'s time in that round (what a default costs). Every round
-also times a ``peak_size``-square fp32 matmul (the machine's measured matmul peak, FLOP/s = 2 n^3 / time); the
-step's achieved FLOP/s is tokens/s times PaLM's training FLOPs per token (``core.telemetry.flops_per_token``).
-Gradient health's cost is also read off ``standard``'s own steps: its due steps against the other steps of their
-call. Ratios are the result: this machine is shared and noisy.
+The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (``fit`` resumed; each
+round starts with the next variant: the one after the round's matmul ran apart), timed from the end of a round's
+second step to the end of its last (what ``fit`` does once per call stays out, as a run calls it once: the
+rollback ring's starting copy, and the step after it, 2x slower at 100M); the median round is the time; "paired"
+is the median of each round's ratio to ``standard``'s time in it. Every round also times a ``peak_size``-square
+fp32 matmul (the measured peak, 2 n^3 FLOPs); the step's FLOP/s is tokens/s times PaLM's training FLOPs per
+token (``core.telemetry.flops_per_token``). Gradient health's cost is also read off ``standard``'s own steps:
+its due steps against the other steps of their call. Ratios are the result: this machine is shared and noisy.
 
-What each default costs (``overhead=true``) is then measured step by step, where rounds of many steps cannot
-resolve a few percent (at 100M this VM's speed drifted by up to 50% between rounds): ``pairs`` times per default,
-``standard``'s train step and then the variant's without it, alone (outside ``fit``), on the shared state, neither
-due for gradient health; the median of 1 - variant / standard is the default's share inside every step. Added to
-it: gradient health's due steps (above) and the spike rollback's snapshot ring, one copy of the state every
-``ring_gap`` steps (``recipes.train.rollback``; a copy is timed).
+What each default costs (``overhead=true``) is then measured step by step, as rounds cannot resolve a few
+percent (at 100M this VM's speed drifted up to 50% between rounds): ``pairs`` times per default, ``standard``'s
+train step, then the variant's, alone (outside ``fit``), on the shared state, neither due for gradient health;
+the median of 1 - variant / standard is its share inside every step. Added: health's due steps (above) and what
+its log steps write (scalars and histograms, timed), the spike ring's copy of the state every ``ring_gap``
+steps (``recipes.train.rollback``; a copy is timed).
 """
 from __future__ import annotations
 
@@ -55,6 +54,7 @@ from core.config import ConfigError, option
 from core.logging import Logger, progress
 from core.spike import SpikeConfig
 from core.telemetry import flops_per_token
+from optim.health import computed
 from models import llama
 from models.llama_module import LlamaModule, load_params
 from recipes import standard
@@ -96,9 +96,8 @@ class Config:
     overhead: bool = option(False, "also time standard without health, without spike detection, without the skip")
     without: str = option(DEFAULTS_TEXT, "with overhead=true, which of the three to time standard without "
                                                "(comma-separated: fewer resident copies of a large model)")
-    pairs: int = option(20, "with overhead=true, then alternate standard's train step with each variant's this many "
-                            "times, step by step on the shared state (each default's cost inside the step, between "
-                            "neighbouring steps: the 100M shape's drift needs it; 0: skip)", min=0)
+    pairs: int = option(20, "with overhead=true, then alternate standard's step with each variant's this many times "
+                            "(each default's cost between neighbouring steps, as 100M's drift needs; 0: skip)", min=0)
     profile: int = option(0, "after the rounds, profile this many steps of standard and of plain (torch.profiler "
                                "with inductor's per-kernel records) and print their costliest kernels", min=0)
     peak_size: int = option(2048, "side of the square fp32 matmul that measures the machine's peak", min=1)
@@ -151,6 +150,7 @@ class Standard:
         self.params = None if owner else p.params
         self.model_cfg = p.model_cfg
         self.health_excess: list[float] = []   # seconds a timed health step took beyond the call's others
+        self.health_packed = None              # the statistics of the newest due step_once
 
     def __call__(self, n: int) -> float:
         """Run ``n`` more steps; returns seconds per step from the end of the second to the end of the last (what
@@ -171,9 +171,11 @@ class Standard:
         state = self.owner.state._replace(monitor=self.monitor)
         batch = self.steps.batches.get(int(state.cursor))
         start = time.perf_counter()
-        state, _ = self.steps.train(state, batch, None)
+        state, metrics = self.steps.train(state, batch, None)
         took = time.perf_counter() - start
         self.owner.state, self.monitor = state, state.monitor
+        if "health" in metrics and computed(metrics["health"]):
+            self.health_packed = metrics["health"]   # for _health_log_share
         return took
 
 
@@ -295,9 +297,10 @@ def _rounds(cfg: Config, variants: dict) -> tuple[dict, list]:
             run.health_excess.clear()   # the warm-up's due steps compile the update with health
     times: dict = {name: [] for name in variants}
     peaks = []
+    names = list(variants)
     for r in range(cfg.rounds):
-        for name, run in variants.items():
-            times[name].append(run(cfg.steps))
+        for name in names[r % len(names):] + names[:r % len(names)]:   # each round starts with the next variant
+            times[name].append(variants[name](cfg.steps))
         peaks.append(matmul_peak(cfg.peak_size))
         progress(f"  round {r + 1}/{cfg.rounds}: " + ", ".join(f"{n} {t[-1] * 1e3:.1f} ms" for n, t in times.items()))
     return times, peaks
@@ -323,14 +326,28 @@ def _step_pairs(cfg: Config, variants: dict) -> dict:
 
 
 def _ring_share(std: "Standard", step: float) -> float:
-    """The spike rollback's host work as a share of ``step``: one copy of the state into the snapshot ring (the
-    fastest of three) every ``ring_gap`` steps (``recipes.train.rollback``)."""
+    """The spike ring's share of ``step``: a copy of the state (fastest of 3) every ``ring_gap`` steps."""
     copies = []
     for _ in range(3):
         start = time.perf_counter()
         state_copy(std.owner.state)
         copies.append(time.perf_counter() - start)
     return min(copies) / ring_gap(std.cfg.spike) / step
+
+
+def _health_log_share(std: "Standard", step: float, repeats: int = 20) -> float:
+    """Gradient health's host work on a log step as a share of ``step`` once every ``log_every`` steps: what
+    ``recipes.train.metrics.TrainLog`` writes of it (its per-tensor scalars and histograms, to TensorBoard and
+    ``metrics.jsonl``), the median of ``repeats`` writes of a due step's statistics."""
+    health, packed = std.steps.health, std.health_packed
+    took = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        std.logger.scalars(0, health.to_scalars(packed))
+        for tag, values in health.histograms(packed).items():
+            std.logger.histogram(0, tag, values)
+        took.append(time.perf_counter() - start)
+    return statistics.median(took) / std.cfg.log_every / step
 
 
 def _profile(name: str, run, steps: int, rows: int = 25) -> None:
@@ -355,6 +372,10 @@ def run(cfg: Config) -> dict:
         times, peaks = _rounds(cfg, variants)
         excess = list(std.health_excess)    # the rounds' (a profile's steps add more)
         shares = _step_pairs(cfg, variants) if cfg.overhead and cfg.pairs else {}
+        step = statistics.median(times["standard"])
+        if shares:   # what health's log steps write, and the spike ring's copies, beside the step
+            shares["logs"] = _health_log_share(std, step) if std.health_packed is not None else 0.0
+            shares["ring"] = _ring_share(std, step) if std.cfg.spike.enabled else 0.0
         if cfg.profile:
             for name in ("standard", "plain"):
                 _profile(name, variants[name], cfg.profile)
@@ -365,8 +386,8 @@ def run(cfg: Config) -> dict:
     per_token = flops_per_token(llama.matmul_params(std.params), m.n_layers, cfg.block_size, m.d_model)
     out = _table(cfg, std, times, excess, statistics.median(peaks), per_token, time.perf_counter() - start)
     if shares:
-        ring = _ring_share(std, out["rows"]["standard"]["ms_per_step"] / 1e3) if std.cfg.spike.enabled else 0.0
-        out["defaults"] = _defaults_table(cfg, shares, out["health_share"] or 0.0, ring)
+        logs, ring = shares.pop("logs"), shares.pop("ring")
+        out["defaults"] = _defaults_table(cfg, shares, (out["health_share"] or 0.0) + logs, ring)
     return out
 
 
@@ -415,11 +436,12 @@ def _health_cost(cfg: Config, excesses: list, step: float) -> Optional[float]:
 
 def _defaults_table(cfg: Config, inside: dict, health_due: float, ring: float) -> dict:
     """Print and return each default's share of standard's step: inside the step (``_step_pairs``), plus gradient
-    health's due steps (``_health_cost``) and the spike rollback's ring copies (``_ring_share``)."""
+    health's due steps and log writes (``_health_cost``, ``_health_log_share``) and the spike rollback's ring copies
+    (``_ring_share``)."""
     extra = {"health": health_due, "spike": ring, "skip": 0.0}
     print(f"\neach default's cost, as a share of standard's step ({cfg.pairs} alternating step pairs per default, "
-          f"median; health's due steps and the spike ring's copies added)")
-    print("| default | inside every step (pairs) | due steps / ring copies | total |")
+          f"median; added: health's due steps and what its log steps write, the spike ring's copies)")
+    print("| default | inside every step (pairs) | due and log steps / ring copies | total |")
     print("|---|---:|---:|---:|")
     total = {}
     for default, share in inside.items():
