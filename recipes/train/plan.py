@@ -13,6 +13,7 @@ The projection counts training steps only: evaluations, samples and checkpoints 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from pathlib import Path
 import torch
@@ -26,7 +27,7 @@ from recipes.train.setup import resolve_run_folder
 
 PROBE_WARMUP = 2          # eager steps before timing (allocator, first-call caches)
 PROBE_STEPS = 8           # timed steps at most ...
-PROBE_SECONDS = 10.0      # ... or this long, whichever comes first (at least 2 are timed)
+PROBE_SECONDS = 10.0      # ... or this long, whichever comes first (at least 3 are timed; the median is the step time)
 
 
 def probe_config(cfg):
@@ -43,7 +44,8 @@ def tree_bytes(tree) -> int:
 
 
 def probe(steps: Steps, state, frozen, device: torch.device) -> tuple[float, int]:
-    """Seconds per train step of ``steps.train`` from ``state`` (eager, the loop's own batch reads included),
+    """Seconds per train step of ``steps.train`` from ``state`` (eager, the loop's own batch reads included): the
+    median of the timed steps (a stall of the machine during one of a few steps does not scale the projection),
     and how many steps were timed."""
     cursor = int(state.cursor)
     for _ in range(PROBE_WARMUP):
@@ -51,13 +53,15 @@ def probe(steps: Steps, state, frozen, device: torch.device) -> tuple[float, int
         cursor += 1
     synchronize(device)
     float(metrics["loss"])
-    timed, t0 = 0, time.perf_counter()
-    while timed < 2 or (timed < PROBE_STEPS and time.perf_counter() - t0 < PROBE_SECONDS):
+    times, t0 = [], time.perf_counter()
+    while len(times) < 3 or (len(times) < PROBE_STEPS and time.perf_counter() - t0 < PROBE_SECONDS):
+        start = time.perf_counter()
         state, metrics = steps.train(state, steps.batches.get(cursor), frozen)
-        cursor, timed = cursor + 1, timed + 1
-    synchronize(device)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+        cursor += 1
     float(metrics["loss"])
-    return (time.perf_counter() - t0) / timed, timed
+    return statistics.median(times), len(times)
 
 
 def duration(seconds: float) -> str:
@@ -85,6 +89,7 @@ def describe(cfg, *, recipe: str, folder: Path, model: str, data: str, train_tok
              device: torch.device, world_size: int = 1, frozen=None, extra: tuple[str, ...] = ()) -> str:
     """The plan as printed by ``dry_run=true``: sizes, the probe's step time, the projected wall time and cost."""
     seconds, timed = probe(steps, state, frozen, device)
+    threads = torch.get_num_threads()
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * world_size
     params, moments = tree_bytes(state.params), tree_bytes(state.opt_state)
     where, start = resume_point(cfg, folder)
@@ -104,8 +109,8 @@ def describe(cfg, *, recipe: str, folder: Path, model: str, data: str, train_tok
         ("tokens/step", f"{tokens_per_step:,} (batch_size {cfg.batch_size} x block_size {cfg.block_size} x "
                         f"grad_accum {cfg.grad_accum} x {world_size} rank{'s' if world_size > 1 else ''}); "
                         f"{cfg.steps * tokens_per_step / max(train_tokens, 1):.3g} epochs in {cfg.steps:,} steps"),
-        ("step time", f"{seconds * 1e3:.4g} ms ({timed} eager steps after {PROBE_WARMUP} warm-up, compile=false; "
-                      f"{device}, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"),
+        ("step time", f"{seconds * 1e3:.4g} ms (median of {timed} eager steps after {PROBE_WARMUP} warm-up, "
+                      f"compile=false; {device}, {threads} thread{'s' if threads > 1 else ''})"),
         ("steps/s", f"{1 / seconds:.4g} ({tokens_per_step / seconds:,.0f} tokens/s)"),
         ("wall time", f"{duration(wall)} for {left:,} steps (training steps only; evaluation, samples, "
                       f"checkpoints{' and compiling' if cfg.compile else ''} come on top)"),
