@@ -62,12 +62,14 @@ from recipes.train import backend
 from recipes.train.backend import SCOPES
 from recipes.train.hooks import Hook
 from recipes.train.loop import LoopIO, LoopState, build_steps, fit
+from recipes.train.metrics import write_health
 from recipes.train.rollback import ring_gap, state_copy
 
 DEFAULTS = ("health", "spike", "skip")   # what overhead=true times standard without
 WITHOUT = {"health": "standard, health=false", "spike": "standard, spike.enabled=false",
            "skip": "standard, no non-finite skip"}   # the variant without each, by name
 DEFAULTS_TEXT = ",".join(DEFAULTS)
+PAIRS = 20   # step pairs per default (overhead=true)
 
 DESCRIPTION = ("tokens/s of bin/run recipe=standard's loop against nanoGPT's plain loop (torch.compile(module) + "
                "torch.optim.AdamW), interleaved; FLOP/s against a measured matmul peak; the defaults' costs")
@@ -96,7 +98,7 @@ class Config:
     overhead: bool = option(False, "also time standard without health, without spike detection, without the skip")
     without: str = option(DEFAULTS_TEXT, "with overhead=true, which of the three to time standard without "
                                                "(comma-separated: fewer resident copies of a large model)")
-    pairs: int = option(20, "with overhead=true, then alternate standard's step with each variant's this many times "
+    pairs: int = option(PAIRS, "with overhead=true, then alternate standard's step with each variant's this many times "
                             "(each default's cost between neighbouring steps, as 100M's drift needs; 0: skip)", min=0)
     profile: int = option(0, "after the rounds, profile this many steps of standard and of plain (torch.profiler "
                                "with inductor's per-kernel records) and print their costliest kernels", min=0)
@@ -106,7 +108,7 @@ class Config:
 
     def __post_init__(self):
         _without(self)   # a bad name is an error before anything is built
-        for key, default in (("without", DEFAULTS_TEXT), ("pairs", 20)):
+        for key, default in (("without", DEFAULTS_TEXT), ("pairs", PAIRS)):
             if getattr(self, key) != default and not self.overhead:
                 raise ConfigError(f"{key}={getattr(self, key)} times overhead=true's variants: set overhead=true")
         if self.overhead and (self.steps % self.log_every or self.warmup % self.log_every):
@@ -318,7 +320,7 @@ def _step_pairs(cfg: Config, variants: dict) -> dict:
         for default in shares:
             pair = []
             for run in (std, variants[WITHOUT[default]]):
-                while due(int(std.owner.state.step) + 1):
+                while due(int(std.state.step) + 1):
                     std.step_once()   # a due step, untimed
                 pair.append(run.step_once())
             shares[default].append(1 - pair[1] / pair[0])
@@ -343,9 +345,7 @@ def _health_log_share(std: "Standard", step: float, repeats: int = 20) -> float:
     took = []
     for _ in range(repeats):
         start = time.perf_counter()
-        std.logger.scalars(0, health.to_scalars(packed))
-        for tag, values in health.histograms(packed).items():
-            std.logger.histogram(0, tag, values)
+        write_health(std.logger, health, 0, packed)
         took.append(time.perf_counter() - start)
     return statistics.median(took) / std.cfg.log_every / step
 
@@ -372,10 +372,9 @@ def run(cfg: Config) -> dict:
         times, peaks = _rounds(cfg, variants)
         excess = list(std.health_excess)    # the rounds' (a profile's steps add more)
         shares = _step_pairs(cfg, variants) if cfg.overhead and cfg.pairs else {}
-        step = statistics.median(times["standard"])
-        if shares:   # what health's log steps write, and the spike ring's copies, beside the step
-            shares["logs"] = _health_log_share(std, step) if std.health_packed is not None else 0.0
-            shares["ring"] = _ring_share(std, step) if std.cfg.spike.enabled else 0.0
+        step = statistics.median(times["standard"])   # beside the step: health's log writes, the spike ring
+        logs = _health_log_share(std, step) if shares and std.health_packed is not None else 0.0
+        ring = _ring_share(std, step) if shares and std.cfg.spike.enabled else 0.0
         if cfg.profile:
             for name in ("standard", "plain"):
                 _profile(name, variants[name], cfg.profile)
@@ -386,7 +385,6 @@ def run(cfg: Config) -> dict:
     per_token = flops_per_token(llama.matmul_params(std.params), m.n_layers, cfg.block_size, m.d_model)
     out = _table(cfg, std, times, excess, statistics.median(peaks), per_token, time.perf_counter() - start)
     if shares:
-        logs, ring = shares.pop("logs"), shares.pop("ring")
         out["defaults"] = _defaults_table(cfg, shares, (out["health_share"] or 0.0) + logs, ring)
     return out
 
@@ -434,11 +432,11 @@ def _health_cost(cfg: Config, excesses: list, step: float) -> Optional[float]:
     return share
 
 
-def _defaults_table(cfg: Config, inside: dict, health_due: float, ring: float) -> dict:
+def _defaults_table(cfg: Config, inside: dict, health_beside: float, ring: float) -> dict:
     """Print and return each default's share of standard's step: inside the step (``_step_pairs``), plus gradient
     health's due steps and log writes (``_health_cost``, ``_health_log_share``) and the spike rollback's ring copies
     (``_ring_share``)."""
-    extra = {"health": health_due, "spike": ring, "skip": 0.0}
+    extra = {"health": health_beside, "spike": ring, "skip": 0.0}
     print(f"\neach default's cost, as a share of standard's step ({cfg.pairs} alternating step pairs per default, "
           f"median; added: health's due steps and what its log steps write, the spike ring's copies)")
     print("| default | inside every step (pairs) | due and log steps / ring copies | total |")

@@ -60,6 +60,14 @@ def board_layout(health: Optional[GradientHealth]) -> dict:
     return categories
 
 
+def write_health(logger: Logger, health: GradientHealth, step: int, packed: torch.Tensor) -> None:
+    """Gradient health's statistics of ``step`` (a packed tensor): a scalar per tensor and statistic, and a
+    histogram per statistic."""
+    logger.scalars(step, health.to_scalars(packed))
+    for tag, values in health.histograms(packed).items():
+        logger.histogram(step, tag, values)
+
+
 class FirstStepCheck(Hook):
     """After the first step: is the loss near ln(vocab), and which parameters got no or a bad gradient."""
 
@@ -120,9 +128,7 @@ class TrainLog(Hook):
         logged = logger.scalars(ctx.step, {f"train/{k}" if k in ("loss", "grad_norm") else k: v
                                            for k, v in values.items()})
         if health is not None and self.health is not None:
-            logger.scalars(ctx.step - age, self.health.to_scalars(health))
-            for tag, hist in self.health.histograms(health).items():
-                logger.histogram(ctx.step - age, tag, hist)
+            write_health(logger, self.health, ctx.step - age, health)
         logger.progress(ctx.step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
                         extra={k: logged[k] for k in ("epoch", "lr", "data_ms") if k in logged} or None)
         self.last_time, self.last_tokens, ctx.excluded = now, ctx.loop.tokens, 0.0
