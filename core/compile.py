@@ -35,7 +35,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
     """Whether a graph on ``device_type`` runs through inductor's C++ wrapper (``cpp_wrapper``: the generated code
     that allocates buffers and calls the kernels is C++, not Python), taking the interpreter off the path between
-    kernels: 5-8% of the step at nanoGPT's shakespeare-char shape on this CPU (``recipe=bench.speed``, README).
+    kernels (its self time in ``recipe=bench.speed``'s profile: 3.3 ms a step, then 2.4; README).
     On the CPU, for graphs without ``collectives``: in torch 2.13 the C++ wrapper does not take the functional
     collectives' ops ("arg type Any is not yet supported by custom_op_wrapper"). On CUDA the Python wrapper stays
     (CUDA graphs, ``compile_mode=reduce-overhead``, remove the launch overhead there)."""

@@ -177,8 +177,8 @@ class Logger:
 
     def histogram(self, step: int, tag: str, values) -> None:
         """A histogram of ``values`` (a tensor or array) at ``step``, over TensorBoard's default ("tensorflow")
-        buckets, handed over as an array: ``add_histogram`` turns its list of ~1,500 edges into one on every call
-        (0.2 of its 0.3 ms; gradient health writes five on each log step)."""
+        buckets, handed over as an array: ``add_histogram`` would turn its list of ~1,500 edges into one on every
+        call (gradient health writes five on each log step)."""
         if self._tb is not None:
             if isinstance(values, torch.Tensor):
                 values = values.detach().float().cpu()
