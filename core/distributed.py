@@ -19,6 +19,7 @@ within it instead of hanging for gloo's and NCCL's default 10-30 minutes.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -113,11 +114,20 @@ def mean_over_ranks(leaves: list[torch.Tensor], group, world: int) -> list[torch
     functional ``all_reduce`` (which dynamo traces), split back into each leaf's shape and dtype."""
     import torch.distributed._functional_collectives as funcol
     flat = torch.cat([t.reshape(-1).to(torch.float32) for t in leaves])
-    flat = funcol.all_reduce(flat, "sum", group) / world
+    flat = funcol.all_reduce(flat, "sum", group)
+    return split_mean(flat, [(t.shape, t.dtype) for t in leaves], world)
+
+
+def split_mean(flat: torch.Tensor, layout: list, world: int) -> list[torch.Tensor]:
+    """``flat`` (a sum over ``world`` ranks) cut into leaves of ``layout``'s ``(shape, dtype)``s and divided by
+    ``world``, each leaf a tensor of its own, not a view of ``flat``: in a compiled step ``torch.cond`` (gradient
+    health's gate, ``optim.health``) refuses operands that alias one another, and inductor writes each quotient
+    straight into its leaf, so this costs no more than dividing ``flat`` whole."""
     out, offset = [], 0
-    for t in leaves:
-        out.append(flat[offset:offset + t.numel()].reshape(t.shape).to(t.dtype))
-        offset += t.numel()
+    for shape, dtype in layout:
+        n = math.prod(shape)
+        out.append((flat[offset:offset + n] / world).reshape(shape).to(dtype))
+        offset += n
     return out
 
 

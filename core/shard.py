@@ -59,7 +59,7 @@ from typing import Callable, Optional
 import torch
 
 from core.checkpoint import Deferred
-from core.distributed import mean_over_ranks
+from core.distributed import mean_over_ranks, split_mean
 from core.tree import leaves_of, like, tree_map, tree_map_with_name, zip_leaves
 
 
@@ -228,25 +228,24 @@ class Layout:
         the loss and the aux metrics (any shape) averaged over ranks (one ``all_reduce``). ``specs``: the part
         of :attr:`params` that ``grads`` covers (all of it by default)."""
         full, specs = zip_leaves(grads, self.params if specs is None else specs)
-        mine = self.reduce_rows([self._rows(g, s) for g, s in zip(full, specs)])
-        out, offset = [], 0
-        for g, s in zip(full, specs):   # gradients of params gathered in bf16 stay fp32, for the fp32 shards
-            n = math.prod(s.local_shape())
-            dtype = torch.float32 if self.gather_dtype is not None and g.dtype == self.gather_dtype else g.dtype
-            out.append(mine[offset:offset + n].reshape(s.local_shape()).to(dtype))
-            offset += n
+        summed = self.reduce_rows([self._rows(g, s) for g, s in zip(full, specs)], mean=False)
+        # gradients of params gathered in bf16 stay fp32, for the fp32 shards
+        layout = [(s.local_shape(), torch.float32 if self.gather_dtype is not None and g.dtype == self.gather_dtype
+                   else g.dtype) for g, s in zip(full, specs)]
+        out = split_mean(summed, layout, self.world)
         names = sorted(aux)
         loss, *rest = mean_over_ranks([loss] + [aux[k] for k in names], self.group, self.world)
         return like(grads, out, order=grads), loss, dict(zip(names, rest))
 
-    def reduce_rows(self, rows: list) -> torch.Tensor:
+    def reduce_rows(self, rows: list, mean: bool = True) -> torch.Tensor:
         """Float32 ``[W, n_i]`` blocks (row r: rank r's part) -> this rank's parts, concatenated, of their mean
-        over ranks: one ``reduce_scatter_single``."""
+        over ranks (their sum without ``mean``): one ``reduce_scatter_single``."""
         import torch.distributed._functional_collectives as funcol
         if not rows:
             return torch.zeros(0)
         flat = torch.cat(rows, dim=1).reshape(-1)
-        return funcol.reduce_scatter_single(flat, "sum", 0, self.group) / self.world
+        summed = funcol.reduce_scatter_single(flat, "sum", 0, self.group)
+        return summed / self.world if mean else summed
 
     def blocks(self, shards, train: bool = True):
         """A step's per-block gathering of ``shards`` (``core.shard_blocks.Blocks``)."""

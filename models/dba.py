@@ -151,8 +151,9 @@ def init(cfg: DBAConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
 
 def pair_frequencies(cfg: DBAConfig, device=None) -> torch.Tensor:
     """Inverse frequencies (float64) [L, n_kv_heads, geo_dim/2]: the teacher's, at the kept pairs."""
-    index = torch.tensor(cfg.rope_pairs, dtype=torch.long).view(cfg.n_layers, cfg.n_kv_heads, cfg.geo_dim // 2)
-    return rope_frequencies(cfg)[index].to(device)
+    inv_freq = rope_frequencies(cfg, device)
+    index = torch.tensor(cfg.rope_pairs, dtype=torch.long, device=inv_freq.device)
+    return inv_freq[index.view(cfg.n_layers, cfg.n_kv_heads, cfg.geo_dim // 2)]
 
 
 def rope_tables(cfg: DBAConfig, positions: torch.Tensor, dtype: torch.dtype):

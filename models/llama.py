@@ -146,15 +146,18 @@ def upcast(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies (float64) of the head_dim / 2 rotary pairs, with llama3 scaling when configured."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
+    """Inverse frequencies (float64) of the head_dim / 2 rotary pairs, with llama3 scaling when configured, on
+    ``device`` (on the CPU for MPS, which has no float64)."""
+    device = torch.device("cpu") if device is None or torch.device(device).type == "mps" else device
+    pairs = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device)
+    inv_freq = 1.0 / (cfg.rope_theta ** (pairs / cfg.head_dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", ""))
     if kind in ("", "default"):
         return inv_freq
     if kind == "factors":   # llama.cpp's rope_freqs tensor (a GGUF's Llama 3.1 scaling): theta_i / factor_i
-        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64, device=device)
         if factors.shape != inv_freq.shape:
             raise ValueError(f"rope_scaling.factors has {factors.numel()} entries, head_dim / 2 is {inv_freq.numel()}")
         return inv_freq / factors
@@ -184,19 +187,30 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-@torch.compiler.assume_constant_result
 def position_tables(frequencies: Callable, cfg, start: int, length: int, dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
     """``rope_tables(frequencies(cfg), arange(start, start + length))`` stacked as one tensor ``[2, ..., length,
-    D]`` (cos, sin): a function of Python values only, so a compiled graph takes it as a constant computed once
-    at trace time (``torch.compiler.assume_constant_result``). Inlined instead, inductor recomputes the float64
-    cos and sin inside every kernel that reads the tables (on the CPU it keeps only exp and sigmoid results),
-    which cost the one-graph step at nanoGPT's shape 5 ms of its 40. Traced inside ``torch.func.grad`` the
-    call sits under functorch's transforms; ``_DisableFuncTorch`` builds a plain tensor (a wrapped one has no
-    storage for the compiled graph to read)."""
-    with torch._C._DisableFuncTorch():
-        positions = torch.arange(start, start + length, device=device)
-        return torch.stack(rope_tables(frequencies(cfg), positions, dtype))
+    D]`` (cos, sin), computed by one opaque op (:func:`_tables`) that a compiled graph calls once and whose result
+    its kernels read. Traced inline, inductor recomputes the float64 cos and sin inside every kernel that reads the
+    tables (on the CPU it keeps only exp and sigmoid results), which cost the one-graph step at nanoGPT's shape
+    5 ms of its 40. An op rather than a trace-time constant (``torch.compiler.assume_constant_result``): dynamo
+    names such a constant after the function, so a graph holding two models (a teacher and a student) held two
+    constants of one name and failed to compile."""
+    return _tables(frequencies(cfg, device), start, length, dtype, device)
+
+
+@torch.library.custom_op("purestep::rope_tables", mutates_args=())
+def _tables(inv_freq: torch.Tensor, start: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`rope_tables` of ``inv_freq`` at positions ``start .. start + length - 1`` on ``device``, stacked
+    ``[2, ..., T, D]``."""
+    positions = torch.arange(start, start + length, device=device)
+    return torch.stack(rope_tables(inv_freq, positions, dtype))
+
+
+@_tables.register_fake
+def _tables_shape(inv_freq: torch.Tensor, start: int, length: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    return torch.empty((2, *inv_freq.shape[:-1], length, 2 * inv_freq.shape[-1]), dtype=dtype, device=device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -323,7 +323,7 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
         gathers.append((k, {t.dtype for t in out}))
         return out
     monkeypatch.setattr(shard_blocks.Blocks, "gather", counted)
-    monkeypatch.setattr(Layout, "reduce_rows", lambda self, rows: reduces.append(len(rows)) or reduce_rows(self, rows))
+    monkeypatch.setattr(Layout, "reduce_rows", lambda self, rows, **kw: reduces.append(len(rows)) or reduce_rows(self, rows, **kw))
     cfg = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2)
     params = llama.init(cfg, 0)
     spec = OptimizerSpec(lr=1e-2, clipping="adagc", adagc=AdaGCConfig(warmup=1))

@@ -114,11 +114,13 @@ def test_initial_loss_is_near_log_vocab():
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1 * math.log(cfg.vocab_size)
 
 
-def test_position_tables_are_the_rope_tables_and_a_constant_of_the_compiled_graph():
+def test_position_tables_are_the_rope_tables_and_one_op_of_the_compiled_graph():
     """``position_tables`` (what ``apply`` reads) equals ``rope_tables`` at every offset bitwise, and a compiled
-    ``torch.func.grad`` over it traces it as a constant (no graph input, no cos/sin op in the graph)."""
+    ``torch.func.grad`` over two models' tables (a teacher's and a student's in one graph, which a trace-time
+    constant named after the function could not hold) calls one op for each, with no cos/sin inlined."""
     cfg = llama.LlamaConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, rope_scaling={"rope_type": "llama3",
                             "factor": 8.0, "original_max_position_embeddings": 8})
+    other = llama.LlamaConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, rope_theta=500.0)
     for start, length in ((0, 5), (7, 3)):
         cos, sin = llama.position_tables(llama.rope_frequencies, cfg, start, length, torch.float32, torch.device("cpu"))
         ref = llama.rope_tables(llama.rope_frequencies(cfg), torch.arange(start, start + length), torch.float32)
@@ -132,7 +134,9 @@ def test_position_tables_are_the_rope_tables_and_a_constant_of_the_compiled_grap
 
     def f(x):
         cos, sin = llama.position_tables(llama.rope_frequencies, cfg, 0, 5, x.dtype, x.device)
-        return (x * cos + x * sin).sum()
+        cos2, sin2 = llama.position_tables(llama.rope_frequencies, other, 0, 5, x.dtype, x.device)
+        return (x * cos + x * sin).sum() + (x * cos2 - x * sin2).sum()
     grad = torch.compile(torch.func.grad(f), backend=backend, fullgraph=True)(x)
     assert torch.allclose(grad, torch.func.grad(f)(x))
+    assert sum("rope_tables" in op for op in ops) == 2, ops
     assert not any("cos" in op or "sin" in op for op in ops), ops
