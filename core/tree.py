@@ -78,8 +78,20 @@ def names(tree: Tree) -> list[str]:
 
 
 def tree_map_with_name(fn: Callable[[str, Any], Any], tree: Tree, *rest: Tree) -> Tree:
-    """``tree_map`` whose function also receives the leaf's dotted name as its first argument."""
-    return optree.tree_map_with_path(lambda path, *xs: fn(".".join(str(k) for k in path), *xs), tree, *rest)
+    """``tree_map`` whose function also receives the leaf's dotted name as its first argument (optree's path:
+    dict keys, sequence and NamedTuple indices). A walk in plain Python over dicts, lists and tuples, which every
+    dynamo traces: torch 2.11's polyfill of ``optree.tree_map_with_path`` fails on a function that returns
+    Python values (``ValueError: length mismatch`` while unflattening ``optim.common.decay_mask``'s booleans)."""
+    def walk(prefix: str, node, *others):
+        if isinstance(node, dict):
+            return {k: walk(f"{prefix}{k}.", node[k], *(o[k] for o in others)) for k in node}
+        if isinstance(node, (list, tuple)):
+            children = [walk(f"{prefix}{i}.", x, *(o[i] for o in others)) for i, x in enumerate(node)]
+            return type(node)(*children) if hasattr(node, "_fields") else type(node)(children)
+        if node is None:
+            return None
+        return fn(prefix[:-1], node, *others)
+    return walk("", tree, *rest)
 
 
 def flatten_dict(tree: dict, prefix: str = "") -> dict[str, Any]:

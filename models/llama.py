@@ -196,21 +196,20 @@ def position_tables(frequencies: Callable, cfg, start: int, length: int, dtype: 
     5 ms of its 40. An op rather than a trace-time constant (``torch.compiler.assume_constant_result``): dynamo
     names such a constant after the function, so a graph holding two models (a teacher and a student) held two
     constants of one name and failed to compile."""
-    return _tables(frequencies(cfg, device), start, length, dtype, device)
+    return _tables(frequencies(cfg, device), start, length, dtype).to(device)   # MPS: computed on the CPU
 
 
 @torch.library.custom_op("purestep::rope_tables", mutates_args=())
-def _tables(inv_freq: torch.Tensor, start: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """:func:`rope_tables` of ``inv_freq`` at positions ``start .. start + length - 1`` on ``device``, stacked
-    ``[2, ..., T, D]``."""
-    positions = torch.arange(start, start + length, device=device)
+def _tables(inv_freq: torch.Tensor, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`rope_tables` of ``inv_freq`` at positions ``start .. start + length - 1``, stacked ``[2, ..., T, D]``
+    on ``inv_freq``'s device. No ``torch.device`` argument: torch 2.11's C++ wrapper cannot pass one to an op."""
+    positions = torch.arange(start, start + length, device=inv_freq.device)
     return torch.stack(rope_tables(inv_freq, positions, dtype))
 
 
 @_tables.register_fake
-def _tables_shape(inv_freq: torch.Tensor, start: int, length: int, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
-    return torch.empty((2, *inv_freq.shape[:-1], length, 2 * inv_freq.shape[-1]), dtype=dtype, device=device)
+def _tables_shape(inv_freq: torch.Tensor, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    return inv_freq.new_empty((2, *inv_freq.shape[:-1], length, 2 * inv_freq.shape[-1]), dtype=dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
