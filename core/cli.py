@@ -24,7 +24,9 @@ Exit codes: 0 done; 2 a user error (``core.config.UserError`` and its subclasses
 errors of a path that cannot be written, ``PATH_ERRORS``: no permission, no space, a read-only disk, a file
 in the way), reported as one ``error:`` line on stderr (naming the path and what to do); 3 a quality gate
 failed (``core.config.GateFailed``: the run finished and wrote its report, but its results miss a threshold the
-user set, e.g. upcycle's ``verify.max_ppl_ratio``), one ``gate failed:`` line; 130 interrupted; 1 anything else, which is a bug and prints its traceback. ``bin/run`` is a thin click wrapper around
+user set, e.g. upcycle's ``verify.max_ppl_ratio``), one ``gate failed:`` line; 5 incomplete
+(``core.config.Incomplete``: the run trained and kept its model, but an item after training failed, e.g. a benchmark
+measurement; the rest ran and the reports are written), one ``incomplete:`` line; 130 interrupted; 1 anything else, which is a bug and prints its traceback. ``bin/run`` is a thin click wrapper around
 ``main``, which tests also call in-process.
 """
 from __future__ import annotations
@@ -45,7 +47,8 @@ from typing import Mapping, Sequence
 import click
 
 from core.checkpoint import FINAL
-from core.config import EXIT_GATE, ConfigError, GateFailed, UserError, flatten_keys, resolve
+from core.config import (EXIT_GATE, EXIT_INCOMPLETE, ConfigError, GateFailed, Incomplete, UserError, flatten_keys,
+                         resolve)
 from core.config_files import load_toml
 from core.config_help import format_help
 from core.grid import check_recipe, run_grid, split_grid
@@ -316,7 +319,7 @@ def _run_stages(name: str, module: ModuleType, preset, toml: dict, pairs: dict, 
 
 
 def main(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
-    """Run ``bin/run`` with the given arguments and recipe registry; returns the exit code (0, 1, 2, 3 or 130)."""
+    """Run ``bin/run`` with the given arguments and recipe registry; returns the exit code (0, 1, 2, 3, 5 or 130)."""
     try:
         return _run(list(argv), recipes)
     except KeyboardInterrupt:
@@ -325,6 +328,9 @@ def main(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
     except GateFailed as e:
         click.echo(f"gate failed: {user_message(e)}", err=True)
         return EXIT_GATE
+    except Incomplete as e:
+        click.echo(f"incomplete: {user_message(e)}", err=True)
+        return EXIT_INCOMPLETE
     except Exception as e:  # noqa: BLE001 - sorted into user errors and bugs right here
         if not is_user_error(e):
             traceback.print_exc()

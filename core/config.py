@@ -37,7 +37,7 @@ from typing import Any, Literal, Mapping, Union
 
 from core.config_bounds import Bounds
 
-__all__ = ["UserError", "GateFailed", "EXIT_GATE", "ConfigError", "option", "Bounds", "same_as", "apply_overrides", "resolve", "flatten_keys",
+__all__ = ["UserError", "GateFailed", "EXIT_GATE", "Incomplete", "EXIT_INCOMPLETE", "ConfigError", "option", "Bounds", "same_as", "apply_overrides", "resolve", "flatten_keys",
            "to_dict", "from_dict", "type_str", "show_value"]
 
 
@@ -51,6 +51,15 @@ class GateFailed(Exception):
 
 
 EXIT_GATE = 3
+
+
+class Incomplete(Exception):
+    """A run that trained and kept its model, but an item after training failed (an upcycle benchmark
+    measurement, a chart): reported in one line, skipped, the rest ran and the reports are written. Not bad input
+    and not a missed gate: one ``incomplete:`` line, exit code 5 (``EXIT_INCOMPLETE``)."""
+
+
+EXIT_INCOMPLETE = 5
 
 
 class ConfigError(UserError, ValueError):

@@ -10,7 +10,11 @@ Per group of cells that differ only by ``seed``: the number of finished seeds an
 spread (sample standard deviation, n - 1; empty for one seed) of each metric.
 
 Written into the run root: ``grid.csv`` (the cells, then the groups), ``grid.md`` (two tables) and, when
-matplotlib is installed, ``grid.png`` (validation loss against step, one line per cell).
+matplotlib is installed, ``grid.png``: the final validation loss of every cell, one column per group, each seed a
+point with its own colour and marker, beside the group's mean +- sample std; and, when a cell logged more than one
+evaluation, validation loss against step beside it (one line per cell: a colour per group, a line style and
+marker per seed). A grid that evaluates once per cell (at its end) gets the first panel alone, not single dots on
+a curve axis whose legend shows lines that never draw.
 """
 from __future__ import annotations
 
@@ -118,33 +122,89 @@ def _write_md(path: Path, cells, rows, groups, axes) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+STYLES = ("-", "--", ":", "-.")
+
+
 def _write_png(path: Path, cells, rows, axes) -> bool:
-    """Validation loss against step, one line per cell: a colour per group, a line style per seed."""
+    """``figure`` saved as a PNG; False when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    groups = list(dict.fromkeys(tuple(c.shown[a] for a in axes if a != "seed") for c in cells))
-    seeds = list(dict.fromkeys(c.shown.get("seed") for c in cells))
-    styles = ("-", "--", ":", "-.")
-    for cell, row in zip(cells, rows):
-        if row["val_curve"]:
-            steps, losses = zip(*row["val_curve"])
-            group = groups.index(tuple(cell.shown[a] for a in axes if a != "seed"))
-            ax.plot(steps, losses, marker="o", markersize=3, label=cell.name, color=f"C{group % 10}",
-                    linestyle=styles[seeds.index(cell.shown.get("seed")) % len(styles)])
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig = figure(cells, rows, axes)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def figure(cells, rows, axes):
+    """The grid's chart (see the module docstring) as a matplotlib figure."""
+    import matplotlib.pyplot as plt
+    others = [a for a in axes if a != "seed"]
+    groups = list(dict.fromkeys(tuple(c.shown[a] for a in others) for c in cells))
+    seeds = list(dict.fromkeys(c.shown.get("seed") for c in cells))
+    curves = any(len(row["val_curve"]) > 1 for row in rows)
+    fig, panels = plt.subplots(1, 2 if curves else 1, figsize=(13 if curves else 7, 4.5), squeeze=False)
+    _finals(panels[0][0], cells, rows, others, groups, seeds)
+    if curves:
+        _curves(panels[0][1], cells, rows, others, groups, seeds)
+    fig.tight_layout()
+    return fig
+
+
+def _finals(ax, cells, rows, others, groups, seeds) -> None:
+    """The final validation loss per group (a column and a colour each, as in the curves): the seeds side by side,
+    a marker each; the mean +- sample std of the group beside them."""
+    width = 0.5 / max(len(seeds), 1)
+    values: dict[int, list[float]] = {}
+    for j, seed in enumerate(seeds):
+        drawn = False
+        for cell, row in zip(cells, rows):
+            if cell.shown.get("seed") == seed and row["final_val_loss"] is not None:
+                g = groups.index(tuple(cell.shown[a] for a in others))
+                ax.plot([g + (j - (len(seeds) - 1) / 2) * width], [row["final_val_loss"]], linestyle="none",
+                        marker=MARKERS[j % len(MARKERS)], markersize=7, color=f"C{g % 10}", zorder=3)
+                values.setdefault(g, []).append(row["final_val_loss"])
+                drawn = True
+        if drawn:   # the legend names the marker; the colour is the group's (the x axis names the groups)
+            ax.plot([], [], linestyle="none", marker=MARKERS[j % len(MARKERS)], markersize=7, color="0.35",
+                    label=f"seed {seed}" if seed is not None else "cell")
+    spread = [(g, statistics.fmean(v), statistics.stdev(v)) for g, v in sorted(values.items()) if len(v) > 1]
+    if spread:
+        g, mean, std = zip(*spread)
+        ax.errorbar(g, mean, yerr=std, fmt="_", markersize=22, color="black", capsize=6, elinewidth=1.2,
+                    zorder=2, label="mean ± std over seeds")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([",".join(f"{a}={v}" for a, v in zip(others, key)) or "all" for key in groups],
+                       rotation=20 if len(groups) > 4 else 0, fontsize=8)
+    ax.set_xlim(-0.6, len(groups) - 0.4)
+    ax.set_xlabel(", ".join(others))
+    ax.set_ylabel("final validation loss")
+    ax.set_title("final validation loss per cell")
+    ax.grid(alpha=0.3, axis="y")
+    if values:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no validation loss logged", ha="center", va="center", transform=ax.transAxes)
+
+
+def _curves(ax, cells, rows, others, groups, seeds) -> None:
+    """Validation loss against step, one line per cell: a colour per group, a line style and marker per seed."""
+    for cell, row in zip(cells, rows):
+        if row["val_curve"]:
+            steps, losses = zip(*row["val_curve"])
+            group = groups.index(tuple(cell.shown[a] for a in others))
+            j = seeds.index(cell.shown.get("seed"))
+            ax.plot(steps, losses, marker=MARKERS[j % len(MARKERS)], markersize=4, label=cell.name,
+                    color=f"C{group % 10}", linestyle=STYLES[j % len(STYLES)])
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss")
+    ax.set_title("validation loss during training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def write_summary(root: Path, cells: Sequence, axes: Sequence[str]) -> list[Path]:

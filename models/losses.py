@@ -2,7 +2,9 @@
 
 Every KL here is **summed over the vocabulary and averaged over (non-masked) tokens**, the per-token LM
 reduction of DistiLLM and DistillKit (``F.kl_div(..., reduction="sum") / n_tokens``); never PyTorch's
-``reduction="mean"``, which would also divide by the vocabulary size.
+``reduction="mean"``, which would also divide by the vocabulary size. A masked position (target < 0) is left
+out by ``torch.where`` on its inputs and its per-token value, never by a product with the mask, so whatever its
+logits or cached targets hold (inf, NaN) neither its value nor its gradient reaches the loss.
 
 - :func:`kd_loss`: KL at temperature T between softened distributions (Hinton, Vinyals & Dean 2015,
   "Distilling the Knowledge in a Neural Network"), forward KL(p||q) (mode-covering, = CE with soft targets
@@ -42,11 +44,22 @@ IGNORE_INDEX = -100
 target is treated the same, so data that marks masked positions with -1 works too."""
 
 
+def _keep(x: torch.Tensor, mask) -> torch.Tensor:
+    """``x`` at the positions where ``mask`` (``[...]`` bool, broadcast over ``x``'s trailing axes) is true, 0
+    elsewhere: a masked position's logits never enter the math, so inf or NaN there gives neither a NaN value nor a
+    NaN gradient (``torch.where`` routes a zero gradient to the dropped side; a product by the mask would not:
+    inf * 0 is NaN, and so is the backward of ``log_softmax`` over a NaN row)."""
+    if mask is None:
+        return x
+    m = mask.reshape(*mask.shape, *(1,) * (x.dim() - mask.dim()))
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def _masked_mean(per_token: torch.Tensor, mask) -> torch.Tensor:
+    """Mean over the positions where ``mask`` is true, by ``torch.where`` (never a product by the mask)."""
     if mask is None:
         return per_token.mean()
-    m = mask.to(per_token.dtype)
-    return (per_token * m).sum() / m.sum().clamp(min=1.0)
+    return _keep(per_token, mask).sum() / mask.sum().clamp(min=1).to(per_token.dtype)
 
 
 def _log_probs(logits: torch.Tensor, temperature) -> torch.Tensor:
@@ -81,8 +94,8 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, tempe
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown KL direction {direction!r}; choose one of {', '.join(DIRECTIONS)}")
-    log_q = _log_probs(student_logits, temperature)
-    log_p = _log_probs(teacher_logits, temperature)
+    log_q = _log_probs(_keep(student_logits, mask), temperature)
+    log_p = _log_probs(_keep(teacher_logits, mask), temperature)
     if direction == "forward":
         per_token = _kl(log_p, log_q)
     elif direction == "reverse":
@@ -97,8 +110,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     are ignored (``IGNORE_INDEX``, -100, or any other negative id). The loss of every model here
     (``llama.loss``, ``dba.loss``)."""
     wide = torch.promote_types(logits.dtype, torch.float32)
-    targets = torch.where(targets < 0, IGNORE_INDEX, targets).flatten()
-    return F.cross_entropy(logits.flatten(0, -2).to(wide), targets, ignore_index=IGNORE_INDEX)
+    keep = targets >= 0
+    logits = _keep(logits.to(wide), keep)      # an ignored row's inf/NaN would make its gradient NaN
+    targets = torch.where(keep, targets, IGNORE_INDEX).flatten()
+    return F.cross_entropy(logits.flatten(0, -2), targets, ignore_index=IGNORE_INDEX)
 
 
 def blend(kl: torch.Tensor, ce: torch.Tensor, *, alpha: float, temperature) -> tuple[torch.Tensor, dict]:
@@ -143,14 +158,14 @@ def topk_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, logprobs: torc
     the float32 rounding that leaves a tiny M_t > 0 is then ignored (it would multiply an empty bucket's
     log-mass, about -3.4e38).
     """
-    log_q = _log_probs(student_logits, temperature)
-    ids = ids.long()
+    log_q = _log_probs(_keep(student_logits, mask), temperature)
+    ids = _keep(ids.long(), mask)
     log_q_k = log_q.gather(-1, ids)
-    log_p_k = logprobs.float()
+    log_p_k = _keep(logprobs.float(), mask)
     # the student's mass outside the k ids; finfo.min (not -inf) keeps an empty bucket's gradient finite
     outside = log_q.scatter(-1, ids, torch.finfo(log_q.dtype).min)
     log_m_s = torch.logsumexp(outside, dim=-1)
-    m_t = missing_mass.float()
+    m_t = _keep(missing_mass.float(), mask)
     has_rest = m_t > 0 if ids.shape[-1] < log_q.shape[-1] else torch.zeros_like(m_t, dtype=torch.bool)
     safe_m_t = torch.where(has_rest, m_t, torch.ones_like(m_t))
     rest = torch.where(has_rest, m_t * (safe_m_t.log() - log_m_s), torch.zeros_like(m_t))
@@ -183,8 +198,8 @@ def sampled_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, weights: to
     so its gradient is the forward-KL gradient in expectation (the value is the soft-target CE, not the KL).
     Zero-weight slots are padding.
     """
-    log_q = _log_probs(student_logits, temperature)
-    per_token = -(weights.float() * log_q.gather(-1, ids.long())).sum(-1)
+    log_q = _log_probs(_keep(student_logits, mask), temperature)
+    per_token = -(_keep(weights.float(), mask) * log_q.gather(-1, _keep(ids.long(), mask))).sum(-1)
     return _masked_mean(per_token, mask)
 
 

@@ -190,11 +190,14 @@ def test_chunked_prefill_equals_the_whole_forward_and_strided_loss_covers_every_
 
 def test_passkey_prompts_fit_hold_the_key_and_repeat(teacher):  # noqa: F811
     tok = load_model(str(teacher)).tokenizer
+    texts, why = passkey.Texts.build(tok)
+    assert why == "" and texts.note == "" and texts.alphabet == "0123456789"     # bytes spell everything
     assert passkey.trials(4, 7) == passkey.trials(4, 7) != passkey.trials(4, 8)
     for key, depth in passkey.trials(4, 7):
-        ids = passkey.prompt(tok, 400, key, depth)
+        ids = texts.prompt(400, key, depth)
         assert len(ids) <= 400 and str(key) in tok.decode(ids) and tok.decode(ids).endswith(passkey.QUESTION)
-    assert passkey.prompt(tok, 50, 12345, 0.5) is None
+        assert texts.correct(f" {key}. Remember", key) and not texts.correct(f" {key + 1}", key)
+    assert texts.prompt(50, 12345, 0.5) is None
 
 
 def test_an_out_of_memory_cell_is_recorded_and_the_sweep_goes_on(teacher, monkeypatch):  # noqa: F811

@@ -81,6 +81,7 @@ def run(cfg: Config) -> dict:
                                  block_size=cfg.block_size, trained_context=cfg.block_size, seed=cfg.seed,
                                  device=device, say=progress)
     results["stages"] = {"teacher": losses["teacher"], "student": losses["student"]}
-    report.write(folder, results)
+    report.write(folder, results, say=progress)
     print(report.markdown(results))
+    benchmark.check_failed(results, folder)
     return results

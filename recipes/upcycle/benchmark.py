@@ -11,15 +11,21 @@
 - Parameter counts (all, attention only).
 
 Written by ``recipes/upcycle/report.py``: ``results.{json,csv,md}``, ``tables.tex``, PNG charts, TensorBoard.
+
+Nothing here ends a run that trained: an item the tokenizer cannot run is skipped with one line saying why
+(``results["skipped"]``); an item that fails is reported in one line, its traceback kept in ``results["failed"]``,
+and the other items run. The caller raises ``core.config.Incomplete`` (exit code ``EXIT_INCOMPLETE``) once every
+report is written; the student's checkpoints are untouched.
 """
 from __future__ import annotations
 
 import json
 import os
+import traceback
 
 import torch
 
-from core.config import UserError, to_dict
+from core.config import Incomplete, UserError, to_dict
 from core.tree import cast, size
 from models import dba, hf, llama
 from recipes.upcycle import passkey, quality, report, sweep
@@ -85,12 +91,18 @@ def evaluate(models: list, tokenizer, tokens, bc, *, losses: dict, block_size: i
     say(f"benchmark: sweep of contexts {list(bc.prompt_tokens)} x new tokens {list(bc.new_tokens)} x batches "
         f"{list(bc.batches)}, median of {bc.repeats} after a warm-up, timed in {str(timing)[6:]}, cache "
         f"{bc.cache_dtype}")
-    cells = sweep.run_sweep(timed, tokens, bc, device, say)
-    strided = quality.run_strided(timed, tokens, bc.ppl_contexts or (block_size,), bc.ppl_stride, bc.ppl_tokens,
-                                  device)
-    keys = passkey.run_passkey(timed, tokenizer, bc.passkey_contexts, bc.passkey_trials, seed, device,
-                               bc.prefill_chunk, trained_context, say) if bc.passkey_trials else []
-    behaviour = quality.run_behaviour(timed, tokenizer, quality.load_cases(bc.behaviour), device)
+    failed, skipped = [], []
+    item = _guard(failed, say)
+    cells = item("sweep", [], sweep.run_sweep, timed, tokens, bc, device, say)
+    strided = item("strided perplexity", [], quality.run_strided, timed, tokens, bc.ppl_contexts or (block_size,),
+                   bc.ppl_stride, bc.ppl_tokens, device)
+    keys, why = item("passkey", ([], ""), passkey.run_passkey, timed, tokenizer, bc.passkey_contexts,
+                     bc.passkey_trials, seed, device, bc.prefill_chunk, trained_context, say) \
+        if bc.passkey_trials else ([], "")
+    skipped += [{"item": "passkey", "reason": why}] if why else []
+    behaviour, unwritable = item("behaviour", ([], []), lambda: quality.run_behaviour(
+        timed, tokenizer, quality.load_cases(bc.behaviour), device, say))
+    skipped += unwritable
     rows = summary(models, cells, losses, sweep.DTYPES[bc.cache_dtype].itemsize)
     t, s = rows["teacher"], rows["student"]
     ratio = {k: s[k] / t[k] for k in t if isinstance(t[k], (int, float)) and t[k] and s[k] is not None}
@@ -98,7 +110,8 @@ def evaluate(models: list, tokenizer, tokens, bc, *, losses: dict, block_size: i
                 f"allocated at {bc.cache_dtype}" if device.type == "cpu" else f"timed in {bc.cache_dtype}")
     return {"teacher": t, "student": s, "student_over_teacher": ratio, "cells": cells,
             "crossover": sweep.crossover(cells), "strided_perplexity": strided, "passkey": keys,
-            "behaviour": behaviour, "prompt_tokens": list(bc.prompt_tokens), "new_tokens": list(bc.new_tokens),
+            "behaviour": behaviour, "skipped": skipped, "failed": failed,
+            "prompt_tokens": list(bc.prompt_tokens), "new_tokens": list(bc.new_tokens),
             "batches": list(bc.batches), "repeats": bc.repeats, "warmup_runs": 1, "device": str(device),
             "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0], "torch": torch.__version__, "timing_dtype": str(timing)[6:],
             "cache_dtype": bc.cache_dtype, "prefill_chunk": bc.prefill_chunk, "seed": seed,
@@ -108,6 +121,29 @@ def evaluate(models: list, tokenizer, tokens, bc, *, losses: dict, block_size: i
             "dims": {m.name: {k: getattr(m.cfg, k) for k in ("n_layers", "n_kv_heads", "head_dim", "sem_dim",
                                                              "geo_dim", "v_dim") if hasattr(m.cfg, k)}
                      for m in models}}
+
+
+def _guard(failed: list, say):
+    """``item(name, fallback, fn, *args)``: ``fn(*args)``, or, when it raises, ``fallback`` with one line said and
+    the error and its traceback appended to ``failed`` (the benchmark goes on; KeyboardInterrupt still stops it)."""
+    def item(name: str, fallback, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - after training nothing ends the run: reported, exit code says so
+            error = f"{type(e).__name__}: {e}".splitlines()[0]
+            say(f"benchmark: {name} failed ({error}); the other measurements go on")
+            failed.append({"item": name, "error": error, "traceback": traceback.format_exc()})
+            return fallback
+    return item
+
+
+def check_failed(results: dict, folder, also: str = "") -> None:
+    """``Incomplete`` (one line, exit ``EXIT_INCOMPLETE``) naming the benchmark items that failed, if any."""
+    failed = results.get("failed") or []
+    if failed:
+        raise Incomplete("benchmark item(s) failed: " + "; ".join(f"{f['item']} ({f['error']})" for f in failed)
+                         + f"; the rest is in {folder / 'results.md'} (tracebacks in results.json); the student's "
+                         f"checkpoints are kept" + also)
 
 
 def run_benchmark(ctx: Context, student: dict, scfg: dba.DBAConfig, stages: dict) -> dict:
@@ -120,7 +156,7 @@ def run_benchmark(ctx: Context, student: dict, scfg: dba.DBAConfig, stages: dict
                        block_size=ctx.cfg.block_size, trained_context=ctx.cfg.block_size, seed=ctx.cfg.seed,
                        device=ctx.device, say=ctx.say)
     results["stages"], results["settings"] = stages, settings(bc)   # a rerun with other settings measures again
-    report.write(folder, results)
+    report.write(folder, results, say=ctx.say)
     s, q = results["student"], results["student_over_teacher"]
     ctx.say(f"benchmark: perplexity teacher {results['teacher']['perplexity']:.3f}, student {s['perplexity']:.3f} "
             f"({q['perplexity']:.3f}x); KV {s['kv_bytes_per_token_analytic']:,} B/token analytic "

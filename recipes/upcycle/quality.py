@@ -8,7 +8,9 @@ suite of small cases.
 - **Behaviour cases**, one JSON object per line: ``{"type": "choice_logprob", "prompt": P, "choices": [..],
   "answer": i}`` (correct when choice ``i`` has the highest summed log-probability after ``P``) or ``{"type":
   "exact_match_greedy", "prompt": P, "target": T}`` (correct when the greedy continuation of ``len(tokens(T))``
-  tokens decodes to ``T``, whitespace-stripped). ``BUILTIN`` holds a few that need no download.
+  tokens decodes to ``T``, whitespace-stripped). ``BUILTIN`` holds a few that need no download. A case whose
+  texts the tokenizer cannot write and read back (``recipes/upcycle/spelling.py``: digits for a char tokenizer of
+  tiny shakespeare) is skipped with one line saying why; the others run.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from core import jsonl
 from core.config import UserError
 from models import llama
+from recipes.upcycle.spelling import spell
 from recipes.upcycle.sweep import greedy
 
 BUILTIN = [
@@ -76,12 +79,26 @@ def _choice_logprobs(m, tokenizer, prompt: str, choices: list, device) -> list[f
     return out
 
 
-def run_behaviour(models: list, tokenizer, cases: list, device) -> list[dict]:
-    """One row per model and case type (and ``all``): cases, correct, accuracy."""
+def unwritable(tokenizer, case: dict) -> str:
+    """Why ``tokenizer`` cannot run ``case`` (a text it cannot write and read back), or ""."""
+    texts = [case["prompt"], *case.get("choices", ()), *([case["target"]] if "target" in case else [])]
+    return next((why for why in (spell(tokenizer, t)[1] for t in texts) if why), "")
+
+
+def run_behaviour(models: list, tokenizer, cases: list, device, say) -> tuple[list[dict], list[dict]]:
+    """One row per model and case type (and ``all``): cases, correct, accuracy; and the cases skipped, with why."""
+    skipped, runnable = [], []
+    for i, case in enumerate(cases, 1):
+        why = unwritable(tokenizer, case)
+        if not why:
+            runnable.append(case)
+            continue
+        skipped.append({"item": f"behaviour case {i}", "reason": why})
+        say(f"benchmark: behaviour case {i} ({case['type']}, prompt {case['prompt']!r}) skipped: {why}")
     rows = []
     for m in models:
         tally = {t: [0, 0] for t in (*TYPES, "all")}
-        for case in cases:
+        for case in runnable:
             if case["type"] == "choice_logprob":
                 scores = _choice_logprobs(m, tokenizer, case["prompt"], case["choices"], device)
                 right = max(range(len(scores)), key=scores.__getitem__) == case["answer"]
@@ -94,7 +111,7 @@ def run_behaviour(models: list, tokenizer, cases: list, device) -> list[dict]:
                 tally[key][1] += bool(right)
         rows += [{"model": m.name, "type": t, "cases": n, "correct": c, "accuracy": c / n if n else None}
                  for t, (n, c) in tally.items() if n]
-    return rows
+    return rows, skipped
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from contextlib import nullcontext
 
 
 from core import checkpoint as ckpt
-from core.config import UserError
+from core.config import GateFailed, UserError
 from core.data import EvalBatches
 from core.docs import prepare_text
 from core import distributed
@@ -204,7 +204,8 @@ def _run_phases(ctx: Context, teacher, corpus, dev, test):
     if "benchmark" in cfg.phases:
         path = folder / "benchmark" / "results.json"
         stored = json.loads(path.read_text()) if path.exists() else {}
-        if stored.get("stages") == stages and stored.get("settings") == upcycle_bench.settings(cfg.benchmark):
+        if stored.get("stages") == stages and stored.get("settings") == upcycle_bench.settings(cfg.benchmark) \
+                and not stored.get("failed"):       # a benchmark with a failed item measures again
             progress(f"benchmark: done ({path})")
             results["benchmark"] = json.loads(path.read_text())
         else:
@@ -216,7 +217,17 @@ def _run_phases(ctx: Context, teacher, corpus, dev, test):
         f"{k} {upcycle_bench.ppl(v):.3f}" for k, v in stages.items())
         + f"; student: recipe=generate init={folder / label}")
     results["timings"] = timings
-    _judge_gates(ctx, results, stages, scfg)
+    try:
+        _judge_gates(ctx, results, stages, scfg)
+    except GateFailed as e:
+        missed = e
+    else:
+        missed = None
+    # a benchmark item that failed (reported, the rest measured): exit EXIT_INCOMPLETE, after every report
+    upcycle_bench.check_failed(results.get("benchmark") or {}, folder / "benchmark",
+                               also=f"; gate failed: {missed}" if missed else "")
+    if missed:
+        raise missed
     return results
 
 
@@ -230,7 +241,7 @@ def _judge_gates(ctx: Context, results: dict, stages: dict, scfg) -> None:
     verdicts = gates.judge(vc, losses, kv, results.get("benchmark"))
     if "benchmark" in results:
         results["benchmark"]["gates"] = verdicts
-        report.write(ctx.folder / "benchmark", results["benchmark"])
+        report.write(ctx.folder / "benchmark", results["benchmark"], say=ctx.say)
     gates.enforce(verdicts, ctx.folder, vc.on_fail, ctx.say)
 
 

@@ -10,14 +10,17 @@
   ``quality.png`` (strided perplexity and passkey accuracy vs context): teacher and student on one plot,
   one line per batch size; written when matplotlib is importable;
 - TensorBoard scalars (context as the step) and the Markdown as text.
+
+``results.md`` lists the items skipped on this tokenizer and those that failed (``recipes/upcycle/benchmark.py``).
 """
 from __future__ import annotations
 
 import csv
 import importlib.util
+import traceback
 
 from core.cache import write_json
-from core.logging import Logger
+from core.logging import Logger, progress
 from recipes.upcycle.phases import ppl
 from recipes.upcycle.sweep import COLUMNS
 
@@ -86,6 +89,11 @@ def markdown(results: dict) -> str:
         out += [""] + _table(["gate", "limit", "value", "passed"],
                              [[f"verify.{g['gate']}", f"{g['limit']:g}", fmt(g["value"], "{:.4g}"), str(g["passed"])]
                               for g in results["gates"]])
+    if results.get("skipped"):
+        out += ["", "Skipped on this tokenizer:", ""] + [f"- {k['item']}: {k['reason']}" for k in results["skipped"]]
+    if results.get("failed"):
+        out += ["", "Failed (tracebacks in results.json):", ""] + [f"- {f['item']}: {f['error']}"
+                                                                   for f in results["failed"]]
     stages = results.get("stages") or {}
     if stages:
         out += [""] + _table(["after phase", "held-out loss", "perplexity", "ratio to teacher"],
@@ -117,8 +125,20 @@ def latex(results: dict) -> str:
     return "\n".join(lines + [r"\hline", r"\end{tabular}", ""])
 
 
-def write(folder, results: dict) -> None:
+def write(folder, results: dict, say=progress) -> None:
+    """Every artifact above; a chart that fails to draw is reported (``say``, ``results["failed"]``), not raised:
+    the measurements are written all the same."""
     folder.mkdir(parents=True, exist_ok=True)
+    if importlib.util.find_spec("matplotlib") is not None:
+        from recipes.upcycle import charts
+        failed = [f for f in results.get("failed") or [] if f["item"] != "charts"]
+        try:
+            charts.draw(folder, results)
+        except Exception as e:  # noqa: BLE001 - a picture never ends a run that trained; the exit code says so
+            error = f"{type(e).__name__}: {e}".splitlines()[0]
+            say(f"benchmark: charts failed ({error}); the measurements are written")
+            failed.append({"item": "charts", "error": error, "traceback": traceback.format_exc()})
+        results["failed"] = failed
     write_json(folder / "results.json", results)
     with open(folder / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -128,9 +148,6 @@ def write(folder, results: dict) -> None:
     (folder / "results.md").write_text(markdown(results))
     (folder / "tables.tex").write_text(latex(results))
     _board(folder, results)
-    if importlib.util.find_spec("matplotlib") is not None:
-        from recipes.upcycle import charts
-        charts.draw(folder, results)
 
 
 def _board(folder, results: dict) -> None:
