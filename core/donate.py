@@ -75,7 +75,8 @@ def write_into(state: TrainState, new: TrainState) -> TrainState:
             o.copy_(n)
     elif pairs:
         torch._foreach_copy_([o for o, _ in pairs], [n for _, n in pairs])
-    return new._replace(params=state.params, opt_state=state.opt_state)
+    # built field by field: torch 2.11's dynamo cannot return a NamedTuple made by _replace from a traced step
+    return TrainState(*(getattr(state if f in ("params", "opt_state") else new, f) for f in TrainState._fields))
 
 
 def update_in_place(optimizer, state: TrainState, grads, keep: bool = False):
