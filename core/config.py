@@ -11,7 +11,9 @@ against dataclass annotations instead of globals:
 - A string value is parsed against the field's annotated type (int, float, bool, str, ``X | None``,
   tuples and lists from ``a,b,c``, dicts from JSON or a TOML inline table, ``Literal[...]``); a value
   that is already typed (from TOML) is checked the same way: an int is a float, a bool is not an int.
-- A number outside its declared range is refused when the config is resolved, before anything runs.
+- A number outside its declared range is refused when the config is resolved, before anything runs; so is
+  any float that is not finite (``inf``, ``nan``, or ``1e309``, which overflows to inf), in any key, list or
+  dict entry: no key gives infinity a meaning (a key that means "no limit" says which finite value does, e.g. 0).
 - Every mistake is a ``ConfigError``: one line that names the key and what is wrong with it, with close
   matches for a misspelt key (difflib) and the valid choices.
 - ``resolve`` layers the sources: defaults < preset < config file (with its target) < command line.
@@ -30,6 +32,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import tomllib
 import types
 import typing
@@ -277,12 +280,37 @@ def _check(key: str, tp, value, metadata: Mapping):
             raise _BadValue(f"{value!r}; choose one of {', '.join(show_value(c) for c in choices)}")
     except _BadValue as e:
         raise ConfigError(f"bad value for '{key}': {e}") from None
+    _check_finite(key, value, out, bounds)
     bad = bounds.violation(out) if bounds is not None and out is not None else None
     if bad is not None:
         what = (f"{show_value(bad)} in {key}={show_value(out)} is out of range; each item must be"
                 if isinstance(out, (tuple, list)) else f"{key}={show_value(out)} is out of range; it must be")
         raise ConfigError(f"bad value for '{key}': {what} {bounds}")
     return out
+
+
+def _nonfinite(value):
+    """The first float in ``value`` (a number, or the items and dict values inside it) that is inf or NaN, or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else value
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    return next((bad for bad in map(_nonfinite, items) if bad is not None), None)
+
+
+def _check_finite(key: str, given, value, bounds: Bounds | None = None) -> None:
+    """A ConfigError naming ``key`` when ``value`` (parsed from ``given``) holds inf or NaN: no key takes them
+    (a float key's range is finite; 1e309 overflows to inf and is refused the same way)."""
+    bad = _nonfinite(value)
+    if bad is None:
+        return
+    text = given.strip() if isinstance(given, str) else show_value(given)
+    if isinstance(value, (tuple, list, Mapping)):
+        what = f"{show_value(bad)} in {key}={text} is not finite"
+    elif text.lstrip("+-").lower() in ("inf", "infinity", "nan"):
+        what = f"{key}={text} is not finite"
+    else:
+        what = f"{key}={text} overflows to {show_value(bad)}"
+    raise ConfigError(f"bad value for '{key}': {what}; give a finite number" + (f" {bounds}" if bounds else ""))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -360,6 +388,7 @@ def _set_entry(d, path: list[str], value, key: str) -> dict:
         d[path[0]] = _set_entry(inner, path[1:], value, key)
     else:
         d[path[0]] = _literal(value) if isinstance(value, str) else value
+        _check_finite(key, value, d[path[0]])
     return d
 
 
