@@ -77,11 +77,13 @@ def is_user_error(e: BaseException) -> bool:
 
 
 def user_message(e: BaseException) -> str:
-    """The one line that tells the user what went wrong (and, for an OS error, with which path and what to do)."""
-    if isinstance(e, OSError) and not isinstance(e, UserError) and e.errno in PATH_ERRORS:
+    """The one line that tells the user what went wrong (and, for an OS error, with which path and what to do:
+    ``path: reason; hint``, not Python's ``[Errno N] ...``)."""
+    if isinstance(e, OSError) and not isinstance(e, UserError) and e.errno is not None:
         reason = (e.strerror or os.strerror(e.errno)).lower()
         where = f"{e.filename}: " if e.filename is not None else ""
-        return f"{where}{reason}; {PATH_ERRORS[e.errno]}"
+        hint = f"; {PATH_ERRORS[e.errno]}" if e.errno in PATH_ERRORS else ""
+        return f"{where}{reason}{hint}"
     return " ".join(str(e).split()) or type(e).__name__
 
 

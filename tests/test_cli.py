@@ -66,7 +66,7 @@ def test_happy_path_passes_the_parsed_config(tmp_path):
     (["fail=user"], ["error: the dataset is empty"]),           # a multi-line message comes out on one line
     (["fail=data"], ["shard 3 is truncated"]),
     (["fail=checkpoint"], ["ckpt.msgpack is corrupt"]),           # core.checkpoint.CheckpointError
-    (["fail=missing"], ["No such file or directory", "nowhere.bin"]),
+    (["fail=missing"], ["error: nowhere.bin: no such file or directory"]),    # not Python's "[Errno 2] ..."
 ])
 def test_user_errors_are_one_line_and_exit_2(args, fragments):
     assert_user_error(run(RECIPE, *args), *fragments)
