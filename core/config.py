@@ -39,6 +39,7 @@ import typing
 from typing import Any, Literal, Mapping, Union
 
 from core.config_bounds import Bounds
+from core.exits import EXIT_GATE, GateFailed   # their home is core.exits (the exit-code table); kept importable here
 
 __all__ = ["UserError", "GateFailed", "EXIT_GATE", "ConfigError", "option", "Bounds", "same_as", "apply_overrides", "resolve", "flatten_keys",
            "to_dict", "from_dict", "type_str", "show_value"]
@@ -46,14 +47,6 @@ __all__ = ["UserError", "GateFailed", "EXIT_GATE", "ConfigError", "option", "Bou
 
 class UserError(Exception):
     """An error in what the user asked for (not a bug): reported as one line, exit code 2."""
-
-
-class GateFailed(Exception):
-    """A finished run whose results miss a quality gate the user set (upcycle's ``verify.max_ppl_ratio`` ...):
-    not a bug and not bad input; the report is written first. One line, exit code 3 (``EXIT_GATE``)."""
-
-
-EXIT_GATE = 3
 
 
 class ConfigError(UserError, ValueError):

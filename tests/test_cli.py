@@ -91,6 +91,13 @@ def test_a_bug_keeps_its_traceback_and_exits_1():
     assert "Traceback" in proc.stderr and "RuntimeError: an actual bug" in proc.stderr
 
 
+@pytest.mark.parametrize("fail, code, line", [("gate", 3, "gate failed: perplexity ratio 1.4 > 1.2"),
+                                               ("stopped", 4, "stopped: 3 rollbacks within 1000 steps")])
+def test_a_failed_gate_and_an_unfinished_run_have_codes_of_their_own(fail, code, line):
+    proc = run(RECIPE, f"fail={fail}")
+    assert proc.returncode == code and proc.stderr.strip() == line and "Traceback" not in proc.stderr
+
+
 def test_interrupt_exits_130():
     proc = run(RECIPE, "fail=interrupt")
     assert proc.returncode == 130 and proc.stderr.strip() == "interrupted"
