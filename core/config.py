@@ -32,13 +32,12 @@ import dataclasses
 import difflib
 import functools
 import json
-import math
 import tomllib
 import types
 import typing
 from typing import Any, Literal, Mapping, Union
 
-from core.config_bounds import Bounds
+from core.config_bounds import Bounds, not_finite
 from core.exits import EXIT_GATE, GateFailed   # their home is core.exits (the exit-code table); kept importable here
 
 __all__ = ["UserError", "GateFailed", "EXIT_GATE", "ConfigError", "option", "Bounds", "same_as", "apply_overrides", "resolve", "flatten_keys",
@@ -282,28 +281,11 @@ def _check(key: str, tp, value, metadata: Mapping):
     return out
 
 
-def _nonfinite(value):
-    """The first float in ``value`` (a number, or the items and dict values inside it) that is inf or NaN, or None."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else value
-    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
-    return next((bad for bad in map(_nonfinite, items) if bad is not None), None)
-
-
 def _check_finite(key: str, given, value, bounds: Bounds | None = None) -> None:
-    """A ConfigError naming ``key`` when ``value`` (parsed from ``given``) holds inf or NaN: no key takes them
-    (a float key's range is finite; 1e309 overflows to inf and is refused the same way)."""
-    bad = _nonfinite(value)
-    if bad is None:
-        return
-    text = given.strip() if isinstance(given, str) else show_value(given)
-    if isinstance(value, (tuple, list, Mapping)):
-        what = f"{show_value(bad)} in {key}={text} is not finite"
-    elif text.lstrip("+-").lower() in ("inf", "infinity", "nan"):
-        what = f"{key}={text} is not finite"
-    else:
-        what = f"{key}={text} overflows to {show_value(bad)}"
-    raise ConfigError(f"bad value for '{key}': {what}; give a finite number" + (f" {bounds}" if bounds else ""))
+    """A ConfigError naming ``key`` when ``value`` (parsed from ``given``) holds inf or NaN (``not_finite``)."""
+    what = not_finite(key, given.strip() if isinstance(given, str) else show_value(given), value)
+    if what is not None:
+        raise ConfigError(f"bad value for '{key}': {what}; give a finite number" + (f" {bounds}" if bounds else ""))
 
 
 # ----------------------------------------------------------------------------------------------------------
