@@ -219,7 +219,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
     if setup_peak is not None:
         _report_peaks(io.logger, int(ctx.state.step), state.step.device, dist, setup_peak)
     if ctx.result.unfinished:
-        where = f"{io.checkpoints.folder / ckpt.STOPPED}" if io.checkpoints else ckpt.STOPPED
+        where = f"{io.checkpoints.folder / ckpt.STOPPED}" if io.checkpoints else f"{ckpt.STOPPED} (written by rank 0)"
         raise RunStopped(f"{ctx.result.stop_reason}; its last state is {where}, not final.msgpack")
     return ctx.result
 
