@@ -10,8 +10,10 @@ tensor bytes do not match their stored CRC-32s, raises :class:`CheckpointError`,
 (:func:`latest`, ``resume=auto``) skips a bad newest file, saying so on stderr; ``resume=auto`` refuses a
 folder of checkpoints none of which is good rather than start over on top of them. ``best.msgpack`` and
 ``final.msgpack`` are hard links to a step file, so a damaged step file damages them too and discovery
-falls back past all three. The state dicts are Flax's (``flax.serialization.to_state_dict`` /
-``from_state_dict``), the template check naming the dotted path of any mismatch.
+falls back past all three. So is ``stopped.msgpack``, the last state of a run that stopped without finishing
+(``core.exits.RunStopped``): ``resume=auto`` refuses its folder, naming the state and the ways on. The state
+dicts are Flax's (``flax.serialization.to_state_dict`` / ``from_state_dict``), the template check naming the
+dotted path of any mismatch.
 """
 from __future__ import annotations
 
@@ -28,11 +30,12 @@ from core.cache import fsync_path, publish_file, write_file
 from core.checkpoint_checksums import Checksums
 from core.checkpoint_format import (_NAMES, CHECKSUMS, CHUNKED, DTYPES, FORMAT, MAX_CHUNK_SIZE, CheckpointError,
                                     Writer, read)
+from core.exits import RunStopped
 from core.logging import progress
 
 __all__ = ["CHUNKED", "DTYPES", "FORMAT", "MAX_CHUNK_SIZE", "CheckpointError", "CheckpointSaveError",
            "from_state_dict", "to_state_dict", "Deferred", "make_deferred", "fsync_path", "save", "load",
-           "read_meta", "latest", "CheckpointManager", "resolve_resume", "BEST", "FINAL"]
+           "read_meta", "latest", "CheckpointManager", "resolve_resume", "stopped_run", "BEST", "FINAL", "STOPPED"]
 
 _BUFFER = 1 << 20                 # file buffer for headers and small tensors
 
@@ -203,6 +206,7 @@ def read_meta(path) -> dict:
 
 _STEP_FILE = re.compile(r"step_(\d+)\.msgpack$")
 BEST, FINAL = "best.msgpack", "final.msgpack"
+STOPPED = "stopped.msgpack"       # the last state of a run that stopped without finishing (core.exits.RunStopped)
 
 
 def _step_files(folder: Path) -> list[tuple[int, Path]]:
@@ -266,7 +270,8 @@ def latest(folder) -> Path | None:
 class CheckpointManager:
     """``step_{n:09d}.msgpack`` files in one folder: save every N steps, keep the last K, plus
     ``best.msgpack`` (lowest validation loss, stored in the file so it survives restarts) and
-    ``final.msgpack``. ``keep_last=0`` keeps every step file; ``save_every=0`` saves only when asked.
+    ``final.msgpack`` (or ``stopped.msgpack``). ``keep_last=0`` keeps every step file; ``save_every=0`` saves
+    only when asked.
     With ``keep_back`` set (how far back a loss-spike rollback must reach) the pruning also
     spares the newest step file at or before ``step - keep_back``; ``pruned`` lists the steps it deleted.
     Stale ``.tmp-*`` files of a killed writer are removed when a manager opens the folder.
@@ -290,11 +295,16 @@ class CheckpointManager:
         return self.save_every > 0 and step > 0 and step % self.save_every == 0
 
     def save(self, step: int, tree: Any, extra: dict | None = None, val_loss: float | None = None,
-             final: bool = False) -> Path:
+             final: bool = False, stopped: str | None = None) -> Path:
+        """Write ``step_{step}.msgpack``; link it as ``best`` (a lower ``val_loss``), ``final`` (``final``) or,
+        with ``stopped`` (why the run stopped without finishing, stored in the file), as ``stopped.msgpack``.
+        Any other save unlinks an earlier ``stopped.msgpack``: the run goes on from somewhere else."""
         path = self.folder / f"step_{step:09d}.msgpack"
         extra = dict(extra or {})
         if val_loss is not None:
             extra["val_loss"] = float(val_loss)
+        if stopped is not None:
+            extra["stopped"] = stopped
         save(path, tree, step=step, extra=extra)
         with _saving(path):
             if val_loss is not None and math.isfinite(val_loss) and (self.best_loss is None or val_loss < self.best_loss):
@@ -302,6 +312,10 @@ class CheckpointManager:
                 self.best_loss = float(val_loss)
             if final:
                 publish_file(path, self.folder / FINAL)
+            if stopped is not None:
+                publish_file(path, self.folder / STOPPED)
+            else:
+                (self.folder / STOPPED).unlink(missing_ok=True)
         if self.keep_last > 0:
             self._prune(step, path)
         return path
@@ -330,12 +344,32 @@ class CheckpointManager:
         return p if p.exists() else None
 
 
+def stopped_run(folder) -> RunStopped | None:
+    """What to tell the user when ``folder`` holds a run that stopped without finishing (a ``stopped.msgpack``):
+    the step, the reason and the ways on; None for any other folder."""
+    path = Path(folder) / STOPPED if folder is not None else None
+    if path is None or not path.exists():
+        return None
+    try:
+        meta = read_meta(path)
+        why, state = (f": {meta['stopped']}" if meta.get("stopped") else ""), f"its last state (step {meta['step']})"
+    except CheckpointError:
+        why, state = "", "its last state"
+    return RunStopped(f"{folder} holds a run that stopped without finishing{why}. Rerunning would repeat it: start "
+                      f"a new run with another out= (e.g. a lower lr), or continue from {state} on purpose with "
+                      f"resume={path}")
+
+
 def resolve_resume(resume: str, folder) -> Path | None:
     """``resume=auto`` -> the latest good checkpoint in ``folder`` (or None); ``never`` -> None;
-    anything else is a checkpoint file (or a folder of them) that must exist and be readable."""
+    anything else is a checkpoint file (or a folder of them) that must exist and be readable.
+    ``resume=auto`` on the folder of a run that stopped without finishing raises ``core.exits.RunStopped``
+    (``stopped_run``): such a run is not resumed as if it were fine."""
     if resume == "never":
         return None
     if resume == "auto":
+        if (stopped := stopped_run(folder)) is not None:
+            raise stopped
         found = latest(folder)
         if found is None and folder is not None and Path(folder).is_dir() and _candidates(Path(folder)):
             raise CheckpointError(f"{folder}: resume=auto found checkpoints here but none is good (listed above), "

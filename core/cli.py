@@ -19,15 +19,17 @@ A recipe module (imported only when chosen) exposes:
 - ``GRID``: optional, True when the recipe trains into ``out=`` and leaves ``final.msgpack`` there, so
   ``seed=1,2`` and ``grid.KEY=A,B`` may repeat it per cell (``core.grid``).
 
-Exit codes: 0 done; 2 a user error (``core.config.UserError`` and its subclasses, among them
-``core.tokenizers.DataError`` and ``core.checkpoint.CheckpointError``, ``FileNotFoundError``, and the OS
-errors of a path that cannot be written, ``PATH_ERRORS``: no permission, no space, a read-only disk, a file
-in the way), reported as one ``error:`` line on stderr (naming the path and what to do); 3 a quality gate
-failed (``core.config.GateFailed``: the run finished and wrote its report, but its results miss a threshold the
-user set, e.g. upcycle's ``verify.max_ppl_ratio``), one ``gate failed:`` line; 5 incomplete
-(``core.config.Incomplete``: the run trained and kept its model, but an item after training failed, e.g. a benchmark
-measurement; the rest ran and the reports are written), one ``incomplete:`` line; 130 interrupted; 1 anything else, which is a bug and prints its traceback. ``bin/run`` is a thin click wrapper around
-``main``, which tests also call in-process.
+Exit codes (their table is ``core.exits.CODES``, which the README shows): 0 done; 2 a user error
+(``core.config.UserError`` and its subclasses, among them ``core.tokenizers.DataError`` and
+``core.checkpoint.CheckpointError``, ``FileNotFoundError``, and the OS errors of a path that cannot be written,
+``PATH_ERRORS``: no permission, no space, a read-only disk, a file in the way), reported as one ``error:`` line on
+stderr (naming the path and what to do); 3 a quality gate failed (``core.exits.GateFailed``: the run finished and
+wrote its report, but its results miss a threshold the user set, e.g. upcycle's ``verify.max_ppl_ratio``), one
+``gate failed:`` line; 4 a run that stopped without finishing (``core.exits.RunStopped``: diverged, too many
+rollbacks; or a rerun on its folder), one ``stopped:`` line; 5 incomplete (``core.exits.Incomplete``: the run
+trained and kept its model, but an item after training failed, e.g. a benchmark measurement; the rest ran and the
+reports are written), one ``incomplete:`` line; 130 interrupted; 1 anything else, which is a bug and
+prints its traceback. ``bin/run`` is a thin click wrapper around ``main``, which tests also call in-process.
 """
 from __future__ import annotations
 
@@ -46,9 +48,10 @@ from typing import Mapping, Sequence
 
 import click
 
+from core import exits
 from core.checkpoint import FINAL
-from core.config import (EXIT_GATE, EXIT_INCOMPLETE, ConfigError, GateFailed, Incomplete, UserError, flatten_keys,
-                         resolve)
+from core.config import ConfigError, UserError, flatten_keys, resolve
+from core.exits import GateFailed, Incomplete, RunStopped
 from core.config_files import load_toml
 from core.config_help import format_help
 from core.grid import check_recipe, run_grid, split_grid
@@ -80,11 +83,13 @@ def is_user_error(e: BaseException) -> bool:
 
 
 def user_message(e: BaseException) -> str:
-    """The one line that tells the user what went wrong (and, for an OS error, with which path and what to do)."""
-    if isinstance(e, OSError) and not isinstance(e, UserError) and e.errno in PATH_ERRORS:
+    """The one line that tells the user what went wrong (and, for an OS error, with which path and what to do:
+    ``path: reason; hint``, not Python's ``[Errno N] ...``)."""
+    if isinstance(e, OSError) and not isinstance(e, UserError) and e.errno is not None:
         reason = (e.strerror or os.strerror(e.errno)).lower()
         where = f"{e.filename}: " if e.filename is not None else ""
-        return f"{where}{reason}; {PATH_ERRORS[e.errno]}"
+        hint = f"; {PATH_ERRORS[e.errno]}" if e.errno in PATH_ERRORS else ""
+        return f"{where}{reason}{hint}"
     return " ".join(str(e).split()) or type(e).__name__
 
 
@@ -253,7 +258,7 @@ def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
     if axes:
         return run_grid(name, module, preset, toml, pairs, axes, cfg, parallel, argv)
     module.run(cfg)
-    return 0
+    return exits.DONE
 
 
 def _config_file(pairs: dict) -> dict:
@@ -319,21 +324,24 @@ def _run_stages(name: str, module: ModuleType, preset, toml: dict, pairs: dict, 
 
 
 def main(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
-    """Run ``bin/run`` with the given arguments and recipe registry; returns the exit code (0, 1, 2, 3, 5 or 130)."""
+    """Run ``bin/run`` with the given arguments and recipe registry; returns the exit code (``core.exits.CODES``)."""
     try:
         return _run(list(argv), recipes)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
-        return 130
+        return exits.INTERRUPTED
     except GateFailed as e:
         click.echo(f"gate failed: {user_message(e)}", err=True)
-        return EXIT_GATE
+        return exits.GATE
+    except RunStopped as e:
+        click.echo(f"stopped: {user_message(e)}", err=True)
+        return exits.STOPPED
     except Incomplete as e:
         click.echo(f"incomplete: {user_message(e)}", err=True)
-        return EXIT_INCOMPLETE
+        return exits.INCOMPLETE
     except Exception as e:  # noqa: BLE001 - sorted into user errors and bugs right here
         if not is_user_error(e):
             traceback.print_exc()
-            return 1
+            return exits.BUG
         click.echo(f"error: {user_message(e)}", err=True)
-        return 2
+        return exits.BAD_INPUT

@@ -11,7 +11,9 @@ against dataclass annotations instead of globals:
 - A string value is parsed against the field's annotated type (int, float, bool, str, ``X | None``,
   tuples and lists from ``a,b,c``, dicts from JSON or a TOML inline table, ``Literal[...]``); a value
   that is already typed (from TOML) is checked the same way: an int is a float, a bool is not an int.
-- A number outside its declared range is refused when the config is resolved, before anything runs.
+- A number outside its declared range is refused when the config is resolved, before anything runs; so is
+  any float that is not finite (``inf``, ``nan``, or ``1e309``, which overflows to inf), in any key, list or
+  dict entry: no key gives infinity a meaning (a key that means "no limit" says which finite value does, e.g. 0).
 - Every mistake is a ``ConfigError``: one line that names the key and what is wrong with it, with close
   matches for a misspelt key (difflib) and the valid choices.
 - ``resolve`` layers the sources: defaults < preset < config file (with its target) < command line.
@@ -35,7 +37,9 @@ import types
 import typing
 from typing import Any, Literal, Mapping, Union
 
-from core.config_bounds import Bounds
+from core.config_bounds import Bounds, not_finite
+from core.exits import EXIT_GATE, EXIT_INCOMPLETE, GateFailed, Incomplete   # their home is core.exits (the exit-code
+#                                                                              table); kept importable here
 
 __all__ = ["UserError", "GateFailed", "EXIT_GATE", "Incomplete", "EXIT_INCOMPLETE", "ConfigError", "option", "Bounds", "same_as", "apply_overrides", "resolve", "flatten_keys",
            "to_dict", "from_dict", "type_str", "show_value"]
@@ -43,23 +47,6 @@ __all__ = ["UserError", "GateFailed", "EXIT_GATE", "Incomplete", "EXIT_INCOMPLET
 
 class UserError(Exception):
     """An error in what the user asked for (not a bug): reported as one line, exit code 2."""
-
-
-class GateFailed(Exception):
-    """A finished run whose results miss a quality gate the user set (upcycle's ``verify.max_ppl_ratio`` ...):
-    not a bug and not bad input; the report is written first. One line, exit code 3 (``EXIT_GATE``)."""
-
-
-EXIT_GATE = 3
-
-
-class Incomplete(Exception):
-    """A run that trained and kept its model, but an item after training failed (an upcycle benchmark
-    measurement, a chart): reported in one line, skipped, the rest ran and the reports are written. Not bad input
-    and not a missed gate: one ``incomplete:`` line, exit code 5 (``EXIT_INCOMPLETE``)."""
-
-
-EXIT_INCOMPLETE = 5
 
 
 class ConfigError(UserError, ValueError):
@@ -286,12 +273,20 @@ def _check(key: str, tp, value, metadata: Mapping):
             raise _BadValue(f"{value!r}; choose one of {', '.join(show_value(c) for c in choices)}")
     except _BadValue as e:
         raise ConfigError(f"bad value for '{key}': {e}") from None
+    _check_finite(key, value, out, bounds)
     bad = bounds.violation(out) if bounds is not None and out is not None else None
     if bad is not None:
         what = (f"{show_value(bad)} in {key}={show_value(out)} is out of range; each item must be"
                 if isinstance(out, (tuple, list)) else f"{key}={show_value(out)} is out of range; it must be")
         raise ConfigError(f"bad value for '{key}': {what} {bounds}")
     return out
+
+
+def _check_finite(key: str, given, value, bounds: Bounds | None = None) -> None:
+    """A ConfigError naming ``key`` when ``value`` (parsed from ``given``) holds inf or NaN (``not_finite``)."""
+    what = not_finite(key, given.strip() if isinstance(given, str) else show_value(given), value)
+    if what is not None:
+        raise ConfigError(f"bad value for '{key}': {what}; give a finite number" + (f" {bounds}" if bounds else ""))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -369,6 +364,7 @@ def _set_entry(d, path: list[str], value, key: str) -> dict:
         d[path[0]] = _set_entry(inner, path[1:], value, key)
     else:
         d[path[0]] = _literal(value) if isinstance(value, str) else value
+        _check_finite(key, value, d[path[0]])
     return d
 
 

@@ -1,11 +1,34 @@
 """The valid range of a numeric config option (``core.config.option``'s ``min``/``max``/``above``/``below``):
-each bound closed or open or absent, written as ``>= 1``, ``> 0`` or ``in [0, 1)`` in ``--help`` and the README."""
+each bound closed or open or absent, written as ``>= 1``, ``> 0`` or ``in [0, 1)`` in ``--help`` and the README.
+Every range is finite: ``not_finite`` finds the inf or NaN that no key takes (in a number, a list or a dict)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, Mapping
 
-__all__ = ["Bounds"]
+__all__ = ["Bounds", "not_finite"]
+
+
+def _first_nonfinite(value) -> float | None:
+    """The first float in ``value`` (a number, or the items and dict values inside it) that is inf or NaN."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else value
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+    return next((bad for bad in map(_first_nonfinite, items) if bad is not None), None)
+
+
+def not_finite(key: str, text: str, value) -> str | None:
+    """What is wrong with ``key``'s ``value`` (typed as ``text``) when it holds inf or NaN, else None:
+    ``lr=inf is not finite``, ``lr=1e309 overflows to inf``, ``inf in betas=0.9,inf is not finite``."""
+    bad = _first_nonfinite(value)
+    if bad is None:
+        return None
+    if isinstance(value, (tuple, list, Mapping)):
+        return f"{bad} in {key}={text} is not finite"
+    if text.lstrip("+-").lower() in ("inf", "infinity", "nan"):
+        return f"{key}={text} is not finite"
+    return f"{key}={text} overflows to {bad}"
 
 
 @dataclasses.dataclass(frozen=True)

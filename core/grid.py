@@ -19,8 +19,10 @@ one longer than 40 characters cut to its last 24 and a hash). ``grid.parallel=N`
 (``core.grid_parallel``); it is never an axis.
 
 A cell whose folder holds a final checkpoint is finished and skipped; any other resumes (``resume=auto``) or
-starts. A cell that fails stops the grid after the summary of the cells so far is written; rerunning the
-command carries on from there.
+starts. A cell that stops without finishing (diverged, too many rollbacks: ``core.exits.RunStopped``) is marked
+failed and the grid goes on with the next; a rerun skips it, saying so, and the grid ends with exit code 4 while
+any cell is in that state. A cell that fails otherwise stops the grid after the summary of the cells so far is
+written; rerunning the command carries on from there.
 
 A recipe takes a grid when its module sets ``GRID = True``: it trains into ``out=`` and leaves
 ``<out>/final.msgpack`` and ``<out>/metrics.jsonl``. Any other recipe refuses ``grid.*`` and seed lists by
@@ -36,10 +38,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping, Sequence
 
-from core.checkpoint import FINAL
+from core.checkpoint import FINAL, stopped_run
 from core.config import ConfigError, resolve, show_value
+from core.exits import RunStopped
 from core.logging import progress
-from core.runs import run_folder
+from core.runs import make_folder, run_folder
 
 PREFIX = "grid."
 PARALLEL = "grid.parallel"                      # cells at once (core.grid_parallel); never an axis
@@ -172,20 +175,31 @@ def run_grid(name: str, module: ModuleType, preset, toml: dict, pairs: dict, axe
     from core.grid_summary import write_summary
     root = run_folder(getattr(base, "out", ""), getattr(base, "name", ""), name)
     cells = plan(name, module, preset, toml, pairs, axes, root)
-    todo = []
+    make_folder(root)
+    todo, stopped = [], []
     for i, cell in enumerate(cells, 1):
-        if (cell.folder / FINAL).exists():
+        if (before := stopped_run(cell.folder)) is not None:   # newer than any final.msgpack: see CheckpointManager
+            progress(f"grid cell {i}/{len(cells)}: {cell.name} failed: {before}; skipped")
+            stopped.append(cell.name)
+        elif (cell.folder / FINAL).exists():
             progress(f"grid cell {i}/{len(cells)}: {cell.name} is finished ({cell.folder / FINAL}); skipped")
         else:
             todo.append((i, cell))
     try:
         if parallel > 1:
-            run_parallel(todo, len(cells), list(axes), argv, parallel)
+            stopped += run_parallel(todo, len(cells), list(axes), argv, parallel)
         else:
             for i, cell in todo:
                 progress(f"grid cell {i}/{len(cells)}: {cell.name} -> {cell.folder}")
-                module.run(cell.cfg)
+                try:
+                    module.run(cell.cfg)
+                except RunStopped as e:            # this cell failed; the grid goes on
+                    progress(f"grid cell {i}/{len(cells)}: {cell.name} failed: stopped without finishing: {e}")
+                    stopped.append(cell.name)
     finally:
         written = write_summary(root, cells, list(axes))
         progress(f"grid summary: {', '.join(str(p) for p in written)}")
+    if stopped:
+        raise RunStopped(f"{len(stopped)} of {len(cells)} grid cells stopped without finishing ({', '.join(stopped)}); "
+                         f"the summary marks them failed; to run one again, delete its folder (or grid other values)")
     return 0

@@ -7,9 +7,11 @@ output goes to ``<cell folder>/grid.log`` (appended to on a rerun); one line her
 and ends. Every process keeps its own thread settings (``OMP_NUM_THREADS``): on a small machine give each
 cell fewer threads (``OMP_NUM_THREADS=1 bin/run ... grid.parallel=2``).
 
-A cell that fails lets the running ones finish and starts no new one; the grid then stops with one line naming
-the failed cells and their logs (their exit codes: 2 a user error, 1 a bug). Ctrl-C (or SIGTERM) asks every
-running cell to stop with a checkpoint (SIGTERM, which the training loop turns into a clean stop) and waits.
+A cell that stops without finishing (exit code 4, ``core.exits.STOPPED``: diverged, too many rollbacks) is
+reported and the grid goes on. A cell that fails otherwise lets the running ones finish and starts no new one; the
+grid then stops with one line naming the failed cells and their logs (their exit codes: 2 a user error, 1 a bug).
+Ctrl-C (or SIGTERM) asks every running cell to stop with a checkpoint (SIGTERM, which the training loop turns into
+a clean stop) and waits.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from core.config import UserError
+from core.exits import STOPPED
 from core.logging import progress
 
 LOG = "grid.log"
@@ -58,9 +61,10 @@ def _stop(running: dict) -> None:
 
 
 def run_parallel(todo: Sequence[tuple[int, object]], total: int, axes: Sequence[str], argv: Sequence[str],
-                 n: int) -> None:
-    """Run the cells ``todo`` (``(number, Cell)``) ``n`` at a time; a UserError naming the failed ones."""
-    queue, running, failed = list(todo), {}, []
+                 n: int) -> list[str]:
+    """Run the cells ``todo`` (``(number, Cell)``) ``n`` at a time; returns the names of those that stopped without
+    finishing; a UserError naming the ones that failed otherwise."""
+    queue, running, failed, stopped = list(todo), {}, [], []
     try:
         while running or (queue and not failed):
             while queue and not failed and len(running) < n:
@@ -70,13 +74,17 @@ def run_parallel(todo: Sequence[tuple[int, object]], total: int, axes: Sequence[
             time.sleep(0.1)
             for proc in [p for p in running if p.poll() is not None]:
                 i, cell = running.pop(proc)
-                if proc.returncode != 0:
+                if proc.returncode == STOPPED:
+                    stopped.append(cell.name)
+                elif proc.returncode != 0:
                     failed.append(f"{cell.name} (exit {proc.returncode}, see {cell.folder / LOG})")
-                progress(f"grid cell {i}/{total}: {cell.name} " +
-                         ("done" if proc.returncode == 0 else f"failed with exit code {proc.returncode}"))
+                progress(f"grid cell {i}/{total}: {cell.name} " + (
+                    "done" if proc.returncode == 0 else f"failed: stopped without finishing (see {cell.folder / LOG})"
+                    if proc.returncode == STOPPED else f"failed with exit code {proc.returncode}"))
     except BaseException:
         _stop(running)
         raise
     if failed:
         raise UserError(f"grid cell{'s' if len(failed) > 1 else ''} {'; '.join(failed)} failed; fix the cause and "
                         f"rerun the same command: finished cells are skipped, the rest resume")
+    return stopped

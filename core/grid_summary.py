@@ -1,6 +1,7 @@
 """The summary of a grid (``core.grid``), read from each cell's own ``metrics.jsonl``.
 
-Per cell: its status (``finished``: a final checkpoint exists; ``unfinished``), the last logged step, the final
+Per cell: its status (``failed``: it stopped without finishing, a ``stopped.msgpack`` exists; ``finished``: a
+final checkpoint exists; ``unfinished``), the last logged step, the final
 and the best validation loss (``val/loss``: the last and the lowest logged), throughput (the median of the
 logged ``tokens_per_sec``, each the mean over one log interval) and wall time (the last ``wall_hours``, which
 counts every session of a resumed run, in seconds). A record that a resumed run logged again (a step at or
@@ -25,7 +26,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from core.checkpoint import FINAL
+from core.checkpoint import FINAL, STOPPED
 
 METRICS = ("final_val_loss", "best_val_loss", "tokens_per_sec", "wall_seconds")
 
@@ -56,7 +57,8 @@ def cell_row(folder: Path) -> dict:
     val = [(r["step"], v) for r in records if (v := _number(r.get("val/loss"))) is not None]
     tps = [v for r in records if (v := _number(r.get("tokens_per_sec"))) is not None]
     wall = [v for r in records if (v := _number(r.get("wall_hours"))) is not None]
-    return {"status": "finished" if (folder / FINAL).exists() else "unfinished",
+    status = "failed" if (folder / STOPPED).exists() else "finished" if (folder / FINAL).exists() else "unfinished"
+    return {"status": status,
             "step": records[-1]["step"] if records else None,
             "final_val_loss": val[-1][1] if val else None,
             "best_val_loss": min(v for _, v in val) if val else None,

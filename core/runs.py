@@ -40,12 +40,29 @@ def run_folder(out: str, name: str, recipe: str) -> Path:
     return Path("runs") / f"{recipe}-{name or datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+def make_folder(folder: Path) -> Path:
+    """Create the run folder ``folder`` (and its parents) if needed; a UserError naming it and the reason when
+    that cannot be done (no permission, a read-only disk, a file in the way, a virtual filesystem such as
+    ``/proc`` that takes no new folders), not the OS's bare ``[Errno N]`` line."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        reason = (e.strerror or os.strerror(e.errno or 0)).lower()
+        if e.errno == errno.ENOENT:       # the parents exist, yet mkdir says they do not: /proc, /sys ...
+            here = next((p for p in folder.parents if p.is_dir()), None)
+            reason = f"{here} takes no new folders ({reason})" if here is not None else reason
+        elif e.filename is not None and Path(e.filename) != folder:
+            reason = f"{e.filename}: {reason}"
+        raise UserError(f"cannot create the run folder {folder}: {reason}; choose another out=") from None
+    return folder
+
+
 @contextmanager
 def claim(folder: Path) -> Iterator[Path]:
-    """Create ``folder`` if needed and hold its lock until the block ends; RunFolderLocked if another
-    process holds it (the message names that process's pid and host)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    """Create ``folder`` if needed (``make_folder``) and hold its lock until the block ends; RunFolderLocked if
+    another process holds it (the message names that process's pid and host)."""
+    folder = make_folder(folder)
     fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:

@@ -60,6 +60,13 @@ class Config:
     name: str = same_as(TrainConfig, "name")
 
 
+def sweep(start_lr: float, end_lr: float, n: int) -> list[float]:
+    """``n`` learning rates from ``start_lr`` to ``end_lr``, evenly spaced in log space (computed from the logs, so
+    a ratio beyond float range, 1e-300 to 1e300, does not overflow to inf)."""
+    low, high = math.log(start_lr), math.log(end_lr)
+    return [math.exp(low + (high - low) * i / max(n - 1, 1)) for i in range(n)]
+
+
 def lr_range_test(state, train_step, batches, lrs: list[float], beta: float = 0.98):
     """(lr, loss, smoothed loss) rows; ``state`` itself is never modified (the sweep runs on a clone)."""
     sweep = clone(state)
@@ -108,7 +115,7 @@ def run(cfg: Config) -> dict:
     step = make_train_step(lambda p, b: llama.loss(p, b, model_cfg), opt, grad_accum=cfg.grad_accum,
                            precision=cfg.dtype, device_type=device.type, compile=cfg.compile)
     n = cfg.num_steps
-    lrs = [cfg.start_lr * (cfg.end_lr / cfg.start_lr) ** (i / max(n - 1, 1)) for i in range(n)]
+    lrs = sweep(cfg.start_lr, cfg.end_lr, n)
     rows = lr_range_test(state, step, batches, lrs)
     at_min, steepest = suggest(rows)
     with claim(folder):   # a second run on this folder stops here, naming this one

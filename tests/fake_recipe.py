@@ -7,6 +7,7 @@ from typing import Optional
 
 from core.checkpoint import CheckpointError
 from core.config import UserError, option, to_dict
+from core.exits import GateFailed, RunStopped
 
 DESCRIPTION = "fake recipe that records its config (tests only)"
 
@@ -29,7 +30,7 @@ class Config:
     compile: bool = option(False, "torch.compile the step")
     out: Optional[str] = option(None, "write the config here as JSON")
     fail: str = option("none", "raise this kind of error",
-                       choices=("none", "user", "data", "checkpoint", "missing", "bug", "interrupt"))
+                       choices=("none", "user", "data", "checkpoint", "missing", "bug", "interrupt", "gate", "stopped"))
     model: Model = option(Model, "model shape")
 
 
@@ -46,7 +47,8 @@ def run(cfg: Config):
     errors = {"user": UserError("the dataset is\nempty"), "data": DataError("shard 3 is truncated"),
               "checkpoint": CheckpointError("ckpt.msgpack is corrupt"),
               "missing": FileNotFoundError(2, "No such file or directory", "nowhere.bin"),
-              "bug": RuntimeError("an actual bug"), "interrupt": KeyboardInterrupt()}
+              "bug": RuntimeError("an actual bug"), "interrupt": KeyboardInterrupt(),
+              "gate": GateFailed("perplexity ratio 1.4 > 1.2"), "stopped": RunStopped("3 rollbacks within 1000 steps")}
     if cfg.fail in errors:
         raise errors[cfg.fail]
     return cfg

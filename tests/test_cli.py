@@ -66,7 +66,7 @@ def test_happy_path_passes_the_parsed_config(tmp_path):
     (["fail=user"], ["error: the dataset is empty"]),           # a multi-line message comes out on one line
     (["fail=data"], ["shard 3 is truncated"]),
     (["fail=checkpoint"], ["ckpt.msgpack is corrupt"]),           # core.checkpoint.CheckpointError
-    (["fail=missing"], ["No such file or directory", "nowhere.bin"]),
+    (["fail=missing"], ["error: nowhere.bin: no such file or directory"]),    # not Python's "[Errno 2] ..."
 ])
 def test_user_errors_are_one_line_and_exit_2(args, fragments):
     assert_user_error(run(RECIPE, *args), *fragments)
@@ -89,6 +89,13 @@ def test_a_bug_keeps_its_traceback_and_exits_1():
     proc = run(RECIPE, "fail=bug")
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "RuntimeError: an actual bug" in proc.stderr
+
+
+@pytest.mark.parametrize("fail, code, line", [("gate", 3, "gate failed: perplexity ratio 1.4 > 1.2"),
+                                               ("stopped", 4, "stopped: 3 rollbacks within 1000 steps")])
+def test_a_failed_gate_and_an_unfinished_run_have_codes_of_their_own(fail, code, line):
+    proc = run(RECIPE, f"fail={fail}")
+    assert proc.returncode == code and proc.stderr.strip() == line and "Traceback" not in proc.stderr
 
 
 def test_interrupt_exits_130():

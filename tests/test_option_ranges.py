@@ -12,7 +12,7 @@ from typing import Optional
 import pytest
 
 from core import cli
-from core.config import ConfigError, _fields, _is_section, option, resolve, same_as
+from core.config import ConfigError, UserError, _fields, _is_section, option, resolve, same_as
 from core.config_help import describe
 from core.data import prepare
 from core.tokenizers import DataError
@@ -113,10 +113,20 @@ def test_os_errors_on_the_run_folder_are_one_line_with_the_path(code, tmp_path, 
 def test_a_real_enotdir_from_the_run_folder_lock_is_a_user_error(tmp_path):
     from core.runs import claim
     (tmp_path / "a_file").write_text("x")
-    with pytest.raises(OSError) as e:
+    with pytest.raises(UserError) as e:
         with claim(tmp_path / "a_file" / "run"):
             pass
     assert cli.is_user_error(e.value) and "a_file" in cli.user_message(e.value)
+    assert cli.user_message(e.value).startswith(f"cannot create the run folder {tmp_path / 'a_file' / 'run'}: ")
+
+
+@pytest.mark.parametrize("out", ["/proc/purestep-run", "/sys/purestep-run"])
+def test_a_run_folder_under_a_system_folder_is_one_line_naming_path_and_reason(out, corpus, token_cache, capsys):
+    """/proc answers mkdir with ENOENT although /proc exists: the line says that folder takes no new ones."""
+    assert main(["recipe=standard", "preset=tiny", "compile=false", "steps=1", f"data={corpus}", f"out={out}"]) == 2
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("purestep: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot create the run folder {out}: "), lines
+    assert "Errno" not in lines[0] and "choose another out=" in lines[0]
 
 
 def test_a_real_name_too_long_is_one_line_before_any_work(tmp_path, capsys):

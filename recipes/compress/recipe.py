@@ -200,6 +200,8 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
     optimizer = make_optimizer(optimizer_spec(tcfg), psum=layout.psum if layout else None)
     template, loop = init_state(params, optimizer, cfg.seed), LoopState()
     state = layout.shard(template) if layout else template
+    if (stopped := ckpt.stopped_run(folder)) is not None:   # it diverged before: say so, do not resume it
+        raise stopped
     latest = ckpt.latest(folder)
     if latest is not None:
         top = ckpt.load(latest, template=template, device=device)

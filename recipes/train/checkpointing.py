@@ -2,7 +2,9 @@
 
 Checkpoints are written every ``save_every`` steps, every ``save_every_minutes`` of wall time, after every
 evaluation (the manager keeps the best by
-validation loss), at the end, and whenever the run stops early. Each holds the train state (with its data
+validation loss), at the end, and whenever the run stops early (a run that stops without finishing, a
+``Stop(unfinished=True)``, as ``stopped.msgpack`` rather than ``final.msgpack``). Each holds the train state (with
+its data
 cursor), the loop's counters and every hook's ``state_dict``, so a run resumes exactly. The run stops
 cleanly, with a checkpoint and the command that resumes it, on SIGTERM/SIGINT (preemption) or once the cost
 meter reaches ``budget``; with several ranks they agree at log steps so all stop at the same step.
@@ -64,7 +66,8 @@ class Checkpointing(Hook):
             return self.manager.should_save(step)
         return bool(self.save_every) and step > 0 and step % self.save_every == 0
 
-    def save(self, ctx: StepContext, val_loss: Optional[float] = None, final: bool = False) -> Optional[Path]:
+    def save(self, ctx: StepContext, val_loss: Optional[float] = None, final: bool = False,
+             stopped: Optional[str] = None) -> Optional[Path]:
         t0 = time.perf_counter()
         ctx.loop.wall_seconds = ctx.wall(t0)
         self.last_saved = self.clock()
@@ -80,7 +83,8 @@ class Checkpointing(Hook):
         for hook in ctx.hooks:   # e.g. the orchestrator's strategy, bandit and counters resume with the run
             if hook.key is not None:
                 extra[hook.key] = hook.state_dict()
-        ctx.checkpoint = self.manager.save(ctx.step, tree, extra=extra, val_loss=val_loss, final=final)
+        ctx.checkpoint = self.manager.save(ctx.step, tree, extra=extra, val_loss=val_loss, final=final,
+                                           stopped=stopped)
         self.dist.barrier()   # the other ranks waited here: none sits in a short-timeout collective meanwhile
         ctx.excluded += time.perf_counter() - t0
         return ctx.checkpoint
@@ -96,7 +100,8 @@ class Checkpointing(Hook):
         return None
 
     def on_stop(self, ctx: StepContext, stop: Stop) -> None:
-        self.save(ctx, val_loss=stop.val_loss, final=stop.final)
+        self.save(ctx, val_loss=stop.val_loss, final=stop.final and not stop.unfinished,
+                  stopped=stop.reason if stop.unfinished else None)
 
 
 class Stopping(Hook):

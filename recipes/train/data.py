@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from core.config import ConfigError
 from core.docs import DocCorpus, prepare_data
+
+MAX_STEPS = 2**63 - 1          # the train state's step and data cursor are int64 tensors
 
 
 def open_data(cfg, tokenizer):
@@ -25,6 +28,9 @@ def with_epochs(cfg, corpus, batches):
     else:
         per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * batches.world_size
         steps = max(1, math.ceil(cfg.epochs * corpus.meta["train_tokens"] / per_step))
+    if steps > MAX_STEPS:
+        raise ConfigError(f"bad value for 'epochs': epochs={cfg.epochs:g} is {steps:.3g} steps, more than a run's "
+                          f"step counter holds ({MAX_STEPS:.3g}); give fewer epochs")
     return replace(cfg, steps=steps)
 
 

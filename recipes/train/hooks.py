@@ -31,12 +31,15 @@ class Jump:
 @dataclass
 class Stop:
     """End the run after this step with a checkpoint (``final``: kept as the run's final one). ``reason`` is
-    the run's stop reason ("" when it ended normally); ``announce(path)`` runs once the checkpoint is written."""
+    the run's stop reason ("" when it ended normally); ``announce(path)`` runs once the checkpoint is written.
+    ``unfinished``: the run failed (diverged, too many rollbacks): the checkpoint is kept as ``stopped.msgpack``,
+    not final, and ``fit`` raises ``core.exits.RunStopped`` with ``reason`` (exit code 4)."""
     reason: str = ""
     final: bool = False
     val_loss: Optional[float] = None
     early: bool = False
     announce: Optional[Callable[[Optional[Path]], None]] = None
+    unfinished: bool = False
 
 
 class Hook:

@@ -22,6 +22,7 @@ import torch
 from core import checkpoint as ckpt
 from core.config import UserError, to_dict
 from core.distributed import Dist
+from core.exits import RunStopped
 from core.logging import Logger, memory_mb, reset_peak_memory
 from core.shard import Layout, full_bytes, state_bytes
 from core.state import TrainState
@@ -84,6 +85,7 @@ class FitResult:
     val_loss: Optional[float] = None
     stopped_early: bool = False
     stop_reason: str = ""
+    unfinished: bool = False                       # stopped without finishing (fit raises core.exits.RunStopped)
     history: list = field(default_factory=list)   # (step, val_loss) of every evaluation
 
 
@@ -175,8 +177,10 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
     stops (preemption, budget) at log steps.
 
     Stops early, always with a checkpoint, on: ``patience`` evaluations without improvement, SIGTERM or
-    SIGINT (preemption: finish the step, save, return so the program exits 0), the cost ``budget``, too many
-    rollbacks, or a hook's :class:`~recipes.train.hooks.Stop`.
+    SIGINT (preemption: finish the step, save, return so the program exits 0), the cost ``budget``, or a hook's
+    :class:`~recipes.train.hooks.Stop`. A stop without finishing (too many rollbacks, a non-finite validation
+    loss: ``Stop.unfinished``) writes ``stopped.msgpack`` instead of ``final.msgpack`` and raises
+    ``core.exits.RunStopped`` once the loop has closed its logs (exit code 4).
     """
     hooks = [h for h in hooks if h is not None]
     if cfg.orchestrator.enabled and not any(h.key == "orchestrator" for h in hooks):   # never silently ignored
@@ -214,6 +218,9 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
     ctx.result.state = ctx.state
     if setup_peak is not None:
         _report_peaks(io.logger, int(ctx.state.step), state.step.device, dist, setup_peak)
+    if ctx.result.unfinished:
+        where = f"{io.checkpoints.folder / ckpt.STOPPED}" if io.checkpoints else f"{ckpt.STOPPED} (written by rank 0)"
+        raise RunStopped(f"{ctx.result.stop_reason}; its last state is {where}, not final.msgpack")
     return ctx.result
 
 
@@ -285,7 +292,7 @@ def _after_step(ctx: StepContext) -> Optional[Stop]:
 
 
 def _finish(ctx: StepContext, stop: Stop) -> None:
-    ctx.result.stop_reason, ctx.result.stopped_early = stop.reason, stop.early
+    ctx.result.stop_reason, ctx.result.stopped_early, ctx.result.unfinished = stop.reason, stop.early, stop.unfinished
     for hook in ctx.hooks:
         hook.on_stop(ctx, stop)
     if stop.announce is not None:

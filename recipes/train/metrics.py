@@ -2,7 +2,8 @@
 
 The step's metrics stay 0-d device tensors; every ``log_every`` steps they are pulled in one transfer (the
 deferred metrics of Levanter) and logged with the throughput, memory, MFU and cost. Evaluation runs on
-fixed validation windows; ``patience`` evaluations without improvement stop the run (early stopping).
+fixed validation windows; ``patience`` evaluations without improvement stop the run (early stopping), and a
+non-finite validation loss stops it without finishing (diverged: ``core.exits.RunStopped``, exit code 4).
 """
 from __future__ import annotations
 
@@ -155,7 +156,12 @@ class Evaluation(Hook):
         with ctx.timed():
             self.evaluate(ctx)
         ctx.evaluated = True
-        loop = ctx.loop
+        loop, val = ctx.loop, ctx.result.val_loss
+        if not math.isfinite(val):   # the weights are broken: training on cannot mend them, nor is this a result
+            reason = f"diverged: validation loss {val} at step {ctx.step}"
+            self.logger.print(f"{reason}: stopping (lower lr, or inspect the data)")
+            self.logger.event(ctx.step, "diverged", val_loss=str(val))
+            return Stop(reason, unfinished=True, val_loss=val)
         if cfg.patience and loop.bad_evals >= cfg.patience:
             self.logger.print(f"early stopping at step {ctx.step}: no better validation loss in "
                               f"{cfg.patience} evaluations (best {loop.best_val:.4f})")

@@ -5,7 +5,9 @@ PaLM (Chowdhery et al. 2022, section 5.1) restarted from a checkpoint about 100 
 skipped 200-500 batches; OPT-175B (Zhang et al. 2022, logbook) lowered the learning rate after such restarts.
 The step's detector (``core.spike``) flags a hard spike and its onset; at the next log step the loop restores
 the newest state at least ``rollback_back`` steps before the onset, skips ``skip_ahead`` batches and scales
-the learning rate by ``lr_factor``; more than ``max_rollbacks`` within ``window`` steps stops the run.
+the learning rate by ``lr_factor``; more than ``max_rollbacks`` within ``window`` steps stops the run without
+finishing (its state written as ``stopped.msgpack``, exit code 4: ``core.exits.RunStopped``), and so does a spike
+with nothing before its onset to roll back to.
 
 Where that state comes from:
 
@@ -137,7 +139,7 @@ class Rollback(Hook):
         found = self.restore(onset, ctx.state, device)
         if found is None:
             return self.stop(ctx, f"loss spike (onset step {onset}) at step {step} and no snapshot or checkpoint "
-                                  f"from before it to roll back to: stopping")
+                                  f"from before it to roll back to")
         to_step, restored, path, note = found
         cursor = ctx.cursor + spike.skip_ahead
         skipped = cursor - int(restored.cursor)
@@ -161,7 +163,7 @@ class Rollback(Hook):
         if len(recent) + 1 < spike.max_rollbacks:
             return jump
         ctx.apply(jump)
-        return self.cap(ctx)
+        return self.cap(ctx, step)
 
     def candidates(self, onset: int) -> list[tuple[int, Optional[Path]]]:
         """Where a rollback from a spike at ``onset`` may go, best first: ``(step, None)`` for a copy in memory,
@@ -223,12 +225,14 @@ class Rollback(Hook):
             if s > step and (key := _file_key(p)) is not None:
                 self.abandoned[p.name] = key
 
-    def cap(self, ctx: StepContext) -> Stop:
+    def cap(self, ctx: StepContext, step: int) -> Stop:
+        """The rollback at ``step`` was the ``max_rollbacks``-th within ``window`` steps: stop with its state."""
         spike = self.spike
         self.logger.event(ctx.step, "rollback_cap", max_rollbacks=spike.max_rollbacks, window=spike.window)
-        return self.stop(ctx, f"{spike.max_rollbacks} rollbacks within {spike.window} steps: stopping "
-                              f"(the state is the last rollback's; lower lr or inspect the data)")
+        return self.stop(ctx, f"{spike.max_rollbacks} rollbacks within {spike.window} steps (the last at step "
+                              f"{step}, back to step {ctx.step})")
 
     def stop(self, ctx: StepContext, reason: str) -> Stop:
-        self.logger.print(reason)
-        return Stop(reason, final=True)
+        """The run stops without finishing (``core.exits.RunStopped``, exit code 4): its state is not final."""
+        self.logger.print(f"{reason}: stopping; lower lr or inspect the data")
+        return Stop(reason, unfinished=True)
