@@ -118,6 +118,22 @@ def mean_over_ranks(leaves: list[torch.Tensor], group, world: int) -> list[torch
     return split_mean(flat, [(t.shape, t.dtype) for t in leaves], world)
 
 
+def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0 (a functional collective, traceable): ``all_gather_single``, named
+    ``all_gather_tensor`` before torch 2.13 (torch 2.11, on the GPU machines, has only that name)."""
+    import torch.distributed._functional_collectives as funcol
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return gather(x, 0, group)
+
+
+def reduce_scatter_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's chunk (dim 0) of the sum of every rank's ``x``: ``reduce_scatter_single``, named
+    ``reduce_scatter_tensor`` before torch 2.13."""
+    import torch.distributed._functional_collectives as funcol
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return scatter(x, "sum", 0, group)
+
+
 def split_mean(flat: torch.Tensor, layout: list, world: int) -> list[torch.Tensor]:
     """``flat`` (a sum over ``world`` ranks) cut into leaves of ``layout``'s ``(shape, dtype)``s and divided by
     ``world``, each leaf a tensor of its own, not a view of ``flat``: in a compiled step ``torch.cond`` (gradient

@@ -59,7 +59,7 @@ from typing import Callable, Optional
 import torch
 
 from core.checkpoint import Deferred
-from core.distributed import mean_over_ranks, split_mean
+from core.distributed import all_gather, mean_over_ranks, reduce_scatter_sum, split_mean
 from core.tree import leaves_of, like, tree_map, tree_map_with_name, zip_leaves
 
 
@@ -188,7 +188,6 @@ class Layout:
     def gather_leaves(self, shards: list, specs: list, join: Optional[Callable] = None) -> list:
         """Full leaves from this rank's ``shards`` of leaves split as ``specs`` say (in ``gather_dtype``): one
         ``all_gather_single`` per dtype; ``join(pieces [W, shard numel], spec)`` makes each leaf (:meth:`_join`)."""
-        import torch.distributed._functional_collectives as funcol
         join = join or self._join
         if self.gather_dtype is not None:
             shards = [s.to(self.gather_dtype) if s.is_floating_point() else s for s in shards]
@@ -196,7 +195,7 @@ class Layout:
         for dtype in sorted({s.dtype for s in shards}, key=str):
             idx = [i for i, s in enumerate(shards) if s.dtype == dtype]
             flat = torch.cat([shards[i].reshape(-1) for i in idx])
-            every = funcol.all_gather_single(flat, 0, self.group).view(self.world, -1)
+            every = all_gather(flat, self.group).view(self.world, -1)
             offset = 0
             for i in idx:
                 n = shards[i].numel()
@@ -240,11 +239,10 @@ class Layout:
     def reduce_rows(self, rows: list, mean: bool = True) -> torch.Tensor:
         """Float32 ``[W, n_i]`` blocks (row r: rank r's part) -> this rank's parts, concatenated, of their mean
         over ranks (their sum without ``mean``): one ``reduce_scatter_single``."""
-        import torch.distributed._functional_collectives as funcol
         if not rows:
             return torch.zeros(0)
         flat = torch.cat(rows, dim=1).reshape(-1)
-        summed = funcol.reduce_scatter_single(flat, "sum", 0, self.group)
+        summed = reduce_scatter_sum(flat, self.group)
         return summed / self.world if mean else summed
 
     def blocks(self, shards, train: bool = True):
@@ -257,7 +255,7 @@ class Layout:
     def gather_leaf(self, x: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
         """One sharded leaf made whole on every rank (eager; a checkpoint writes it)."""
         import torch.distributed._functional_collectives as funcol
-        every = funcol.all_gather_single(x.reshape(-1).contiguous(), 0, self.group)
+        every = all_gather(x.reshape(-1).contiguous(), self.group)
         return self._join(funcol.wait_tensor(every).view(self.world, -1), spec).clone()
 
     def deferred(self, state):
