@@ -119,7 +119,7 @@ def _background_jobs(cfg: Config, device: torch.device, tiny: bool, folder: Path
             out.append(commands.smollm2_upcycle(teacher, device.type, _upcycle_data(cfg), *cfg.upcycle_steps))
     if "speed" in cfg.sections and cfg.warm_compile and cfg.compile and not tiny:
         out.append(jobs.Job("speed_warm_compile", jobs.bin_run(
-            "recipe=bench.gpu", "sections=speed", "warm_compile=false", "speed_steps=1", "speed_warmup=1",
+            "recipe=bench.gpu", "sections=speed", "scale=full", "warm_compile=false", "speed_steps=1", "speed_warmup=1",
             f"speed_shapes={','.join(cfg.speed_shapes)}", f"device={device.type}", "out=speed-warm-compile"),
             section="speed"))
     return out
