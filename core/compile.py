@@ -42,25 +42,37 @@ def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
     return device_type == "cpu" and not collectives
 
 
-def _compile_kwargs(mode: str | None, cpp: bool) -> dict:
-    """``torch.compile``'s keywords for ``mode`` (``COMPILE_MODES``), with inductor's C++ wrapper when ``cpp``."""
+def inductor_options(device_type: str, cpp: bool = False) -> dict:
+    """Inductor settings a graph on ``device_type`` compiles with (beyond its mode's): the C++ wrapper with ``cpp``
+    (:func:`cpp_wrapper`); on CUDA no loop reordering after fusion, whose scheduler fails an assertion on the one-graph
+    train step (torch 2.11, H100: ``reorder_loops_by_dep_pair`` met a fused node inside a fused node; bench.gpu's
+    report, README "Running on a GPU")."""
+    options = {"cpp_wrapper": True} if cpp else {}
+    if device_type == "cuda":
+        options["loop_ordering_after_fusion"] = False
+    return options
+
+
+def _compile_kwargs(mode: str | None, cpp: bool, device_type: str = "cpu") -> dict:
+    """``torch.compile``'s keywords for ``mode`` (``COMPILE_MODES``) with :func:`inductor_options`."""
     if mode not in (None, *COMPILE_MODES):
         raise ValueError(f"unknown compile mode {mode!r}; choose one of {', '.join(COMPILE_MODES)}")
-    if cpp:   # torch.compile takes a mode or options, not both: the mode's own options, plus the wrapper
+    options = inductor_options(device_type, cpp)
+    if options:   # torch.compile takes a mode or options, not both: the mode's own options, plus these
         from torch._inductor import list_mode_options
-        return {"options": {**list_mode_options(mode or "default"), "cpp_wrapper": True}}
+        return {"options": {**list_mode_options(mode or "default"), **options}}
     return {} if mode in (None, "default") else {"mode": mode}
 
 
 def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True, mode: str | None = None,
-                  cpp: bool = False) -> Callable:
+                  cpp: bool = False, device_type: str = "cpu") -> Callable:
     """``torch.compile(fn, fullgraph=fullgraph, dynamic=False)`` for ``mode`` when enabled, else ``fn`` unchanged.
     ``mode`` is one of ``COMPILE_MODES`` (``reduce-overhead``: CUDA graphs; ``max-autotune``: kernel autotuning);
     ``cpp``: through inductor's C++ wrapper (:func:`cpp_wrapper` says where)."""
     if not enabled:
         return fn
     enable_caches()
-    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp))
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp, device_type))
 
 
 def compile_count() -> int:
@@ -69,18 +81,18 @@ def compile_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-_regions = {"active": False, "mode": None, "cpp": False}
+_regions = {"active": False, "mode": None, "cpp": False, "device_type": "cpu"}
 _compiled_regions: dict = {}
 
 
 @contextlib.contextmanager
-def regions(enabled: bool = True, mode: str | None = None, cpp: bool = False):
+def regions(enabled: bool = True, mode: str | None = None, cpp: bool = False, device_type: str = "cpu"):
     """Inside, functions passed through :func:`region` run compiled with ``mode`` (and the C++ wrapper with ``cpp``;
     nested uses keep the outer setting on)."""
     was = dict(_regions)
     _regions["active"] = was["active"] or enabled
     if enabled and not was["active"]:
-        _regions["mode"], _regions["cpp"] = mode, cpp
+        _regions["mode"], _regions["cpp"], _regions["device_type"] = mode, cpp, device_type
     try:
         yield
     finally:
@@ -94,9 +106,10 @@ def region(fn: Callable) -> Callable:
     graph traces straight through it."""
     if not _regions["active"] or torch.compiler.is_compiling():
         return fn
-    key = (fn, _regions["mode"], _regions["cpp"])
+    key = (fn, _regions["mode"], _regions["cpp"], _regions["device_type"])
     if key not in _compiled_regions:
         enable_caches()
         _compiled_regions[key] = torch.compile(fn, fullgraph=True, dynamic=False,
-                                               **_compile_kwargs(_regions["mode"], _regions["cpp"]))
+                                               **_compile_kwargs(_regions["mode"], _regions["cpp"],
+                                                                 _regions["device_type"]))
     return _compiled_regions[key]

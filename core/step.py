@@ -105,7 +105,7 @@ def _make_objective(call: Callable, grad_accum: int, precision: str, device_type
     """``objective(params, batch, key, frozen, scale) -> (scaled loss / grad_accum, (loss, aux))``; with
     ``in_regions`` the model's blocks run compiled (``core.compile.regions``; ``cpp``: its C++ wrapper)."""
     def objective(params, batch, key, frozen, scale):
-        with autocast(precision, device_type), regions(in_regions, mode, cpp):
+        with autocast(precision, device_type), regions(in_regions, mode, cpp, device_type):
             loss, aux = call(params, batch, key, frozen)
         loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         return loss * scale / grad_accum, (loss.detach(), aux)
@@ -334,7 +334,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     by_block = compile and compile_scope == "block"
     grad_mode = _grad_mode(grad_mode, compile, compile_scope, remat, grad_accum)
     cpp = cpp_wrapper(device_type, collectives=shard is not None or reduce is not None)
-    compiled = functools.partial(maybe_compile, mode=compile_mode, cpp=cpp)
+    compiled = functools.partial(maybe_compile, mode=compile_mode, cpp=cpp, device_type=device_type)
     objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type, in_regions=by_block,
                                 mode=compile_mode, cpp=cpp)
     apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike, donate, skip,
@@ -389,7 +389,7 @@ def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: s
     cpp = cpp_wrapper(device_type, collectives=shard is not None)
 
     def eval_step(params, batch, frozen=None):
-        with torch.no_grad(), autocast(precision, device_type), regions(by_block, compile_mode, cpp):
+        with torch.no_grad(), autocast(precision, device_type), regions(by_block, compile_mode, cpp, device_type):
             if by_layer:
                 with shard.blocks(params, train=False).running() as full:
                     loss, aux = call(full, batch, None, frozen)
@@ -397,7 +397,7 @@ def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: s
                 loss, aux = call(params, batch, None, frozen)
         return {"loss": loss, **aux}
 
-    step = maybe_compile(eval_step, compile and not by_block, mode=compile_mode, cpp=cpp)
+    step = maybe_compile(eval_step, compile and not by_block, mode=compile_mode, cpp=cpp, device_type=device_type)
     if shard is None or by_layer:
         return step
     return lambda params, batch, frozen=None: step(shard.gather(params), batch, frozen)

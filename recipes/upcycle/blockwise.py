@@ -175,7 +175,7 @@ def make_step(scfg: dba.DBAConfig, optimizer, *, loss: str, mode: str, train: st
         return BlockwiseState(state.step + 1, merge(new, rest), opt_state, state.cursor + 1, conv), metrics
 
     collectives = layout is not None or average is not None
-    return maybe_compile(step, compile, cpp=cpp_wrapper(device_type, collectives))
+    return maybe_compile(step, compile, cpp=cpp_wrapper(device_type, collectives), device_type=device_type)
 
 
 def init_state(params: dict, optimizer, train: str, n_layers: int) -> BlockwiseState:

@@ -84,7 +84,7 @@ def run_jobs(report: Report, jobs: list[Job], folder: Path, deadline: float, par
                                      seconds=round(time.monotonic() - job.started, 1),
                                      summary=tail[-1] if ok and tail else None,
                                      error=None if ok else ("stopped at the deadline" if code is None
-                                                            else f"exit {code}: " + (tail[-1] if tail else "")))
+                                                            else f"exit {code}: {_error_line(tail)}"))
         if pending and not running and time.monotonic() >= deadline:
             for job in pending:
                 done[job.name] = _finish(report, job, ok=None, reason="not started: out of time")
@@ -115,6 +115,12 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _tail(path: Path, lines: int = 12) -> list[str]:
+def _error_line(tail: list[str]) -> str:
+    """The line of a failed command's output that names the error (the last ``...Error``/``error:`` line)."""
+    named = [line for line in tail if "Error" in line or line.startswith(("error:", "gate failed:", "stopped:"))]
+    return (named or tail or [""])[-1].strip()
+
+
+def _tail(path: Path, lines: int = 40) -> list[str]:
     text = path.read_text(errors="replace").replace("\r", "\n") if path.exists() else ""
     return [line for line in text.splitlines() if line.strip()][-lines:]
