@@ -414,8 +414,8 @@ def test_an_existing_file_is_replaced_whole(tmp_path):
 # an independent reader: transformers' own GGUF loader (its reverse permutation, its qwen2 and tokenizer mapping)
 
 def transformers_gguf():
-    """transformers' GGUF functions, or skip: ``from_pretrained(gguf_file=...)`` also wants ``accelerate``, so
-    the test calls the loader it uses underneath."""
+    """transformers' GGUF functions, or skip: the loader ``from_pretrained(gguf_file=...)`` uses underneath,
+    called directly so that this cross-check runs without ``accelerate`` (the test above takes the public path)."""
     pytest.importorskip("transformers", reason="the cross-check needs transformers")
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -425,6 +425,28 @@ def transformers_gguf():
         pytest.skip(f"this transformers has no GGUF loader functions the test knows ({e})")
     return AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, convert_gguf_tokenizer, get_gguf_tokenizer, \
         load_gguf_checkpoint
+
+
+@pytest.mark.parametrize("bpe", [False, True])
+def test_transformers_from_pretrained_gguf_file_gives_the_same_logits_and_ids(bpe, tmp_path):
+    """The public path a user takes, ``from_pretrained(folder, gguf_file=...)``, which needs ``accelerate``
+    (in the ``reference`` extra)."""
+    transformers = pytest.importorskip("transformers", reason="needs the 'reference' extra: "
+                                                              "pip install purestep[reference]")
+    if not transformers.utils.is_accelerate_available():     # transformers' own test, with its minimum version
+        pytest.skip("transformers' from_pretrained(gguf_file=...) needs accelerate: pip install purestep[reference]")
+    tok = small_bpe() if bpe else ByteTokenizer()
+    cfg = llama.LlamaConfig(vocab_size=max(tok.vocab_size, 256), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                            tie_embeddings=False, max_context=256)
+    params = random_params(cfg, seed=8)
+    export_gguf(params, cfg, tmp_path / "m.gguf", tokenizer=tok)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    ids = theirs.encode(TEXT, add_special_tokens=False)
+    assert ids == tok.encode(TEXT)
+    with torch.no_grad():
+        diff = (model(torch.tensor([ids])).logits - llama.apply(params, torch.tensor([ids]), cfg)).abs().max()
+    assert diff < 1e-5, diff
 
 
 @pytest.mark.parametrize("name", ["gqa_untied", "gqa_tied_wide_heads", "qwen2"])
