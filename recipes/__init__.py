@@ -25,6 +25,7 @@ RECIPES = {
     "bench.distill": "recipes.bench.distill",
     "bench.export": "recipes.bench.export",
     "bench.kv": "recipes.bench.kv",
+    "bench.llamacpp": "recipes.bench.llamacpp",
 }
 
 
