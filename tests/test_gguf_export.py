@@ -304,6 +304,7 @@ def test_smollm2_tokenizer_survives_the_gguf_round_trip(tmp_path):
     assert tok.encode(sample) == smol.encode(sample)
     assert metadata(reader, "tokenizer.ggml.add_bos_token") is False      # as SmolLM2's own file says
     assert metadata(reader, "tokenizer.ggml.pre") == "smollm" == smol.gguf_pre      # its own, not gpt-2
+    assert metadata(open_gguf(smollm2.find_gguf()), "tokenizer.ggml.pre") == smollm2.GGUF_PRE  # by name too
     assert (tok.bos_id, tok.eos_id, tok.chat_template) == (smol.bos_id, smol.eos_id, smol.chat_template)
 
 
@@ -335,15 +336,16 @@ def test_char_tokenizer_is_refused_for_gguf(tmp_path):
 # what llama.cpp's loader and gguf-py's own tools accept (llama.cpp itself: recipe=bench.llamacpp, not a test)
 
 def smollm2_tokenizer():
+    """SmolLM2's tokenizer as ``init=smollm2`` loads it (from the cached HF folder), through a checkpoint."""
     if smollm2.find_gguf() is None:
         pytest.skip(f"SmolLM2 not installed: {smollm2.INSTALL}")
-    return tokenizer_from_dict(tokenizer_from_gguf(open_gguf(smollm2.find_gguf())).to_dict())   # as a checkpoint
+    return tokenizer_from_dict(load_model("smollm2").tokenizer.to_dict())
 
 
 TOKENIZERS = {   # source -> (tokenizer, the tokenizer.ggml.pre its export must carry)
     "byte": lambda: (ByteTokenizer(), "gpt-2"),
     "bpe": lambda: (small_bpe(), "gpt-2"),
-    "smollm2": lambda: (smollm2_tokenizer(), "smollm"),                 # SmolLM2's own name, through a checkpoint
+    "smollm2": lambda: (smollm2_tokenizer(), "smollm"),                 # SmolLM2's own name
     "old_export": lambda: (BPETokenizer(small_bpe().json, gguf_pre="gpt2"), "gpt-2"),   # purestep's former name
 }
 

@@ -9,7 +9,9 @@ loads each file, and both run the same tokens:
   and the mean next-token NLL of each;
 - **greedy decoding**: each continues the first ``prompt_tokens`` of that window on its own for
   ``greedy_tokens`` tokens, always taking the top token (llama.cpp through its own KV cache, purestep through
-  ``models.llama.decoder``); reported is how many leading tokens the two continuations share;
+  ``models.llama.decoder``); reported is how many leading tokens the two continuations share. llama.cpp keeps
+  its KV cache in f16 by default (``kv_cache=f16``, what its users get); ``kv_cache=f32`` computes as purestep
+  does, which isolates what the export itself changes;
 - **tokenization**: llama.cpp's tokenizer (reading the GGUF's ``tokenizer.ggml.*``) and purestep's on the
   window's text: whether the ids are the same.
 
@@ -37,6 +39,7 @@ from recipes.train.config import TrainConfig
 
 DESCRIPTION = "export to GGUF, run it in llama.cpp (llama-cpp-python), compare logits, greedy tokens and NLL"
 DTYPES = ("fp32", "f16", "bf16", "q8_0")
+KV_CACHE = ("f16", "f32")
 SKIP = ("bench.llamacpp: skipped: llama_cpp is not importable (pip install llama-cpp-python, built from its "
         "sdist; purestep does not depend on it)")
 
@@ -50,6 +53,8 @@ class Config:
     prompt_tokens: int = option(32, "the first tokens of that window, continued greedily by both", min=1)
     greedy_tokens: int = option(300, "tokens each generates greedily after the prompt", min=1)
     threads: int = option(0, "llama.cpp's threads (0: as many as torch uses)", min=0)
+    kv_cache: str = option("f16", "llama.cpp's KV cache type (f16: its default; f32: as purestep computes)",
+                           choices=KV_CACHE)
     out: str = option("", "folder for the exports and results.md (default: runs/bench-llamacpp-<timestamp>)")
 
 
@@ -88,8 +93,8 @@ def run(cfg: Config) -> dict:
         theirs = _llama_cpp(llama_cpp, path, window, text, cfg)
         rows.append({"export": f"{path.name}", **compare(ours, theirs, window, model.tokenizer.encode(text))})
     header = (f"{model.source} ({model.format}); {cfg.tokens} tokens of data={cfg.data}, greedy {cfg.greedy_tokens} "
-              f"after {cfg.prompt_tokens}; llama-cpp-python {llama_cpp.__version__}, torch {torch.__version__}, "
-              f"{platform.machine()}")
+              f"after {cfg.prompt_tokens}; llama.cpp's KV cache {cfg.kv_cache}; llama-cpp-python "
+              f"{llama_cpp.__version__}, torch {torch.__version__}, {platform.machine()}")
     table = header + "\n\n" + _table(rows)
     (root / "results.md").write_text(table + "\n")
     print(table)
@@ -118,8 +123,9 @@ def _llama_cpp(llama_cpp, path: Path, window: torch.Tensor, text: str, cfg: Conf
     """llama.cpp's logits over ``window``, its greedy continuation of the prompt, and its ids for ``text``."""
     n_ctx = max(cfg.tokens, cfg.prompt_tokens + cfg.greedy_tokens)
     threads = cfg.threads or torch.get_num_threads()
+    kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[cfg.kv_cache]
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                          n_threads=threads, n_threads_batch=threads, verbose=False)
+                          n_threads=threads, n_threads_batch=threads, type_k=kv, type_v=kv, verbose=False)
     ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
     llm.eval(window.tolist())
     logits = np.array(llm.scores[:llm.n_tokens], dtype=np.float32)
