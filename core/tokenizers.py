@@ -150,12 +150,14 @@ class BPETokenizer(_Tokenizer):
     ``encode`` adds no special tokens. ``eos_id``/``bos_id`` are given by the model's own metadata (GGUF
     ids, ``tokenizer_config.json``) when known, else the first of the conventional special tokens
     (``EOS_TOKENS``/``BOS_TOKENS``) present in the vocabulary, else None; ``to_dict`` keeps them.
+    ``gguf_pre`` is the pre-tokenizer name of the GGUF file it came from (``tokenizer.ggml.pre``, e.g.
+    SmolLM2's ``smollm``), kept (``to_dict`` too) so that a GGUF export writes the source's own name back.
     """
 
     name = "bpe"
 
     def __init__(self, json_str: str, source: str = "tokenizer.json", bos_id: int | None = None,
-                 eos_id: int | None = None, chat_template: str | None = None):
+                 eos_id: int | None = None, chat_template: str | None = None, gguf_pre: str | None = None):
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -170,6 +172,7 @@ class BPETokenizer(_Tokenizer):
         self.eos_id = eos_id if eos_id is not None else self._first_id(EOS_TOKENS)
         self.bos_id = bos_id if bos_id is not None else self._first_id(BOS_TOKENS)
         self.chat_template = chat_template
+        self.gguf_pre = gguf_pre
 
     @classmethod
     def from_file(cls, path: str) -> BPETokenizer:
@@ -198,7 +201,8 @@ class BPETokenizer(_Tokenizer):
 
     def to_dict(self) -> dict:
         out = {"type": "bpe", "json": self.json, "bos_id": self.bos_id, "eos_id": self.eos_id}
-        return out if self.chat_template is None else {**out, "chat_template": self.chat_template}
+        optional = {"chat_template": self.chat_template, "gguf_pre": self.gguf_pre}
+        return {**out, **{k: v for k, v in optional.items() if v is not None}}
 
 
 def tokenizer_from_dict(d: dict) -> _Tokenizer:
@@ -210,7 +214,7 @@ def tokenizer_from_dict(d: dict) -> _Tokenizer:
         return CharTokenizer(d["chars"])
     if kind == "bpe":
         return BPETokenizer(d["json"], source="saved tokenizer", bos_id=d.get("bos_id"), eos_id=d.get("eos_id"),
-                            chat_template=d.get("chat_template"))
+                            chat_template=d.get("chat_template"), gguf_pre=d.get("gguf_pre"))
     raise ValueError(f"unknown tokenizer type {kind!r}; expected one of byte, char, bpe")
 
 

@@ -16,8 +16,10 @@ The tokenizer comes from the file's embedded vocabulary the way transformers bui
 (``integrations/gguf/gguf_tokenizer_mapping.py``: ``byte_level_tokenizer`` + ``add_gguf_special_tokens``):
 a byte-level BPE over the file's tokens and merges, control tokens (type 3) as special added tokens,
 user-defined tokens (type 4) as plain added tokens, no normalizer, GPT-2's ByteLevel pre-tokenizer and
-decoder. Only ``tokenizer.ggml.model == "gpt2"`` with the GPT-2 split regex (``pre`` gpt2 or smollm) is
-built; anything else is refused rather than tokenized differently from the model's training.
+decoder. Only ``tokenizer.ggml.model == "gpt2"`` with the GPT-2 split regex (``pre`` gpt-2, smollm, or gpt2 as
+purestep's exports wrote it before they used llama.cpp's name) is built; anything else is refused rather than
+tokenized differently from the model's training. The file's ``pre`` is kept on the tokenizer (``gguf_pre``) for
+``models.gguf_export``.
 
 Needs the optional ``gguf`` and ``tokenizers`` packages (``pip install purestep[hf]``).
 """
@@ -52,7 +54,7 @@ QKV = ("attn_q", "attn_k", "attn_v")
 TOP_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                "output.weight": "lm_head.weight"}
 ARCHS = ("llama", "qwen2")  # Qwen2: Llama plus q/k/v biases, Q/K not permuted (llama.cpp rotates it NEOX-style)
-GPT2_REGEX_PRE = (None, "gpt2", "smollm")   # tokenizer.ggml.pre values that split text with GPT-2's regex
+GPT2_REGEX_PRE = (None, "gpt-2", "gpt2", "smollm")   # tokenizer.ggml.pre values that split with GPT-2's regex
 CONTROL, USER_DEFINED = 3, 4                # llama.cpp token types
 
 
@@ -279,7 +281,8 @@ def _template(reader, tokens):
 def tokenizer_from_gguf(reader, path="GGUF file") -> BPETokenizer:
     """The embedded tokenizer with the file's own BOS/EOS ids (``tokenizer.ggml.bos_token_id``/``eos_token_id``)."""
     tok = BPETokenizer(tokenizer_json(reader, path), source=str(path),
-                       chat_template=metadata(reader, "tokenizer.chat_template"))
+                       chat_template=metadata(reader, "tokenizer.chat_template"),
+                       gguf_pre=metadata(reader, "tokenizer.ggml.pre"))
     for attr, key in (("bos_id", "tokenizer.ggml.bos_token_id"), ("eos_id", "tokenizer.ggml.eos_token_id")):
         value = metadata(reader, key)
         if value is not None:

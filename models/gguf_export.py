@@ -20,8 +20,10 @@ Follows llama.cpp's ``convert_hf_to_gguf.py`` and its ``gguf-py`` package (``ggu
   ``feed_forward_length``, ``attention.head_count``/``head_count_kv``, ``attention.key_length``/``value_length``
   (when head_dim is not d_model / n_heads), ``rope.dimension_count``, ``rope.freq_base``,
   ``attention.layer_norm_rms_epsilon``, ``vocab_size``; with a tokenizer the ``tokenizer.ggml.*`` vocabulary of
-  ``models.tokenizer_export.gguf_vocab`` (model ``gpt2``, pre ``gpt2``), BOS/EOS ids, add_bos/add_eos and the
-  chat template. Without a tokenizer no ``tokenizer.*`` key is written (llama.cpp then needs one supplied).
+  ``models.tokenizer_export.gguf_vocab`` (model ``gpt2``; pre as ``tokenizer_export.llama_cpp_pre`` names it:
+  the source GGUF's own, e.g. ``smollm``, else ``gpt-2``), BOS/EOS ids, add_bos/add_eos and the chat template.
+  Without a tokenizer no ``tokenizer.*`` key is written (llama.cpp then needs one supplied). No metadata array
+  is empty (gguf-py's writer, and so its ``gguf-new-metadata``, refuses one).
 
 Refused with the reason: a sliding-window model (llama.cpp's llama has no window; format=hf writes it as
 Mistral), a DBA student (llama.cpp has no such attention; format=hf with remote code), q/k/v biases with rope
@@ -43,7 +45,7 @@ from models import hf
 from models.dba import DBAConfig
 from models.gguf import BLOCK_TENSORS, TOP_TENSORS, _require_gguf
 from models.llama import LlamaConfig
-from models.tokenizer_export import adds_bos_eos, as_bpe, gguf_vocab
+from models.tokenizer_export import adds_bos_eos, as_bpe, gguf_vocab, llama_cpp_pre
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 HF_TO_GGUF = {v: k for k, v in TOP_TENSORS.items()}
@@ -154,7 +156,7 @@ def _write_metadata(w, cfg: LlamaConfig, name: str, file_type: int, gguf) -> Non
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _write_tokenizer(w, tokenizer, vocab_size: int, gguf) -> None:
+def _write_tokenizer(w, tokenizer, vocab_size: int) -> None:
     """``tokenizer.ggml.*`` and the chat template; ids past the tokenizer (FIM sentinels, padding) as
     ``[PAD{id}]`` of type UNUSED, as ``convert_hf_to_gguf.py`` pads a vocabulary to the embedding's rows."""
     bpe = as_bpe(tokenizer)
@@ -164,13 +166,10 @@ def _write_tokenizer(w, tokenizer, vocab_size: int, gguf) -> None:
     tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
     types += [5] * (vocab_size - len(types))
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre(llama_cpp_pre(bpe))
     w.add_token_list(tokens)
     w.add_token_types(types)
-    if merges:
-        w.add_token_merges(merges)
-    else:   # llama.cpp's gpt2 tokenizer needs the key even without merges (the byte tokenizer has none)
-        w.add_key_value(gguf.Keys.Tokenizer.MERGES, [], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
+    w.add_token_merges(merges)          # never empty: gguf_vocab gives a vocabulary without merges an inert one
     if bpe.bos_id is not None:
         w.add_bos_token_id(bpe.bos_id)
     if bpe.eos_id is not None:
@@ -180,18 +179,6 @@ def _write_tokenizer(w, tokenizer, vocab_size: int, gguf) -> None:
     w.add_add_eos_token(add_eos)
     if bpe.chat_template:
         w.add_chat_template(bpe.chat_template)
-
-
-def _writer(gguf):
-    """``gguf.GGUFWriter`` that can also write an empty typed array: GGUF allows one (a count of 0), llama.cpp's
-    gpt2 tokenizer requires ``tokenizer.ggml.merges`` even when there are none, and gguf-py refuses to pack it."""
-    class Writer(gguf.GGUFWriter):
-        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
-            if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
-                head = self._pack("I", vtype) if add_vtype else b""
-                return head + self._pack("I", sub_type) + self._pack("Q", 0)
-            return super()._pack_val(val, vtype, add_vtype, sub_type)
-    return Writer
 
 
 def export_gguf(params: dict, cfg: LlamaConfig, path, tokenizer=None, dtype: str = "f32",
@@ -206,11 +193,11 @@ def export_gguf(params: dict, cfg: LlamaConfig, path, tokenizer=None, dtype: str
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    writer = _writer(gguf)(str(tmp), arch)
+    writer = gguf.GGUFWriter(str(tmp), arch)
     try:
         _write_metadata(writer, cfg, name or path.stem, int(file_type), gguf)
         if tokenizer is not None:
-            _write_tokenizer(writer, tokenizer, cfg.vocab_size, gguf)
+            _write_tokenizer(writer, tokenizer, cfg.vocab_size)
         for tname, data in gguf_tensors(params, cfg, arch).items():
             array, qtype = encode_tensor(gguf, tname, data, dtype)
             writer.add_tensor(tname, array, raw_dtype=qtype)

@@ -127,4 +127,5 @@ def _load_smollm2(device=None) -> LoadedModel:
     from models import smollm2
     loaded = _load_hf(smollm2.hf_folder(), device)
     loaded.format = f"SmolLM2-135M-Instruct, cached from {smollm2.PACKAGE}'s GGUF: {loaded.format}"
+    loaded.tokenizer.gguf_pre = smollm2.GGUF_PRE       # the GGUF's name, for a GGUF export (models.gguf_export)
     return loaded

@@ -37,6 +37,10 @@ CACHE_NAME = "smollm2-135m-instruct"
 CACHE_DTYPE = torch.bfloat16
 CACHE_VERSION = 1          # bump when the conversion changes, so old caches are rebuilt
 MARKER = "purestep_source.json"
+# the GGUF's tokenizer.ggml.pre (llama.cpp's name for SmolLM2's pre-tokenizer), which the cached Hugging Face
+# folder has no key for: the tokenizer loaded by name carries it, so a GGUF export writes it back (a test reads
+# it from the file; reading it here would cost seconds of GGUF parsing on every load)
+GGUF_PRE = "smollm"
 
 
 def find_gguf() -> Path | None:

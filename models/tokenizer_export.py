@@ -14,8 +14,14 @@ One home for both exports (``models.hf`` writes ``tokenizer.json``, ``models.ggu
   ``convert_hf_to_gguf.py`` does (``TextModel.get_vocab_base``: tokens by id, holes filled with
   ``[PAD{id}]`` of type UNUSED, special added tokens CONTROL, other added tokens USER_DEFINED, the rest
   NORMAL; merges as ``"a b"`` strings, ``gguf.SpecialVocab``). Only a byte-level BPE split by GPT-2's regex
-  (``tokenizer.ggml.model`` "gpt2", ``pre`` "gpt2") has a GGUF form llama.cpp tokenizes the same way;
-  anything else is refused with the reason (export format=hf keeps it as ``tokenizer.json``).
+  (``tokenizer.ggml.model`` "gpt2") has a GGUF form llama.cpp tokenizes the same way; anything else is refused
+  with the reason (export format=hf keeps it as ``tokenizer.json``). A vocabulary without merges (the byte
+  tokenizer's) gets one merge that never applies (:func:`inert_merge`): llama.cpp's gpt2 tokenizer requires
+  ``tokenizer.ggml.merges``, and gguf-py refuses an empty array.
+- :func:`llama_cpp_pre` names the pre-tokenizer for ``tokenizer.ggml.pre`` as llama.cpp knows it
+  (``llama_vocab::impl::load`` in its ``src/llama-vocab.cpp``, which refuses any other name): the source
+  GGUF's own name when the tokenizer came from one (``BPETokenizer.gguf_pre``, SmolLM2's ``smollm``), else
+  ``gpt-2``, llama.cpp's name for GPT-2's regex.
 """
 from __future__ import annotations
 
@@ -25,6 +31,12 @@ from core.config import UserError
 from core.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5      # llama.cpp token types (gguf.TokenType)
+# llama.cpp's names (src/llama-vocab.cpp) for the splits a byte-level BPE read by models.gguf reproduces:
+# "gpt-2" is GPT-2's regex; "smollm" splits digits one by one first, which gives the same ids as GPT-2's regex
+# on a vocabulary where no merge involves a digit (SmolLM2's), the only one a GGUF says "smollm" for.
+LLAMA_CPP_PRE = ("gpt-2", "smollm")
+# the byte tokenizer's one merge (inert_merge): bytes 0xF8 and 0xFF never occur in UTF-8 text
+NEVER_IN_UTF8, RESPELLED = 0xF8, 0xFF
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -91,8 +103,29 @@ def _byte_level_refusal(spec: dict) -> str | None:
     return None
 
 
+def llama_cpp_pre(bpe: BPETokenizer) -> str:
+    """``tokenizer.ggml.pre`` for ``bpe``: the source GGUF's own name when llama.cpp knows it, else ``gpt-2``
+    (also for ``gpt2``, the name purestep's exports wrote before, which llama.cpp refuses)."""
+    return bpe.gguf_pre if bpe.gguf_pre in LLAMA_CPP_PRE else "gpt-2"
+
+
+def inert_merge(tokens: list[str]) -> str:
+    """One merge for a byte-level vocabulary that has none, which no UTF-8 text ever reaches: the bytes 0xF8
+    0xF8 merge into the token of byte 0xFF, respelled as their concatenation. Neither byte occurs in UTF-8 text
+    (RFC 3629, section 3), so every text tokenizes exactly as before, in llama.cpp and in any reader that
+    checks a merge's parts and result are tokens (Hugging Face ``tokenizers``, transformers' GGUF loader)."""
+    spelling = bytes_to_unicode()
+    part, respelled = spelling[NEVER_IN_UTF8], spelling[RESPELLED]
+    if part not in tokens or respelled not in tokens or part * 2 in tokens:
+        raise UserError("the tokenizer has no merges and is not a byte vocabulary: it has no GGUF form "
+                        "(llama.cpp needs merges). Export with format=hf (tokenizer.json) instead")
+    tokens[tokens.index(respelled)] = part * 2
+    return f"{part} {part}"
+
+
 def gguf_vocab(bpe: BPETokenizer) -> tuple[list[str], list[int], list[str]]:
-    """``(tokens, token_types, merges)`` for ``tokenizer.ggml.*`` from a byte-level BPE, tokens by id."""
+    """``(tokens, token_types, merges)`` for ``tokenizer.ggml.*`` from a byte-level BPE, tokens by id (with
+    :func:`inert_merge` when it has no merges)."""
     spec = json.loads(bpe.json)
     why = _byte_level_refusal(spec)
     if why:
@@ -104,7 +137,10 @@ def gguf_vocab(bpe: BPETokenizer) -> tuple[list[str], list[int], list[str]]:
     n = max(by_id) + 1 if by_id else 0
     tokens = [by_id.get(i, (f"[PAD{i}]", UNUSED)) for i in range(n)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    return [t for t, _ in tokens], [ty for _, ty in tokens], merges
+    names = [t for t, _ in tokens]
+    if not merges:
+        merges = [inert_merge(names)]
+    return names, [ty for _, ty in tokens], merges
 
 
 def adds_bos_eos(bpe: BPETokenizer) -> tuple[bool, bool]:

@@ -26,6 +26,7 @@ RECIPES = {
     "bench.export": "recipes.bench.export",
     "bench.kv": "recipes.bench.kv",
     "bench.gpu": "recipes.bench.gpu",
+    "bench.llamacpp": "recipes.bench.llamacpp",
 }
 
 

