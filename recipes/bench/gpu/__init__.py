@@ -35,7 +35,7 @@ from core.runs import run_folder
 from recipes.bench.gpu import commands, jobs
 from recipes.bench.gpu.checks import run_checks
 from recipes.bench.gpu.report import Report, Skip, machine
-from recipes.bench.gpu.speed import SHAPES, run_speed
+from recipes.bench.gpu.speed import SHAPES, VARIANTS, run_speed
 
 DESCRIPTION = "correctness, every recipe, speed and memory against plain PyTorch, and the SmolLM2 upcycle on a GPU"
 SECTIONS = ("checks", "recipes", "upcycle", "speed")
@@ -53,6 +53,8 @@ class Config:
     phase1_share: float = option(0.55, "share of budget_s for the checks, recipes and upcycle", above=0, below=1)
     compile: bool = option(True, "compile (the users' default); false: eager, for a quick look")
     speed_shapes: tuple[str, ...] = option(("124m", "1b"), f"speed shapes, among {', '.join(SHAPES)}")
+    speed_variants: tuple[str, ...] = option(("functional", "plain"), "what the speed section times: functional (the "
+                                             "recipes' compile scope), plain, functional_step (one graph at any depth)")
     speed_steps: int = option(10, "timed steps per speed variant", min=1)
     speed_warmup: int = option(3, "untimed steps per speed variant (the first compiles)", min=1)
     warm_compile: bool = option(True, "compile the speed shapes in a child process during phase 1 (full scale)")
@@ -63,8 +65,9 @@ class Config:
     data: str = option("stdlib", "the recipes section's text (data=; tiny scale: a few stdlib modules)")
 
     def __post_init__(self):
-        for key, values, allowed in (("sections", self.sections, SECTIONS), ("speed_shapes", self.speed_shapes,
-                                                                             tuple(SHAPES))):
+        for key, values, allowed in (("sections", self.sections, SECTIONS),
+                                     ("speed_shapes", self.speed_shapes, tuple(SHAPES)),
+                                     ("speed_variants", self.speed_variants, tuple(VARIANTS))):
             bad = [v for v in values if v not in allowed]
             if bad:
                 raise UserError(f"{key}: {', '.join(bad)} not among {', '.join(allowed)}")
@@ -91,7 +94,8 @@ def run(cfg: Config) -> dict:
         _upcycle_summary(report, folder / "runs" / "smollm2-kv2x")
     if "speed" in cfg.sections:
         shapes = ("tiny",) if tiny else cfg.speed_shapes
-        run_speed(report, device, shapes, cfg.compile and not tiny, cfg.speed_warmup, cfg.speed_steps, gate=not tiny)
+        run_speed(report, device, shapes, cfg.compile and not tiny, cfg.speed_warmup, cfg.speed_steps, gate=not tiny,
+                  variants=cfg.speed_variants)
     summary = report.summary()
     progress(f"bench.gpu: {summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped in "
              f"{summary['seconds']} s; {folder / 'report.md'}")
@@ -120,7 +124,8 @@ def _background_jobs(cfg: Config, device: torch.device, tiny: bool, folder: Path
     if "speed" in cfg.sections and cfg.warm_compile and cfg.compile and not tiny:
         out.append(jobs.Job("speed_warm_compile", jobs.bin_run(
             "recipe=bench.gpu", "sections=speed", "scale=full", "warm_compile=false", "speed_steps=1", "speed_warmup=1",
-            f"speed_shapes={','.join(cfg.speed_shapes)}", f"device={device.type}", "out=speed-warm-compile"),
+            f"speed_shapes={','.join(cfg.speed_shapes)}", f"speed_variants={','.join(cfg.speed_variants)}",
+            f"device={device.type}", "out=speed-warm-compile"),
             section="speed"))
     return out
 
