@@ -3,7 +3,8 @@
 ``tf32=true`` lets CUDA matmuls and cuDNN use TensorFloat-32 (``torch.backends.cuda.matmul.allow_tf32``,
 ``torch.backends.cudnn.allow_tf32``; Ampere and later); on a CUDA device ``tf32=false`` turns both off. Off
 CUDA it is ignored with a warning (nothing else runs TF32; the run's numbers are full fp32), so one config
-file serves a GPU box and a laptop. ``compile_scope=auto`` (the default) compiles the whole
+file serves a GPU box and a laptop. A compiled fp32 run on CUDA leaves SDPA's memory-efficient kernel out
+(:func:`efficient_attention`). ``compile_scope=auto`` (the default) compiles the whole
 step as one graph (``core.step``: forward, backward and update fused, fewest kernels) for models of at most
 ``AUTO_STEP_LAYERS`` layers, and one block graph shared by every layer beyond (compile time flat in depth): at
 nanoGPT's 4-layer shakespeare-char shape the block graphs ran at 0.47x the plain loop's tokens/s and the one
@@ -53,6 +54,15 @@ def host_memory(cfg, device: torch.device) -> str:
     return "keep" if device.type == "cpu" else "system"
 
 
+def efficient_attention(compile: bool, dtype: str) -> bool:
+    """Whether CUDA's memory-efficient SDPA kernel may run: not in a compiled fp32 step. On the H100 (torch 2.11)
+    the compiled fp32 ``recipe=standard`` step (no GQA, so SDPA took that kernel; bf16/fp16 take cuDNN's or flash,
+    GQA in fp32 the math kernel) failed at its first step: a fused Triton kernel was given a CPU pointer
+    (``Pointer argument cannot be accessed from Triton``), as if the kernel's CPU seed/offset outputs reached it
+    (bench.gpu's report, docs/gpu.md). Math attention is what fp32 GQA already ran."""
+    return not (compile and dtype == "fp32")
+
+
 def configure(cfg, device: torch.device) -> str:
     """Apply ``tf32`` on CUDA and ``host_memory``, warn (``core.logging.progress``) about settings this device or
     C library ignores, and return :func:`compile_mode`. Called once per run (``recipes.train.setup.start``)."""
@@ -61,6 +71,7 @@ def configure(cfg, device: torch.device) -> str:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
+        torch.backends.cuda.enable_mem_efficient_sdp(efficient_attention(cfg.compile, cfg.dtype))
     elif cfg.tf32:
         progress(f"warning: tf32=true is ignored on {device.type} (TensorFloat-32 is a CUDA matmul mode); "
                  f"matmuls stay full fp32")

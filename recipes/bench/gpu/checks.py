@@ -24,6 +24,7 @@ from core.tree import leaves_of, tree_map
 from models import llama
 from models.sampling import generate
 from recipes.bench.gpu.report import Report, Skip
+from recipes.train.backend import efficient_attention
 
 MODEL = dict(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2)
 TINY = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)   # the CPU smoke's
@@ -40,7 +41,7 @@ def run_checks(report: Report, device: torch.device, compile: bool, tiny: bool =
             item.update(_cpu_vs_device(cfg, device))
         with report.item("checks", "compiled_vs_eager") as item:
             item.update(_compiled_vs_eager(cfg, device, compile))
-        with report.item("checks", "compiled_vs_eager_mha") as item:   # no GQA: SDPA's memory-efficient kernel in fp32
+        with report.item("checks", "compiled_vs_eager_mha") as item, _recipes_attention(compile):
             item.update(_compiled_vs_eager(llama.LlamaConfig(**{**(TINY if tiny else MODEL), "n_kv_heads": 0}),
                                            device, compile))
         for precision in ("bf16", "fp16"):
@@ -65,6 +66,18 @@ def _no_tf32():
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@contextlib.contextmanager
+def _recipes_attention(compile: bool):
+    """SDPA's kernels as the recipes allow them in a compiled fp32 run (``recipes.train.backend``); a model without
+    GQA would take the memory-efficient kernel in fp32."""
+    before = torch.backends.cuda.mem_efficient_sdp_enabled()
+    torch.backends.cuda.enable_mem_efficient_sdp(efficient_attention(compile, "fp32"))
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_mem_efficient_sdp(before)
 
 
 def batches(cfg: llama.LlamaConfig, n: int = STEPS, seed: int = 0) -> list[dict]:
