@@ -37,6 +37,7 @@ class Job:
     argv: list[str]
     needs: tuple[str, ...] = ()
     section: str = "recipes"
+    ok_codes: tuple[int, ...] = (0,)   # the exit codes that count as success
     proc: subprocess.Popen | None = None
     started: float = 0.0
     result: dict = field(default_factory=dict)
@@ -79,7 +80,7 @@ def run_jobs(report: Report, jobs: list[Job], folder: Path, deadline: float, par
                 _stop(job.proc)
             running.remove(job)
             tail = _tail(folder / f"{job.name}.log")
-            ok = code == 0
+            ok = code in job.ok_codes
             done[job.name] = _finish(report, job, ok=ok, exit_code=code, log_tail=tail,
                                      seconds=round(time.monotonic() - job.started, 1),
                                      summary=tail[-1] if ok and tail else None,
