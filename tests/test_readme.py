@@ -59,10 +59,12 @@ RUN_ELSEWHERE = {
         "tests/test_jsonl_runs.py::test_smollm2_learns_a_made_up_fact_from_chats",
     "bin/run recipe=generate init=runs/standard-<timestamp> chat=true":
         "tests/test_jsonl_runs.py::test_smollm2_learns_a_made_up_fact_from_chats",
-    "bin/run recipe=bench.export init=smollm2": "tests/test_export.py::test_bench_export_fine_tunes_exports_and_measures",
+    "bin/run recipe=bench.export init=smollm2":
+        "tests/test_export.py::test_bench_export_fine_tunes_exports_and_measures",
     "bin/run recipe=standard name=spot cost_per_hour=1.2 budget=50":
         "tests/test_scale.py::test_telemetry_in_tensorboard_and_budget_stop",
-    "bin/run config=stages.toml name=progressive": "tests/test_scale.py::test_two_stage_config_continues_from_the_first_stage",
+    "bin/run config=stages.toml name=progressive":
+        "tests/test_scale.py::test_two_stage_config_continues_from_the_first_stage",
     "torchrun --standalone --nproc_per_node=2 bin/run recipe=standard preset=tiny parallel=fsdp steps=20":
         "tests/test_fsdp.py::test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_counts",
     "bin/run recipe=standard preset=tiny compile=false name=look cost_per_hour=1.2 dry_run=true":
