@@ -47,7 +47,7 @@ def donating(tensors: list):
 
 def donated(xs: list) -> bool:
     """Every tensor of ``xs`` was given up to the running eager step (:func:`donating`)."""
-    return bool(_donated) and not torch.compiler.is_compiling() and all(id(x) in _donated for x in xs)
+    return not torch.compiler.is_compiling() and len(_donated) > 0 and all(id(x) in _donated for x in xs)
 
 
 def _trained(state: TrainState) -> list:

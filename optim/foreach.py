@@ -128,7 +128,7 @@ def squares(xs: list, last_use: bool = False) -> list:
 
 def _fits(spare: list, xs: list) -> bool:
     """``spare`` was given up by the running eager step and has ``xs``'s shapes and dtypes."""
-    return bool(spare) and donated(spare) and all(s.dtype == x.dtype and s.shape == x.shape
+    return len(spare) > 0 and donated(spare) and all(s.dtype == x.dtype and s.shape == x.shape
                                                   for s, x in zip(spare, xs))
 
 
