@@ -21,12 +21,14 @@ import torch
 
 
 def enable_caches() -> None:
+    """Inductor's FX graph cache on (the AOT-autograd cache, ``torch._functorch.config.enable_autograd_cache``, is
+    on by default in every torch this supports; ``tests/test_torch_api.py`` checks both). A graph holding a
+    higher-order op (``torch.cond``: gradient health's gate in the one-graph train step) bypasses both caches
+    and compiles in full in every process."""
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     import torch._inductor.config as inductor_config
     inductor_config.fx_graph_cache = True
-    if hasattr(inductor_config, "autograd_cache"):
-        inductor_config.autograd_cache = True
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")

@@ -109,29 +109,43 @@ class Dist:
             self.barrier()
 
 
-def mean_over_ranks(leaves: list[torch.Tensor], group, world: int) -> list[torch.Tensor]:
-    """``leaves`` (any shapes and dtypes) averaged over the ``world`` ranks of ``group``: one float32 buffer, one
-    functional ``all_reduce`` (which dynamo traces), split back into each leaf's shape and dtype."""
+# The functional collectives (``torch.distributed._functional_collectives``): the only collectives dynamo traces
+# into a compiled step, and private, so every use goes through these four (``tests/test_torch_api.py`` runs them
+# on the installed torch). Torch 2.11 has ``all_gather_tensor`` and ``reduce_scatter_tensor``; 2.13 and 2.14 call them
+# ``all_gather_single`` and ``reduce_scatter_single`` and warn that the old names are deprecated.
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over the ranks of ``group`` (every rank gets the sum)."""
     import torch.distributed._functional_collectives as funcol
-    flat = torch.cat([t.reshape(-1).to(torch.float32) for t in leaves])
-    flat = funcol.all_reduce(flat, "sum", group)
-    return split_mean(flat, [(t.shape, t.dtype) for t in leaves], world)
+    return funcol.all_reduce(x, "sum", group)
 
 
 def all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along dim 0 (a functional collective, traceable): ``all_gather_single``, named
-    ``all_gather_tensor`` before torch 2.13 (torch 2.11, on the GPU machines, has only that name)."""
+    """Every rank's ``x`` concatenated on dim 0, in rank order."""
     import torch.distributed._functional_collectives as funcol
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
     return gather(x, 0, group)
 
 
 def reduce_scatter_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's chunk (dim 0) of the sum of every rank's ``x``: ``reduce_scatter_single``, named
-    ``reduce_scatter_tensor`` before torch 2.13."""
+    """``x`` summed over the ranks, cut into as many equal parts on dim 0 as there are ranks: rank r's part."""
     import torch.distributed._functional_collectives as funcol
     scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
     return scatter(x, "sum", 0, group)
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """The collective's result as a plain tensor, once it has arrived (eager code before reading it)."""
+    import torch.distributed._functional_collectives as funcol
+    return funcol.wait_tensor(x)
+
+
+def mean_over_ranks(leaves: list[torch.Tensor], group, world: int) -> list[torch.Tensor]:
+    """``leaves`` (any shapes and dtypes) averaged over the ``world`` ranks of ``group``: one float32 buffer, one
+    functional ``all_reduce`` (which dynamo traces), split back into each leaf's shape and dtype."""
+    flat = torch.cat([t.reshape(-1).to(torch.float32) for t in leaves])
+    flat = all_reduce_sum(flat, group)
+    return split_mean(flat, [(t.shape, t.dtype) for t in leaves], world)
 
 
 def split_mean(flat: torch.Tensor, layout: list, world: int) -> list[torch.Tensor]:

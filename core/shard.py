@@ -20,10 +20,10 @@ rank computes them from the same global statistics.
 
 **The step** (``core.step.make_train_step(shard=...)``). Eager, and with ``compile_scope=block`` (the model's loop
 in Python, one compiled block), the step gathers the stacked leaves **one block at a time** (``core.shard_blocks``):
-layer ``i``'s slice of every stacked leaf is all-gathered (one ``all_gather_single`` per dtype) when the model's
+layer ``i``'s slice of every stacked leaf is all-gathered (one all-gather per dtype) when the model's
 loop reaches layer ``i`` and is not kept for backward (saved-tensor hooks put a token in its place; backward
 gathers it again, as does the recomputation of a checkpointed block under ``remat``), and its gradient is
-reduce-scattered (one ``reduce_scatter_single``, float32, divided by W) by the backward of that gather, into row
+reduce-scattered (one reduce-scatter, float32, divided by W) by the backward of that gather, into row
 ``i`` of this rank's gradient shards; the other leaves (embedding, final norm, head) are gathered whole once per
 step and reduce-scattered at its end. With gradient accumulation a layer's full float32 gradient is summed over the
 micro-batches and reduce-scattered once, in the last micro-batch's backward (once per optimizer step; the sums are
@@ -59,7 +59,7 @@ from typing import Callable, Optional
 import torch
 
 from core.checkpoint import Deferred
-from core.distributed import all_gather, mean_over_ranks, reduce_scatter_sum, split_mean
+from core.distributed import all_gather, all_reduce_sum, mean_over_ranks, reduce_scatter_sum, split_mean, wait
 from core.tree import leaves_of, like, tree_map, tree_map_with_name, zip_leaves
 
 
@@ -177,17 +177,16 @@ class Layout:
 
     def psum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the ranks (a partial statistic of the shards made whole-model)."""
-        import torch.distributed._functional_collectives as funcol
-        return funcol.all_reduce(x, "sum", self.group)
+        return all_reduce_sum(x, self.group)
 
     def gather(self, params):
-        """The full params from this rank's shards: one ``all_gather_single`` per dtype."""
+        """The full params from this rank's shards: one all-gather per dtype."""
         shards, specs = zip_leaves(params, self.params)
         return like(params, self.gather_leaves(shards, specs), order=params)
 
     def gather_leaves(self, shards: list, specs: list, join: Optional[Callable] = None) -> list:
         """Full leaves from this rank's ``shards`` of leaves split as ``specs`` say (in ``gather_dtype``): one
-        ``all_gather_single`` per dtype; ``join(pieces [W, shard numel], spec)`` makes each leaf (:meth:`_join`)."""
+        all-gather per dtype; ``join(pieces [W, shard numel], spec)`` makes each leaf (:meth:`_join`)."""
         join = join or self._join
         if self.gather_dtype is not None:
             shards = [s.to(self.gather_dtype) if s.is_floating_point() else s for s in shards]
@@ -223,7 +222,7 @@ class Layout:
         return g.movedim(spec.dim, 0).reshape(self.world, -1)
 
     def reduce(self, grads, loss: torch.Tensor, aux: dict, specs=None):
-        """Full summed gradients -> this rank's shard of their mean over ranks (one ``reduce_scatter_single``);
+        """Full summed gradients -> this rank's shard of their mean over ranks (one reduce-scatter);
         the loss and the aux metrics (any shape) averaged over ranks (one ``all_reduce``). ``specs``: the part
         of :attr:`params` that ``grads`` covers (all of it by default)."""
         full, specs = zip_leaves(grads, self.params if specs is None else specs)
@@ -238,7 +237,7 @@ class Layout:
 
     def reduce_rows(self, rows: list, mean: bool = True) -> torch.Tensor:
         """Float32 ``[W, n_i]`` blocks (row r: rank r's part) -> this rank's parts, concatenated, of their mean
-        over ranks (their sum without ``mean``): one ``reduce_scatter_single``."""
+        over ranks (their sum without ``mean``): one reduce-scatter."""
         if not rows:
             return torch.zeros(0)
         flat = torch.cat(rows, dim=1).reshape(-1)
@@ -254,9 +253,8 @@ class Layout:
 
     def gather_leaf(self, x: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
         """One sharded leaf made whole on every rank (eager; a checkpoint writes it)."""
-        import torch.distributed._functional_collectives as funcol
         every = all_gather(x.reshape(-1).contiguous(), self.group)
-        return self._join(funcol.wait_tensor(every).view(self.world, -1), spec).clone()
+        return self._join(wait(every).view(self.world, -1), spec).clone()
 
     def deferred(self, state):
         """``state`` with every sharded leaf a ``core.checkpoint.Deferred`` that gathers it when written."""

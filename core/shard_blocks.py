@@ -8,7 +8,7 @@ model that is a plain function of a params pytree.
   norm, head: :meth:`core.shard.Layout.gather_leaves`), and for every leaf stacked along the layer axis a stand-in
   on the meta device (its full shape and dtype, no data: arithmetic on it raises). A model reaches its layers only
   through ``core.tree.unstack``, which for a tree of stand-ins returns :class:`_Layers`: iterating it gathers layer
-  ``i`` (one ``all_gather_single`` per dtype of layer ``i``'s slice of every stacked leaf, in ``gather_dtype``)
+  ``i`` (one all-gather per dtype of layer ``i``'s slice of every stacked leaf, in ``gather_dtype``)
   when the loop reaches it.
 - **Not kept for backward.** While the model runs, ``torch.autograd.graph.saved_tensors_hooks`` replace every
   tensor autograd saves that lives in a gathered layer's storage (a weight ``F.linear`` keeps for its input's
@@ -183,7 +183,7 @@ class Blocks:
 
     def gather(self, idx: list, k: int) -> list:
         """Layer ``k`` of the stacked leaves ``idx``, each full and padded (``[W chunk, ...]``): one
-        ``all_gather_single`` per dtype."""
+        all-gather per dtype."""
         world = self.layout.world
 
         def join(pieces: torch.Tensor, spec) -> torch.Tensor:     # [W, chunk numel] -> [W chunk, ...]

@@ -50,12 +50,14 @@ ROPE_TYPES = ("default", "llama3")
 DEFAULT_CONTEXT = 2048   # what an export states for a model whose config records no maximum context
 
 
-def _safetensors():
+def _safetensors(folder: Path | None = None):
+    """``safetensors.torch``, or a UserError naming ``folder`` (the one being read or written) and the extra."""
     try:
         import safetensors.torch
     except ImportError:
-        raise UserError("Hugging Face folders need the optional 'safetensors' package: pip install purestep[hf]") \
-            from None
+        where = f"{folder}: " if folder is not None else ""
+        raise UserError(f"{where}Hugging Face folders need the optional 'safetensors' package: "
+                        "pip install purestep[hf]") from None
     return safetensors.torch
 
 
@@ -317,7 +319,7 @@ def load_hf(folder, device=None, dtype: torch.dtype | None = None):
     folder = Path(folder)
     cfg_path = folder / "config.json"
     cfg = config_from_hf(_read_json(cfg_path), cfg_path)
-    st = _safetensors()
+    st = _safetensors(folder)
     files = safetensors_files(folder)
     sd: dict = {}
     for f in files:
@@ -339,8 +341,8 @@ def export_hf(params: dict, cfg: LlamaConfig, folder, tokenizer=None, dtype: tor
     params' own) and, for a BPE tokenizer, ``tokenizer.json`` + ``tokenizer_config.json`` into ``folder``.
     The stated maximum context is ``max_position_embeddings``, else ``cfg.max_context``, else 2048."""
     max_position_embeddings = max_position_embeddings or cfg.max_context or DEFAULT_CONTEXT
-    _safetensors()          # missing package: refuse before creating the folder
     folder = Path(folder)
+    _safetensors(folder)    # missing package: refuse before creating the folder
     folder.mkdir(parents=True, exist_ok=True)
     dtype = dtype or params["embed"].dtype
     bos = getattr(tokenizer, "bos_id", None)

@@ -12,6 +12,13 @@ must stay within float rounding of it. Re-recorded twice: AdamW's moments by ``l
 through ``torch.autograd`` (issue "the functional step at plain PyTorch's cost"; params moved <= 1.2e-7); Adam's
 direction divided by its bias correction last, so the donated step writes it into the gradients without a
 fresh temporary (params 1.2e-7 from the first recording).
+
+The bitwise hash holds on one machine only: float kernels round differently by CPU (the recording of 2026-11-26,
+torch 2.13.0+cpu on that session's CPU, is reproduced by no torch on the AMD EPYC of 2026-11-27, where torch
+2.11.0, 2.13.0 and 2.14.1 all give one other state, ~1e-7 away) and may by torch build. ``state.sha256`` holds
+one hash per torch version and CPU (``state_hash.platform_key``), each recorded there. Where none is recorded
+the bitwise check skips, saying how to record one, and the run is still held within float rounding of the
+committed checkpoint.
 """
 import shutil
 from pathlib import Path
@@ -22,7 +29,7 @@ import torch
 from core import checkpoint as ckpt
 from core.tree import max_abs_diff
 from recipes import main
-from tests.fixtures.behaviour.state_hash import state_hash
+from tests.fixtures.behaviour.state_hash import platform_key, state_hash
 
 FIXTURE = Path(__file__).parent / "fixtures" / "behaviour"
 ARGS = ["recipe=standard", "preset=tiny", "compile=false", "warmup_steps=5", f"data={FIXTURE / 'corpus.txt'}",
@@ -39,12 +46,41 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def test_fixed_run_gives_the_pinned_state(tmp_path, token_cache, two_threads):
-    assert main([*ARGS, "steps=30", f"out={tmp_path}"]) == 0
-    assert state_hash(tmp_path / ckpt.FINAL) == (FIXTURE / "state.sha256").read_text().strip()
+def pinned_hashes() -> dict[str, str]:
+    """``state.sha256``: ``platform_key()`` (torch version, CPU) -> the fixed run's state hash there (``#``: a
+    comment)."""
+    lines = (line.split("#", 1)[0].split() for line in (FIXTURE / "state.sha256").read_text().splitlines())
+    return {f"{words[0]} {words[1]}": words[2] for words in lines if words}
+
+
+@pytest.fixture(scope="module")
+def fixed_run(tmp_path_factory):
+    """The fixed 30-step run, once for the module (its own token cache, 2 threads)."""
+    out = tmp_path_factory.mktemp("fixed_run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PURESTEP_CACHE", str(out / "cache"))
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert main([*ARGS, "steps=30", f"out={out / 'run'}"]) == 0
+        finally:
+            torch.set_num_threads(before)
+    return out / "run" / ckpt.FINAL
+
+
+def test_fixed_run_stays_within_rounding_of_the_first_recording(fixed_run):
     first = ckpt.load(FIXTURE / "step_000000030.msgpack")["state"]["params"]
-    now = ckpt.load(tmp_path / ckpt.FINAL)["state"]["params"]
-    assert max_abs_diff(first, now) < 1e-6   # re-recordings move rounding, not behaviour
+    now = ckpt.load(fixed_run)["state"]["params"]
+    assert max_abs_diff(first, now) < 1e-6   # re-recordings and torch releases move rounding, not behaviour
+
+
+def test_fixed_run_gives_the_pinned_state(fixed_run):
+    pinned, here = pinned_hashes(), platform_key()
+    if here not in pinned:
+        pytest.skip(f"no pinned state for {here} (recorded for: {'; '.join(pinned)}); to pin it, add the line "
+                    f"`python tests/fixtures/behaviour/state_hash.py FINAL` prints for this run's final checkpoint "
+                    f"to tests/fixtures/behaviour/state.sha256")
+    assert state_hash(fixed_run) == pinned[here]
 
 
 def test_pinned_checkpoint_resumes(tmp_path, token_cache, two_threads):

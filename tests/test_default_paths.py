@@ -1,0 +1,399 @@
+"""The users' path: each recipe's default command, run as users run it.
+
+Every test runs ``bin/run`` in a child process, the way the README shows it (``torchrun --standalone
+--nproc_per_node=2``, gloo on the CPU, for data parallel and sharded runs), with the recipe's defaults:
+``compile=true`` wherever that is the default (standard, distill), the one-graph step, gradient health, the
+spike monitor. Only sizes are cut, by key overrides (a later ``key=value`` wins). Commands the README shows are
+read from the README itself by their first words (``readme``), so a README command that stops working fails
+here; ``tests/test_readme.py`` checks that every command block of the README is run by a test or says why not.
+
+Cost. The children share one inductor cache (``$TORCHINDUCTOR_CACHE_DIR`` as set, else inductor's own folder
+for this user) and one token cache, and one char teacher, trained by the README's standard command, serves
+every test that needs a teacher. A compiled train step still compiles in full in every process (gradient
+health's ``torch.cond`` keeps it out of inductor's FX graph and AOT-autograd caches), and one compile keeps one
+core busy, so the runs are jobs (``JOBS``) started together when the module starts (those of the selected
+tests), as many at a time as there are cores (a 2-rank torchrun takes two); a test waits for its own.
+
+Written for issue 31: compiled distillation (two RoPE tables in one graph) and compiled data parallel and FSDP
+(``torch.cond`` over aliased gradients) crashed on the default command while every test ran ``compile=false``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = REPO / "bin" / "run"
+README = (REPO / "README.md").read_text()
+TIMEOUT = 1200
+CORES = max(1, min(os.cpu_count() or 1, 4))
+
+# Sizes, by key overrides only: one layer of d=64 for every compiled model (a compile's cost grows with the
+# graph), 32-token windows, 6 steps.
+SHORT = ["block_size=32", "batch_size=4", "steps=6", "warmup_steps=2", "eval_every=0", "eval_batches=2", "log_every=3",
+         "save_every=0", "sample_tokens=16"]
+SMALL = ["model.d_model=64", "model.n_layers=1", "model.n_heads=4", *SHORT]
+STUDENT = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", *SHORT]
+UPCYCLE = ["preset=ci", "calib_tokens=256", "blockwise.steps=4", "blockwise.log_every=2", "global.steps=4",
+           "global.eval_every=2", "global.log_every=2", "benchmark.prompt_tokens=16,32", "benchmark.batches=1",
+           "benchmark.repeats=1", "benchmark.new_tokens=2", "benchmark.ppl_contexts=16",
+           "benchmark.ppl_tokens=128", "benchmark.passkey_contexts=64", "benchmark.passkey_trials=1"]
+
+STANDARD = "bin/run recipe=standard data=shakespeare.txt tokenizer=char name=shakes preset=small"
+DISTILL = "bin/run recipe=distill teacher=runs/standard-shakes data=shakespeare.txt"
+DISTILL_DROP = "bin/run recipe=distill teacher=smollm2 student=drop_layers"
+DDP = "torchrun --standalone --nproc_per_node=2 bin/run recipe=standard name=ddp"
+FSDP = "torchrun --standalone --nproc_per_node=8 bin/run recipe=standard parallel=fsdp"
+EXPORTS = {"bin/run recipe=export init=runs/standard-shakes format=hf": "config.json",
+           "bin/run recipe=export init=runs/distill-smol format=gguf": "*.gguf",
+           "bin/run recipe=export init=runs/upcycle-smol/global format=hf": "config.json"}
+
+# The README commands these tests run (scaled down), by their first words; tests/test_readme.py reads this.
+README_RUNS = {
+    STANDARD: "test_standard",
+    "bin/run recipe=generate init=runs/standard-shakes": "test_generate",
+    "bin/run recipe=lr_find data=shakespeare.txt tokenizer=char": "test_lr_find",
+    DISTILL: "test_distill_online_and_from_a_cache",
+    DISTILL_DROP: "test_distill_under_torchrun",
+    "bin/run recipe=compress teacher=smollm2": "test_compress",
+    **{words: "test_export" for words in EXPORTS},
+    DDP: "test_standard_under_torchrun",
+    FSDP: "test_standard_under_torchrun",
+}
+
+
+def readme(first_words: str) -> list[str]:
+    """The README command line that starts with ``first_words``: its arguments after ``bin/run`` (the comment
+    dropped, continuation lines joined)."""
+    text = README.replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith(first_words)]
+    assert lines, f"the README has no command starting with {first_words!r}"
+    words = shlex.split(lines[0], comments=True)
+    return words[words.index("bin/run") + 1:]
+
+
+def torchrun() -> list[str]:
+    """``torchrun`` of this interpreter (the script beside it; its module where the script is not on disk)."""
+    script = Path(sys.executable).parent / "torchrun"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def output(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+class Runs:
+    """``bin/run`` in the work folder (``runs/`` lands there, as in the README), one token cache for all, at most
+    ``CORES`` processes at a time in the order asked; and the module's jobs (``JOBS``), each run once, in threads
+    of their own."""
+
+    def __init__(self, work: Path):
+        self.work = work
+        self.env = {**os.environ, "PURESTEP_CACHE": str(work / ".cache")}
+        self.free, self.cores, self.queue = CORES, threading.Condition(), []
+        self.pool = ThreadPoolExecutor(max_workers=4 * len(JOBS))   # waiting on a job holds a thread, not a core
+        self.futures: dict = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, *args: str, ranks: int = 1, expect: int = 0) -> subprocess.CompletedProcess:
+        launcher = [sys.executable] if ranks == 1 else [*torchrun(), "--standalone", f"--nproc_per_node={ranks}"]
+        need, ticket = min(ranks, CORES), object()
+        with self.cores:                                # first come, first served: a torchrun is not starved
+            self.queue.append(ticket)
+            self.cores.wait_for(lambda: self.queue[0] is ticket and self.free >= need)
+            self.queue.pop(0)
+            self.free -= need
+            self.cores.notify_all()
+        try:
+            proc = subprocess.run([*launcher, str(BIN), *args], cwd=self.work, env=self.env, capture_output=True,
+                                  text=True, timeout=TIMEOUT)
+        finally:
+            with self.cores:
+                self.free += need
+                self.cores.notify_all()
+        assert proc.returncode == expect, (f"bin/run {' '.join(args)}{f' on {ranks} ranks' if ranks > 1 else ''}: "
+                                           f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        return proc
+
+    def start(self, name: str):
+        with self.lock:
+            if name not in self.futures:
+                self.futures[name] = self.pool.submit(JOBS[name], self)
+            return self.futures[name]
+
+    def get(self, name: str):
+        """Job ``name``'s result (started now if it was not), or its exception (a skip included)."""
+        return self.start(name).result()
+
+
+JOBS = {}
+
+
+def job(fn):
+    """A run (or a chain of them) that tests and other jobs ``get`` by the function's name."""
+    JOBS[fn.__name__] = fn
+    return fn
+
+
+@job
+def shakes(run):
+    """The README's standard command, compiled as by default: the char teacher of the other jobs."""
+    return run(*readme(STANDARD), *SMALL)
+
+
+@job
+def byte_teacher(run):
+    """A byte-level teacher of two layers (eager: a teacher is an input here, not the path under test)."""
+    run("recipe=standard", "data=shakespeare.txt", "tokenizer=byte", *SMALL, "model.n_layers=2", "compile=false",
+        "sample_tokens=0", "out=runs/teacher-byte")
+    return "runs/teacher-byte"
+
+
+@job
+def bpe_teacher(run):
+    """A teacher with a byte-level BPE ``tokenizer.json`` trained on the work text (``tokenizers``: the hf extra)."""
+    tokenizers = pytest.importorskip("tokenizers", reason="a BPE tokenizer needs the 'hf' extra: "
+                                                          "pip install purestep[hf]")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([(run.work / "shakespeare.txt").read_text()], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(run.work / "tokenizer.json"))
+    run("recipe=standard", "data=shakespeare.txt", "tokenizer=tokenizer.json", *SMALL, "model.n_layers=2",
+        "compile=false", "sample_tokens=0", "out=runs/teacher-bpe")
+    return "runs/teacher-bpe"
+
+
+@job
+def generate(run):
+    run.get("shakes")
+    return run(*readme("bin/run recipe=generate init=runs/standard-shakes"), "max_new_tokens=24")
+
+
+@job
+def lr_find(run):
+    return run(*readme("bin/run recipe=lr_find data=shakespeare.txt tokenizer=char"), "model.d_model=32",
+               "model.n_layers=1", "batch_size=4", "block_size=32", "num_steps=8", "name=lr")
+
+
+@job
+def distill_online(run):
+    run.get("shakes")
+    return run(*readme(DISTILL), *STUDENT, "name=online")
+
+
+@job
+def distill_cached(run):
+    """A teacher cache of the byte teacher (so that the student exports to GGUF), then the distill run on it."""
+    teacher = run.get("byte_teacher")
+    run("recipe=distill_cache", f"teacher={teacher}", "data=shakespeare.txt", "out=cache", "steps=6",
+        "batch_size=4", "block_size=32", "k=8")
+    return run(*readme(DISTILL), *STUDENT, f"teacher={teacher}", "cache=cache", "name=smol")
+
+
+def _upcycle(run, kind: str, teacher: str):
+    return run("recipe=upcycle", f"teacher={teacher}", "data=shakespeare.txt", *UPCYCLE, f"name={kind}")
+
+
+@job
+def upcycle_char(run):
+    run.get("shakes")
+    return _upcycle(run, "char", "runs/standard-shakes")
+
+
+@job
+def upcycle_byte(run):
+    return _upcycle(run, "byte", run.get("byte_teacher"))
+
+
+@job
+def upcycle_bpe(run):
+    return _upcycle(run, "bpe", run.get("bpe_teacher"))
+
+
+@job
+def compress(run):
+    run.get("shakes")
+    return run(*readme("bin/run recipe=compress teacher=smollm2"), "teacher=runs/standard-shakes",
+               "data=shakespeare.txt", "sweep=8,16", "train_tokens=2048", "val_tokens=512", "block_size=32",
+               "batch_size=4", "steps=6", "warmup_steps=1", "eval_every=3")
+
+
+@job
+def export(run):
+    """The README's three exports: the standard run to HF, the cached distill's byte-level student to GGUF, the
+    byte teacher's upcycled DBA student to HF (remote code)."""
+    for module in ("safetensors", "gguf", "tokenizers"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"exports need the 'hf' extra ({module}): pip install purestep[hf]")
+    run.get("shakes"), run.get("distill_cached"), run.get("upcycle_byte")
+    (run.work / "runs" / "upcycle-smol").symlink_to(run.work / "runs" / "upcycle-byte")   # the README's name
+    return [run(*readme(words)) for words in EXPORTS]
+
+
+@job
+def orchestrated(run):
+    """The orchestrator switched on over the compiled standard run, with a decision (one challenger) in it."""
+    return run(*readme(STANDARD), *SMALL, "steps=10", "name=orchestrated", "orchestrator.enabled=true",
+               "orchestrator.portfolio=adamw,conservative_adamw", "orchestrator.decision_interval=4",
+               "orchestrator.eval_horizon=2", "orchestrator.min_gap=0", "orchestrator.probe_batches=1")
+
+
+@job
+def standard_ddp(run):
+    return run(*readme(DDP), "data=shakespeare.txt", "tokenizer=char", *SMALL, "batch_size=2", "name=ddp", ranks=2)
+
+
+@job
+def standard_fsdp(run):
+    return run(*readme(FSDP), "data=shakespeare.txt", "tokenizer=char", *SMALL, "batch_size=2", "name=fsdp",
+               ranks=2)
+
+
+@job
+def distill_ddp(run):
+    """The README's first distill command on 2 ranks."""
+    run.get("shakes")
+    return run(*readme(DISTILL), *STUDENT, "batch_size=2", "parallel=ddp", "name=ddp", ranks=2)
+
+
+@job
+def distill_fsdp(run):
+    """The README's second distill command (every other teacher layer, symmetric KL, a learnable temperature),
+    sharded over 2 ranks, with the char teacher."""
+    run.get("shakes")
+    return run(*readme(DISTILL_DROP), "teacher=runs/standard-shakes", "data=shakespeare.txt", *SHORT,
+               "batch_size=2", "parallel=fsdp", "name=fsdp", ranks=2)
+
+
+@job
+def upcycle_fsdp(run):
+    run.get("shakes")
+    return run("recipe=upcycle", "teacher=runs/standard-shakes", "data=shakespeare.txt", *UPCYCLE, "phases=global",
+               "global.batch_size=2", "parallel=fsdp", "name=fsdp", ranks=2)
+
+
+def uses(*names: str):
+    """The jobs a test waits for (``{param}`` filled from its parameters): the module starts them all at once."""
+    def mark(fn):
+        fn.jobs = names
+        return fn
+    return mark
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, corpus) -> Path:
+    """The work folder: ``shakespeare.txt`` there is ~200 KB of this Python's standard library source with the
+    digits removed, so the char teacher, like tiny shakespeare's, cannot spell a number."""
+    folder = tmp_path_factory.mktemp("users")
+    text = corpus.read_text().translate(str.maketrans("", "", "0123456789"))
+    (folder / "shakespeare.txt").write_text(text)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run(work, request):
+    """The module's runner, with the jobs of every selected test of this module started, in file order."""
+    runs = Runs(work)
+    for item in request.session.items:
+        if item.module is request.module:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            for name in getattr(item.function, "jobs", ()):
+                runs.start(name.format(**params))
+    yield runs
+    runs.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@uses("shakes")
+def test_standard(run, work):
+    out = output(run.get("shakes"))
+    assert "compile=True" in out and "val loss" in out
+    assert (work / "runs" / "standard-shakes" / "final.msgpack").exists()
+
+
+@uses("generate")
+def test_generate(run):
+    out = run.get("generate").stdout
+    assert out.startswith("ROMEO:") and len(out) > len("ROMEO:")
+
+
+@uses("lr_find")
+def test_lr_find(run, work):
+    run.get("lr_find")
+    rows = (work / "runs" / "lr_find-lr" / "lr_find.csv").read_text().splitlines()
+    assert rows[0] == "lr,loss,smoothed_loss" and len(rows) > 2
+
+
+@uses("distill_online", "distill_cached")
+def test_distill_online_and_from_a_cache(run, work):
+    for name, folder in (("distill_online", "online"), ("distill_cached", "smol")):
+        assert "compile=True" in output(run.get(name))
+        assert (work / "runs" / f"distill-{folder}" / "final.msgpack").exists()
+
+
+@pytest.mark.parametrize("kind", ["char", "byte", "bpe"])
+@uses("upcycle_{kind}")
+def test_upcycle_every_phase(kind, run, work):
+    """The char teacher's vocabulary has no digits (as tiny shakespeare's): the passkey benchmark must still run
+    (issue 31: it ended a run that had trained)."""
+    run.get(f"upcycle_{kind}")
+    folder = work / "runs" / f"upcycle-{kind}"
+    for phase in ("surgery", "blockwise", "global"):
+        assert (folder / phase / "final.msgpack").exists(), phase
+    results = json.loads((folder / "benchmark" / "results.json").read_text())
+    assert {c["model"] for c in results["cells"]} == {"teacher", "student"}
+
+
+@uses("compress")
+def test_compress(run, work):
+    run.get("compress")
+    rows = (work / "runs" / "compress-smollm2-sweep" / "summary.csv").read_text().splitlines()
+    assert len(rows) == 3
+
+
+@uses("export")
+def test_export(run, work):
+    for (words, written), proc in zip(EXPORTS.items(), run.get("export")):
+        out = work / next(a.split("=", 1)[1] for a in readme(words) if a.startswith("out="))
+        assert list(out.glob(written)), (words, sorted(p.name for p in out.iterdir()))
+        assert "verified with" in output(proc) or "not verified" in output(proc)
+
+
+@uses("orchestrated")
+def test_orchestrator_on(run, work):
+    assert "compile=True" in output(run.get("orchestrated"))
+    folder = work / "runs" / "standard-orchestrated"
+    assert (folder / "orchestrator.jsonl").read_text().splitlines() and (folder / "final.msgpack").exists()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@uses("standard_{parallel}")
+def test_standard_under_torchrun(parallel, run, work):
+    out = output(run.get(f"standard_{parallel}"))
+    assert "compile=True" in out and f"parallel: {parallel} over 2 ranks" in out
+    assert (work / "runs" / f"standard-{parallel}" / "final.msgpack").exists()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@uses("distill_{parallel}")
+def test_distill_under_torchrun(parallel, run, work):
+    out = output(run.get(f"distill_{parallel}"))
+    assert "compile=True" in out and f"parallel: {parallel} over 2 ranks" in out
+    assert (work / "runs" / f"distill-{parallel}" / "final.msgpack").exists()
+
+
+@uses("upcycle_fsdp")
+def test_upcycle_global_phase_under_fsdp(run, work):
+    assert "parallel: fsdp over 2 ranks" in output(run.get("upcycle_fsdp"))
+    assert (work / "runs" / "upcycle-fsdp" / "global" / "final.msgpack").exists()

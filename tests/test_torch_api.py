@@ -1,0 +1,199 @@
+"""Every private torch API the package uses, found in its source and checked here, so that a torch release that
+renames, removes or changes one fails this file by name instead of a run somewhere later.
+
+``PRIVATE`` lists each use (a dotted name reached from ``torch`` with a leading-underscore part, a private module
+imported, ``Tensor._version``) with the public API that has none of it: as of torch 2.11 to 2.14 the
+multi-tensor ``_foreach`` ops (``torch.optim``'s own kernels), inductor's config, dynamo's compile counter and
+the functional collectives that dynamo traces have no public spelling. ``test_the_inventory_is_complete``
+parses ``core/ models/ optim/ recipes/ bin/`` and fails on a private use not listed (or a listed one no longer
+used); each other test pins what the code relies on.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCES = ["core", "models", "optim", "recipes", "bin"]
+
+# name -> where it is used (and why no public API serves)
+PRIVATE = {
+    "torch._foreach_add": "optim/foreach.py, core/tree.py: multi-tensor kernels, as torch.optim's foreach path",
+    "torch._foreach_add_": "optim/foreach.py, core/donate.py",
+    "torch._foreach_copy_": "core/donate.py: the donated step's one copy per leaf",
+    "torch._foreach_div": "optim/foreach.py",
+    "torch._foreach_div_": "optim/foreach.py, optim/adamw.py",
+    "torch._foreach_mul": "optim/foreach.py",
+    "torch._foreach_mul_": "optim/foreach.py",
+    "torch._foreach_norm": "core/tree.py: global norms, one kernel per dtype",
+    "torch._foreach_sign_": "optim/lion.py",
+    "torch._foreach_sqrt": "optim/foreach.py",
+    "torch._inductor.config": "core/compile.py (fx_graph_cache), recipes/bench/speed.py (cpp.enable_kernel_profile)",
+    "torch._inductor.list_mode_options": "core/compile.py: a mode's options plus cpp_wrapper",
+    "torch._dynamo.utils.counters": "core/compile.py compile_count(): graphs compiled in this process",
+    "torch.distributed._functional_collectives": "core/distributed.py only: the collectives dynamo traces",
+    "Tensor._version": "core/step.py HostDue, core/tree.py: has a tensor changed in place since it was read",
+}
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+def _private(name: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
+
+
+def _files() -> list[Path]:
+    return [p for d in SOURCES for p in (REPO / d).rglob("*") if p.suffix == ".py" or p.parent.name == "bin"]
+
+
+def private_uses() -> set[str]:
+    """The private torch names the package's source reaches (the longest attribute chains from ``torch``, imports
+    of ``torch`` modules, ``._version`` on anything)."""
+    found = set()
+    for path in _files():
+        tree = ast.parse(path.read_text(), str(path))
+        inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "_version":
+                found.add("Tensor._version")
+            elif isinstance(node, ast.Attribute) and id(node) not in inner:
+                name = _dotted(node)
+                if name and name.startswith("torch.") and _private(name):
+                    found.add(name)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("torch.") and _private(a.name)}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+                found |= {f"{node.module}.{a.name}" for a in node.names if _private(f"{node.module}.{a.name}")}
+    # a chain through a listed private module counts as that module (what is called on it: tests below)
+    modules = [n for n in PRIVATE if not n.startswith(("torch._foreach", "Tensor."))]
+    return {next((m for m in modules if n.startswith(m + ".")), n) for n in found}
+
+
+def test_the_inventory_is_complete():
+    found = private_uses()
+    assert found - set(PRIVATE) == set(), "private torch API used but not checked here: add it to PRIVATE " \
+                                          "with a test, or use a public API"
+    assert set(PRIVATE) - found == set(), "listed here but no longer used: remove it"
+
+
+def _lists(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 5, generator=g) for _ in range(n)], [torch.rand(4, 5, generator=g) + 0.5 for _ in range(n)]
+
+
+def test_foreach_ops_equal_their_per_tensor_forms():
+    xs, ys = _lists()
+    close = torch.testing.assert_close
+    for got, want in [
+        (torch._foreach_norm(xs, 2), [torch.linalg.vector_norm(x) for x in xs]),
+        (torch._foreach_norm(xs, 2, dtype=torch.float64), [torch.linalg.vector_norm(x.double()) for x in xs]),
+        (torch._foreach_add(xs, ys), [x + y for x, y in zip(xs, ys)]),
+        (torch._foreach_add(xs, ys, alpha=-0.5), [x - 0.5 * y for x, y in zip(xs, ys)]),
+        (torch._foreach_div(xs, ys), [x / y for x, y in zip(xs, ys)]),
+        (torch._foreach_div(xs, 3.0), [x / 3.0 for x in xs]),
+        (torch._foreach_mul(xs, ys), [x * y for x, y in zip(xs, ys)]),
+        (torch._foreach_mul(xs, [torch.tensor(2.0)] * 3), [x * 2 for x in xs]),
+        (torch._foreach_sqrt(ys), [y.sqrt() for y in ys]),
+    ]:
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            close(g, w)
+    for op, ref, arg in [(torch._foreach_add_, lambda x, a: x + a, 1.5), (torch._foreach_div_, lambda x, a: x / a, ys),
+                         (torch._foreach_mul_, lambda x, a: x * a, ys),
+                         (torch._foreach_sign_, lambda x, a: x.sign(), None),
+                         (torch._foreach_add_, lambda x, a: x + a, [0.5, 1.0, 2.0])]:
+        fresh = [x.clone() for x in xs]
+        versions = [x._version for x in fresh]
+        op(fresh, *([] if arg is None else [arg]))
+        for i, (f, x) in enumerate(zip(fresh, xs)):
+            a = arg[i] if isinstance(arg, list) else arg
+            close(f, ref(x, a))
+        assert all(f._version > v for f, v in zip(fresh, versions)), op   # in place
+    dst = [torch.zeros(4, 5) for _ in xs]
+    torch._foreach_copy_(dst, xs)
+    for d, x in zip(dst, xs):
+        assert torch.equal(d, x)
+
+
+def test_tensor_version_counts_in_place_writes_only():
+    t = torch.zeros(3)
+    v = t._version
+    _ = t + 1
+    assert t._version == v
+    t.add_(1)
+    assert t._version == v + 1
+    t[0] = 5
+    assert t._version == v + 2
+
+
+def test_inductor_config_and_mode_options():
+    import torch._inductor.config as inductor_config
+    from torch._inductor import list_mode_options
+    for key in ("fx_graph_cache", "cpp_wrapper"):
+        assert hasattr(inductor_config, key), key
+    import torch._functorch.config as functorch_config          # the AOT-autograd cache core.compile relies on
+    assert functorch_config.enable_autograd_cache is True
+    assert hasattr(inductor_config.cpp, "enable_kernel_profile")
+    for mode in ("default", "reduce-overhead", "max-autotune"):
+        assert isinstance(list_mode_options(mode), dict), mode
+    from core.compile import _compile_kwargs
+    assert _compile_kwargs("default", cpp=True) == {"options": {**list_mode_options("default"), "cpp_wrapper": True}}
+
+
+def test_compile_count_reads_dynamos_counter():
+    from core.compile import compile_count
+    before = compile_count()
+    f = torch.compile(lambda x: x * 2 + 1, fullgraph=True, dynamic=False, backend="eager")
+    f(torch.ones(3))
+    f(torch.ones(3))
+    assert compile_count() - before == 1
+    f(torch.ones(4))                                  # a new shape: one more graph
+    assert compile_count() - before == 2
+
+
+def test_functional_collectives_on_one_rank(tmp_path):
+    """``core.distributed``'s four functional collectives (the steps' only collectives) on a 1-rank gloo group in
+    a child process (a process group in this process would outlive the test), eager and compiled. Two ranks
+    and their numbers: ``tests/test_fsdp.py``, ``tests/test_scale.py``."""
+    script = textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        from core.distributed import all_gather, all_reduce_sum, reduce_scatter_sum, wait
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'pg'}", rank=0, world_size=1)
+        group = dist.group.WORLD
+        x = torch.arange(6.0)
+        def all_four(x):
+            return [wait(t) for t in (all_reduce_sum(x, group), all_gather(x, group), reduce_scatter_sum(x, group))]
+        for fn in (all_four, torch.compile(all_four, fullgraph=True, backend="eager")):
+            for got in fn(x):
+                assert torch.equal(got, x), got
+        dist.destroy_process_group()
+        print("ok")
+    """)
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", script], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_functional_collectives_have_one_home():
+    """Only ``core/distributed.py`` imports the functional collectives (the names it reaches on the installed torch
+    are what ``test_functional_collectives_on_one_rank`` runs)."""
+    importers = [str(p.relative_to(REPO)) for p in _files()
+                 if any(isinstance(n, (ast.Import, ast.ImportFrom)) and "_functional_collectives" in ast.dump(n)
+                        for n in ast.walk(ast.parse(p.read_text())))]
+    assert importers == ["core/distributed.py"]
