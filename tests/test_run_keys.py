@@ -35,7 +35,7 @@ class Manager:
     def should_save(self, step: int) -> bool:
         return False
 
-    def save(self, step, tree, extra=None, val_loss=None, final=False) -> Path:
+    def save(self, step, tree, extra=None, val_loss=None, final=False, stopped=False) -> Path:
         self.saved.append(step)
         return Path(f"step_{step}")
 
@@ -109,8 +109,8 @@ def test_two_ranks_save_by_wall_time_together_at_log_steps(corpus, tmp_path):
 # ---------------------------------------------------------------------------------------------- compile_mode
 
 def test_compile_mode_reaches_torch_compile(monkeypatch):
-    """The mode arrives as ``mode=``, or with the C++ wrapper (CPU steps without collectives) as its inductor
-    options plus ``cpp_wrapper``."""
+    """The mode arrives as ``mode=``, or with inductor options (the C++ wrapper on CPU steps without collectives,
+    no loop reordering after fusion on CUDA: ``core.compile.inductor_options``) as the mode's options plus those."""
     from torch._inductor import list_mode_options
     from core import compile as compile_module
     from core.step import make_train_step
@@ -130,7 +130,8 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     def loss(p, b, k):
         return (p["w"] * b).sum(), {}
     cpu = {"options": {**list_mode_options("max-autotune"), "cpp_wrapper": True}}
-    for kwargs, expected in (({}, cpu), ({"device_type": "cuda"}, {"mode": "max-autotune"}),
+    cuda = {"options": {**list_mode_options("max-autotune"), "loop_ordering_after_fusion": False}}
+    for kwargs, expected in (({}, cpu), ({"device_type": "cuda"}, cuda),
                              ({"reduce": lambda ts: ts}, {"mode": "max-autotune"})):   # collectives: Python
         make_train_step(loss, adamw(1e-3), compile=True, compile_scope="step", compile_mode="max-autotune", **kwargs)
         assert seen and all(s == expected for s in seen), kwargs

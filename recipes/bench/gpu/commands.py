@@ -34,7 +34,7 @@ def user_jobs(device: str, tiny: bool, data: str) -> list[Job]:
             Job("distill", train("distill", "recipe=distill", "teacher=standard", *distill_size, f"steps={few}"),
                 ("standard",)),
             Job("export_gguf", bin_run("recipe=export", "init=standard", "format=gguf", "out=export-gguf"),
-                ("standard",)),
+                ("standard",), requires=("gguf",)),
             Job("ddp", torchrun(1, "recipe=standard", "parallel=ddp", f"data={data}", *size, *evals,
                                 f"steps={few}", "dtype=bf16", "out=ddp", dev))]
     if tiny:
@@ -49,7 +49,8 @@ def user_jobs(device: str, tiny: bool, data: str) -> list[Job]:
                                "benchmark.batches=1,4"), ("standard",)),
         Job("compress", bin_run("recipe=compress", "teacher=standard", f"data={data}", "d_compressed=32",
                                 f"steps={few}", "out=compress", dev), ("standard",)),
-        Job("export_hf", bin_run("recipe=export", "init=standard", "format=hf", "out=export-hf"), ("standard",)),
+        Job("export_hf", bin_run("recipe=export", "init=standard", "format=hf", "out=export-hf"), ("standard",),
+            requires=("safetensors",)),
         Job("generate", bin_run("recipe=generate", "init=standard", "prompt=def ", "max_new_tokens=64",
                                 "temperature=0", dev), ("standard",)),
         Job("lr_find", bin_run("recipe=lr_find", f"data={data}", "model.d_model=128", "model.n_layers=2",

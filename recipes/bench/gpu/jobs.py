@@ -6,6 +6,7 @@ and the log's last lines.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -38,6 +39,7 @@ class Job:
     needs: tuple[str, ...] = ()
     section: str = "recipes"
     ok_codes: tuple[int, ...] = (0,)   # the exit codes that count as success
+    requires: tuple[str, ...] = ()     # importable modules it needs (an optional extra's), else it is skipped
     proc: subprocess.Popen | None = None
     started: float = 0.0
     result: dict = field(default_factory=dict)
@@ -61,7 +63,12 @@ def run_jobs(report: Report, jobs: list[Job], folder: Path, deadline: float, par
     while pending or running:
         for job in list(pending):
             failed = [n for n in job.needs if n not in names or (n in done and done[n].result.get("ok") is not True)]
-            if failed:
+            absent = [m for m in job.requires if importlib.util.find_spec(m) is None]
+            if absent:
+                pending.remove(job)
+                done[job.name] = _finish(report, job, ok=None, reason=f"needs {', '.join(absent)} (an optional "
+                                                                     f"extra: pip install purestep[hf])")
+            elif failed:
                 pending.remove(job)
                 done[job.name] = _finish(report, job, ok=None, reason=f"needs {', '.join(failed)}")
             elif all(n in done for n in job.needs) and len(running) < parallel and time.monotonic() < deadline:

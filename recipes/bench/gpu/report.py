@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from core.cache import write_file
 from core.logging import progress
 
 
@@ -87,9 +88,7 @@ class Skip(Exception):
 
 
 def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_file(path, lambda f: f.write(text), binary=False)
 
 
 def markdown(data: dict) -> str:
