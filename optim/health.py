@@ -186,7 +186,8 @@ class GradientHealth:
                 d = d.to(wide(w.dtype)) - w.to(wide(w.dtype))
             nonfinite = (~torch.isfinite(slices(g, s))).sum(-1, dtype=torch.float32)
             norms = [slice_norms(x, s).float() for x in (g, w, d)]
-            raw.append(torch.stack([nonfinite] + norms, dim=-1).reshape(-1, 4))
+            # every column [rows]: a sharded 0-d leaf (a [1] shard) gave torch 2.11's stack one 0-d and three [1]
+            raw.append(torch.stack([c.reshape(-1) for c in [nonfinite] + norms], dim=-1))
         return torch.cat(raw)
 
     def _not_computed(self, g_leaves: list, *_) -> torch.Tensor:
