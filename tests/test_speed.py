@@ -50,7 +50,7 @@ def test_without_names_a_subset_of_the_defaults(tmp_path, monkeypatch):
     assert set(speed.run(cfg)["rows"]) == {"standard", "plain", "standard, no non-finite skip"}
 
 
-def test_auto_compile_scope_is_the_one_graph_up_to_four_layers():
+def test_auto_compile_scope_is_the_one_graph_on_cuda_and_up_to_four_layers():
     def params(layers):
         return {"embed": torch.zeros(3, 2), "layers": {"wq": torch.zeros(layers, 2, 2)}}
 
@@ -60,6 +60,8 @@ def test_auto_compile_scope_is_the_one_graph_up_to_four_layers():
     assert backend.compile_scope(auto, params(backend.AUTO_STEP_LAYERS + 1)) == "block"
     assert backend.compile_scope(TrainConfig(compile_scope="block"), params(1)) == "block"
     assert backend.compile_scope(TrainConfig(compile_scope="step"), params(30)) == "step"
+    assert backend.auto_scope(30, "cuda") == "step" and backend.auto_scope(30, "cpu") == "block"
+    assert backend.auto_scope(30, "cuda", sharded=True) == "block"
 
 
 def test_step_without_skip_writes_a_non_finite_update():

@@ -5,8 +5,8 @@
 CUDA it is ignored with a warning (nothing else runs TF32; the run's numbers are full fp32), so one config
 file serves a GPU box and a laptop. A compiled fp32 run on CUDA leaves SDPA's memory-efficient kernel out
 (:func:`efficient_attention`). ``compile_scope=auto`` (the default) compiles the whole
-step as one graph (``core.step``: forward, backward and update fused, fewest kernels) for models of at most
-``AUTO_STEP_LAYERS`` layers, and one block graph shared by every layer beyond (compile time flat in depth): at
+step as one graph (``core.step``: forward, backward and update fused, fewest kernels) on CUDA and for models of at
+most ``AUTO_STEP_LAYERS`` layers, and one block graph shared by every layer beyond (compile time flat in depth): at
 nanoGPT's 4-layer shakespeare-char shape the block graphs ran at 0.47x the plain loop's tokens/s and the one
 graph at 0.85x (``recipe=bench.speed``, README), while at 12 layers the unrolled graph took 52 s to compile against
 22 s (``recipe=bench.step``). ``compile_mode`` is ``torch.compile``'s ``mode`` (through
@@ -30,13 +30,25 @@ AUTO_STEP_LAYERS = 4
 
 
 def compile_scope(cfg, params) -> str:
-    """The ``compile_scope`` of ``core.step`` for ``cfg.compile_scope`` (``auto``: by the depth of ``params``, the
-    leading axis of its ``layers.*`` leaves)."""
+    """The ``compile_scope`` of ``core.step`` for ``cfg.compile_scope`` (``auto``: :func:`auto_scope` by the depth
+    of ``params``, the leading axis of its ``layers.*`` leaves, and the device they live on)."""
     if cfg.compile_scope != "auto":
         return cfg.compile_scope
-    depth = max((leaf.shape[0] for name, leaf in named_leaves(params)
-                 if name.split(".")[0] == "layers" and leaf.ndim >= 1), default=0)
-    return "step" if depth <= AUTO_STEP_LAYERS else "block"
+    leaves = named_leaves(params)
+    depth = max((leaf.shape[0] for name, leaf in leaves if name.split(".")[0] == "layers" and leaf.ndim >= 1),
+                default=0)
+    return auto_scope(depth, next((leaf.device.type for _, leaf in leaves), "cpu"),
+                      sharded=getattr(cfg, "parallel", None) == "fsdp")
+
+
+def auto_scope(depth: int, device_type: str, sharded: bool = False) -> str:
+    """``compile_scope=auto``: one graph up to ``AUTO_STEP_LAYERS`` layers, and beyond that on CUDA unless the params
+    are sharded; else the block graph. ``torch.compile(module)`` unrolls every layer too, and on an H100 the block
+    graphs with autograd between them ran at 0.715x the plain compiled loop's tokens/s at 124M and 0.874x at 1B
+    (docs/gpu.md); on a CPU the unrolled graph's compile time dominates short runs (52 s against 22 s at 12 layers),
+    and sharded params are gathered one block at a time only when the blocks run apart (``core.step.per_block``)."""
+    one_graph = depth <= AUTO_STEP_LAYERS or (device_type == "cuda" and not sharded)
+    return "step" if one_graph else "block"
 
 
 def compile_mode(cfg, device: torch.device) -> str:

@@ -76,7 +76,7 @@ class TrainConfig:
     compile: bool = option(True, "compile the train and eval steps with torch.compile")
     compile_scope: str = option("auto", "what one compiled graph covers: the whole step, or the model's block, "
                                 "compiled once for every layer (compile time flat in depth); auto: step up to 4 "
-                                "layers, block beyond", choices=SCOPES)
+                                "layers and on CUDA unless parallel=fsdp, block beyond", choices=SCOPES)
     compile_mode: str = option("default", "torch.compile mode (reduce-overhead: CUDA graphs, ignored with a warning "
                                "off CUDA; max-autotune: kernel autotuning)", choices=COMPILE_MODES)
     tf32: bool = option(False, "TensorFloat-32 CUDA matmuls and cuDNN (Ampere+); ignored with a warning off CUDA")

@@ -55,9 +55,12 @@ class Config:
     compile: bool = option(True, "compile (the users' default); false: eager, for a quick look")
     speed_shapes: tuple[str, ...] = option(("124m", "1b"), f"speed shapes, among {', '.join(SHAPES)}")
     speed_variants: tuple[str, ...] = option(("functional", "plain"), "what the speed section times: functional (the "
-                                             "recipes' compile scope), plain, functional_step (one graph at any depth)")
+                                             "recipes' compile scope), plain, functional_step (one graph at any depth), "
+                                             "functional_block (one block graph for every layer)")
     speed_steps: int = option(10, "timed steps per speed variant", min=1)
     speed_warmup: int = option(3, "untimed steps per speed variant (the first compiles)", min=1)
+    speed_profile: bool = option(False, "profile two more steps per speed variant: device busy time against wall "
+                                        "time and the top kernels, in profile-<shape>-<variant>.txt")
     warm_compile: bool = option(True, "compile the speed shapes in a child process during phase 1 (full scale)")
     teacher: str = option("smollm2", "the upcycle section's teacher (smollm2, or its .gguf / a folder)")
     upcycle_data: str = option("stdlib-top", "the upcycle's text (stdlib-top: this Python's top-level stdlib "
@@ -96,7 +99,7 @@ def run(cfg: Config) -> dict:
     if "speed" in cfg.sections:
         shapes = ("tiny",) if tiny else cfg.speed_shapes
         run_speed(report, device, shapes, cfg.compile and not tiny, cfg.speed_warmup, cfg.speed_steps, gate=not tiny,
-                  variants=cfg.speed_variants)
+                  variants=cfg.speed_variants, profile=cfg.speed_profile)
     summary = report.summary()
     progress(f"bench.gpu: {summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped in "
              f"{summary['seconds']} s; {folder / 'report.md'}")

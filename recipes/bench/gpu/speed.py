@@ -3,8 +3,8 @@ the same batch, in one process, and the card's bf16 matmul peak measured in the 
 
 - ``functional``: ``core.step.make_train_step`` over ``llama.loss`` with ``optim.chain(clip_by_global_norm(1.0),
   adamw(weight_decay=0.1))``, bf16 autocast over fp32 master weights, compiled with the recipes' ``compile_scope``
-  rule (one graph up to 4 layers, one block graph beyond: ``recipes.train.backend``), the state donated, as
-  ``bin/run`` runs it.
+  rule (``recipes.train.backend.auto_scope``: one graph on CUDA; on a CPU one block graph beyond 4 layers), the
+  state donated, as ``bin/run`` runs it.
 - ``plain``: ``models.llama_module.LlamaModule`` (the same weights) under ``torch.compile(module)``, bf16 autocast,
   ``loss.backward()``, ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW(fused=True, weight_decay=0.1)``: nanoGPT's loop.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from core.tree import size
 from models import llama
 from models.llama_module import LlamaModule, load_params
 from recipes.bench.gpu.report import Report
-from recipes.train.backend import AUTO_STEP_LAYERS
+from recipes.train.backend import auto_scope
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def _batch(cfg: llama.LlamaConfig, shape: Shape, device: torch.device) -> dict:
 
 def _functional(cfg, params, batch, device, compile, scope=None):
     opt = optim.chain(optim.clip_by_global_norm(CLIP), optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY))
-    scope = scope or ("step" if cfg.n_layers <= AUTO_STEP_LAYERS else "block")
+    scope = scope or auto_scope(cfg.n_layers, device.type)
     precision = "bf16" if device.type == "cuda" else "fp32"
     step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, precision=precision, device_type=device.type,
                            compile=compile, donate=True, compile_scope=scope)
@@ -108,12 +109,15 @@ def _plain(cfg, params, batch, device, compile):
     return run, "torch.compile(LlamaModule) + AdamW(fused=True)"
 
 
-VARIANTS = {"functional": _functional, "plain": _plain,
-            "functional_step": lambda *args: _functional(*args, scope="step")}   # one graph at any depth
+VARIANTS = {"functional": _functional, "plain": _plain,     # functional: the recipes' compile_scope=auto
+            "functional_step": lambda *args: _functional(*args, scope="step"),     # one graph at any depth
+            "functional_block": lambda *args: _functional(*args, scope="block")}   # one block graph for every layer
 
 
-def measure(name: str, shape: Shape, device: torch.device, compile: bool, warmup: int, steps: int) -> dict:
-    """One variant alone: first step (compile), ``warmup - 1`` more, then ``steps`` timed; peak over those."""
+def measure(name: str, shape: Shape, device: torch.device, compile: bool, warmup: int, steps: int,
+            profile_to: Path | None = None) -> dict:
+    """One variant alone: first step (compile), ``warmup - 1`` more, then ``steps`` timed; peak over those. With
+    ``profile_to`` two more steps run under ``torch.profiler`` (:func:`profile_steps`)."""
     cfg = llama.LlamaConfig(**shape.model)
     params = llama.init(cfg, seed=0, device=device)
     n_params = size(params)
@@ -138,7 +142,46 @@ def measure(name: str, shape: Shape, device: torch.device, compile: bool, warmup
     return {"variant": name, "how": how, "params": n_params, "first_step_s": round(first_s, 1),
             "ms_per_step": seconds * 1e3, "tokens_per_s": tokens / seconds, "peak_mib": peak,
             "loss_first": first, "loss_last": last,
-            "flops_per_token": flops_per_token(n_params, cfg.n_layers, shape.block, cfg.d_model)}
+            "flops_per_token": flops_per_token(n_params, cfg.n_layers, shape.block, cfg.d_model),
+            **(_profiled(step, device, profile_to) if profile_to else {})}
+
+
+def _profiled(step, device: torch.device, path: Path) -> dict:
+    """:func:`profile_steps`, its failure reported beside the timing instead of failing it (the profiler needs
+    CUPTI on CUDA)."""
+    try:
+        return profile_steps(step, device, path)
+    except Exception as e:   # noqa: BLE001 - the timing above stands without the profile
+        return {"profile_error": f"{type(e).__name__}: {e}"}
+
+
+def profile_steps(step, device: torch.device, path: Path, steps: int = 2, top: int = 25) -> dict:
+    """``steps`` more steps under ``torch.profiler``: the device's busy time per step beside the wall time (a step
+    whose kernels keep the device busy for less than its wall time waits on the host: launches, guards, Python),
+    the kernel count, and the ``top`` operators and kernels by self device time, written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(device)
+        wall = (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    self_device = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    kernels = [e for e in events if self_device(e) > 0 and getattr(e, "device_type", None) is not None
+               and "cuda" in str(e.device_type).lower()]
+    busy = sum(self_device(e) for e in kernels) / steps / 1e3
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = events.table(sort_by=sort, row_limit=top, max_name_column_width=90)
+    path.write_text(f"wall {wall * 1e3:.1f} ms/step, device busy {busy:.1f} ms/step, "
+                    f"{sum(e.count for e in kernels) // steps} kernels/step\n\n{table}\n")
+    heaviest = sorted(kernels, key=self_device, reverse=True)[:8]
+    return {"profile": {"wall_ms": wall * 1e3, "device_busy_ms": busy, "kernels_per_step":
+                        sum(e.count for e in kernels) // steps, "file": path.name,
+                        "top": [(e.key[:80], round(self_device(e) / steps / 1e3, 2), e.count // steps)
+                                for e in heaviest]}}
 
 
 def _free(device: torch.device) -> None:
@@ -149,9 +192,11 @@ def _free(device: torch.device) -> None:
 
 
 def run_speed(report: Report, device: torch.device, shapes: tuple[str, ...], compile: bool, warmup: int,
-              steps: int, gate: bool = True, variants: tuple[str, ...] = ("functional", "plain")) -> None:
+              steps: int, gate: bool = True, variants: tuple[str, ...] = ("functional", "plain"),
+              profile: bool = False) -> None:
     """The matmul peak, then per shape both variants (functional first) and their ratios; with ``gate`` a ratio
-    item fails when the functional step is slower or peaks higher than plain."""
+    item fails when the functional step is slower or peaks higher than plain; with ``profile`` each variant's
+    profile (:func:`profile_steps`) is written beside the report."""
     enable_caches()
     peak = None
     with report.item("speed", "matmul_peak") as item:
@@ -164,13 +209,16 @@ def run_speed(report: Report, device: torch.device, shapes: tuple[str, ...], com
         for name in variants:
             _free(device)
             with report.item("speed", f"{shape_name}/{name}") as item:
-                rows[name] = measure(name, shape, device, compile, warmup, steps)
+                rows[name] = measure(name, shape, device, compile, warmup, steps,
+                                     report.folder / f"profile-{shape_name}-{name}.txt" if profile else None)
                 r = rows[name]
                 if peak:
                     r["mfu"] = r["tokens_per_s"] * r["flops_per_token"] / peak
                 item.update(r, summary=f"{r['tokens_per_s']:,.0f} tokens/s, {r['ms_per_step']:.1f} ms/step"
                             + (f", peak {r['peak_mib']:,.0f} MiB" if r["peak_mib"] else "")
-                            + (f", MFU {r['mfu']:.1%}" if "mfu" in r else ""))
+                            + (f", MFU {r['mfu']:.1%}" if "mfu" in r else "")
+                            + (f"; profiled: device busy {r['profile']['device_busy_ms']:.1f} of "
+                               f"{r['profile']['wall_ms']:.1f} ms" if "profile" in r else ""))
         _free(device)
         if {"functional", "plain"} <= set(rows):
             with report.item("speed", f"{shape_name}/ratio") as item:
