@@ -56,7 +56,8 @@ class Config:
     speed_shapes: tuple[str, ...] = option(("124m", "1b"), f"speed shapes, among {', '.join(SHAPES)}")
     speed_variants: tuple[str, ...] = option(("functional", "plain"), "what the speed section times: functional (the "
                                              "recipes' compile scope), plain, functional_step (one graph at any depth), "
-                                             "functional_block (one block graph for every layer)")
+                                             "functional_block (one block graph for every layer), plain_loss (plain with the "
+                                             "cross entropy compiled too, as nanoGPT's forward returns the loss)")
     speed_steps: int = option(10, "timed steps per speed variant", min=1)
     speed_warmup: int = option(3, "untimed steps per speed variant (the first compiles)", min=1)
     speed_profile: bool = option(False, "profile two more steps per speed variant: device busy time against wall "

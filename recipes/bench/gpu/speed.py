@@ -6,7 +6,9 @@ the same batch, in one process, and the card's bf16 matmul peak measured in the 
   rule (``recipes.train.backend.auto_scope``: one graph on CUDA; on a CPU one block graph beyond 4 layers), the
   state donated, as ``bin/run`` runs it.
 - ``plain``: ``models.llama_module.LlamaModule`` (the same weights) under ``torch.compile(module)``, bf16 autocast,
-  ``loss.backward()``, ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW(fused=True, weight_decay=0.1)``: nanoGPT's loop.
+  ``loss.backward()``, ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW(fused=True, weight_decay=0.1)``: nanoGPT's loop,
+  the cross entropy taken eagerly on the compiled module's logits. ``plain_loss`` compiles it with the module, as
+  nanoGPT's ``GPT.forward`` returns the loss (the fairer baseline where the vocabulary is large).
 
 Each variant is built alone (the other freed), runs ``warmup`` untimed steps (the first compiles), then ``steps``
 timed steps; peak memory is ``max_memory_allocated`` over the timed steps (state, gradients, activations: what the
@@ -91,27 +93,40 @@ def _functional(cfg, params, batch, device, compile, scope=None):
     return run, f"make_train_step, compile_scope={scope}, donated"
 
 
-def _plain(cfg, params, batch, device, compile):
+def _plain(cfg, params, batch, device, compile, loss_inside: bool = False):
+    """nanoGPT's loop; ``loss_inside``: the cross entropy compiled with the module (nanoGPT's ``GPT.forward`` returns
+    the loss), else computed eagerly on the compiled module's logits."""
     module = load_params(LlamaModule(cfg).to(device), params)
-    forward = torch.compile(module) if compile else module
+    if loss_inside:
+        def model_loss(x, y):
+            return F.cross_entropy(module(x).flatten(0, 1).float(), y.flatten())
+        forward = torch.compile(model_loss) if compile else model_loss
+    else:
+        forward = torch.compile(module) if compile else module
     opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=device.type == "cuda")
     half = device.type == "cuda"
 
     def run():
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
-            logits = forward(batch["x"])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten())
+            if loss_inside:
+                loss = forward(batch["x"], batch["y"])
+            else:
+                logits = forward(batch["x"])
+        if not loss_inside:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP, foreach=True)
         opt.step()
         return loss.detach()
-    return run, "torch.compile(LlamaModule) + AdamW(fused=True)"
+    return run, ("torch.compile(LlamaModule + cross entropy)" if loss_inside else "torch.compile(LlamaModule)") + \
+        " + AdamW(fused=True)"
 
 
 VARIANTS = {"functional": _functional, "plain": _plain,     # functional: the recipes' compile_scope=auto
             "functional_step": lambda *args: _functional(*args, scope="step"),     # one graph at any depth
-            "functional_block": lambda *args: _functional(*args, scope="block")}   # one block graph for every layer
+            "functional_block": lambda *args: _functional(*args, scope="block"),   # one block graph for every layer
+            "plain_loss": lambda *args: _plain(*args, loss_inside=True)}           # the loss compiled too
 
 
 def measure(name: str, shape: Shape, device: torch.device, compile: bool, warmup: int, steps: int,
@@ -237,7 +252,7 @@ def _ratio(rows: dict, shape_name: str, shape: Shape, gate: bool) -> dict:
     speed = f["tokens_per_s"] / p["tokens_per_s"]
     memory = f["peak_mib"] / p["peak_mib"] if f["peak_mib"] and p["peak_mib"] else None
     others = {name: r["tokens_per_s"] / p["tokens_per_s"] for name, r in rows.items()
-              if name not in ("functional", "plain")}
+              if name not in ("functional", "plain")}   # each over plain
     out = {"tokens_per_s_ratio": speed, "peak_memory_ratio": memory, "other_ratios": others,
            "summary": f"functional / plain: {speed:.3f}x tokens/s" +
                       (f", {memory:.3f}x peak memory" if memory else "") +
