@@ -19,7 +19,7 @@ A recipe module (imported only when chosen) exposes:
 - ``GRID``: optional, True when the recipe trains into ``out=`` and leaves ``final.msgpack`` there, so
   ``seed=1,2`` and ``grid.KEY=A,B`` may repeat it per cell (``core.grid``).
 
-Exit codes (their table is ``core.exits.CODES``, which the README shows): 0 done; 2 a user error
+Exit codes (their table is ``core.exits.CODES``, which docs/configuration.md shows): 0 done; 2 a user error
 (``core.config.UserError`` and its subclasses, among them ``core.tokenizers.DataError`` and
 ``core.checkpoint.CheckpointError``, ``FileNotFoundError``, and the OS errors of a path that cannot be written,
 ``PATH_ERRORS``: no permission, no space, a read-only disk, a file in the way), reported as one ``error:`` line on

@@ -37,7 +37,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
     """Whether a graph on ``device_type`` runs through inductor's C++ wrapper (``cpp_wrapper``: the generated code
     that allocates buffers and calls the kernels is C++, not Python), taking the interpreter off the path between
-    kernels (its self time in ``recipe=bench.speed``'s profile: 3.3 ms a step, then 2.4; README).
+    kernels (its self time in ``recipe=bench.speed``'s profile: 3.3 ms a step, then 2.4; docs/benchmarks.md).
     On the CPU, for graphs without ``collectives``: in torch 2.13 the C++ wrapper does not take the functional
     collectives' ops ("arg type Any is not yet supported by custom_op_wrapper"). On CUDA the Python wrapper stays
     (CUDA graphs, ``compile_mode=reduce-overhead``, remove the launch overhead there)."""
@@ -48,7 +48,7 @@ def inductor_options(device_type: str, cpp: bool = False) -> dict:
     """Inductor settings a graph on ``device_type`` compiles with (beyond its mode's): the C++ wrapper with ``cpp``
     (:func:`cpp_wrapper`); on CUDA no loop reordering after fusion, whose scheduler fails an assertion on the one-graph
     train step (torch 2.11, H100: ``reorder_loops_by_dep_pair`` met a fused node inside a fused node; bench.gpu's
-    report, README "Running on a GPU")."""
+    report, docs/gpu.md)."""
     options = {"cpp_wrapper": True} if cpp else {}
     if device_type == "cuda":
         options["loop_ordering_after_fusion"] = False

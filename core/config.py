@@ -18,8 +18,8 @@ against dataclass annotations instead of globals:
   matches for a misspelt key (difflib) and the valid choices.
 - ``resolve`` layers the sources: defaults < preset < config file (with its target) < command line.
 
-Reading a TOML config file is ``core.config_files``; the ``--help`` and README key tables are
-``core.config_help``.
+Reading a TOML config file is ``core.config_files``; the ``--help`` text and the key tables of
+docs/configuration.md are ``core.config_help``.
 
 ``UserError`` lives here too: the class of errors that are the user's to fix (bad config, missing file,
 bad data). ``bin/run`` prints them as one ``error:`` line and exits 2; anything else is a bug and keeps
@@ -65,7 +65,7 @@ def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | 
     The range of a number (of each number of a tuple or list): ``min``/``max`` are closed bounds
     (``min=1``: at least 1), ``above``/``below`` open ones (``above=0``: more than 0; ``min=0, below=1``:
     [0, 1)). A value outside it is a ConfigError when the config is resolved; ``None`` is always allowed
-    for an optional field. ``--help`` and the README key table show the range next to the type.
+    for an optional field. ``--help`` and docs/configuration.md's key table show the range next to the type.
 
     Mutable defaults are turned into a ``default_factory``: a dataclass *class* is its own factory
     (``option(LlamaConfig, "model shape")``, which lets ``__post_init__`` see the overridden values), a

@@ -1,5 +1,6 @@
 """The valid range of a numeric config option (``core.config.option``'s ``min``/``max``/``above``/``below``):
-each bound closed or open or absent, written as ``>= 1``, ``> 0`` or ``in [0, 1)`` in ``--help`` and the README.
+each bound closed or open or absent, written as ``>= 1``, ``> 0`` or ``in [0, 1)`` in ``--help`` and
+docs/configuration.md.
 Every range is finite: ``not_finite`` finds the inf or NaN that no key takes (in a number, a list or a dict)."""
 from __future__ import annotations
 

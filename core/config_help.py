@@ -1,5 +1,5 @@
 """Config help: the key table (key, type and valid range, default, meaning) of a config class, as ``--help``
-text and as the README's Markdown tables (which ``tests/test_readme.py`` checks against it)."""
+text and as the Markdown key tables of docs/configuration.md (which ``tests/test_readme.py`` checks against it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,7 +59,7 @@ def format_help(cfg_cls_or_instance, presets: Mapping[str, Mapping] | None = Non
 
 
 def markdown_table(cls) -> str:
-    """The key table of a config class as Markdown (the README's tables are checked against this)."""
+    """The key table of a config class as Markdown (docs/configuration.md's tables are checked against this)."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for key, tp, default, help_ in describe(cls):
         tp = tp.replace("|", " \\| ")  # a choice list like auto|cpu must not split the Markdown cell

@@ -1,7 +1,7 @@
 """The exit codes of ``bin/run``, in one table, and the two outcomes that are neither success nor bad input.
 
-``core.cli.main`` maps every way a command ends to one of ``CODES``; the README's exit-code table is generated
-from it (``tests/test_exits.py`` compares them). Bad input is ``core.config.UserError`` (exit 2). The two
+``core.cli.main`` maps every way a command ends to one of ``CODES``; the exit-code table of docs/configuration.md is
+generated from it (``tests/test_exits.py`` compares them). Bad input is ``core.config.UserError`` (exit 2). The two
 classes here are for runs that did their work but must not count as done:
 
 - :class:`GateFailed`: a finished run whose results miss a quality gate the user set (upcycle's
@@ -61,6 +61,6 @@ class RunStopped(Exception):
 
 
 def markdown_table() -> str:
-    """The README's exit-code table."""
+    """The exit-code table of docs/configuration.md (``tests/test_exits.py`` compares them)."""
     rows = "\n".join(f"| {code} | {meaning} |" for code, meaning in CODES.items())
     return f"| exit code | meaning |\n|---|---|\n{rows}"

@@ -101,8 +101,8 @@ class DBAConfig(LlamaConfig):
 def dims_for_reduction(head_dim: int, kv_reduction: float = 2.0) -> tuple[int, int, int]:
     """``(sem_dim, geo_dim, v_dim)`` whose cache is ``kv_reduction`` times smaller than a teacher head's
     ``2 * head_dim`` (floored to whole values): half of the budget for values, half for keys, and the keys all
-    RoPE (geo_dim even, at most head_dim; an odd or overflowing rest goes to the no-RoPE sem_dim). The README's
-    comparison on SmolLM2 (head_dim 64, 2x) found more rotary pairs better than more semantic rank (0/32/32
+    RoPE (geo_dim even, at most head_dim; an odd or overflowing rest goes to the no-RoPE sem_dim). The comparison
+    on SmolLM2 in docs/upcycle.md (head_dim 64, 2x) found more rotary pairs better than more semantic rank (0/32/32
     beat 8/24/32, 4/20/40 and 16/16/32 after surgery)."""
     if kv_reduction < 1:
         raise ValueError(f"kv_reduction={kv_reduction} must be >= 1")

@@ -1,6 +1,6 @@
 """``recipe=bench.llamacpp`` without llama.cpp: its one skip line, its checks of the keys, and the numbers it
 reports computed on hand-made logits (the benchmark itself needs ``llama_cpp``, which purestep does not depend on,
-and is run by hand: README, "Exporting")."""
+and is run by hand: docs/export.md, "Measured in llama.cpp")."""
 import math
 import sys
 

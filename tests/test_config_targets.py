@@ -122,13 +122,12 @@ def test_target_is_reserved_and_may_not_nest_file_tables(tmp_path):
         load_toml(write(tmp_path, "steps = 1\n", "plain.toml"), target="quick")
 
 
-def test_the_readme_study_resolves_to_the_values_it_documents(tmp_path):
+def test_the_documented_study_resolves_to_the_values_it_documents(tmp_path):
     import re
-    from pathlib import Path
+    import documentation
     from core.config import resolve
     from recipes import standard
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = re.search(r"<!-- study-example:start -->\n```toml\n(.*?)```", readme, re.S).group(1)
+    block = re.search(r"```toml\n(.*?)```", documentation.block("study-example")[1], re.S).group(1)
     path = write(tmp_path, block)
 
     def study(target):

@@ -3,9 +3,10 @@
 Every test runs ``bin/run`` in a child process, the way the README shows it (``torchrun --standalone
 --nproc_per_node=2``, gloo on the CPU, for data parallel and sharded runs), with the recipe's defaults:
 ``compile=true`` wherever that is the default (standard, distill), the one-graph step, gradient health, the
-spike monitor. Only sizes are cut, by key overrides (a later ``key=value`` wins). Commands the README shows are
-read from the README itself by their first words (``readme``), so a README command that stops working fails
-here; ``tests/test_readme.py`` checks that every command block of the README is run by a test or says why not.
+spike monitor. Only sizes are cut, by key overrides (a later ``key=value`` wins). Commands the README and its
+docs/ pages show are read from those pages by their first words (``readme``), so a documented command that stops
+working fails here; ``tests/test_readme.py`` checks that every command block of them is run by a test or says why
+not.
 
 Cost. The children share one inductor cache (``$TORCHINDUCTOR_CACHE_DIR`` as set, else inductor's own folder
 for this user) and one token cache, and one char teacher, trained by the README's standard command, serves
@@ -31,9 +32,11 @@ from pathlib import Path
 
 import pytest
 
+import documentation
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "bin" / "run"
-README = (REPO / "README.md").read_text()
+README = documentation.text()       # README.md, then docs/*.md
 TIMEOUT = 1200
 CORES = max(1, min(os.cpu_count() or 1, 4))
 
@@ -72,11 +75,11 @@ README_RUNS = {
 
 
 def readme(first_words: str) -> list[str]:
-    """The README command line that starts with ``first_words``: its arguments after ``bin/run`` (the comment
-    dropped, continuation lines joined)."""
+    """The first command line of README.md and docs/*.md that starts with ``first_words``: its arguments after
+    ``bin/run`` (the comment dropped, continuation lines joined)."""
     text = README.replace("\\\n", " ")
     lines = [line.strip() for line in text.splitlines() if line.strip().startswith(first_words)]
-    assert lines, f"the README has no command starting with {first_words!r}"
+    assert lines, f"README.md and docs/*.md have no command starting with {first_words!r}"
     words = shlex.split(lines[0], comments=True)
     return words[words.index("bin/run") + 1:]
 

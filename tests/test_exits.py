@@ -1,6 +1,7 @@
-"""Exit codes (``core.exits``): the README's table is the code's, and a run that stops without finishing (too many
-rollbacks, a non-finite validation loss) exits 4 with its last state as ``stopped.msgpack``, never ``final``; a
-rerun on its folder says so instead of repeating it, and a grid marks the cell failed and goes on."""
+"""Exit codes (``core.exits``): the table of docs/configuration.md is the code's, and a run that stops without
+finishing (too many rollbacks, a non-finite validation loss) exits 4 with its last state as ``stopped.msgpack``,
+never ``final``; a rerun on its folder says so instead of repeating it, and a grid marks the cell failed and goes
+on."""
 from __future__ import annotations
 
 import csv
@@ -33,11 +34,11 @@ def last_line(err: str) -> str:
     return err.strip().splitlines()[-1]
 
 
-def test_the_readme_exit_code_table_is_the_codes():
-    readme = (ROOT / "README.md").read_text()
-    table = re.search(r"<!-- exit-codes:start -->\n(.*?)<!-- exit-codes:end -->", readme, re.S)
-    assert table, "README has no exit-codes block"
-    assert table.group(1).strip() == exits.markdown_table(), f"replace the README's table with:\n{exits.markdown_table()}"
+def test_the_documented_exit_code_table_is_the_codes():
+    import documentation
+    page, table = documentation.block("exit-codes")
+    assert table.strip() == exits.markdown_table(), \
+        f"replace the table in {page.relative_to(ROOT)} with:\n{exits.markdown_table()}"
     assert (exits.DONE, exits.BAD_INPUT, exits.GATE, exits.STOPPED) == (0, 2, 3, 4)
 
 

@@ -118,7 +118,7 @@ def test_dba_student_to_gguf_is_refused_with_the_reason(student, tmp_path, capsy
 
 
 def test_bench_export_fine_tunes_exports_and_measures(byte_run, corpus, tmp_path):
-    """``bench.export`` (the README's SmolLM2 figures) on a tiny byte-level run: the fp32 exports keep the NLL,
+    """``bench.export`` (docs/export.md's SmolLM2 figures) on a tiny byte-level run: the fp32 exports keep the NLL,
     q8_0 moves it a little."""
     from recipes.bench.export import Config as Bench, run as bench
     rows = bench(Bench(init=str(byte_run), data=str(corpus), steps=1, block_size=32, gguf_dtypes=("fp32", "q8_0"),

@@ -1,5 +1,7 @@
-"""The README stays true: its research script runs as written, its key tables match the code, and every command
-in its shell blocks is run by a test (scaled down by key overrides) or listed here with the reason it cannot be."""
+"""The README and its docs/ pages stay true: the README is a guide of at most 300 lines whose links resolve and reach
+every docs/ page, its research script runs as written, the key tables (docs/configuration.md) match the code, and
+every command in the shell blocks of any page, and in the README's recipe table, is run by a test (scaled down by
+key overrides) or listed here with the reason it cannot be."""
 import os
 import re
 import subprocess
@@ -8,21 +10,18 @@ from pathlib import Path
 
 import pytest
 
+import documentation
 from core.config_help import markdown_table
 from recipes import RECIPES
 
-REPO = Path(__file__).resolve().parent.parent
-README = (REPO / "README.md").read_text()
-
-
-def block(name: str) -> str:
-    match = re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", README, re.S)
-    assert match, f"README has no {name} block"
-    return match.group(1)
+REPO = documentation.REPO
+README = documentation.README.read_text()
 
 
 def test_research_script_runs_verbatim(tmp_path):
-    script = re.search(r"```python\n(.*?)```", block("research-script"), re.S).group(1)
+    page, text = documentation.block("research-script")
+    assert page == documentation.README, "the research script belongs in the README"
+    script = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     assert len(script.strip().splitlines()) <= 40
     env = {**os.environ, "PURESTEP_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -37,19 +36,34 @@ def test_research_script_runs_verbatim(tmp_path):
 def test_key_table_matches_the_code(recipe):
     import importlib
     expected = markdown_table(importlib.import_module(RECIPES[recipe]).Config)
-    assert block(f"keys:{recipe}").strip() == expected.strip(), \
-        f"README key table for {recipe} is stale; replace it with:\n{expected}"
+    page, table = documentation.block(f"keys:{recipe}")
+    assert table.strip() == expected.strip(), \
+        f"the key table for {recipe} in {page.relative_to(REPO)} is stale; replace it with:\n{expected}"
+
+
+def recipes_table() -> str:
+    return README.split("\n## Recipes", 1)[1].split("\n## ", 1)[0]
 
 
 def test_every_recipe_is_in_the_recipes_table():
-
-    table = README.split("## Recipes", 1)[1].split("\n## ", 1)[0]
-    assert [name for name in RECIPES if f"| `{name}` |" not in table] == []
+    assert [name for name in RECIPES if f"| `{name}` |" not in recipes_table()] == []
 
 
-# Every command of the README's shell blocks (``bash`` blocks, and ``$ `` lines of transcripts), by its first
-# words: the test that runs it at test size, or why none does. Commands run by tests/test_default_paths.py are
-# its README_RUNS (read from the README there, so a broken command fails that test).
+def test_each_recipe_has_one_documented_command_in_the_table():
+    """The recipe table's command of each recipe is a command of a shell block on some page, so the check of
+    those commands below covers it too."""
+    documented = readme_commands(documentation.text())
+    rows = {row.split("`")[1]: row for row in recipes_table().splitlines() if row.startswith("| `")}
+    assert set(rows) == set(RECIPES)
+    for name, row in rows.items():
+        commands = [c for c in re.findall(r"`([^`]*bin/run [^`]*)`", row)]
+        assert len(commands) == 1 and f"recipe={name} " in f"{commands[0]} ", row
+        assert commands[0] in documented, f"{commands[0]!r} is in no shell block of README.md or docs/*.md"
+
+
+# Every command of the shell blocks of README.md and docs/*.md (``bash`` blocks, and ``$ `` lines of transcripts),
+# by its first words: the test that runs it at test size, or why none does. Commands run by
+# tests/test_default_paths.py are its README_RUNS (read from these pages there, so a broken command fails that test).
 RUN_ELSEWHERE = {
     "pip install -e . && bin/run recipe=standard": ".ci/run part 1, verbatim, in a new venv",
     'pip install -e ".[test]" && python -m pytest -q': ".ci/run part 1, verbatim, in a new venv",
@@ -71,6 +85,11 @@ RUN_ELSEWHERE = {
         "tests/test_dry_run.py::test_dry_run_prints_the_plan_and_creates_no_run_folder",
     "bin/run recipe=standard data=shakespeare.txt name=lr preset=tiny seed=1,2 grid.lr=1e-3,3e-3 grid.parallel=2":
         "tests/test_grid.py::test_parallel_cells_run_as_subprocesses_and_a_failed_cell_resumes_after_the_fix",
+    "bin/run recipe=upcycle teacher=runs/standard-shakes data=shakespeare.txt":
+        "tests/test_default_paths.py::test_upcycle_every_phase",
+    "bin/run recipe=bench.kv": "tests/test_upcycle_bench.py::"
+                               "test_bench_kv_compares_two_checkpoints_and_records_cells_that_do_not_fit",
+    "bin/run recipe=bench.gpu device=cpu": "tests/test_bench_gpu.py::test_the_gpu_bench_runs_every_section_on_the_cpu",
 }
 NOT_RUN = {
     "tensorboard --logdir runs": "a server that runs until stopped (the event files it reads: tests/test_board.py)",
@@ -91,12 +110,31 @@ NOT_RUN = {
                                      "(the benchmark's own logic without it: tests/test_bench_llamacpp.py)",
     "bin/run recipe=standard data=tinyshakespeare.txt tokenizer=byte preset=tiny steps=500 out=runs/byte-tiny":
         "the model that benchmark runs in llama.cpp (the byte model's GGUF at test size: tests/test_gguf_export.py)",
+    "bin/run recipe=distill_cache teacher=smollm2": "SmolLM2-135M over 100 batches (a cache at test size: "
+                                                    "tests/test_default_paths.py::"
+                                                    "test_distill_online_and_from_a_cache)",
+    "bin/run recipe=bench.step": "compiles every variant cold in processes of its own, for many minutes at 100M (the "
+                                 "bench at test size: tests/test_bench.py)",
+    "bin/run recipe=bench.speed": "interleaved timed rounds for minutes (the bench at test size: tests/test_speed.py)",
+    "bin/run recipe=bench.health": "a timing (what it times: tests/test_health.py, tests/test_adagc.py; its keys: "
+                                   "tests/test_bench.py)",
+    "bin/run recipe=bench.checkpoint": "writes and reads a 398 MB state a dozen times (checkpoints: "
+                                       "tests/test_checkpoint.py, tests/test_checkpoint_integrity.py)",
+    "OMP_NUM_THREADS=1 bin/run recipe=bench.orchestrator": "300- and 1000-step runs (the unstable run at test size: "
+                                                           "tests/test_orchestrator.py)",
+    "bin/run recipe=bench.distill": "SmolLM2-135M as the teacher (the bench at test size: "
+                                    "tests/test_distill.py::test_the_cache_benchmark_command)",
+    "bin/run recipe=bench.gpu out=gpu-report": "a CUDA machine for about 8 minutes (its CPU mode: "
+                                               "tests/test_bench_gpu.py)",
+    "pip download --no-deps": "downloads wheels for the GPU machine",
+    "python3 -m pip install -q --no-index": "installs those wheels on the GPU machine",
+    "export PYTHONPATH=/tmp/site": "the GPU machine's environment",
 }
 
 
 def readme_commands(text: str) -> list[str]:
-    """The commands of the README's shell blocks: ``bash`` blocks (continuations joined, comments and heredoc
-    bodies dropped) and the ``$ `` lines of unlabelled transcript blocks."""
+    """The commands of the shell blocks of ``text`` (the README and its docs/ pages): ``bash`` blocks
+    (continuations joined, comments and heredoc bodies dropped) and the ``$ `` lines of unlabelled transcript blocks."""
     found = []
     for match in re.finditer(r"^( *)```(\w*)\n(.*?)^\1```", text, re.S | re.M):
         lang, body = match.group(2), match.group(3)
@@ -124,13 +162,13 @@ def test_every_readme_command_runs_in_a_test_or_says_why_not():
     from tests.test_default_paths import README_RUNS
     covered = {**{k: f"tests/test_default_paths.py::{v}" for k, v in README_RUNS.items()}, **RUN_ELSEWHERE,
                **NOT_RUN}
-    commands = readme_commands(README)
+    commands = readme_commands(documentation.text())
     assert len(commands) > 20
     missing = [c for c in commands if not any(c.startswith(first) for first in covered)]
-    assert missing == [], "README commands no test runs: run each (scaled down) in tests/test_default_paths.py " \
-                          "or another test, or list it in NOT_RUN with the reason"
+    assert missing == [], "commands of README.md or docs/*.md no test runs: run each (scaled down) in " \
+                          "tests/test_default_paths.py or another test, or list it in NOT_RUN with the reason"
     stale = [first for first in covered if not any(c.startswith(first) for c in commands)]
-    assert stale == [], "listed here but no longer in the README"
+    assert stale == [], "listed here but no longer in README.md or docs/*.md"
 
 
 def test_the_tests_named_for_readme_commands_exist():
@@ -151,3 +189,77 @@ def test_help_lists_every_key(capsys):
     assert main(["recipe=standard", "--help"]) == 0
     out = capsys.readouterr().out
     assert len(keys) > 50 and [k for k in keys if f"  {k} " not in out] == []
+
+
+# The README is a guide; the reference lives in docs/, reachable from it by links that resolve.
+FENCE = re.compile(r"^( *)```.*?^\1```", re.S | re.M)
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def prose(page: Path) -> str:
+    """A page without its fenced code blocks and inline code (a ``#`` or ``[x](y)`` there is not Markdown)."""
+    return re.sub(r"`[^`\n]*`", "", FENCE.sub("", page.read_text()))
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as ``-``, ``-1``, ``-2`` for repeats."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", FENCE.sub("", page.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        if count:
+            seen[f"{slug}-{count}"] = 1
+    return set(seen)
+
+
+def links(page: Path) -> list[tuple[str, Path, str]]:
+    """The relative links of a page: (as written, the file it names, the anchor or '')."""
+    found = []
+    for target in LINK.findall(prose(page)):
+        if re.match(r"[a-z]+:", target):          # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        found.append((target, (page.parent / path).resolve() if path else page, anchor))
+    return found
+
+
+def test_the_readme_is_a_guide_of_at_most_300_lines_with_the_two_commands_on_its_first_screen():
+    lines = README.splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move reference material to docs/"
+    first_screen = "\n".join(lines[:24])
+    assert "pip install -e . && bin/run recipe=standard" in first_screen
+    assert 'pip install -e ".[test]" && python -m pytest -q' in first_screen
+
+
+def broken_links(page: Path) -> list[str]:
+    broken = []
+    for target, path, anchor in links(page):
+        if not path.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {path.name}")
+    return broken
+
+
+@pytest.mark.parametrize("page", documentation.PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(page):
+    assert broken_links(page) == [], page.relative_to(REPO)
+
+
+def test_every_docs_page_is_reachable_from_the_readme():
+    reached, todo = {documentation.README}, [documentation.README]
+    while todo:
+        for _, path, _ in links(todo.pop()):
+            if path.suffix == ".md" and path.exists() and path not in reached:
+                reached.add(path)
+                todo.append(path)
+    assert [str(p.relative_to(REPO)) for p in documentation.PAGES if p not in reached] == []
+
+
+def test_the_link_checks_see_a_broken_link_and_a_wrong_anchor(tmp_path):
+    (tmp_path / "a.md").write_text("# Title: one (`x`)\n\n## Again\n\n## Again\n\n```bash\n# not a heading\n```\n"
+                                   "[ok](#title-one-x) [ok](#again-1) [bad](#not-a-heading) [gone](b.md) "
+                                   "`[code](c.md)` [web](https://example.com)\n")
+    assert broken_links(tmp_path / "a.md") == ["#not-a-heading: no heading with anchor #not-a-heading in a.md",
+                                               "b.md: no such file"]

@@ -1,5 +1,5 @@
 """``recipe=bench.speed`` (the standard loop against nanoGPT's plain loop), ``compile_scope=auto`` and the step's
-``skip=False`` (only the benchmark builds it). The benchmark's figures are README benchmarks; here its code path
+``skip=False`` (only the benchmark builds it). The benchmark's figures are in docs/benchmarks.md; here its code path
 runs eagerly on a tiny model in seconds."""
 import math
 from dataclasses import replace

@@ -38,7 +38,7 @@ def surgery_run(teacher, corpus, tmp_path_factory):  # noqa: F811
 
 @pytest.mark.parametrize("head_dim, dims", [(16, (0, 8, 8)), (64, (0, 32, 32)), (128, (0, 64, 64))])
 def test_kv_reduction_derives_dims_with_all_keys_rotary(head_dim, dims):
-    """README's comparison: more RoPE pairs win; half the budget values, half keys; 2x for every head_dim."""
+    """docs/upcycle.md's comparison: more RoPE pairs win; half the budget values, half keys; 2x for every head_dim."""
     assert dba.dims_for_reduction(head_dim, 2) == dims
     assert 2 * head_dim == 2 * sum(dims)
     assert dba.dims_for_reduction(head_dim, 4) == tuple(d // 2 for d in dims)

@@ -8,13 +8,13 @@ file serves a GPU box and a laptop. A compiled fp32 run on CUDA leaves SDPA's me
 step as one graph (``core.step``: forward, backward and update fused, fewest kernels) on CUDA and for models of at
 most ``AUTO_STEP_LAYERS`` layers, and one block graph shared by every layer beyond (compile time flat in depth): at
 nanoGPT's 4-layer shakespeare-char shape the block graphs ran at 0.47x the plain loop's tokens/s and the one
-graph at 0.85x (``recipe=bench.speed``, README), while at 12 layers the unrolled graph took 52 s to compile against
-22 s (``recipe=bench.step``). ``compile_mode`` is ``torch.compile``'s ``mode`` (through
+graph at 0.85x (``recipe=bench.speed``, docs/benchmarks.md), while at 12 layers the unrolled graph took 52 s to
+compile against 22 s (``recipe=bench.step``). ``compile_mode`` is ``torch.compile``'s ``mode`` (through
 ``core.compile``); ``reduce-overhead`` (CUDA graphs) is ignored with a warning off CUDA and compiles with
 the default mode; any mode other than ``default`` is ignored with a warning under ``compile=false``.
 ``host_memory`` sets how the process's C library treats freed host memory (``core.host_memory``): ``keep``
 reuses it without page faults, at a higher resident peak; ``auto`` keeps it when the run trains on the CPU
-(README: "Host memory" has the figures at 100M).
+(docs/benchmarks.md: "Host memory" has the figures at 100M).
 """
 from __future__ import annotations
 

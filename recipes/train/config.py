@@ -1,7 +1,7 @@
 """The keys every training recipe takes (names fixed so scripts and docs can rely on them).
 
-Recipe configs subclass ``TrainConfig`` and add their own keys. Defaults live here, once; the README's
-key table is generated from these declarations (``bin/run recipe=standard --help`` prints the same).
+Recipe configs subclass ``TrainConfig`` and add their own keys. Defaults live here, once; the key table
+of docs/configuration.md is generated from these declarations (``bin/run recipe=standard --help`` prints the same).
 """
 from __future__ import annotations
 

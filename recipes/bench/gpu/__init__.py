@@ -7,7 +7,7 @@ In about 8 minutes on one H100 (``budget_s``), writing ``DIR/report.json`` and `
    device -> file -> CPU -> device bitwise, generation with the KV cache against without, SDPA's kernel.
 2. ``recipes``: every recipe's default command at a small size on the device, ``torchrun`` with NCCL for ddp and
    fsdp (``commands.py``), in child processes beside the checks.
-3. ``upcycle``: the README's SmolLM2-135M 2x-KV upcycle sized to ``upcycle_steps``, beside them too.
+3. ``upcycle``: docs/upcycle.md's SmolLM2-135M 2x-KV upcycle sized to ``upcycle_steps``, beside them too.
 4. ``speed``: bf16 and compiled, the functional step against ``torch.compile(module)`` + fused AdamW at a 124M and
    a 1B shape, with the matmul peak and MFU (``speed.py``), alone on the device once the rest has ended. A child
    process compiles the same shapes during phase 1 (``warm_compile``), so the measurement itself reads

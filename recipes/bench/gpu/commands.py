@@ -1,4 +1,4 @@
-"""Every recipe's default command at a small size on the device, and the README's SmolLM2 2x-KV upcycle sized to
+"""Every recipe's default command at a small size on the device, and docs/upcycle.md's SmolLM2 2x-KV upcycle sized to
 the time it is given: the jobs ``recipes.bench.gpu.jobs.run_jobs`` runs.
 
 ``recipe=standard`` trains first (the teacher and init of the rest); then, side by side: distillation online and
@@ -65,7 +65,7 @@ def user_jobs(device: str, tiny: bool, data: str) -> list[Job]:
 
 def smollm2_upcycle(teacher: str, device: str, data: str, blockwise_steps: int, global_steps: int,
                     tiny: bool = False) -> Job:
-    """The README's SmolLM2-135M 2x-KV upcycle (``kv_reduction=2``'s 0/32/32 dims, attention-output blockwise
+    """docs/upcycle.md's SmolLM2-135M 2x-KV upcycle (``kv_reduction=2``'s 0/32/32 dims, attention-output blockwise
     matching over a cached teacher, then the global fine-tune), with bf16 steps on a GPU and the given budget;
     ``tiny``: the recipes section's ``standard`` run as the teacher, windows and benchmark cut down."""
     sizes = dict(block_size=64, eval_windows=2, calib_tokens=256, **{"blockwise.cache_batches": 2,
