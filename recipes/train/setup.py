@@ -57,8 +57,8 @@ class RunSetup:
     optimizer: GradientTransformation   # the run's own, or the one a run hook supplies (build_optimizer)
     state: TrainState
     loop: LoopState
-    resumed: dict = field(default_factory=dict)   # the resumed checkpoint's top level ({} for a fresh run): what
-    #                                               the loop's hooks saved, under their keys, is handed back from here
+    resumed: dict = field(default_factory=dict)   # the resumed checkpoint's top level ({} for a fresh run), with
+                                                  # every loop hook's state under its key
     changed: str = ""                   # the keys changed since that checkpoint, applied from its step
     layout: Optional[Layout] = None     # parallel=fsdp: where each leaf of the state lives (core.shard)
 
