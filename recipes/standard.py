@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -26,12 +27,11 @@ from core.tree import cast, size
 from models import llama
 from models.loading import load_model, model_entry
 from models.sampling import generate
+from recipes.orchestrator.config import OrchestratedConfig
 from recipes.orchestrator.driver import orchestrate
-from recipes.train import setup
-from recipes.train.config import TrainConfig
+from recipes.train import plan, setup
 from recipes.train.data import describe, open_data, with_epochs
-from recipes.train import plan
-from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit
+from recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps, evaluate, fit
 from recipes.train.setup import run_folder
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
@@ -39,7 +39,7 @@ GRID = True                 # seed=1,2 and grid.KEY=A,B run it per cell (core.gr
 
 
 @dataclass
-class Config(TrainConfig):
+class Config(OrchestratedConfig):
     model: llama.LlamaConfig = option(llama.LlamaConfig, "model shape (vocab_size 0: the tokenizer's)")
     sample_tokens: int = option(200, "tokens generated as a sample at each evaluation (0: no samples)", min=0)
     sample_prompt: str = option("", "prompt for samples (default: the start of the validation text)")
@@ -61,25 +61,23 @@ PRESETS = {
 @dataclass
 class Prepared:
     """Everything a run needs, built and checked before the run folder is touched."""
-    cfg: object              # the run's config, ``steps`` set from ``epochs`` when given
-    dist: distributed.Dist
+    cfg: Config              # the run's config, ``steps`` set from ``epochs`` when given
+    folder: Path             # the run folder (``run_folder``: out=, or runs/standard-<name or timestamp>)
+    run: setup.RunSetup      # the (resumed) state and optimizer, the ranks (``run.dist``), the layout
     device: torch.device
     start: object            # models.loading.LoadedModel of init=, or None
-    corpus: object
-    tok: object
-    vocab: int
+    corpus: object           # the data: its tokenizer, validation tokens and sizes
     model_cfg: llama.LlamaConfig
-    batches: object
+    params: dict             # the full params (parallel=fsdp: their shapes only; the state holds the shards)
     val_batches: object
-    params: dict
-    run: setup.RunSetup
-    loss_fn: Callable
     steps: Steps
+    make_steps: Callable[..., Steps]   # (optimizer, skip=True) -> this run's steps for another optimizer
 
 
-def prepare_run(cfg: Config, folder) -> Prepared:
-    """The run of ``cfg`` in ``folder`` (resumed from its checkpoint), or with ``folder`` None a fresh state
-    and nothing to write (``dry_run``). Everything that can fail on bad input happens here."""
+def prepare_run(cfg: Config, write: bool = True) -> Prepared:
+    """The run of ``cfg`` in its run folder (resumed from its checkpoint), or with ``write`` false a fresh state
+    and nothing to write (``dry_run``, benchmarks). Everything that can fail on bad input happens here."""
+    folder = run_folder(cfg, "standard")
     dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
     start = load_model(cfg.init, device=device) if cfg.init else None
     with dist.main_first():   # rank 0 tokenizes into the cache, the others then read it
@@ -99,64 +97,63 @@ def prepare_run(cfg: Config, folder) -> Prepared:
     cfg = with_epochs(cfg, corpus, batches)
 
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
-    run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
+    run_setup = setup.start(cfg, folder if write else None, params, device=device, dist=dist, tokenizer=tok)
     params = run_setup.layout.full_shapes() if run_setup.layout else params   # fsdp: only shards stay alive
 
     def loss_fn(params, batch, key):
         return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
 
-    steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, vocab, dist, run_setup.layout)
-    return Prepared(cfg, dist, device, start, corpus, tok, vocab, model_cfg, batches, val_batches, params, run_setup,
-                    loss_fn, steps)
+    def make_steps(optimizer, skip: bool = True) -> Steps:
+        return build_steps(cfg, loss_fn, optimizer, params, batches, device, vocab, dist, run_setup.layout, skip)
+
+    return Prepared(cfg, folder, run_setup, device, start, corpus, model_cfg, params, val_batches,
+                    make_steps(run_setup.optimizer), make_steps)
 
 
 def dry_run(cfg: Config) -> str:
     """``dry_run=true``: the plan of this run (``recipes.train.plan``); no run folder is created."""
-    p = prepare_run(plan.probe_config(cfg), None)
+    p = prepare_run(plan.probe_config(cfg), write=False)
     m = p.model_cfg
-    return plan.describe(replace(cfg, steps=p.cfg.steps), recipe="standard", folder=run_folder(cfg, "standard"),
+    return plan.describe(replace(cfg, steps=p.cfg.steps), recipe="standard", folder=p.folder,
                          model=f"llama, {m.n_layers} layers, d={m.d_model}, {m.n_heads} heads, vocab {m.vocab_size} "
-                               f"({p.tok.name})" + (f"; init from {p.start.source}" if p.start else ""),
+                               f"({p.corpus.tokenizer.name})" + (f"; init from {p.start.source}" if p.start else ""),
                          data=describe(p.corpus), train_tokens=p.corpus.meta["train_tokens"], state=p.run.state,
-                         steps=p.steps,
-                         device=p.device, world_size=p.dist.world_size)
+                         steps=p.steps, device=p.device, world_size=p.run.dist.world_size)
 
 
 def run(cfg: Config):
-    folder = run_folder(cfg, "standard")
-    p = prepare_run(cfg, folder)
-    cfg = p.cfg
-    dist, device, start, corpus, tok, vocab = p.dist, p.device, p.start, p.corpus, p.tok, p.vocab
-    model_cfg, batches, val_batches, params, loss_fn, steps = (p.model_cfg, p.batches, p.val_batches, p.params,
-                                                               p.loss_fn, p.steps)
-    run_setup = p.run
-    state, loop, resume = run_setup.state, run_setup.loop, run_setup.resume
+    p = prepare_run(cfg)
+    cfg, dist, model_cfg, tok = p.cfg, p.run.dist, p.model_cfg, p.corpus.tokenizer
     extra = {"config": to_dict(cfg), "model": model_entry(model_cfg), "tokenizer": tok.to_dict(),
              "recipe": "standard"}
-    with run_setup.writing(to_dict(cfg)) as (checkpoints, logger):
-        logger.print(f"standard: {size(params) / 1e6:.2f}M params, {model_cfg.n_layers} layers, d={model_cfg.d_model}, "
-                     f"vocab {tok.vocab_size} ({tok.name}); data {describe(corpus)}; device {device}, "
-                     f"{cfg.dtype}, compile={cfg.compile}; run folder {folder}")
-        if start:
-            logger.print(f"init from {start.source} ({start.format})")
-        if resume is not None:
-            logger.print(f"resuming from {resume} at step {int(state.step)}")
+    with p.run.writing(to_dict(cfg)) as (checkpoints, logger):
+        announce(logger, p)
         orchestrator, steps = orchestrate(
-            cfg, steps, val_tokens=corpus.val, device=device, logger=logger, folder=folder,
-            saved=run_setup.saved_orchestrator,
-            make_step=lambda opt: build_steps(cfg, loss_fn, opt, params, batches, device, vocab, dist).train,
-            main_process=dist.is_main)
-        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra,
-                    evaluate_fn=lambda p: evaluate(steps.eval, p, val_batches, dist=dist),
-                    sample_fn=on_main(sampler(cfg, model_cfg, tok, corpus.val, device), dist, steps.layout),
-                    tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
-                    flops_per_token=flops_per_token(llama.matmul_params(params), model_cfg.n_layers,
-                                                    cfg.block_size, model_cfg.d_model),
-                    expected_initial_loss=None if (start or resume) else math.log(model_cfg.vocab_size))
-        result = fit(cfg, state, steps, io, loop=loop, hooks=[orchestrator], dist=dist)
-        report(logger, result, folder)
+            cfg, p.steps, val_tokens=p.corpus.val, device=p.device, logger=logger, folder=p.folder,
+            resumed=p.run.resumed, make_step=lambda opt: p.make_steps(opt).train, main_process=dist.is_main)
+        validation = Validation(lambda prm: evaluate(steps.eval, prm, p.val_batches, dist=dist),
+                                on_main(sampler(cfg, model_cfg, tok, p.corpus.val, p.device), dist, steps.layout))
+        measures = Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
+                            flops_per_token(llama.matmul_params(p.params), model_cfg.n_layers, cfg.block_size,
+                                            model_cfg.d_model),
+                            None if (p.start or p.run.resume) else math.log(model_cfg.vocab_size))
+        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra, validation=validation, measures=measures)
+        result = fit(cfg, p.run.state, steps, io, loop=p.run.loop, hooks=[orchestrator], dist=dist)
+        report(logger, result, p.folder)
     distributed.shutdown()
     return result
+
+
+def announce(logger, p: Prepared) -> None:
+    """The run log's first lines: the model, the data, where it runs, what it starts from."""
+    cfg, m, state = p.cfg, p.model_cfg, p.run.state
+    logger.print(f"standard: {size(p.params) / 1e6:.2f}M params, {m.n_layers} layers, d={m.d_model}, "
+                 f"vocab {p.corpus.tokenizer.vocab_size} ({p.corpus.tokenizer.name}); data {describe(p.corpus)}; "
+                 f"device {p.device}, {cfg.dtype}, compile={cfg.compile}; run folder {p.folder}")
+    if p.start:
+        logger.print(f"init from {p.start.source} ({p.start.format})")
+    if p.run.resume is not None:
+        logger.print(f"resuming from {p.run.resume} at step {int(state.step)}")
 
 
 def report(logger, result, folder, label: str = "val loss", suffix: str = "") -> None:

@@ -28,7 +28,7 @@ from recipes.orchestrator.bandit import DiscountedUCB, Telemetry, normalized_rew
 from recipes.orchestrator.nowcast import extrapolate
 from optim.sgd import TraceState
 from optim.swats import SwatsState, swats
-from recipes.train.optimizer import make_optimizer, optimizer_spec
+from recipes.train.optimizer import make_optimizer
 from recipes.orchestrator.driver import Orchestrator
 from recipes.orchestrator.config import NowcastConfig, OrchestratorConfig
 from recipes.standard import Config
@@ -119,7 +119,7 @@ def small_config(**orchestrator):
 
 def test_the_adamw_strategy_is_the_runs_own_optimizer_and_switches_continue_the_schedule():
     cfg = small_config()
-    run = optimizer_spec(cfg)
+    run = strategies.strategy_spec(cfg)
     params = llama.init(CFG, seed=0)
     loss = lambda p, b: llama.loss(p, b, CFG)  # noqa: E731
     ours = make_train_step(loss, strategies.build("adamw", run))
@@ -152,7 +152,7 @@ def test_the_adamw_strategy_is_the_runs_own_optimizer_and_switches_continue_the_
 def test_a_switched_swats_hands_over_the_moments_of_its_switch_step(scope):
     """SWATS freezes a group's Adam moments at its switch step s while its count goes on to k: the moments
     a switch carries into Adam (and into SGD's seed) must correct to m_hat, v_hat of step s, not of k."""
-    run = optimizer_spec(small_config(swats_eps=1e6, swats_scope=scope))   # any positive Lambda switches
+    run = strategies.strategy_spec(small_config(swats_eps=1e6, swats_scope=scope))   # any positive Lambda switches
     params = {"a": torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),
               "b": torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
               "c": torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))}

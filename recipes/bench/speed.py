@@ -61,7 +61,7 @@ from recipes import standard
 from recipes.train import backend
 from recipes.train.backend import SCOPES
 from recipes.train.hooks import Hook
-from recipes.train.loop import LoopIO, LoopState, build_steps, fit
+from recipes.train.loop import LoopIO, LoopState, Measures, fit
 from recipes.train.metrics import write_health
 from recipes.train.rollback import ring_gap, state_copy
 
@@ -141,14 +141,13 @@ class Standard:
     steps go on from ``owner``'s state (this variant keeps only its spike detector's state, ``monitor``)."""
 
     def __init__(self, cfg: standard.Config, folder: Path, skip: bool = True, owner: Optional["Standard"] = None):
-        p = standard.prepare_run(cfg, None)
+        p = standard.prepare_run(cfg, write=False)
         self.cfg, self.loop, self.owner = p.cfg, LoopState(), owner or self
         self.state = None if owner else p.run.state
         self.monitor = p.run.state.monitor
-        self.steps = p.steps if skip else build_steps(p.cfg, p.loss_fn, p.run.optimizer, p.params, p.batches,
-                                                      p.device, p.vocab, p.dist, skip=False)
+        self.steps = p.steps if skip else p.make_steps(p.run.optimizer, skip=False)
         self.logger = Logger(folder, console=False)
-        self.io = LoopIO(self.logger, None, tokens_per_step=cfg.batch_size * cfg.block_size)
+        self.io = LoopIO(self.logger, None, measures=Measures(tokens_per_step=cfg.batch_size * cfg.block_size))
         self.params = None if owner else p.params
         self.model_cfg = p.model_cfg
         self.health_excess: list[float] = []   # seconds a timed health step took beyond the call's others

@@ -45,7 +45,7 @@ from models import compressor
 from recipes.compress import states
 from recipes.distill.teacher import teacher_dtype_option
 from recipes.train.config import TrainConfig, train_config
-from recipes.train.loop import LoopIO, LoopState, build_steps, fit
+from recipes.train.loop import LoopIO, LoopState, Measures, Validation, build_steps, fit
 from recipes.train.optimizer import make_optimizer, optimizer_spec
 from recipes.train.setup import run_folder, sharded_layout
 
@@ -231,9 +231,10 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
                      f"{data.pca.explained(d):.1%} of the training variance; run folder {folder}")
         if latest is not None:
             logger.print(f"resuming from {latest} at step {int(state.step)}")
-        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra, perplexity=False,
-                    evaluate_fn=lambda p: held_out(layout.gather(p) if layout else p)["unexplained"],
-                    tokens_per_step=cfg.batch_size * cfg.block_size * dist.world_size)
+        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra,
+                    validation=Validation(lambda p: held_out(layout.gather(p) if layout else p)["unexplained"],
+                                          perplexity=False),
+                    measures=Measures(tokens_per_step=cfg.batch_size * cfg.block_size * dist.world_size))
         result = fit(tcfg, state, steps, io, loop=loop, frozen=frozen, dist=dist)
         best = ckpt.load(folder / ckpt.BEST, template=template, device=device)   # every rank: the file rank 0 kept
         dist.barrier()   # read by all before rank 0 replaces it (_keep_only)

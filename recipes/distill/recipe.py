@@ -66,11 +66,11 @@ from recipes import standard
 from recipes.distill.cache import TeacherCache
 from recipes.distill.teacher import (compute_view, data_identity, held_dtype_hint, load_teacher, shard_teacher,
                                      teacher_data, teacher_dtype_option, teacher_identity, teacher_option)
+from recipes.orchestrator.config import OrchestratedConfig
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import backend, plan, setup
-from recipes.train.config import TrainConfig
 from recipes.train.data import describe, with_epochs
-from recipes.train.loop import LoopIO, Steps, build_steps, evaluate, fit, gathering
+from recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps, evaluate, fit, gathering
 from recipes.train.setup import RunSetup, run_folder
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
@@ -97,7 +97,7 @@ StudentModel = _optional_fields(llama.LlamaConfig, "StudentModel",
 
 
 @dataclass
-class Config(TrainConfig):
+class Config(OrchestratedConfig):
     teacher: str = teacher_option()
     teacher_dtype: str = teacher_dtype_option()
     teacher_shard: bool = option(False, "parallel=fsdp: shard the frozen teacher across the ranks too (1/N of it "
@@ -416,14 +416,14 @@ def run(cfg: Config):
             logger.scalars(0, {"val/teacher_loss": teacher_val})
             logger.print(f"teacher: val loss {teacher_val:.4f}, perplexity {math.exp(min(teacher_val, 50.0)):.2f}")
         orchestrator, steps = orchestrate(cfg, p.steps, make_step=p.make_train, val_tokens=p.corpus.val, device=device,
-                                          logger=logger, folder=folder, saved=p.run.saved_orchestrator,
+                                          logger=logger, folder=folder, resumed=p.run.resumed,
                                           main_process=dist.is_main)
-        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra,
-                    evaluate_fn=lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
-                    sample_fn=standard.on_main(standard.sampler(cfg, scfg, tok, p.corpus.val, device), dist,
-                                               p.run.layout),
-                    tokens_per_step=cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
-                    flops_per_token=train_flops_per_token(p, cfg))
+        validation = Validation(lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
+                                standard.on_main(standard.sampler(cfg, scfg, tok, p.corpus.val, device), dist,
+                                                 p.run.layout))
+        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra, validation=validation,
+                    measures=Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
+                                      train_flops_per_token(p, cfg)))
         result = fit(cfg, state, steps, io, loop=loop, frozen=p.frozen, hooks=[orchestrator], dist=dist)
         learned = f", final T {learned_temperature(result.state.params, cfg):.3f}" \
             if cfg.temperature_mode == "learnable" else ""

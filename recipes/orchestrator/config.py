@@ -1,10 +1,16 @@
-"""The ``orchestrator.*`` keys of every training recipe (``recipes/orchestrator/driver.py`` says what they do)."""
+"""The ``orchestrator.*`` keys (``recipes/orchestrator/driver.py`` says what they do), and
+:class:`OrchestratedConfig`: the shared training keys plus this section, which the configs of the recipes that
+wire the orchestrator extend (standard, distill, and upcycle's global phase). The shared trainer
+(``recipes/train/``) never names this section: it sees the layer through :meth:`OrchestratedConfig.run_hooks`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from core.config import ConfigError, option
+from recipes.orchestrator.driver import OrchestratorRunHook
 from recipes.orchestrator.strategies import NAMES
+from recipes.train.config import TrainConfig
 from optim.swats import SCOPES
 
 
@@ -73,3 +79,23 @@ class OrchestratorConfig:
     @property
     def arms(self) -> tuple:
         return tuple(n.strip() for n in self.portfolio.split(",") if n.strip())
+
+
+@dataclass
+class OrchestratedConfig(TrainConfig):
+    """The keys of a training run that can switch the orchestrator on: every ``TrainConfig`` key, then
+    ``orchestrator.*``."""
+    orchestrator: OrchestratorConfig = option(OrchestratorConfig, "strategy orchestration: speculative branches, "
+                                              "bandit selection, safety rollback, nowcasting")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.parallel == "fsdp" and self.orchestrator.enabled:
+            raise ConfigError("orchestrator.enabled=true with parallel=fsdp: the orchestrator's strategies are not "
+                              "built on sharded state; use parallel=ddp")
+        if self.orchestrator.enabled and not self.spike.enabled:
+            raise ConfigError("orchestrator.enabled=true needs spike.enabled=true: its safety rollback is the "
+                              "spike machinery's (snapshot ring, rollback_back, max_rollbacks)")
+
+    def run_hooks(self) -> tuple:
+        return (*super().run_hooks(), OrchestratorRunHook(self))

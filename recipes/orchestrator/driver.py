@@ -49,26 +49,42 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from core import checkpoint as ckpt
 from core.data import eval_batches
 from core.state import TrainState
 from core.tree import clone
 from recipes.orchestrator.bandit import PHASES, DiscountedUCB, Telemetry, normalized_rewards
 from recipes.orchestrator.nowcast import extrapolate
-from recipes.orchestrator.strategies import NAMES, build, strategy_of, transfer
-from recipes.train.hooks import Hook, Jump, StepContext
-from recipes.train.optimizer import optimizer_spec
+from recipes.orchestrator.strategies import NAMES, build, strategy_of, strategy_spec, transfer
+from recipes.train.hooks import Hook, Jump, RunHook, StepContext
+
+KEY = "orchestrator"   # its config section, and its state's entry in every checkpoint
 
 
-def initial_optimizer(cfg, resume: Optional[Path] = None):
-    """The optimizer whose state a run starts with: ``orchestrator.initial``, or, when resuming, the
-    strategy the checkpoint was on (so the checkpoint loads into the right template)."""
-    name = cfg.orchestrator.initial
-    if resume is not None:
-        saved = ckpt.read_meta(resume).get("orchestrator")
-        if saved:
-            name = saved["current"]
-    return build(name, optimizer_spec(cfg))
+class OrchestratorRunHook(RunHook):
+    """The orchestrator as the shared trainer sees it before the loop (``recipes.train.hooks.RunHook``): with
+    ``orchestrator.enabled`` the run's state is built on the orchestrator's strategy, never donated (branches step
+    one state many times), not projected by ``dry_run=true``, and ``fit`` needs the :class:`Orchestrator` hook."""
+    fixed_keys = (f"{KEY}.enabled",)
+
+    def __init__(self, cfg):
+        self.cfg, self.enabled = cfg, cfg.orchestrator.enabled
+        self.loop_key = KEY if self.enabled else None
+        self.keeps_states = self.enabled
+
+    def optimizer(self, psum, resumed: dict):
+        """``orchestrator.initial``'s strategy, or, when resuming, the strategy the checkpoint was on (so the
+        checkpoint loads into the right template); None when the orchestrator is off. Strategies are not built
+        on sharded state (``psum``: parallel=fsdp is refused with the orchestrator)."""
+        if not self.enabled:
+            return None
+        saved = resumed.get(KEY)
+        return build(saved["current"] if saved else self.cfg.orchestrator.initial, strategy_spec(self.cfg))
+
+    def dry_run_refusal(self):
+        if not self.enabled:
+            return None
+        return ("dry_run=true cannot project orchestrator.enabled=true (its branches' cost depends on the bandit's "
+                "choices); dry-run without it")
 
 
 def probe_batches(val_tokens, cfg, device=None):
@@ -83,12 +99,12 @@ def probe_batches(val_tokens, cfg, device=None):
 
 class Orchestrator(Hook):
     """The training loop's orchestration hook: decisions, safety and nowcasting (module docstring)."""
-    key = "orchestrator"   # its state in every checkpoint
+    key = KEY   # its state in every checkpoint
 
     def __init__(self, cfg, *, make_step: Callable, batches, probe, eval_step: Callable, logger, folder,
                  saved: Optional[dict] = None, main_process: bool = True):
         o = cfg.orchestrator
-        self.cfg, self.o, self.spec = cfg, o, optimizer_spec(cfg)   # strategies are relative to the run's optimizer
+        self.cfg, self.o, self.spec = cfg, o, strategy_spec(cfg)   # strategies are relative to the run's optimizer
         self.make_step, self.batches, self.eval_step, self.logger = make_step, batches, eval_step, logger
         self.probe = list(probe)                        # held-out batches, already on the run's device
         self.arms = o.arms
@@ -363,9 +379,10 @@ class Orchestrator(Hook):
 
 
 def orchestrate(cfg, steps, *, make_step: Callable, val_tokens, device, logger, folder,
-                saved: Optional[dict] = None, eval_step: Optional[Callable] = None, main_process: bool = True):
+                resumed: Optional[dict] = None, eval_step: Optional[Callable] = None, main_process: bool = True):
     """``(orchestrator, steps)`` for ``recipes.train.loop.fit``: ``(None, steps)`` unless ``cfg.orchestrator.enabled``,
-    else an :class:`Orchestrator` (resuming ``saved``) and ``steps`` whose train step is the current
+    else an :class:`Orchestrator` (resuming its entry in ``resumed``, the top level of the checkpoint the run
+    resumes: ``recipes.train.setup.RunSetup.resumed``) and ``steps`` whose train step is the current
     strategy's. ``make_step(optimizer)`` builds the recipe's train step for a strategy; the probe is
     ``orchestrator.probe_batches`` windows of ``val_tokens`` on ``device``, scored by ``eval_step`` (default
     ``steps.eval``)."""
@@ -373,7 +390,8 @@ def orchestrate(cfg, steps, *, make_step: Callable, val_tokens, device, logger, 
         return None, steps
     orchestrator = Orchestrator(cfg, make_step=make_step, batches=steps.batches,
                                 probe=probe_batches(val_tokens, cfg, device),
-                                eval_step=eval_step or steps.eval, logger=logger, folder=folder, saved=saved,
+                                eval_step=eval_step or steps.eval, logger=logger, folder=folder,
+                                saved=(resumed or {}).get(KEY),
                                 main_process=main_process)
     return orchestrator, orchestrator.attach(steps)
 

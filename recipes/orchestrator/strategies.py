@@ -56,7 +56,8 @@ from optim.common import LearningRateState, decay_mask, scale_by_learning_rate
 from optim.lion import ScaleByLionState, lion
 from optim.sgd import TraceState, trace
 from optim.swats import SwatsState, swats
-from recipes.train.optimizer import OptimizerSpec, adagc_transform, clip_transform, make_schedule, warmup_schedule
+from recipes.train.optimizer import (OptimizerSpec, adagc_transform, clip_transform, make_schedule, optimizer_spec,
+                                     warmup_schedule)
 
 SGD_LR = 30.0          # SGD's step is lr * |g| (clipped to 1), Adam's ~ lr per coordinate: it needs a larger lr
 SGD_MOMENTUM = 0.9
@@ -85,6 +86,20 @@ PORTFOLIO = {s.name: s for s in (
 NAMES = tuple(PORTFOLIO)
 
 
+@dataclass(frozen=True)
+class StrategySpec(OptimizerSpec):
+    """What every strategy is built relative to: the run's optimizer settings (``recipes.train.optimizer``) plus
+    the SWATS strategy's own (``orchestrator.swats_*``, ``optim.swats``)."""
+    swats_eps: float = 1e-5
+    swats_scope: str = "global"
+
+
+def strategy_spec(cfg) -> StrategySpec:
+    """The :class:`StrategySpec` of a run of ``cfg`` (a config with the ``orchestrator.*`` keys)."""
+    return StrategySpec(**vars(optimizer_spec(cfg)), swats_eps=cfg.orchestrator.swats_eps,
+                        swats_scope=cfg.orchestrator.swats_scope)
+
+
 class StrategyTag(NamedTuple):
     index: torch.Tensor   # int64 0-d: position of the strategy in NAMES
 
@@ -104,9 +119,9 @@ def strategy_of(opt_state) -> str:
     return NAMES[int(t.index)]
 
 
-def build(name: str, spec: OptimizerSpec) -> GradientTransformation:
-    """The transform chain of strategy ``name`` relative to the run's optimizer ``spec``
-    (``recipes.train.optimizer``: its lr, schedule, betas, weight decay, clipping and SWATS settings)."""
+def build(name: str, spec: StrategySpec) -> GradientTransformation:
+    """The transform chain of strategy ``name`` relative to the run's optimizer settings ``spec`` (its lr,
+    schedule, betas, weight decay, clipping, and the SWATS settings)."""
     if name not in PORTFOLIO:
         raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(NAMES)}")
     s = PORTFOLIO[name]
@@ -179,7 +194,7 @@ def _first_moment(opt_state):
     return None
 
 
-def transfer(old_state, name: str, spec: OptimizerSpec, params):
+def transfer(old_state, name: str, spec: StrategySpec, params):
     """The optimizer state of strategy ``name`` continuing from ``old_state`` (see the module docstring)."""
     new = build(name, spec).init(params)
     family = PORTFOLIO[name].family
@@ -206,4 +221,5 @@ def transfer(old_state, name: str, spec: OptimizerSpec, params):
     return new
 
 
-__all__ = ["Strategy", "PORTFOLIO", "NAMES", "StrategyTag", "build", "transfer", "strategy_of"]
+__all__ = ["Strategy", "PORTFOLIO", "NAMES", "StrategySpec", "StrategyTag", "build", "strategy_of", "strategy_spec",
+           "transfer"]

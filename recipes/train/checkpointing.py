@@ -80,7 +80,7 @@ class Checkpointing(Hook):
         extra = {**self.extra(), "loop": ctx.loop.to_dict()}
         if self.train is not None:   # the training keys this run used: a resume compares them (setup.start)
             extra["train"] = self.train
-        for hook in ctx.hooks:   # e.g. the orchestrator's strategy, bandit and counters resume with the run
+        for hook in ctx.hooks:   # every hook's state (a strategy layer's choices and counters) resumes with the run
             if hook.key is not None:
                 extra[hook.key] = hook.state_dict()
         ctx.checkpoint = self.manager.save(ctx.step, tree, extra=extra, val_loss=val_loss, final=final,

@@ -2,6 +2,8 @@
 
 Recipe configs subclass ``TrainConfig`` and add their own keys. Defaults live here, once; the key table
 of docs/configuration.md is generated from these declarations (``bin/run recipe=standard --help`` prints the same).
+A config that adds a layer with its own section (a strategy layer, say) lists it in :meth:`TrainConfig.run_hooks`
+(``recipes.train.hooks.RunHook``): that is all the shared trainer knows of it.
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ from optim.schedules import KINDS
 from recipes.train.backend import SCOPES
 from recipes.train.faults import FaultConfig
 from recipes.train.optimizer import AdaGCConfig   # the adagc.* keys, declared with the optimizer factory
-from recipes.orchestrator.config import OrchestratorConfig
 
 CLIPPING = ("global", "adagc", "agc", "none")
 
@@ -59,8 +60,6 @@ class TrainConfig:
     cost_per_hour: float = option(0.0, "price of the machine per hour, for the cost meter (0: off)", min=0)
     budget: float = option(0.0, "stop cleanly with a checkpoint once the cost reaches this (0: no limit)", min=0)
     fault: FaultConfig = option(FaultConfig, "deliberate faults, for testing the stability machinery")
-    orchestrator: OrchestratorConfig = option(OrchestratorConfig, "strategy orchestration: speculative branches, "
-                                              "bandit selection, safety rollback, nowcasting")
     log_every: int = option(10, "steps between metric pulls to TensorBoard/JSONL/console", min=1)
     eval_every: int = option(250, "steps between validation runs (0: only at the end)", min=0)
     eval_batches: int = option(20, "validation batches per evaluation (fixed windows)", min=1)
@@ -109,12 +108,11 @@ class TrainConfig:
         if self.parallel == "fsdp" and self.clipping == "agc":
             raise ConfigError("clipping=agc with parallel=fsdp: AGC's unit norms are not wired for sharded "
                               "gradients; use clipping=global or clipping=adagc")
-        if self.parallel == "fsdp" and self.orchestrator.enabled:
-            raise ConfigError("orchestrator.enabled=true with parallel=fsdp: the orchestrator's strategies are not "
-                              "built on sharded state; use parallel=ddp")
-        if self.orchestrator.enabled and not self.spike.enabled:
-            raise ConfigError("orchestrator.enabled=true needs spike.enabled=true: its safety rollback is the "
-                              "spike machinery's (snapshot ring, rollback_back, max_rollbacks)")
+
+    def run_hooks(self) -> tuple:
+        """The layers this config's own sections add to a run (``recipes.train.hooks.RunHook``): none here; a
+        recipe's config that declares such a section returns its hook, switched on or off by the section."""
+        return ()
 
 
 def _check_paths(out: str, resume: str) -> None:
@@ -131,9 +129,10 @@ def _check_paths(out: str, resume: str) -> None:
                           f"resume=never or an existing PATH)")
 
 
-def train_config(section, **overrides) -> TrainConfig:
-    """The TrainConfig a recipe's own config ``section`` (a dataclass) runs ``recipes.train.loop.fit`` with:
-    every key of ``section`` that TrainConfig also has, then ``overrides``; the rest TrainConfig's defaults."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+def train_config(section, cls: type = TrainConfig, **overrides) -> TrainConfig:
+    """The config (``cls``: TrainConfig or a subclass) a recipe's own config ``section`` (a dataclass) runs
+    ``recipes.train.loop.fit`` with: every key of ``section`` that ``cls`` also has, then ``overrides``; the rest
+    ``cls``'s defaults."""
+    names = {f.name for f in dataclasses.fields(cls)}
     shared = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name in names}
-    return TrainConfig(**{**shared, **overrides})
+    return cls(**{**shared, **overrides})

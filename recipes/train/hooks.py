@@ -1,11 +1,16 @@
 """The one interface between the training loop and everything that acts on it between steps.
 
 ``recipes.train.loop.fit`` steps the state and then hands a :class:`StepContext` to its hooks in order: the
-first-step checks, the recipe's own hooks (the orchestrator, ``recipes/orchestrator/driver.py``), the
-metrics log, the spike rollback, evaluation, checkpointing and the stop conditions. A hook may move the
-state (return a :class:`Jump`) or end the run (return a :class:`Stop`); its ``state_dict`` is saved in
-every checkpoint under its ``key`` and handed back on resume. The structure follows the callback
-interfaces of Keras and PyTorch Lightning, with the loop's own pieces written as callbacks too.
+first-step checks, the recipe's own hooks (a strategy layer a recipe switches on), the metrics log, the spike
+rollback, evaluation, checkpointing and the stop conditions. A hook may move the state (return a :class:`Jump`)
+or end the run (return a :class:`Stop`); its ``state_dict`` is saved in every checkpoint under its ``key`` and
+handed back on resume. The structure follows the callback interfaces of Keras and PyTorch Lightning, with the
+loop's own pieces written as callbacks too.
+
+A layer that a recipe's config adds to a run (its own config section, its own loop hook) may also need a say
+before the loop starts: the optimizer the state is built with, whether the steps may donate their input state,
+whether ``dry_run=true`` can project the run. It answers as a :class:`RunHook`, which a config lists in its
+``run_hooks()``; the shared trainer asks every one of them and never names any.
 """
 from __future__ import annotations
 
@@ -15,11 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from optim.base import GradientTransformation
+
 
 @dataclass
 class Jump:
     """The main state moved: continue from ``state`` at ``step``/``cursor``, ``ticks`` kept steps with
-    ``metrics`` (an orchestrator branch), or, with ``restart``, skip this step's remaining hooks (a rollback)."""
+    ``metrics`` (a branch a hook trained and kept), or, with ``restart``, skip this step's remaining hooks (a
+    rollback)."""
     state: Any
     step: int
     cursor: int
@@ -61,6 +69,25 @@ class Hook:
 
     def load_state_dict(self, d: dict) -> None:
         pass
+
+
+class RunHook:
+    """What a layer a recipe's config adds to its runs says about a run before and around its loop (module
+    docstring). A config lists its layers in ``run_hooks()`` (``TrainConfig``: none); each answers from its own
+    config section, so a layer that is switched off changes nothing. Every member is optional."""
+    fixed_keys: tuple[str, ...] = ()   # keys a resumed run cannot change (``recipes.train.changes``), on or off
+    loop_key: Optional[str] = None     # when on: the ``key`` of the loop Hook the recipe must hand ``fit``
+    keeps_states: bool = False         # when on: the loop steps one state more than once (branches): no donation
+
+    def optimizer(self, psum: Optional[Callable], resumed: dict) -> Optional[GradientTransformation]:
+        """The optimizer the run's state is built with, or None for the run's own (``recipes.train.optimizer``).
+        ``psum``: sums over the ranks of a sharded state (parallel=fsdp), else None; ``resumed``: the top level of
+        the checkpoint the run resumes (``core.checkpoint.read_meta``; {} for a fresh run)."""
+        return None
+
+    def dry_run_refusal(self) -> Optional[str]:
+        """Why ``dry_run=true`` cannot project this run (None: it can)."""
+        return None
 
 
 @dataclass

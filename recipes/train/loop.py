@@ -7,7 +7,7 @@ transfer (Levanter's deferred metrics), evaluates on fixed validation windows, k
 evaluations without improvement. Everything needed to resume exactly is in the checkpoint: the train
 state (with its data cursor), the loop's own counters and its hooks' state. Each of those pieces is a hook
 (``recipes/train/hooks.py``: metrics in ``metrics.py``, rollback in ``rollback.py``, checkpoints and stops in
-``checkpointing.py``), and so is anything a recipe adds (the orchestrator).
+``checkpointing.py``), and so is anything a recipe adds (a strategy layer's branches and switches).
 """
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     if cfg.fault.active:
         train_loss = with_faults(loss_fn)
         batches = FaultyBatches(batches, cfg.fault, vocab_size, cfg.seed)
-    # donate: the loop never reads a state after stepping it; the orchestrator's branches do (one state, many steps).
-    donate = not cfg.orchestrator.enabled
+    # donate: the loop never reads a state after stepping it, unless a run hook's branches do (one state, many steps)
+    donate = not any(hook.keeps_states for hook in cfg.run_hooks())
     train = make_train_step(train_loss, optimizer, grad_accum=cfg.grad_accum, precision=cfg.dtype,
                             device_type=device.type, compile=cfg.compile, compile_scope=scope,
                             remat=cfg.remat, extra_metrics=health,
@@ -146,23 +146,37 @@ def gathering(step: Callable, layout: Optional[Layout], frozen: Optional[str] = 
 
 
 @dataclass
-class LoopIO:
-    """Where a run's results go and what the loop needs to measure them.
+class Validation:
+    """What the loop's evaluations run (every ``eval_every`` steps and at the end; ``recipes.train.metrics``):
+    ``loss(params) -> float`` on held-out data (the best checkpoint and ``patience`` follow it) and, beside it,
+    ``sample(params) -> text``; ``perplexity``: the loss is a next-token NLL, so ``exp`` of it is reported too."""
+    loss: Callable[[object], float]
+    sample: Optional[Callable[[object], str]] = None
+    perplexity: bool = True
 
-    ``checkpoints`` is None on data-parallel ranks other than 0 (rank 0 alone writes); ``checkpoint_extra()``
-    adds the recipe's own entries to every checkpoint. ``perplexity`` says the validation loss is a
-    next-token NLL, so ``exp`` of it is reported too. ``log`` replaces the standard metrics log (a phase
-    with its own metrics, e.g. the upcycle recipe's per-block convergence); ``resume_folder`` is the ``out=``
-    that resumes the run when it is not the checkpoints' folder."""
-    logger: Logger
-    checkpoints: Optional[ckpt.CheckpointManager]
-    checkpoint_extra: Callable[[], dict] = dict
-    evaluate_fn: Optional[Callable[[object], float]] = None
-    sample_fn: Optional[Callable[[object], str]] = None
+
+@dataclass
+class Measures:
+    """What the loop measures a run against: tokens per optimizer step over all ranks (throughput, the token
+    count), training FLOPs per token (MFU), and the loss a fresh model's first step should show (``log(vocab)``;
+    None: not checked)."""
     tokens_per_step: int = 0
     flops_per_token: float = 0.0
     expected_initial_loss: Optional[float] = None
-    perplexity: bool = True
+
+
+@dataclass
+class LoopIO:
+    """Where a run's results go: the ``logger``, the ``checkpoints`` (None on data-parallel ranks other than 0:
+    rank 0 alone writes; ``checkpoint_extra()`` adds the recipe's own entries to every checkpoint), the
+    ``validation`` (None: none), and what the loop measures it against. ``log`` replaces the standard metrics log
+    (a phase with its own metrics, e.g. the upcycle recipe's per-block convergence); ``resume_folder`` is the
+    ``out=`` that resumes the run when it is not the checkpoints' folder."""
+    logger: Logger
+    checkpoints: Optional[ckpt.CheckpointManager]
+    checkpoint_extra: Callable[[], dict] = dict
+    validation: Optional[Validation] = None
+    measures: Measures = field(default_factory=Measures)
     log: Optional[Hook] = None
     resume_folder: Optional[Path] = None
 
@@ -172,7 +186,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
     """Train ``state`` until ``cfg.steps``; returns the final state and what happened.
 
     After every step the hooks run in order (``recipes.train.hooks``): the first-step checks, the recipe's
-    ``hooks`` (None entries skipped, so an optional orchestrator is passed as is), the metrics log, the spike
+    ``hooks`` (None entries skipped, so a layer switched off is passed as is), the metrics log, the spike
     rollback, evaluation, checkpointing and the stop conditions. ``dist`` makes the ranks agree on host-side
     stops (preemption, budget) at log steps.
 
@@ -183,13 +197,11 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
     ``core.exits.RunStopped`` once the loop has closed its logs (exit code 4).
     """
     hooks = [h for h in hooks if h is not None]
-    if cfg.orchestrator.enabled and not any(h.key == "orchestrator" for h in hooks):   # never silently ignored
-        raise UserError("orchestrator.enabled=true, but this recipe does not build an orchestrator "
-                        "(recipes/orchestrator/driver.py; recipes/standard.py shows the wiring)")
+    _check_wired(cfg, hooks)
     loop = loop or LoopState()
     setup_peak = _announce_parallel(io.logger, state, steps, dist)
     ctx = StepContext(state, int(state.step), int(state.cursor), frozen=frozen, total=cfg.steps, loop=loop,
-                      result=FitResult(state, loop), tokens_per_step=io.tokens_per_step,
+                      result=FitResult(state, loop), tokens_per_step=io.measures.tokens_per_step,
                       wall_before=loop.wall_seconds)
     ctx.hooks = _pieces(cfg, io, steps, hooks, ctx, dist)
     batches = Prefetch(steps.batches)   # the next batch is built while this step runs
@@ -222,6 +234,16 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
         where = f"{io.checkpoints.folder / ckpt.STOPPED}" if io.checkpoints else f"{ckpt.STOPPED} (written by rank 0)"
         raise RunStopped(f"{ctx.result.stop_reason}; its last state is {where}, not final.msgpack")
     return ctx.result
+
+
+def _check_wired(cfg: TrainConfig, hooks: list) -> None:
+    """A layer that ``cfg`` switches on (``recipes.train.hooks.RunHook``) whose loop hook the recipe did not hand
+    ``fit`` is an error naming it, never silently ignored."""
+    keys = {h.key for h in hooks}
+    for run_hook in cfg.run_hooks():
+        if run_hook.loop_key is not None and run_hook.loop_key not in keys:
+            raise UserError(f"{run_hook.loop_key}.* is switched on, but this recipe does not hand the training loop "
+                            f"its {run_hook.loop_key!r} hook (a recipe whose config has that section must wire it)")
 
 
 def _report_peaks(logger: Logger, step: int, device, dist: Dist, setup_peak: float) -> None:
@@ -257,13 +279,15 @@ def _announce_parallel(logger: Logger, state: TrainState, steps: Steps, dist: Di
 
 def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepContext, dist: Dist) -> list:
     """The loop's hooks in the order they run after a step."""
-    pieces = [FirstStepCheck(io.logger, steps.health, io.expected_initial_loss), *hooks,
-              io.log or TrainLog(cfg, io.logger, steps.health, ctx, io.flops_per_token, _epoch_of(steps.batches))]
+    measures = io.measures
+    pieces = [FirstStepCheck(io.logger, steps.health, measures.expected_initial_loss), *hooks,
+              io.log or TrainLog(cfg, io.logger, steps.health, ctx, measures.flops_per_token, _epoch_of(steps.batches))]
     if cfg.spike.enabled:
         # the disk fallback only in one process: rank 0 alone holds the checkpoint manager
         pieces.append(Rollback(cfg.spike, io.logger, ctx, None if dist.enabled else io.checkpoints))
-    if io.evaluate_fn is not None:
-        pieces.append(Evaluation(cfg, io.logger, io.evaluate_fn, io.sample_fn, io.perplexity))
+    if io.validation is not None:
+        v = io.validation
+        pieces.append(Evaluation(cfg, io.logger, v.loss, v.sample, v.perplexity))
     saving = Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger, train=to_dict(cfg),
                            every_minutes=cfg.save_every_minutes, dist=dist, log_every=cfg.log_every,
                            export=steps.layout.deferred if steps.layout else None,

@@ -2,8 +2,8 @@
 :class:`OptimizerSpec`.
 
 Every recipe's optimizer is built here: the training loop's (``optimizer_spec`` of its ``TrainConfig``), the
-orchestrator's strategies (``recipes/orchestrator/strategies.py`` builds its portfolio from the same spec and
-the pieces below), the upcycle blockwise phase's and the learning-rate range test's. AdamW is Loshchilov &
+upcycle blockwise phase's and the learning-rate range test's; a layer that builds its own optimizers (a
+``recipes.train.hooks.RunHook``) builds them from the same spec and the pieces below. AdamW is Loshchilov &
 Hutter 2019 (``optim.adamw``), AdaGC is Wang et al. 2025 (``optim.adagc``), AGC is Brock et al. 2021's
 unit-wise clipping (``optim.agc``); schedules are ``optim.schedules``.
 """
@@ -43,8 +43,6 @@ class OptimizerSpec:
     grad_clip: float = 1.0               # global-norm threshold; AdaGC's absolute cap
     adagc: AdaGCConfig = field(default_factory=AdaGCConfig)
     agc_clip: float = 0.01
-    swats_eps: float = 1e-5              # the orchestrator's SWATS strategy (optim.swats)
-    swats_scope: str = "global"
 
 
 def optimizer_spec(cfg) -> OptimizerSpec:
@@ -52,8 +50,7 @@ def optimizer_spec(cfg) -> OptimizerSpec:
     return OptimizerSpec(lr=cfg.lr, min_lr=cfg.min_lr, lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                          decay_steps=cfg.decay_steps or cfg.steps, beta1=cfg.beta1, beta2=cfg.beta2,
                          weight_decay=cfg.weight_decay, clipping=cfg.clipping, grad_clip=cfg.grad_clip,
-                         adagc=cfg.adagc, agc_clip=cfg.agc_clip, swats_eps=cfg.orchestrator.swats_eps,
-                         swats_scope=cfg.orchestrator.swats_scope)
+                         adagc=cfg.adagc, agc_clip=cfg.agc_clip)
 
 
 def make_schedule(spec: OptimizerSpec) -> Schedule:

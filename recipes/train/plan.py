@@ -32,10 +32,12 @@ PROBE_SECONDS = 10.0      # ... or this long, whichever comes first (at least 3 
 
 def probe_config(cfg):
     """The config the probe builds its steps with: ``cfg`` with ``compile=false``; refuses what it cannot
-    project (an orchestrated run's branches multiply its steps by the bandit's choices)."""
-    if cfg.orchestrator.enabled:
-        raise UserError("dry_run=true cannot project orchestrator.enabled=true (its branches' cost depends on "
-                        "the bandit's choices); dry-run without it")
+    project: a run hook's refusal (``recipes.train.hooks.RunHook.dry_run_refusal``, e.g. a layer whose branches
+    multiply the steps by choices made while training)."""
+    for hook in cfg.run_hooks():
+        refusal = hook.dry_run_refusal()
+        if refusal is not None:
+            raise UserError(refusal)
     return dataclasses.replace(cfg, compile=False, compile_mode="default")   # no warning about the probe's own choice
 
 

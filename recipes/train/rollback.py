@@ -143,7 +143,7 @@ class Rollback(Hook):
         to_step, restored, path, note = found
         cursor = ctx.cursor + spike.skip_ahead
         skipped = cursor - int(restored.cursor)
-        for hook in ctx.hooks:   # e.g. the orchestrator continues the restored state with its safety strategy
+        for hook in ctx.hooks:   # a hook may adjust the restored state (a strategy layer: switch to its safe one)
             restored = hook.on_rollback(step, to_step, restored)
         restored = restored._replace(cursor=torch.tensor(cursor, dtype=torch.int64, device=device),
                                      monitor=clear_monitor(restored.monitor),

@@ -9,22 +9,22 @@ fails later on bad input leaves no trace. :meth:`RunSetup.writing` claims the fo
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from core import checkpoint as ckpt, runs
 from core.config import ConfigError, UserError, apply_overrides
-from core.distributed import Dist
+from core.distributed import Dist, all_reduce_sum
 from core.logging import Logger
 from core.shard import Layout, LayoutError
 from core.state import TrainState, init_state
 from core.tree import cast
 from optim.health import stacked_predicate
 from optim.base import GradientTransformation
-from recipes.orchestrator.driver import initial_optimizer
 from recipes.train import backend, changes
 from recipes.train.config import TrainConfig
 from recipes.train.loop import LoopState
@@ -54,11 +54,11 @@ class RunSetup:
     folder: Optional[Path]
     dist: Dist
     resume: Optional[Path]              # the checkpoint this run continues, or None
-    optimizer: GradientTransformation   # an orchestrated run's: the strategy it starts (or resumes) with
+    optimizer: GradientTransformation   # the run's own, or the one a run hook supplies (build_optimizer)
     state: TrainState
     loop: LoopState
-    saved_orchestrator: Optional[dict]  # the orchestrator's state in the resumed checkpoint
-    resumed: dict                       # the resumed checkpoint's top level ({} for a fresh run)
+    resumed: dict = field(default_factory=dict)   # the resumed checkpoint's top level ({} for a fresh run), with
+                                                  # every loop hook's state under its key
     changed: str = ""                   # the keys changed since that checkpoint, applied from its step
     layout: Optional[Layout] = None     # parallel=fsdp: where each leaf of the state lives (core.shard)
 
@@ -86,10 +86,26 @@ class RunSetup:
         return logger
 
 
-def layout_of(cfg: TrainConfig, params, dist: Dist) -> Optional[Layout]:
-    """The sharded layout of a ``parallel=fsdp`` run of ``cfg`` (None otherwise), its optimizer state probed
-    from ``cfg``'s optimizer."""
-    return sharded_layout(dist, params, make_optimizer(optimizer_spec(cfg)).init, cfg.dtype)
+def build_optimizer(cfg: TrainConfig, psum: Optional[Callable] = None, resumed: Optional[dict] = None) \
+        -> GradientTransformation:
+    """The optimizer a run of ``cfg`` builds its state with: the one a run hook of ``cfg`` supplies
+    (``recipes.train.hooks.RunHook.optimizer``, told the resumed checkpoint's top level ``resumed``), else the
+    run's own (``recipes.train.optimizer``); ``psum`` as in ``make_optimizer`` (parallel=fsdp)."""
+    for hook in cfg.run_hooks():
+        optimizer = hook.optimizer(psum, resumed or {})
+        if optimizer is not None:
+            return optimizer
+    return make_optimizer(optimizer_spec(cfg), psum)
+
+
+def sum_over_ranks(dist: Dist) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """Under parallel=fsdp, ``x -> x`` summed over every rank (what the layout's ``core.shard.Layout.psum`` sums
+    over: :func:`sharded_layout` lays the state over the WORLD group), which an optimizer's norms over sharded
+    gradients need; else None."""
+    if not dist.sharded:
+        return None
+    import torch.distributed as torch_dist
+    return partial(all_reduce_sum, group=torch_dist.group.WORLD)
 
 
 def sharded_layout(dist: Dist, params, init, dtype: str) -> Optional[Layout]:
@@ -111,43 +127,50 @@ def start(cfg: TrainConfig, folder: Optional[Path], params, *, device, dist: Dis
           tokenizer=None) -> RunSetup:
     """The run of ``cfg`` in ``folder`` starting from ``params``, or resumed from the checkpoint ``cfg.resume``
     names there (its tokenizer must be ``tokenizer``'s when given). ``folder`` None: a fresh state for a
-    benchmark, no run folder at all."""
+    benchmark, no run folder at all. The optimizer is built once (:func:`build_optimizer`): its ``init`` also
+    lays out a sharded state."""
     backend.configure(cfg, device)        # tf32 on CUDA; a warning for what this device ignores
     resume = resolve_run_folder(cfg, folder) if folder is not None else None
-    layout = layout_of(cfg, params, dist)
-    # an orchestrated run starts on (or resumes with) the orchestrator's strategy
-    optimizer = initial_optimizer(cfg, resume) if cfg.orchestrator.enabled else \
-        make_optimizer(optimizer_spec(cfg), psum=layout.psum if layout else None)
+    meta = ckpt.read_meta(resume) if resume is not None else {}
+    diff = _changes(cfg, meta) if resume is not None else {}   # refused keys stop the run before anything is built
+    optimizer = build_optimizer(cfg, sum_over_ranks(dist), meta)
+    layout = sharded_layout(dist, params, optimizer.init, cfg.dtype)
     mine = layout.shard_params(params) if layout else params      # fsdp: the moments are made on the shards
-    state = init_state(mine, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled)
-    loop, saved_orchestrator, loaded, changed = LoopState(), None, {}, ""
-    if resume is not None:
-        diff = _changes(cfg, ckpt.read_meta(resume))      # refused keys stop the run before the state is read
-        template = state if layout is None else init_state(cast(params, device="meta"), optimizer, cfg.seed,
+    run = RunSetup(cfg, folder, dist, resume, optimizer,
+                   init_state(mine, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled), LoopState(),
+                   layout=layout)
+    return run if resume is None else _resumed(run, params, meta, diff, tokenizer, device)
+
+
+def _resumed(run: RunSetup, params, meta: dict, diff: dict, tokenizer, device) -> RunSetup:
+    """``run`` (fresh) continued from its checkpoint ``run.resume``, whose top level is ``meta`` and whose keys
+    ``diff`` changes: its state (this rank's cut under fsdp), loop counters and hooks' entries."""
+    cfg, layout = run.cfg, run.layout
+    template = run.state if layout is None else init_state(cast(params, device="meta"), run.optimizer, cfg.seed,
                                                            cfg.dtype, spike=cfg.spike.enabled)
-        loaded = ckpt.load(resume, template=template, device=device)   # fsdp: full leaves, then this rank's cut
-        if tokenizer is not None and loaded.get("tokenizer") and loaded["tokenizer"] != tokenizer.to_dict():
-            raise UserError(f"{resume}: its tokenizer differs from this run's ({tokenizer.name}); use another out=")
-        state, loop = loaded["state"], LoopState.from_dict(loaded.get("loop"))
-        state = state if layout is None else layout.shard(state)
-        saved_orchestrator = loaded.get("orchestrator")
-        state = _apply_changes(cfg, diff, state, mine)
-        changed = changes.describe(diff, int(state.step))
-    return RunSetup(cfg, folder, dist, resume, optimizer, state, loop, saved_orchestrator, loaded, changed, layout)
+    loaded = ckpt.load(run.resume, template=template, device=device)   # fsdp: full leaves, then this rank's cut
+    if tokenizer is not None and loaded.get("tokenizer") and loaded["tokenizer"] != tokenizer.to_dict():
+        raise UserError(f"{run.resume}: its tokenizer differs from this run's ({tokenizer.name}); use another out=")
+    state = loaded["state"] if layout is None else layout.shard(loaded["state"])
+    state = _apply_changes(cfg, diff, state, run.state, meta)
+    return replace(run, state=state, loop=LoopState.from_dict(loaded.get("loop")), resumed=loaded,
+                   changed=changes.describe(diff, int(state.step)))
 
 
 def _changes(cfg: TrainConfig, meta: dict) -> dict:
     """The keys changed since the checkpoint whose top level is ``meta``; a ConfigError for those that cannot
-    change (``recipes.train.changes``)."""
+    change (``recipes.train.changes``, and the keys the config's run hooks fix)."""
     diff = changes.changes(meta.get("train") or meta.get("config") or {}, cfg)
-    changes.check(diff)
+    changes.check(diff, changes.FIXED + tuple(k for hook in cfg.run_hooks() for k in hook.fixed_keys))
     return diff
 
 
-def _apply_changes(cfg: TrainConfig, diff: dict, state: TrainState, params) -> TrainState:
-    """``state`` with the optimizer hyperparameters that ``diff`` changes set to this run's values."""
+def _apply_changes(cfg: TrainConfig, diff: dict, state: TrainState, fresh: TrainState, meta: dict) -> TrainState:
+    """``state`` with the optimizer hyperparameters that ``diff`` changes set to this run's values: ``fresh`` is
+    this run's fresh state (its optimizer state made by this config), compared with one made by the checkpoint's
+    config (``recipes.train.changes.apply_hyperparameters``)."""
     if not diff:
         return state
     old = apply_overrides(cfg, {k: before for k, (before, _) in diff.items()}, context="the checkpoint's config")
-    before, after = (make_optimizer(optimizer_spec(c)).init(params) for c in (old, cfg))
-    return state._replace(opt_state=changes.apply_hyperparameters(state.opt_state, before, after))
+    before = build_optimizer(old, None, meta).init(fresh.params)     # its init alone: no sums over ranks needed
+    return state._replace(opt_state=changes.apply_hyperparameters(state.opt_state, before, fresh.opt_state))

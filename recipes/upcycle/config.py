@@ -4,8 +4,8 @@
 ``Config`` is therefore declared with :func:`keyword_dataclass` (fields and defaults exactly as a dataclass,
 with an ``__init__(**keys)``), and the phase's settings are read as ``cfg.global_phase``. Everything else is a
 plain dataclass. The global phase's training keys are TrainConfig's own declarations (``same_as``), so their
-defaults and help live in one place; ``global_train_config`` turns them into the TrainConfig that
-``recipes.train.loop.fit`` runs on.
+defaults and help live in one place (the orchestrator's: ``OrchestratedConfig``'s); ``global_train_config`` turns
+them into the config that ``recipes.train.loop.fit`` runs on.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from core.step import COMPILE_SCOPES
 from models.blockwise import LOSSES, MODES, TARGETS
 from models.surgery import METHODS
 from recipes.distill.teacher import teacher_dtype_option
-from recipes.orchestrator.config import OrchestratorConfig
+from recipes.orchestrator.config import OrchestratedConfig, OrchestratorConfig
 from recipes.train.config import TrainConfig, train_config
 
 PHASES = ("blockwise", "global", "verify", "benchmark")   # surgery always runs: it builds the student
@@ -66,7 +66,7 @@ class GlobalConfig:
     remat: bool = same_as(TrainConfig, "remat")
     health: bool = option(False, "gradient health statistics per tensor and layer, logged every log_every")
     spike: SpikeConfig = same_as(TrainConfig, "spike")
-    orchestrator: OrchestratorConfig = same_as(TrainConfig, "orchestrator")
+    orchestrator: OrchestratorConfig = same_as(OrchestratedConfig, "orchestrator")
     kd_alpha: float = option(0.5, "weight of KD from the teacher's logits: alpha*T^2*KL + (1-alpha)*CE (0: CE only)",
                              min=0, max=1)
     temperature: float = option(1.0, "KD temperature", above=0)
@@ -223,8 +223,9 @@ setattr(Config, "global", option(GlobalConfig, "global fine-tune of the whole st
 Config = keyword_dataclass(Config)
 
 
-def global_train_config(cfg: Config, out: str) -> TrainConfig:
-    """The TrainConfig the global phase runs ``recipes.train.loop.fit`` with (every ``global.*`` key lands here)."""
-    return train_config(cfg.global_phase, out=out, seed=cfg.seed, device=cfg.device, dtype=cfg.dtype,
-                        compile=cfg.compile, compile_scope=cfg.compile_scope, block_size=cfg.block_size, clipping="global",
-                        resume="auto", parallel=cfg.parallel)
+def global_train_config(cfg: Config, out: str) -> OrchestratedConfig:
+    """The config the global phase runs ``recipes.train.loop.fit`` with (every ``global.*`` key lands here: the
+    shared training keys and the orchestrator's)."""
+    return train_config(cfg.global_phase, OrchestratedConfig, out=out, seed=cfg.seed, device=cfg.device,
+                        dtype=cfg.dtype, compile=cfg.compile, compile_scope=cfg.compile_scope,
+                        block_size=cfg.block_size, clipping="global", resume="auto", parallel=cfg.parallel)

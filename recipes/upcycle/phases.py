@@ -29,7 +29,7 @@ from models.loading import LoadedModel, model_entry
 from recipes.distill.teacher import compute_view
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import setup
-from recipes.train.loop import LoopIO, build_steps, evaluate, fit
+from recipes.train.loop import LoopIO, Measures, Validation, build_steps, evaluate, fit
 from recipes.upcycle.config import Config, global_train_config
 
 FINAL = "final.msgpack"
@@ -191,11 +191,11 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
                 + (f"; resuming from {resume} at step {int(state.step)}" if resume else ""))
         orchestrator, steps = orchestrate(   # strategies are scored on the student's CE on held-out windows
             tc, steps, make_step=lambda opt: build_steps(tc, loss_fn, opt, student, batches, ctx.device, vocab).train,
-            val_tokens=ctx.dev, device=ctx.device, logger=logger, folder=folder, saved=run_setup.saved_orchestrator,
+            val_tokens=ctx.dev, device=ctx.device, logger=logger, folder=folder, resumed=run_setup.resumed,
             eval_step=student_ce)
         io = LoopIO(logger, manager, checkpoint_extra=lambda: extra,
-                    evaluate_fn=lambda p: evaluate(student_ce, p, dev, dist=dist),
-                    tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size * dist.world_size,
+                    validation=Validation(lambda p: evaluate(student_ce, p, dev, dist=dist)),
+                    measures=Measures(tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size * dist.world_size),
                     resume_folder=ctx.folder)
         result = fit(tc, state, steps, io, loop=loop, frozen=t.params if kd else None, hooks=[orchestrator],
                      dist=dist)
