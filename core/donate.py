@@ -23,6 +23,8 @@ student was copied from) is cloned first, so donation never writes through an al
 from __future__ import annotations
 
 import contextlib
+import functools
+from typing import Callable
 
 import torch
 
@@ -92,6 +94,20 @@ def update_in_place(optimizer, state: TrainState, grads, keep: bool = False):
         return updates, opt_state, apply_updates(state.params, updates)
     torch._foreach_add_(params, steps)
     return updates, opt_state, state.params
+
+
+def donate(step: Callable) -> Callable:
+    """``step(state, *args) -> (new_state, metrics)`` made to write the new params and optimizer state into
+    ``state``'s buffers (:func:`write_into`), JAX's ``jit(step, donate_argnums=0)``: wrap a step before
+    ``torch.compile``, which then stores each new leaf in its input's buffer inside the graph (``make_train_step(...,
+    donate=True)`` is this plus the eager in-place update). The caller gives ``state`` up; its leaves must not alias
+    each other (:func:`owned` makes them so)."""
+    @functools.wraps(step)
+    def donated_step(state: TrainState, *args, **kwargs):
+        new, metrics = step(state, *args, **kwargs)
+        return write_into(state, new), metrics
+
+    return donated_step
 
 
 def _storage(t: torch.Tensor) -> int:

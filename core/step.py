@@ -43,12 +43,12 @@ import torch
 
 from core import rng
 from core.compile import cpp_wrapper, maybe_compile, regions
-from core.donate import owned, update_in_place, write_into
-from core.loss_scale import update_loss_scale
+from core.donate import owned
 from core.row_grads import RowGradients
-from core.spike import SpikeConfig, update_monitor
+from core.spike import SpikeConfig
 from core.state import TrainState
-from core.tree import apply_updates, global_norm, leaves_of, map_flat, tree_flatten, tree_map, tree_unflatten, where
+from core.tree import map_flat, tree_flatten, tree_map, tree_unflatten
+from core.update import Monitors, apply_gradients
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_MODES = ("func", "autograd")
@@ -179,70 +179,14 @@ def per_block(shard, compile: bool, compile_scope: str = "step", grad_mode: Opti
     return shard is not None and not one_graph and grad_mode != "func"
 
 
-def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: Optional[SpikeConfig],
-                          donate: bool, skip: bool = True, psum: Optional[Callable] = None) -> Callable:
-    """``apply_gradients(state, grads, loss, aux, due=None) -> (state, metrics)``: unscale, norm, update, skip if not
-    finite; with ``donate`` the new params and optimizer state are written into ``state``'s (``core.donate``);
-    ``psum`` makes the norms of sharded params and gradients whole-model (``core.shard``); ``due`` (a bool decided
-    on the host, or None: in the graph or always) says whether ``extra_metrics`` are computed this step."""
-    gated = getattr(extra_metrics, "due", None) is not None   # it says when it is due (optim.health)
+def _make_apply_gradients(optimizer, monitors: Monitors, donate: bool, psum: Optional[Callable]) -> Callable:
+    """``apply(state, grads, loss, aux, due=None) -> (state, metrics)``: :func:`core.update.apply_gradients` with
+    this step's optimizer, monitors, donation and norms (a function of its own: the autograd paths compile it)."""
+    def apply(state: TrainState, grads, loss, aux, due: Optional[bool] = None):
+        return apply_gradients(state, grads, optimizer, loss=loss, aux=aux, monitors=monitors, psum=psum,
+                               donate=donate, due=due)
 
-    def apply_gradients(state: TrainState, grads, loss, aux, due: Optional[bool] = None):
-        scale = state.loss_scale.get("scale") if state.loss_scale else None
-        if scale is not None:
-            grads = tree_map(lambda g: g / scale.to(g.dtype), grads)   # unscale before clipping or stats
-        grad_norm = global_norm(grads, psum)
-        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(), **aux}
-        in_place = donate and not torch.compiler.is_compiling() and bool(finite)   # eager: one host sync
-        keep_old = skip and not in_place
-        if in_place:   # eager donated step: moments and (unless extra metrics read the old params) params in place
-            updates, opt_state, new_params = update_in_place(optimizer, state, grads,
-                                                             keep=extra_metrics is not None and due is not False)
-        else:
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            new_params = apply_updates(state.params, updates)
-        if getattr(optimizer, "metrics", None) is not None:   # what the transforms report: lr, clip activity
-            metrics.update(optimizer.metrics(opt_state))
-        if due is False:      # the host said the extra metrics are not due (make_train_step)
-            metrics.update(extra_metrics.skipped(grad_norm.device))
-        elif extra_metrics is not None:
-            when = {"step": state.step + 1} if gated and due is None else {}
-            applied = None if torch.compiler.is_compiling() and not _rounds_updates(state.params) else new_params
-            metrics.update(extra_metrics(grads=grads, updates=updates, params=state.params, new_params=applied,
-                                         **when))
-        monitor = state.monitor
-        if spike is not None and spike.enabled:
-            monitor = update_monitor(state.monitor, loss, grad_norm, state.step + 1, spike)
-            metrics.update({"spike": monitor["hard"].float(), "z_loss": monitor["z_loss"],
-                            "z_grad": monitor["z_grad"]})
-        loss_scale = state.loss_scale
-        if scale is not None:
-            loss_scale = update_loss_scale(state.loss_scale, finite)
-            metrics["loss_scale"] = loss_scale["scale"]
-        kept = where(finite, new_params, state.params) if keep_old else new_params
-        metrics["param_norm"] = global_norm(kept, psum)   # of the params it keeps: one pass with the update
-        new_state = TrainState(
-            step=state.step + 1,
-            params=kept,
-            opt_state=where(finite, opt_state, state.opt_state) if keep_old else opt_state,
-            key=state.key,
-            cursor=state.cursor + 1,
-            loss_scale=loss_scale,
-            monitor=monitor,
-        )
-        return (write_into(state, new_state) if donate else new_state), metrics
-
-    return apply_gradients
-
-
-def _rounds_updates(params) -> bool:
-    """Whether storing an update in ``params`` can round it away (a leaf narrower than fp32). Extra metrics read what
-    was applied, ``new_params - params``, except in a compiled step over fp32 params: there they read the updates
-    (the same to fp32 rounding), so the update stores the new params once, where they belong, instead of writing
-    them out for the metrics and copying them into the donated params."""
-    return any(leaf.dtype not in (torch.float32, torch.float64) for leaf in leaves_of(params)
-               if leaf.is_floating_point())
+    return apply
 
 
 class HostDue:
@@ -337,20 +281,20 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     compiled = functools.partial(maybe_compile, mode=compile_mode, cpp=cpp, device_type=device_type)
     objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type, in_regions=by_block,
                                 mode=compile_mode, cpp=cpp)
-    apply_gradients = _make_apply_gradients(optimizer, extra_metrics, spike, donate, skip,
-                                            None if shard is None else shard.psum)
+    apply = _make_apply_gradients(optimizer, Monitors(extra_metrics, spike, skip), donate,
+                                  None if shard is None else shard.psum)
     reduced = _make_reduce(reduce) if shard is None else shard.reduce
     by_layer = per_block(shard, compile, compile_scope, grad_mode)
     if grad_mode == "func":      # one graph: forward, backward, the update
         gradients = _func_gradients(objective, grad_accum)
     elif by_layer:               # sharded: each block's params gathered when it runs, its gradients reduce-scattered
         gradients = _block_gradients(objective, grad_accum, shard)
-        apply_gradients = compiled(apply_gradients, compile)
+        apply = compiled(apply, compile)
     else:                        # the loss and the update compiled apart, autograd between them
         one_graph = compile and not by_block
         gradients = _autograd_gradients(compiled(objective, one_graph, fullgraph=False), grad_accum,
                                         by_row=not one_graph)
-        apply_gradients = compiled(apply_gradients, compile)
+        apply = compiled(apply, compile)
 
     host_due = HostDue(extra_metrics.due) if getattr(extra_metrics, "due", None) and grad_mode != "func" else None
 
@@ -362,7 +306,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
         else:
             params = state.params if shard is None else shard.gather(state.params)
             grads, loss, aux = reduced(*gradients(params, batch, key, frozen, _loss_scale(state)))
-        new, metrics = apply_gradients(state, grads, loss, aux, due=due)
+        new, metrics = apply(state, grads, loss, aux, due=due)
         if host_due is not None:
             host_due.returned(new.step)
         return new, metrics

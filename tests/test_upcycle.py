@@ -75,6 +75,28 @@ def setup_blockwise(teacher, corpus, **step_kw):
     return t, data, scfg, step, state, source, held
 
 
+def test_blockwise_step_skips_a_non_finite_step_and_reports_health(teacher, corpus):
+    """The blockwise step is the shared update (core.update.apply_gradients): a batch whose targets hold NaN leaves
+    the student, the optimizer state and the convergence state as they were (the step counter and cursor advance,
+    ``skipped`` says so), and gradient health of the trainable part comes out on its due step."""
+    from optim.health import GradientHealth, computed
+    t, data, scfg, _, state, source, _ = setup_blockwise(teacher, corpus)
+    health = GradientHealth(bw.split(state.params, "attn")[0], every=1)
+    _, _, _, step, state, _, _ = setup_blockwise(teacher, corpus, health=health)
+    good = source.get(0)
+    state, metrics = step(state, good)
+    assert float(metrics["skipped"]) == 0 and computed(metrics["health"])
+    bad = dict(good, targets=good["targets"].clone())
+    bad["targets"][0, 0, 0, 0] = float("nan")
+    before = state
+    after, metrics = step(before, bad)
+    assert float(metrics["skipped"]) == 1.0
+    assert int(after.step) == int(before.step) + 1 and int(after.cursor) == int(before.cursor) + 1
+    for name, new, old in ((n, getattr(after, n), getattr(before, n)) for n in ("params", "opt_state", "conv")):
+        pairs = zip(tree_leaves(new), tree_leaves(old))
+        assert all(torch.equal(a, b) for a, b in pairs if isinstance(a, torch.Tensor)), name
+
+
 def heldout_block_l1(t, scfg, params, held):
     out = []
     for b in held:

@@ -42,12 +42,16 @@ from core.distributed import Dist
 from core.logging import Logger, format_duration
 from core.spike import SpikeConfig
 from core.step import autocast
-from core.tree import apply_updates, map_flat, tree_map
+from core.state import TrainState
+from core.tree import map_flat, tree_map
+from core.update import Monitors, apply_gradients, if_finite
 from models import blockwise, dba
 from optim.common import current_lr
 from recipes.train.config import TrainConfig
+from optim.health import computed
 from recipes.train.hooks import Hook, StepContext, Stop
 from recipes.train.loop import LoopIO, LoopState, Steps, fit
+from recipes.train.metrics import write_health
 from recipes.train.optimizer import OptimizerSpec
 
 
@@ -136,13 +140,18 @@ def masked(active: torch.Tensor, new, old, n_layers: int):
 
 def make_step(scfg: dba.DBAConfig, optimizer, *, loss: str, mode: str, train: str, ema: float, target: float,
               patience: int, min_delta: float, match: str = "block", precision: str = "fp32",
-              device_type: str = "cpu", compile: bool = False, layout=None, average=None):
+              device_type: str = "cpu", compile: bool = False, layout=None, average=None, health=None):
     """``step(state, batch) -> (state, metrics)``; ``batch`` = {"x": tokens, "inputs", "targets": [L, B, T, d]}
     (``match``: what the targets are, ``models.blockwise.TARGETS``). Each rank of a run under torchrun trains on
     its rows of the batch: with ``layout`` (``core.shard``, parallel=fsdp) the state's student and optimizer
     state are this rank's shards, gathered for the step and the gradients reduce-scattered; with ``average``
     (``core.distributed.Dist.all_reduce_mean``, parallel=ddp) the gradients are averaged. Either way the
-    per-block losses are averaged over ranks, so every rank takes the same convergence decisions."""
+    per-block losses are averaged over ranks, so every rank takes the same convergence decisions.
+
+    The update is the shared one (``core.update.apply_gradients``, as every training step's): a step whose loss or
+    gradient norm is not finite leaves the student, the optimizer state and the convergence state as they were
+    (``metrics["skipped"]``), and ``health`` (``optim.health.GradientHealth`` of the trainable part) adds gradient
+    health statistics on its due steps. Stopped blocks are then masked back, update and moments alike."""
     L = scfg.n_layers
 
     def objective(trainable, rest, batch):
@@ -157,6 +166,7 @@ def make_step(scfg: dba.DBAConfig, optimizer, *, loss: str, mode: str, train: st
         return per.sum(), per.detach()
 
     grad_fn = torch.func.grad(objective, has_aux=True)
+    monitors = Monitors(extra_metrics=health)
 
     def step(state: BlockwiseState, batch: dict):
         grads, per = grad_fn(*split(state.params if layout is None else layout.gather(state.params), train), batch)
@@ -165,14 +175,19 @@ def make_step(scfg: dba.DBAConfig, optimizer, *, loss: str, mode: str, train: st
         elif average is not None:
             grads, per = map_flat(average, (grads, per))
         trainable, rest = split(state.params, train)
-        updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+        shared = TrainState(step=state.step, params=trainable, opt_state=state.opt_state, key=None,
+                            cursor=state.cursor, loss_scale={}, monitor={})
+        new, metrics = apply_gradients(shared, grads, optimizer, loss=per.sum(), monitors=monitors,
+                                       psum=None if layout is None else layout.psum)
         active = state.conv["active"]
-        new = masked(active, apply_updates(trainable, updates), trainable, L)
-        opt_state = masked(active, opt_state, state.opt_state, L)
-        conv = update_convergence(state.conv, per, decay=ema, target=target, patience=patience, min_delta=min_delta)
-        metrics = {"loss": (per * active).sum() / active.sum().clamp_min(1), "block_loss": per,
-                   "ema": conv["ema"], "active": conv["active"].float(), "lr": current_lr(opt_state).float()}
-        return BlockwiseState(state.step + 1, merge(new, rest), opt_state, state.cursor + 1, conv), metrics
+        params = masked(active, new.params, trainable, L)
+        opt_state = masked(active, new.opt_state, state.opt_state, L)
+        finite = metrics["skipped"] == 0
+        conv = if_finite(finite, update_convergence(state.conv, per, decay=ema, target=target, patience=patience,
+                                                    min_delta=min_delta), state.conv)
+        metrics.update({"loss": (per * active).sum() / active.sum().clamp_min(1), "block_loss": per,
+                        "ema": conv["ema"], "active": conv["active"].float(), "lr": current_lr(opt_state).float()})
+        return BlockwiseState(new.step, merge(params, rest), opt_state, new.cursor, conv), metrics
 
     collectives = layout is not None or average is not None
     return maybe_compile(step, compile, cpp=cpp_wrapper(device_type, collectives), device_type=device_type)
@@ -281,7 +296,7 @@ def loop_config(bw) -> TrainConfig:
 
 
 def run(bw, state: BlockwiseState, step_fn, source: TeacherSource, folder: Path, extra, logger: Logger,
-        resume_folder: Optional[Path] = None, dist: Dist = Dist(), layout=None):
+        resume_folder: Optional[Path] = None, dist: Dist = Dist(), layout=None, health=None):
     """Train through the shared loop (``recipes.train.loop.fit``) until every block has stopped or ``bw.steps``,
     checkpointing in ``folder`` (rank 0 writes; under ``layout`` every rank gathers); returns (state, stop reason
     or "")."""
@@ -290,7 +305,7 @@ def run(bw, state: BlockwiseState, step_fn, source: TeacherSource, folder: Path,
     steps = Steps(train=lambda s, batch, frozen=None: step_fn(s, batch), eval=None, health=None, batches=source,
                   layout=layout)
     io = LoopIO(logger, manager, checkpoint_extra=extra, resume_folder=resume_folder,
-                log=BlockConvergence(state, bw.steps, bw.log_every, logger))
+                log=BlockConvergence(state, bw.steps, bw.log_every, logger, health))
     result = fit(loop_config(bw), state, steps, io, loop=resumed_loop(folder, int(state.step)), dist=dist)
     return result.state, f"blockwise: {result.stop_reason}" if result.stop_reason else ""
 
@@ -307,8 +322,8 @@ class BlockConvergence(Hook):
     transfer), a ``block_stopped`` event for every block that froze since the last log, and the end of the phase
     (a final checkpoint) once every block has stopped or at the step cap."""
 
-    def __init__(self, state: BlockwiseState, total: int, log_every: int, logger: Logger):
-        self.total, self.log_every, self.logger = total, log_every, logger
+    def __init__(self, state: BlockwiseState, total: int, log_every: int, logger: Logger, health=None):
+        self.total, self.log_every, self.logger, self.health = total, log_every, logger, health
         self.active = state.conv["active"].cpu()
         self.t_log, self.steps_at_log = time.perf_counter(), int(state.step)
 
@@ -324,6 +339,12 @@ class BlockConvergence(Hook):
     def log(self, ctx: StepContext) -> None:
         logger, step = self.logger, ctx.step
         values = _pull(ctx.pending)
+        packed = next((m["health"] for m in reversed(ctx.pending) if "health" in m and computed(m["health"])), None)
+        if self.health is not None and packed is not None:
+            write_health(logger, self.health, step, packed.cpu())
+        skipped = float(torch.stack([m["skipped"] for m in ctx.pending]).sum())
+        if skipped:
+            logger.print(f"blockwise: {skipped:.0f} non-finite step(s) skipped since the last log (student untouched)")
         ctx.pending.clear()
         ctx.values = values
         now_active = torch.tensor(values["active"]) > 0.5

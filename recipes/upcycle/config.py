@@ -48,6 +48,8 @@ class BlockwiseConfig:
                                  "of recomputing them per batch")
     cache_batches: int = option(0, "batches in the teacher cache, cycled by the data cursor (0: one per step)", min=0)
     log_every: int = option(10, "steps between metric pulls (console, TensorBoard, metrics.jsonl)", min=1)
+    health: bool = option(False, "gradient health statistics per tensor and layer of the trainable part, logged "
+                                 "every log_every")
     save_every: int = option(50, "steps between checkpoints (0: only the final one)", min=0)
     keep_last: int = option(3, "step checkpoints to keep (0: all)", min=0)
 

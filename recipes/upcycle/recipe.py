@@ -36,6 +36,7 @@ from models import dba, llama
 from recipes.distill.teacher import load_teacher
 from recipes.train.optimizer import make_optimizer
 from recipes.train.setup import sharded_layout
+from optim.health import GradientHealth
 from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop, gates, report
 from recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
 from recipes.upcycle.phases import (FINAL, Context, finished, load_student, phase_summary, run_global, run_surgery,
@@ -268,10 +269,13 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
         identity = {"teacher": fingerprint(t.params), "data": ctx.corpus.path, "seed": cfg.seed,
                     "batch_size": bw.batch_size, "block_size": cfg.block_size}
         source.cache = bw_loop.BlockIOCache.open_or_build(source, n, identity, say=progress)
+    health = GradientHealth(bw_loop.split(state.params, bw.train)[0], psum=layout.psum if layout else None,
+                            every=bw.log_every) if bw.health else None
     step_fn = bw_loop.make_step(scfg, optimizer, loss=bw.loss, mode=bw.mode, train=bw.train, ema=bw.ema,
                                 target=bw.convergence_target, patience=bw.patience, min_delta=bw.min_delta,
                                 match=bw.match, precision=cfg.dtype, device_type=ctx.device.type, compile=cfg.compile,
-                                layout=layout, average=dist.all_reduce_mean if dist.enabled and not layout else None)
+                                layout=layout, average=dist.all_reduce_mean if dist.enabled and not layout else None,
+                                health=health)
     trainable = size(bw_loop.split(student, bw.train)[0])
     ctx.say(f"blockwise: {bw.mode}, {bw.loss} on {bw.match} outputs, training {bw.train} "
         f"({trainable / 1e6:.2f}M params) of all {scfg.n_layers} blocks at once, up to {bw.steps} steps of {bw.batch_size} x {cfg.block_size} tokens"
@@ -280,7 +284,7 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
         if resume is None:
             logger.hparams({"blockwise": vars(bw)})
         state, stopped = bw_loop.run(bw, state, step_fn, source, folder, lambda: ctx.extra("blockwise", scfg), logger,
-                                     resume_folder=ctx.folder, dist=dist, layout=layout)
+                                     resume_folder=ctx.folder, dist=dist, layout=layout, health=health)
     return (layout.gather_state(state) if layout else state).params, stopped
 
 
