@@ -1,9 +1,10 @@
 """The optax interface in PyTorch: gradient transformations as ``(init, update)`` pairs.
 
 ``init(params) -> state`` and ``update(updates, state, params) -> (updates, state)``, both out of place,
-composed with :func:`chain` (optax ``base.py`` / ``combine.py``). A transform may also say what it wants
-logged: ``metrics(state) -> dict`` of 0-d tensors (the learning rate, clip activity), which the train
-step adds to its metrics without knowing any optimizer. Hyperparameters that a run may change
+composed with :func:`chain` (optax ``base.py`` / ``combine.py``). An ``update`` may take one extra keyword,
+``donated``: the ids of the tensors an eager donated step gave up, which it may overwrite (``core.donate``).
+A transform may also say what it wants logged: ``metrics(state) -> dict`` of 0-d tensors (the learning rate,
+clip activity), which the train step adds to its metrics without knowing any optimizer. Hyperparameters that a run may change
 (learning rate, betas, weight decay) live in the state as 0-d tensors, as in optax's
 ``inject_hyperparams``, so a schedule or an edit never recompiles a compiled step. Their dtype follows
 the params' widest float dtype (float64 params give float64 hyperparameters, as ``torch.optim`` computes
@@ -16,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from core import tree
+from core.donate import takes_donated
 from core.tree import Tree, tree_leaves
 
 
@@ -34,15 +36,19 @@ def identity() -> GradientTransformation:
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Apply transforms in order; the state is the tuple of their states."""
+    """Apply transforms in order; the state is the tuple of their states. ``donated`` (the ids of the tensors an
+    eager donated step gave up, ``core.donate``) is handed to each transform whose ``update`` takes it, as optax's
+    ``chain`` hands its extra arguments on."""
+    takes = [takes_donated(t.update) for t in transforms]
 
     def init(params):
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, donated: Optional[frozenset] = None):
         new_state = []
-        for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params)
+        for t, s, takes_it in zip(transforms, state, takes):
+            extra = {"donated": donated} if takes_it and donated is not None else {}
+            updates, s = t.update(updates, s, params, **extra)
             new_state.append(s)
         return updates, tuple(new_state)
 

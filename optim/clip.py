@@ -27,8 +27,8 @@ def clip_by_global_norm(max_norm: float, psum=None) -> GradientTransformation:
     def init(params):
         return ClipState(hparams(params, max_norm=max_norm))
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, donated=None):
         factor = clip_factor(global_norm(updates, psum), state.hparams["max_norm"])
-        return like(updates, foreach.rescale(leaves_of(updates), factor)), state   # in place when donated
+        return like(updates, foreach.rescale(leaves_of(updates), factor, donated)), state   # in place when donated
 
     return GradientTransformation(init, update)

@@ -21,6 +21,7 @@ from core.step import make_train_step
 from core.tree import clone, leaves_of, max_abs_diff, tree_flatten, tree_map, tree_unflatten
 from models import llama
 from optim.health import GradientHealth, computed
+from optim.swats import swats
 
 CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
@@ -50,13 +51,14 @@ def run(step, state, data):
 
 
 OPTIMIZERS = {"adamw": optimizer, "lion": lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.lion(lr=1e-3)),
-              "sgd": lambda: optim.sgd(lr=1e-2, momentum=0.9)}
+              "sgd": lambda: optim.sgd(lr=1e-2, momentum=0.9),
+              "swats": lambda: optim.chain(optim.clip_by_global_norm(1.0), swats(lr=1e-2, switch_eps=1.0))}
 
 
 @pytest.mark.parametrize("name,health,dtype", [("adamw", True, torch.float32), ("adamw", 3, torch.float32),
                                                ("adamw", False, torch.float32),
                                                ("adamw", False, torch.bfloat16), ("lion", False, torch.float32),
-                                               ("sgd", False, torch.float32)])
+                                               ("sgd", False, torch.float32), ("swats", False, torch.float32)])
 def test_donated_eager_steps_equal_pure_bitwise_in_the_same_buffers(name, health, dtype):
     """With health statistics the params are updated apart and copied (with ``every=3``, only on the steps they are
     due); without, in place with the moments (and AdamW's intermediate results in the spent gradients, for bf16
@@ -74,6 +76,26 @@ def test_donated_eager_steps_equal_pure_bitwise_in_the_same_buffers(name, health
     assert [t.data_ptr() for t in leaves_of((b.params, b.opt_state))] == buffers
     assert all(torch.equal(x, y) for x, y in zip(leaves_of(a), leaves_of(b)))
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_what_a_transform_may_overwrite_travels_with_the_call():
+    """``optimizer.update(..., donated=ids)`` (``core.donate``): AdamW's chain (clip, Adam, decay, learning rate)
+    writes its updates into the very gradients it was given, with the pure update's bits; without ``donated`` it
+    writes into nothing it was given. (SWATS takes no ``donated``: it reads its gradients after its inner Adam's
+    update, so its donated step runs out of place, the swats case above.)"""
+    opt, params = optimizer(), llama.init(CFG, seed=8)
+    g = torch.Generator().manual_seed(8)
+    grads = tree_map(lambda p: torch.randn(p.shape, generator=g), params)
+    state = opt.init(params)
+    pure, _ = opt.update(clone(grads), clone(state), params)
+    given = frozenset(id(t) for t in leaves_of(grads) + leaves_of(state))
+    updates, _ = opt.update(grads, state, params, donated=given)
+    assert all(u is x for u, x in zip(leaves_of(updates), leaves_of(grads)))
+    assert all(torch.equal(u, p) for u, p in zip(leaves_of(updates), leaves_of(pure)))
+    fresh_grads, fresh_state = clone(grads), opt.init(params)
+    updates, new_state = opt.update(fresh_grads, fresh_state, params)
+    mine = {t.data_ptr() for t in leaves_of(updates) + leaves_of(new_state) if t.numel() > 1}
+    assert not mine & {t.data_ptr() for t in leaves_of(fresh_grads) + leaves_of(fresh_state)}
 
 
 def test_a_non_finite_step_leaves_the_donated_state_unchanged():
