@@ -7,8 +7,6 @@ traced natively by dynamo on torch >= 2.10), in the spirit of ``jax.tree_util`` 
 """
 from __future__ import annotations
 
-import weakref
-
 from typing import Any, Callable, Iterable
 
 import optree
@@ -149,16 +147,9 @@ def squared_norms(tree: Tree) -> list[torch.Tensor]:
             for t in tree_leaves(tree)]
 
 
-_last_norms: list = []   # (key, psum, norm) of the last two eager global_norm calls (see global_norm)
-
-
 def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """L2 norm over every element of every leaf, in at least float32 (no host sync). ``psum`` sums the squared
     norm over the ranks that hold the other shards of a sharded tree (``core.shard.Layout.psum``) before the root.
-
-    Eager calls remember the last two results: the step's gradient-norm metric and a clipping transform read
-    the norm of the same tensors, and the second read costs nothing (a hit needs the very same tensors,
-    held by weak reference, with unchanged version counters, so an in-place write or a new tensor misses).
 
     Leaves of one dtype take one ``torch._foreach_norm`` (one multi-tensor kernel, as
     ``torch.nn.utils.clip_grad_norm_(foreach=True)``); the per-leaf norms are squared, summed and
@@ -167,7 +158,9 @@ def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None 
     each leaf takes a ``vector_norm`` instead: inductor has no CPU lowering of ``_foreach_norm`` (it runs
     the eager op, one kernel per leaf, three times per step for the gradient norm, the clip and the parameter
     norm), while ``vector_norm`` is fused into the kernels that already read the leaf (the health statistics
-    read the same gradients and weights).
+    read the same gradients and weights). Eager, a clip after the step's gradient-norm metric reads the same
+    gradients again: nothing is cached (one ``_foreach_norm`` over a 100M model's gradients, 25 ms on 2 CPU threads
+    against a step of 4 s or more).
     """
     leaves = tree_leaves(tree)
     if not leaves:
