@@ -155,7 +155,7 @@ def run(cfg: Config):
                     expected_initial_loss=None if (start or resume) else math.log(model_cfg.vocab_size))
         result = fit(cfg, state, steps, io, loop=loop, hooks=[orchestrator], dist=dist)
         report(logger, result, folder)
-    distributed.shutdown()
+    distributed.shutdown(dist)
     return result
 
 

@@ -428,7 +428,7 @@ def run(cfg: Config):
         learned = f", final T {learned_temperature(result.state.params, cfg):.3f}" \
             if cfg.temperature_mode == "learnable" else ""
         standard.report(logger, result, folder, label="student val loss", suffix=learned)
-    distributed.shutdown()
+    distributed.shutdown(dist)
     return result
 
 
