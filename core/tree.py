@@ -171,17 +171,7 @@ def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None 
             return _global_norm(tree, leaves, psum)
         total = torch.stack(sq).sum()
         return (total if psum is None else psum(total)).sqrt()
-    for key, summed, norm in _last_norms:   # every rank hits or misses alike: a skipped psum is skipped everywhere
-        if summed == psum and _same_leaves(key, leaves):
-            return norm
-    norm = _global_norm(tree, leaves, psum)
-    _last_norms[:] = [([(weakref.ref(t), t._version) for t in leaves], psum, norm)] + _last_norms[:1]
-    return norm
-
-
-def _same_leaves(key: list, leaves: list) -> bool:
-    """``leaves`` are the very tensors ``key`` recorded (alive: weak references), none written since."""
-    return len(key) == len(leaves) and all(ref() is t and t._version == v for (ref, v), t in zip(key, leaves))
+    return _global_norm(tree, leaves, psum)
 
 
 def _global_norm(tree: Tree, leaves: list, psum) -> torch.Tensor:
@@ -243,17 +233,12 @@ def stack(trees: Iterable[Tree]) -> Tree:
     return tree_map(lambda *xs: torch.stack(xs), *trees)
 
 
-# Sources of a model's layers other than unbind, pushed while a step runs the model: core.shard_blocks (layers
-# gathered from the ranks' shards), core.row_grads (layers whose gradients land in rows). Each is
-# ``source(leaves, spec)`` -> the layers of a tree it owns, or None for any other tree.
-layer_sources: list[Callable] = []
-
-
 class LayerNode(torch.autograd.Function):
     """``anchor -> layer.take()``: one layer's tensors as the outputs of one autograd node, whose backward hands their
     gradients (None where none) to ``layer.backward(grads)`` as soon as the layer's own backward is done. The anchor
-    is a 0-d tensor that requires grad, so the outputs do too (its own gradient is None). How a layer source makes
-    a layer: ``core.shard_blocks`` gathers it and reduce-scatters its gradients, ``core.row_grads`` writes them."""
+    is a 0-d tensor that requires grad, so the outputs do too (its own gradient is None). How a layer source (see
+    :func:`unstack`) makes a layer: ``core.shard_blocks`` gathers it and reduce-scatters its gradients,
+    ``core.row_grads`` writes them."""
 
     @staticmethod
     def forward(ctx, layer, anchor: torch.Tensor):
@@ -267,24 +252,23 @@ class LayerNode(torch.autograd.Function):
         return None, None
 
 
-def unstack(tree: Tree) -> list[Tree]:
+def unstack(tree: Tree, source: Callable | None = None) -> list[Tree]:
     """The inverse of :func:`stack`: unbind every leaf once along axis 0 into a list of pytrees.
 
     ``torch.unbind`` gives views whose gradients are gathered by one ``stack`` in backward; indexing
     ``w[i]`` in a loop would make autograd scatter into a full-size zero tensor per layer.
 
-    The one way a model reaches its stacked layers: a step may hand out the layers lazily instead, from a
-    ``layer_sources`` entry (under ``parallel=fsdp`` layer i is gathered from the ranks' shards when the iteration
-    reaches it, ``core.shard_blocks``; on the autograd path each layer's gradients are written into their rows as
-    its backward ends, ``core.row_grads``), so iterate it once, in order, done with a layer's tree when taking the
-    next.
+    ``source(leaves, spec)`` (a step's, handed to the model through ``core.layers.Layers``) may hand out the layers
+    of a tree it owns lazily instead, and returns None for any other tree: under ``parallel=fsdp`` layer i is
+    gathered from the ranks' shards when the iteration reaches it (``core.shard_blocks``); on the autograd path each
+    layer's gradients are written into their rows as its backward ends (``core.row_grads``). Iterate the result
+    once, in order, done with a layer's tree when taking the next.
     """
     leaves, spec = tree_flatten(tree)
     if not leaves:
         return []
-    for source in reversed(layer_sources):
-        layers = source(leaves, spec)
-        if layers is not None:
-            return layers
+    layers = None if source is None else source(leaves, spec)
+    if layers is not None:
+        return layers
     columns = [leaf.unbind(0) for leaf in leaves]
     return [tree_unflatten(spec, [col[i] for col in columns]) for i in range(len(columns[0]))]

@@ -102,8 +102,9 @@ def prepare_run(cfg: Config, folder) -> Prepared:
     run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
     params = run_setup.layout.full_shapes() if run_setup.layout else params   # fsdp: only shards stay alive
 
-    def loss_fn(params, batch, key):
-        return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
+    def loss_fn(params, batch, key, layers=None):
+        return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat,
+                          layers=layers)
 
     steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, vocab, dist, run_setup.layout)
     return Prepared(cfg, dist, device, start, corpus, tok, vocab, model_cfg, batches, val_batches, params, run_setup,

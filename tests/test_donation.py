@@ -1,5 +1,5 @@
 """Buffer donation (``make_train_step(donate=True)``, ``core.donate``) and regional compilation
-(``compile_scope="block"``, ``core.compile.region``): the same numbers as the pure, uncompiled step.
+(``compile_scope="block"``, ``core.compile.BlockCompiler``): the same numbers as the pure, uncompiled step.
 
 Eager donated steps equal pure ones bitwise; compiled donated steps equal compiled pure ones within 1e-6, and
 with AdaGC (whose gamma reads its step count) eager ones. The skip on a non-finite loss leaves
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import optim
-from core.compile import compile_count, regions
+from core.compile import BlockCompiler, compile_count
 from core.donate import owned
+from core.layers import Layers
 from core.spike import SpikeConfig
 from core.state import init_state
 from core.step import make_train_step
@@ -26,9 +27,9 @@ from optim.swats import swats
 CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
-def loss_fn(p, b):
+def loss_fn(p, b, layers=None):
     """Cross entropy times ``b["poison"]`` (1, or NaN for the step that must be skipped)."""
-    return llama.loss(p, b, CFG) * b["poison"]
+    return llama.loss(p, b, CFG, layers=layers) * b["poison"]
 
 
 def batches(n, poisoned=()):
@@ -126,23 +127,33 @@ def test_donation_never_writes_into_the_frozen_inputs():
     assert not torch.equal(state.params["embed"], teacher["embed"])
 
 
-def _gradients(params, batch, compiled_block: bool):
+def _gradients(params, batch, compiler: BlockCompiler):
     leaves, spec = tree_flatten(params)
     live = [p.detach().requires_grad_() for p in leaves]
-    with regions(compiled_block):
-        loss = llama.loss(tree_unflatten(spec, live), batch, CFG)
+    loss = llama.loss(tree_unflatten(spec, live), batch, CFG, layers=Layers(block=compiler))
     return torch.autograd.grad(loss, live)
 
 
 def test_the_compiled_block_gives_eager_gradients_and_depth_compiles_nothing_new():
+    """The block compiled from outside the model (its compiler handed to it as ``layers``), one graph for every
+    layer, held by the compiler: a deeper model of the same width calls the same one."""
     params, batch = llama.init(CFG, seed=4), batches(1)[0]
     reference = torch.func.grad(lambda p: llama.loss(p, batch, CFG))(params)
-    grads = _gradients(params, batch, compiled_block=True)
+    compiler = BlockCompiler()
+    grads = _gradients(params, batch, compiler)
+    assert list(compiler.compiled) == [llama.block]
     assert max(float((g - r).abs().max()) for g, r in zip(grads, leaves_of(reference))) < 1e-6
     deeper = llama.init(llama.LlamaConfig(**{**vars(CFG), "n_layers": 5}), seed=5)
     before = compile_count()
-    _gradients(deeper, batch, compiled_block=True)
+    _gradients(deeper, batch, compiler)
     assert compile_count() == before, "a deeper model of the same width recompiled the block"
+
+
+def test_a_block_scope_step_needs_a_loss_that_takes_layers():
+    """The block is compiled from outside the model, through the loss's ``layers``: a loss without it is refused
+    rather than silently run uncompiled."""
+    with pytest.raises(ValueError, match="'layers' keyword"):
+        make_train_step(lambda p, b: llama.loss(p, b, CFG), optimizer(), compile=True, compile_scope="block")
 
 
 @pytest.mark.parametrize("scope", ["step", "block"])
