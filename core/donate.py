@@ -22,7 +22,10 @@ What the transforms may overwrite travels with the call, as optax passes a trans
 transform whose ``update`` takes ``donated``, and those pass it to the ``optim.foreach`` helpers, which write into
 a list only when :func:`given_up` says every tensor of it is one of those (``optim.foreach`` says which helpers do).
 A transform that does not take it (a user's, or one that calls another transform's update and reads the inputs
-after, as SWATS does) gets nothing to overwrite and runs out of place: the same bits.
+after, as SWATS does) gets nothing to overwrite and runs out of place: the same bits. The step passes one more
+extra argument the same way, ``grad_norm`` (the global norm of the gradients it hands over, which it computed for
+its metrics), which the chain gives its first transform: ``optim.clip_by_global_norm`` reuses it in eager steps
+instead of reading every gradient again. :func:`updating` calls an optimizer with the extra arguments it takes.
 
 The caller must not read the old state afterwards: it *is* the new one. :func:`owned` makes a state safe
 to donate: a leaf that shares storage with another leaf or with the ``frozen`` inputs (a teacher the
@@ -31,7 +34,7 @@ student was copied from) is cloned first, so donation never writes through an al
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -47,12 +50,26 @@ def given_up(xs: list, donated: Optional[frozenset]) -> bool:
         all(id(x) in donated for x in xs)
 
 
-def takes_donated(update) -> bool:
-    """Whether a transform's ``update`` takes the ``donated`` keyword (``optim.base.chain`` passes it only then)."""
+def takes(update, keyword: str) -> bool:
+    """Whether a transform's ``update`` takes the extra argument ``keyword`` (``donated``, ``grad_norm``; the chain
+    and :func:`updating` pass one only then)."""
     try:
-        return "donated" in inspect.signature(update).parameters
+        return keyword in inspect.signature(update).parameters
     except (TypeError, ValueError):   # a builtin or C callable without a signature
         return False
+
+
+def updating(optimizer) -> Callable:
+    """``update(grads, opt_state, params, **extra)``: ``optimizer.update`` given those of the extra arguments
+    (``donated``, ``grad_norm``) that it takes and that are not None (which ones is decided here, once, so a compiled
+    step traces no signature)."""
+    accepted = {k for k in ("donated", "grad_norm") if takes(optimizer.update, k)}
+
+    def update(grads, opt_state, params, **extra):
+        return optimizer.update(grads, opt_state, params,
+                                **{k: v for k, v in extra.items() if k in accepted and v is not None})
+
+    return update
 
 
 def _trained(state: TrainState) -> list:
@@ -84,14 +101,15 @@ def write_into(state: TrainState, new: TrainState) -> TrainState:
     return TrainState(*(getattr(state if f in ("params", "opt_state") else new, f) for f in TrainState._fields))
 
 
-def update_in_place(optimizer, state: TrainState, grads, keep: bool = False):
-    """``(updates, opt_state, new_params)`` of an eager donated step: the optimizer state's tensors are
+def update_in_place(update: Callable, state: TrainState, grads, keep: bool = False, grad_norm=None):
+    """``(updates, opt_state, new_params)`` of an eager donated step (``update``: the optimizer's, from
+    :func:`updating`; ``grad_norm``: the gradients' global norm, when known): the optimizer state's tensors are
     written in place; the params too, unless ``keep`` (someone reads the old params and the gradients after
     the update: health statistics), when the new params are computed apart and :func:`write_into` copies
     them. Without ``keep`` the gradients are donated as well (clipping scales them in place)."""
     given = leaves_of(state.opt_state) + ([] if keep else leaves_of(grads))
-    extra = {"donated": frozenset(id(t) for t in given)} if takes_donated(optimizer.update) else {}
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params, **extra)
+    updates, opt_state = update(grads, state.opt_state, state.params, donated=frozenset(id(t) for t in given),
+                                grad_norm=grad_norm)
     params, steps = leaves_of(state.params), leaves_of(updates)
     if keep or any(p.dtype != u.dtype for p, u in zip(params, steps)):
         return updates, opt_state, apply_updates(state.params, updates)

@@ -14,8 +14,8 @@ steps (``core.step``) apply what they own from outside the model, as torchtitan'
 
 A loss function gets it from the step when it takes a ``layers`` keyword
 (``loss_fn(params, batch[, key=][, frozen=][, layers=])``) and passes it on to the model, and to a frozen teacher's
-forward too: a step's source hands out only the layers of the tree it owns and unbinds any other, while the
-compiled block serves every model of the same width. A step that compiles the block or gathers the layers per
+forward too: a step's source hands out only the layers of the tree it owns and unbinds any other, and its
+compiler keeps one compiled callable per block function (a teacher of another width adds a graph to it). A step that compiles the block or gathers the layers per
 block refuses a loss that does not take ``layers`` (:func:`check_takes_layers`); on the autograd path such a loss
 runs with ``unbind`` (the same numbers, the stacked gradients held whole until backward ends).
 """

@@ -8,8 +8,9 @@ PyTorch's in ``recipe=bench.step``). Here :meth:`RowGradients.unstack`, which th
 layer's rows through one autograd node per layer (``core.tree.LayerNode``, as ``core.shard_blocks`` gathers a
 layer), whose backward copies the layer's gradients into their rows of the stacked gradients as soon as
 autograd has them all, and drops them. Rows are copied on a micro-batch's first landing, added after, so the
-numbers are ``unbind``'s to the bit. (A post-accumulate-grad hook on per-layer leaf tensors frees them as early, but ``AccumulateGrad`` first clones a
-gradient whose strides differ from the leaf's, as a matmul's transposed product does: a second copy.)
+numbers are ``unbind``'s to the bit. (A post-accumulate-grad hook on per-layer leaf tensors frees them as early,
+but ``AccumulateGrad`` first clones a gradient whose strides differ from the leaf's, as a matmul's transposed
+product does: a second copy.)
 
 Only where the model's Python loop runs eagerly (an eager step, or ``compile_scope="block"``, whose compiled
 block is called once per layer): a compiled objective keeps ``unbind``.

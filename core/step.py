@@ -44,7 +44,7 @@ import torch
 
 from core import rng
 from core.compile import BlockCompiler, cpp_wrapper, maybe_compile
-from core.donate import owned, update_in_place, write_into
+from core.donate import owned, update_in_place, updating, write_into
 from core.layers import check_takes_layers, layers_of
 from core.loss_scale import update_loss_scale
 from core.row_grads import RowGradients
@@ -192,6 +192,7 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
     ``psum`` makes the norms of sharded params and gradients whole-model (``core.shard``); ``due`` (a bool decided
     on the host, or None: in the graph or always) says whether ``extra_metrics`` are computed this step."""
     gated = getattr(extra_metrics, "due", None) is not None   # it says when it is due (optim.health)
+    update = updating(optimizer)   # optimizer.update with the extra arguments it takes (core.donate)
 
     def apply_gradients(state: TrainState, grads, loss, aux, due: Optional[bool] = None):
         scale = state.loss_scale.get("scale") if state.loss_scale else None
@@ -203,10 +204,10 @@ def _make_apply_gradients(optimizer, extra_metrics: Optional[Callable], spike: O
         in_place = donate and not torch.compiler.is_compiling() and bool(finite)   # eager: one host sync
         keep_old = skip and not in_place
         if in_place:   # eager donated step: moments and (unless extra metrics read the old params) params in place
-            updates, opt_state, new_params = update_in_place(optimizer, state, grads,
+            updates, opt_state, new_params = update_in_place(update, state, grads, grad_norm=grad_norm,
                                                              keep=extra_metrics is not None and due is not False)
         else:
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            updates, opt_state = update(grads, state.opt_state, state.params, grad_norm=grad_norm)
             new_params = apply_updates(state.params, updates)
         if getattr(optimizer, "metrics", None) is not None:   # what the transforms report: lr, clip activity
             metrics.update(optimizer.metrics(opt_state))

@@ -291,7 +291,8 @@ def _sharded_run(group, *, compile, clipping, health, donate, steps=3, scope="st
     psum = layout.psum if layout else None
     opt = make_optimizer(spec, psum)
     step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt, compile=compile,
-                           compile_scope=scope, shard=layout, donate=donate, grad_mode="func" if explain or compile else None,
+                           compile_scope=scope, shard=layout, donate=donate,
+                           grad_mode="func" if explain or compile else None,
                            extra_metrics=GradientHealth(params, psum=psum).metrics if health else None)
     state = init_state(clone(params), opt)
     state = layout.shard(state) if layout else state

@@ -75,7 +75,8 @@ def _top_level(body: list) -> list:
     for stmt in body:
         out.append(stmt)
         for field in ("body", "orelse", "finalbody", "handlers"):
-            if isinstance(stmt, (ast.If, ast.Try, ast.With)) or (field == "body" and isinstance(stmt, ast.ExceptHandler)):
+            block = isinstance(stmt, (ast.If, ast.Try, ast.With))
+            if block or (field == "body" and isinstance(stmt, ast.ExceptHandler)):
                 out.extend(_top_level(getattr(stmt, field, []) or []))
     return out
 
@@ -83,7 +84,8 @@ def _top_level(body: list) -> list:
 def _mutable_names(tree: ast.Module) -> set[str]:
     names = set()
     for stmt in _top_level(tree.body):
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else \
+            [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
         value = getattr(stmt, "value", None)
         if value is not None and _mutable(value):
             names.update(t.id for t in targets if isinstance(t, ast.Name) and t.id != "__all__")
