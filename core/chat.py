@@ -7,6 +7,9 @@ A chat is ``[{"role": ..., "content": ...}, ...]``. :func:`render` runs a Jinja 
 a ``tojson`` filter and ``strftime_now``; the variables ``messages``, ``add_generation_prompt``, ``bos_token``
 and ``eos_token``.
 
+A :class:`ChatTemplate` compiles its template once, when it first renders, and keeps it (a JSONL file's records all
+render through one); :func:`render` and :func:`segments` take one, or the template's source for a single use.
+
 A tokenizer without a template of its own (``byte``, ``char``, a bare ``tokenizer.json``) gets
 :data:`PLAIN_TEMPLATE`: every message as ``<|role|>\\n`` + content + ``\\n``; the generation prompt is
 ``<|assistant|>\\n``.
@@ -26,9 +29,6 @@ from core.tokenizers import DataError
 
 PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-_compiled: dict = {}
-
 
 def _environment():
     from jinja2.ext import loopcontrols
@@ -56,19 +56,35 @@ def _special(tok, i) -> str:
     return "" if i is None else tok.decode([i])
 
 
-def render(template: str, messages: list, tok=None, add_generation_prompt: bool = False) -> str:
+class ChatTemplate:
+    """A Jinja chat template (its ``source``), compiled on its first render and kept for the next ones."""
+
+    def __init__(self, source: str):
+        self.source, self._compiled = source, None
+
+    def compiled(self):
+        from jinja2 import TemplateError
+        if self._compiled is None:
+            try:
+                self._compiled = _environment().from_string(self.source)
+            except TemplateError as e:
+                raise DataError(f"chat template does not compile: {e}") from None
+        return self._compiled
+
+
+def _template(template: str | ChatTemplate) -> ChatTemplate:
+    return template if isinstance(template, ChatTemplate) else ChatTemplate(template)
+
+
+def render(template: str | ChatTemplate, messages: list, tok=None, add_generation_prompt: bool = False) -> str:
     """``messages`` rendered by the Jinja chat ``template`` (``bos_token``/``eos_token`` from ``tok``)."""
     from jinja2 import TemplateError
-    if template not in _compiled:
-        try:
-            _compiled[template] = _environment().from_string(template)
-        except TemplateError as e:
-            raise DataError(f"chat template does not compile: {e}") from None
+    compiled = _template(template).compiled()
     bos = _special(tok, tok.bos_id) if tok is not None else ""
     eos = _special(tok, tok.eos_id) if tok is not None else ""
     try:
-        return _compiled[template].render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                          bos_token=bos, eos_token=eos)
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+                               eos_token=eos)
     except TemplateError as e:
         raise DataError(f"chat template: {e}") from None
 
@@ -83,8 +99,10 @@ def check_messages(messages, where: str) -> list:
     return messages
 
 
-def segments(template: str, messages: list, tok=None, where: str = "chat") -> list[tuple[str, bool]]:
-    """The rendered chat as ``[(text, is_assistant), ...]`` whose texts join to ``render(messages)``."""
+def segments(template: str | ChatTemplate, messages: list, tok=None, where: str = "chat") -> list[tuple[str, bool]]:
+    """The rendered chat as ``[(text, is_assistant), ...]`` whose texts join to ``render(messages)`` (it renders
+    every prefix: pass a :class:`ChatTemplate`, compiled once, when there are many chats)."""
+    template = _template(template)
     full = render(template, messages, tok)
     spans = []
     for i, m in enumerate(messages):

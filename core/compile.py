@@ -5,15 +5,15 @@ and AOT-autograd cache (on disk, keyed by graph and environment) make the second
 seconds. ``compile_count()`` reads dynamo's counter of compiled graphs, so tests and benchmarks can prove
 that a changing learning rate (a 0-d tensor in the state) never recompiles.
 
-Regional compilation (torchtitan compiles each ``TransformerBlock`` on its own; PyTorch's "regional
-compilation" recipe): a model marks its repeated block with :func:`region`; inside :func:`regions` the block
-runs as one ``torch.compile`` of it, shared by every layer (the layers' params have the same shapes, so one
-graph serves them all), while the loop over layers runs in Python. Compile time then does not grow with
-depth. Gradients flow through ``torch.autograd`` (each call's backward is the compiled block's backward).
+Regional compilation (torchtitan's ``apply_compile`` compiles each ``TransformerBlock`` on its own, from outside
+the model; PyTorch's "regional compilation" recipe): a :class:`BlockCompiler`, held by the step that owns it, is
+handed to the model (``core.layers.Layers.block``), which runs its repeated block through it: one
+``torch.compile`` of the block, shared by every layer (the layers' params have the same shapes, so one graph
+serves them all), while the loop over layers runs in Python. Compile time then does not grow with depth.
+Gradients flow through ``torch.autograd`` (each call's backward is the compiled block's backward).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Callable
 
@@ -83,35 +83,20 @@ def compile_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-_regions = {"active": False, "mode": None, "cpp": False, "device_type": "cpu"}
-_compiled_regions: dict = {}
+class BlockCompiler:
+    """``compiler(fn)``: ``fn``'s one ``torch.compile(fn, fullgraph=True)`` for ``mode`` (and the C++ wrapper with
+    ``cpp``), made on first use and kept here, so every layer, and every step the owner takes, calls the same
+    compiled block. Called while something else is being compiled (a whole-step graph), it is ``fn`` itself: the
+    outer graph traces straight through it."""
 
+    def __init__(self, mode: str | None = None, cpp: bool = False, device_type: str = "cpu"):
+        self.kwargs = _compile_kwargs(mode, cpp, device_type)
+        self.compiled: dict = {}
 
-@contextlib.contextmanager
-def regions(enabled: bool = True, mode: str | None = None, cpp: bool = False, device_type: str = "cpu"):
-    """Inside, functions passed through :func:`region` run compiled with ``mode`` (and the C++ wrapper with ``cpp``;
-    nested uses keep the outer setting on)."""
-    was = dict(_regions)
-    _regions["active"] = was["active"] or enabled
-    if enabled and not was["active"]:
-        _regions["mode"], _regions["cpp"], _regions["device_type"] = mode, cpp, device_type
-    try:
-        yield
-    finally:
-        _regions.update(was)
-
-
-def region(fn: Callable) -> Callable:
-    """``fn`` itself, or inside :func:`regions` its one shared ``torch.compile(fn, fullgraph=True)``.
-
-    A region called while something else is being compiled (a whole-step graph) is ``fn`` as well: the outer
-    graph traces straight through it."""
-    if not _regions["active"] or torch.compiler.is_compiling():
-        return fn
-    key = (fn, _regions["mode"], _regions["cpp"], _regions["device_type"])
-    if key not in _compiled_regions:
-        enable_caches()
-        _compiled_regions[key] = torch.compile(fn, fullgraph=True, dynamic=False,
-                                               **_compile_kwargs(_regions["mode"], _regions["cpp"],
-                                                                 _regions["device_type"]))
-    return _compiled_regions[key]
+    def __call__(self, fn: Callable) -> Callable:
+        if torch.compiler.is_compiling():
+            return fn
+        if fn not in self.compiled:
+            enable_caches()
+            self.compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False, **self.kwargs)
+        return self.compiled[fn]

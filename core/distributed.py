@@ -22,8 +22,8 @@ import datetime
 import math
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,6 @@ from core.config import ConfigError, UserError
 PARALLEL = ("auto", "none", "ddp", "fsdp")
 PG_TIMEOUT = 45.0     # seconds a collective waits for a peer before the survivors stop (a dead rank)
 PATIENCE = 6 * 3600.0   # seconds a barrier waits while one rank works alone (tokenizing, writing a checkpoint)
-_patient = None         # the gloo group with that timeout, for barriers (None: the default group)
 _KEY = "purestep/rank/{}"   # each rank's host:pid in the process group's store: who died, when one does
 
 
@@ -47,6 +46,8 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     sharded: bool = False     # parallel=fsdp: the state is split across ranks (core.shard)
+    patient: Any = field(default=None, compare=False, repr=False)   # the gloo group barriers wait on, with
+    #                                                                 PATIENCE (None: the default group)
 
     @property
     def is_main(self) -> bool:
@@ -82,7 +83,7 @@ class Dist:
     def barrier(self) -> None:
         """Wait for every rank, patiently (``PATIENCE``): one of them may be working alone."""
         if self.enabled:
-            dist.barrier(group=_patient)
+            dist.barrier(group=self.patient)
 
     def lost_peer(self, error: BaseException, newest=None) -> Optional[PeerLost]:
         """``error`` as a :class:`PeerLost` naming the dead rank(s) when it is a failed collective of a run on
@@ -186,15 +187,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _register(rank: int, world: int) -> None:
-    """Put this rank's host:pid in the store; open the patient group for barriers."""
+def _register(rank: int, world: int):
+    """Put this rank's host:pid in the store; the patient group for barriers (``Dist.patient``)."""
     import socket
-    global _patient
     try:
         dist.distributed_c10d._get_default_store().set(_KEY.format(rank), f"{socket.gethostname()}:{os.getpid()}")
     except Exception:  # noqa: BLE001 - naming a dead rank is a courtesy, never a reason not to train
         pass
-    _patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PATIENCE))
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PATIENCE))
 
 
 def _collective_device() -> torch.device:
@@ -220,22 +220,22 @@ def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEO
     if world <= 1 and not sharded:
         return Dist(), device
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    patient = None    # a group joined by someone else: barriers wait on its default group
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-        _register(rank, world)
+        patient = _register(rank, world)
     if device.type == "cuda":
         device = torch.device("cuda", local)
-    return Dist(rank, world, local, sharded), device
+    return Dist(rank, world, local, sharded, patient), device
 
 
-def shutdown() -> None:
-    """Leave the process group once every rank is done: a rank that destroys it while rank 0 still writes its
-    last checkpoint can take gloo's worker threads down with it (an abort at exit, seen on 2 CPU ranks)."""
-    global _patient
+def shutdown(d: Dist) -> None:
+    """Leave the process group ``d`` joined (:func:`init`) once every rank is done: a rank that destroys it while
+    rank 0 still writes its last checkpoint can take gloo's worker threads down with it (an abort at exit, seen on
+    2 CPU ranks)."""
     if dist.is_initialized():
-        dist.barrier(group=_patient)
+        dist.barrier(group=d.patient)
         dist.destroy_process_group()
-        _patient = None

@@ -11,10 +11,21 @@ is params + grads + moments + activations, as with ``torch.optim``.
 Eager mode has no compiler to plan buffers, so the donated step checks on the host whether the step is
 finite (one sync, as ``torch.amp.GradScaler`` does) and then runs :func:`update_in_place`: the optimizer's
 transforms write their moving averages into the donated moments and their intermediate results into the
-donated gradients once spent (:func:`donating`; ``optim.foreach`` says which helpers do), and the updates
-are added into the params, with the same kernels in the same order as the pure step, hence the same bits:
-AdamW then keeps one full-size temporary live, as ``torch.optim``'s ``_multi_tensor_adam`` does. A
-non-finite step takes the pure path, whose select keeps the old values.
+donated gradients once spent, and the updates are added into the params, with the same kernels in the same
+order as the pure step, hence the same bits: AdamW then keeps one full-size temporary live, as
+``torch.optim``'s ``_multi_tensor_adam`` does. A non-finite step takes the pure path, whose select keeps the old
+values.
+
+What the transforms may overwrite travels with the call, as optax passes a transform's extra arguments:
+``optimizer.update(grads, opt_state, params, donated=ids)``, ``ids`` the ids of the tensors the step gave up
+(the moments, and the gradients unless something reads them later). ``optim.base.chain`` hands it to each
+transform whose ``update`` takes ``donated``, and those pass it to the ``optim.foreach`` helpers, which write into
+a list only when :func:`given_up` says every tensor of it is one of those (``optim.foreach`` says which helpers do).
+A transform that does not take it (a user's, or one that calls another transform's update and reads the inputs
+after, as SWATS does) gets nothing to overwrite and runs out of place: the same bits. The step passes one more
+extra argument the same way, ``grad_norm`` (the global norm of the gradients it hands over, which it computed for
+its metrics), which the chain gives its first transform: ``optim.clip_by_global_norm`` reuses it in eager steps
+instead of reading every gradient again. :func:`updating` calls an optimizer with the extra arguments it takes.
 
 The caller must not read the old state afterwards: it *is* the new one. :func:`owned` makes a state safe
 to donate: a leaf that shares storage with another leaf or with the ``frozen`` inputs (a teacher the
@@ -22,34 +33,44 @@ student was copied from) is cloned first, so donation never writes through an al
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Callable
+import inspect
+from typing import Callable, Optional
 
 import torch
 
 from core.state import TrainState
 from core.tree import apply_updates, leaves_of, tree_leaves, tree_map
 
-_donated: set = set()   # ids of the tensors an eager donated step gave up (see update_in_place)
+
+def given_up(xs: list, donated: Optional[frozenset]) -> bool:
+    """Every tensor of ``xs`` is one the running eager step gave up (``donated``: their ids, passed by
+    :func:`update_in_place` through ``optimizer.update(..., donated=)``; None: nothing was). Eager only: under
+    ``torch.compile`` the helpers stay out of place and the compiler reuses the buffers."""
+    return donated is not None and not torch.compiler.is_compiling() and len(xs) > 0 and \
+        all(id(x) in donated for x in xs)
 
 
-@contextlib.contextmanager
-def donating(tensors: list):
-    """Inside, ``optim.foreach.rescale`` (and the moving averages built on it) writes into these tensors
-    instead of allocating: the caller gave them up. Eager only: under ``torch.compile`` the helpers stay
-    out of place and the compiler reuses the buffers."""
-    ids = {id(t) for t in tensors} - _donated
-    _donated.update(ids)
+def takes(update, keyword: str) -> bool:
+    """Whether a transform's ``update`` takes the extra argument ``keyword`` (``donated``, ``grad_norm``; the chain
+    and :func:`updating` pass one only then)."""
     try:
-        yield
-    finally:
-        _donated.difference_update(ids)
+        return keyword in inspect.signature(update).parameters
+    except (TypeError, ValueError):   # a builtin or C callable without a signature
+        return False
 
 
-def donated(xs: list) -> bool:
-    """Every tensor of ``xs`` was given up to the running eager step (:func:`donating`)."""
-    return not torch.compiler.is_compiling() and len(_donated) > 0 and all(id(x) in _donated for x in xs)
+def updating(optimizer) -> Callable:
+    """``update(grads, opt_state, params, **extra)``: ``optimizer.update`` given those of the extra arguments
+    (``donated``, ``grad_norm``) that it takes and that are not None (which ones is decided here, once, so a compiled
+    step traces no signature)."""
+    accepted = {k for k in ("donated", "grad_norm") if takes(optimizer.update, k)}
+
+    def update(grads, opt_state, params, **extra):
+        return optimizer.update(grads, opt_state, params,
+                                **{k: v for k, v in extra.items() if k in accepted and v is not None})
+
+    return update
 
 
 def _trained(state: TrainState) -> list:
@@ -81,14 +102,15 @@ def write_into(state: TrainState, new: TrainState) -> TrainState:
     return TrainState(*(getattr(state if f in ("params", "opt_state") else new, f) for f in TrainState._fields))
 
 
-def update_in_place(optimizer, state: TrainState, grads, keep: bool = False):
-    """``(updates, opt_state, new_params)`` of an eager donated step: the optimizer state's tensors are
+def update_in_place(update: Callable, state: TrainState, grads, keep: bool = False, grad_norm=None):
+    """``(updates, opt_state, new_params)`` of an eager donated step (``update``: the optimizer's, from
+    :func:`updating`; ``grad_norm``: the gradients' global norm, when known): the optimizer state's tensors are
     written in place; the params too, unless ``keep`` (someone reads the old params and the gradients after
     the update: health statistics), when the new params are computed apart and :func:`write_into` copies
     them. Without ``keep`` the gradients are donated as well (clipping scales them in place)."""
     given = leaves_of(state.opt_state) + ([] if keep else leaves_of(grads))
-    with donating(given):
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    updates, opt_state = update(grads, state.opt_state, state.params, donated=frozenset(id(t) for t in given),
+                                grad_norm=grad_norm)
     params, steps = leaves_of(state.params), leaves_of(updates)
     if keep or any(p.dtype != u.dtype for p, u in zip(params, steps)):
         return updates, opt_state, apply_updates(state.params, updates)

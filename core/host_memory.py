@@ -38,19 +38,20 @@ def _glibc() -> Optional[ctypes.CDLL]:
         return None
 
 
-_kept = False   # keep was applied in this process
+# Process state, not a call's: the mode this process's malloc was last set to here (glibc has no getter for its
+# settings). Listed as an exception in tests/test_no_module_state.py.
+_process = {"mode": "system"}
 
 
 def set_host_memory(mode: str) -> bool:
     """Apply ``mode`` (``keep`` or ``system``) to this process's allocator; False where ``keep`` cannot apply
     (not glibc)."""
-    global _kept
     if mode not in MODES:
         raise ValueError(f"host memory mode {mode!r}: one of {', '.join(MODES)}")
-    if mode == "system" and not _kept:
+    if mode == "system" and _process["mode"] == "system":
         return True                     # glibc's own behaviour, untouched
     libc = _glibc()
     if libc is None:
         return mode == "system"
-    _kept = mode == "keep"
+    _process["mode"] = mode
     return all(libc.mallopt(param, value) == 1 for param, value in _SETTINGS[mode])

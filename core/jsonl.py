@@ -32,7 +32,7 @@ from array import array
 import numpy as np
 
 from core import cache
-from core.chat import check_messages, segments, template_of
+from core.chat import ChatTemplate, check_messages, segments, template_of
 from core.logging import progress
 from core.tokenizers import DataError
 
@@ -82,8 +82,9 @@ def parse(line: bytes, where: str) -> dict:
     return record
 
 
-def encode_record(record: dict, where: str, tok, template: str, text_field: str = "text"):
-    """``(ids, roles)`` int64 / uint8 arrays of one document (separator included, see the module docstring)."""
+def encode_record(record: dict, where: str, tok, template: str | ChatTemplate, text_field: str = "text"):
+    """``(ids, roles)`` int64 / uint8 arrays of one document (separator included, see the module docstring);
+    ``template`` renders its chat (a ``core.chat.ChatTemplate`` compiles once for every record)."""
     if "messages" in record:
         pieces = segments(template, check_messages(record["messages"], where), tok, where)
     elif isinstance(record.get(text_field), str):
@@ -128,10 +129,11 @@ def _build(path: str, tok, template: str, text_field: str, folder) -> dict:
                 fr.write(np.concatenate(buf_roles).tobytes())
                 buf_ids.clear(), buf_roles.clear()
 
+        chat = ChatTemplate(template)   # compiled at the first chat record, kept for the others
         for n, line in lines(path):
             where = f"{path}:{n}"
             record = parse(line, where)
-            ids, roles = encode_record(record, where, tok, template, text_field)
+            ids, roles = encode_record(record, where, tok, chat, text_field)
             chats += "messages" in record
             buf_ids.append(ids), buf_roles.append(roles)
             total += len(ids)

@@ -1,27 +1,27 @@
 """Gradients of layer-stacked leaves written row by row during backward, each layer's freed as it lands.
 
-A model reaches its stacked layers through ``core.tree.unstack``. Its default, ``torch.unbind``, gives views
-whose backward is one ``stack``: every layer's gradient of a stacked leaf stays alive until backward reaches
+A model reaches its stacked layers through ``core.layers.Layers.unstack``. Its default, ``torch.unbind``, gives
+views whose backward is one ``stack``: every layer's gradient of a stacked leaf stays alive until backward reaches
 the first layer, then ``stack`` copies them into a fresh full-size tensor, so the peak holds one stacked leaf
 twice (75 MB for the MLP weights of a 100M Llama: the gap between the block-compiled step's peak and plain
-PyTorch's in ``recipe=bench.step``). Here ``unstack`` hands the model each layer's rows through one autograd
-node per layer (``core.tree.LayerNode``, as ``core.shard_blocks`` gathers a layer), whose backward copies
-the layer's gradients into their rows of the stacked gradients as soon as autograd has them all, and drops
-them. Rows are copied on a micro-batch's first landing, added after, so the numbers are ``unbind``'s to the bit.
-(A post-accumulate-grad hook on per-layer leaf tensors frees them as early, but ``AccumulateGrad`` first clones a
-gradient whose strides differ from the leaf's, as a matmul's transposed product does: a second copy.)
+PyTorch's in ``recipe=bench.step``). Here :meth:`RowGradients.unstack`, which the step hands the model, gives each
+layer's rows through one autograd node per layer (``core.tree.LayerNode``, as ``core.shard_blocks`` gathers a
+layer), whose backward copies the layer's gradients into their rows of the stacked gradients as soon as
+autograd has them all, and drops them. Rows are copied on a micro-batch's first landing, added after, so the
+numbers are ``unbind``'s to the bit. (A post-accumulate-grad hook on per-layer leaf tensors frees them as early,
+but ``AccumulateGrad`` first clones a gradient whose strides differ from the leaf's, as a matmul's transposed
+product does: a second copy.)
 
 Only where the model's Python loop runs eagerly (an eager step, or ``compile_scope="block"``, whose compiled
-block is called once per layer): a compiled objective traces ``unstack`` and keeps ``unbind``.
+block is called once per layer): a compiled objective keeps ``unbind``.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 
-from core.tree import LayerNode, layer_sources, tree_unflatten
+from core.tree import LayerNode, Tree, tree_unflatten, unstack
 
 
 class _Row:
@@ -62,8 +62,9 @@ class _Layers:
 class RowGradients:
     """Gradients of ``live`` (leaf tensors requiring grad) with the stacked leaves' gathered by row.
 
-    ``with rows.installed(): loss = ...`` then ``rows.backward(loss)`` once per micro-batch, then
-    :meth:`gradients` gives one gradient per ``live`` leaf, summed over the micro-batches (zeros where none).
+    ``loss = loss_fn(..., layers=Layers(unstack=rows.unstack))`` (``core.layers``) then ``rows.backward(loss)`` once
+    per micro-batch, then :meth:`gradients` gives one gradient per ``live`` leaf, summed over the micro-batches
+    (zeros where none).
     """
 
     def __init__(self, live: list[torch.Tensor]):
@@ -74,13 +75,9 @@ class RowGradients:
         self.written: list[set] = [set() for _ in live]
         self.direct: list[Optional[torch.Tensor]] = [None] * len(live)   # gradients through the whole leaf
 
-    @contextlib.contextmanager
-    def installed(self):
-        layer_sources.append(self._layers)
-        try:
-            yield
-        finally:
-            layer_sources.remove(self._layers)
+    def unstack(self, tree: Tree) -> list:
+        """The layers of ``tree``: by rows when its leaves are (stacked) ``live`` leaves, else ``unbind``'s."""
+        return unstack(tree, self._layers)
 
     def _layers(self, leaves: list, spec) -> Optional[list]:
         ks = tuple(self.index.get(id(leaf)) for leaf in leaves)

@@ -244,6 +244,12 @@ class Layout:
         summed = reduce_scatter_sum(flat, self.group)
         return summed / self.world if mean else summed
 
+    @property
+    def stacks(self) -> bool:
+        """Whether a param leaf is stacked along a layer axis (sharded on dim 1): a step run block by block gathers
+        those a layer at a time, through the model's ``layers`` (``core.shard_blocks``, ``core.layers``)."""
+        return any(spec.dim == 1 for spec in leaves_of(self.params))
+
     def blocks(self, shards, train: bool = True):
         """A step's per-block gathering of ``shards`` (``core.shard_blocks.Blocks``)."""
         from core.shard_blocks import Blocks

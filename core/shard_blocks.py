@@ -6,10 +6,10 @@ model that is a plain function of a params pytree.
 
 - **Stand-ins.** The model gets the leaves that are not stacked gathered whole, once per step (embedding, final
   norm, head: :meth:`core.shard.Layout.gather_leaves`), and for every leaf stacked along the layer axis a stand-in
-  on the meta device (its full shape and dtype, no data: arithmetic on it raises). A model reaches its layers only
-  through ``core.tree.unstack``, which for a tree of stand-ins returns :class:`_Layers`: iterating it gathers layer
-  ``i`` (one all-gather per dtype of layer ``i``'s slice of every stacked leaf, in ``gather_dtype``)
-  when the loop reaches it.
+  on the meta device (its full shape and dtype, no data: arithmetic on it raises). The step hands the model
+  :meth:`Blocks.unstack` (``core.layers.Layers``), which for a tree of stand-ins returns :class:`_Layers`:
+  iterating it gathers layer ``i`` (one all-gather per dtype of layer ``i``'s slice of every stacked leaf, in
+  ``gather_dtype``) when the loop reaches it.
 - **Not kept for backward.** While the model runs, ``torch.autograd.graph.saved_tensors_hooks`` replace every
   tensor autograd saves that lives in a gathered layer's storage (a weight ``F.linear`` keeps for its input's
   gradient, a compiled block's saved views, the inputs ``core.remat.checkpoint`` keeps to recompute a block) by a
@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from core.tree import LayerNode, layer_sources, like, tree_unflatten, zip_leaves
+from core.tree import LayerNode, Tree, like, tree_unflatten, unstack, zip_leaves
 
 
 class _Saved:
@@ -88,7 +88,7 @@ class _Layer:
 
 
 class _Layers:
-    """The layers of a tree of stand-ins (``core.tree.unstack``), each gathered when the iteration reaches it."""
+    """The layers of a tree of stand-ins (:meth:`Blocks.unstack`), each gathered when the iteration reaches it."""
 
     def __init__(self, blocks: "Blocks", idx: list, spec):
         self.blocks, self.idx, self.spec = blocks, idx, spec
@@ -107,7 +107,7 @@ class _Layers:
 
     def __getitem__(self, k):
         raise TypeError("the layers of params sharded per block (parallel=fsdp) are gathered one at a time: iterate "
-                        "core.tree.unstack's result once, in order")
+                        "the model's layers once, in order")
 
 
 class Blocks:
@@ -150,26 +150,28 @@ class Blocks:
 
     @contextlib.contextmanager
     def running(self, last: bool = True):
-        """While the model runs on :meth:`params`: ``core.tree.unstack`` serves the layers and tensors saved for
-        backward that live in a gathered layer become tokens. ``last``: the step's last micro-batch."""
+        """While the model runs on :meth:`params` (its layers from :meth:`unstack`), tensors saved for backward that
+        live in a gathered layer become tokens. ``last``: the step's last micro-batch."""
         self.last = last
-        layer_sources.append(self._layers)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if self.anchor is not None \
             else contextlib.nullcontext()
         try:
             with hooks:
                 yield self.params()
         finally:
-            layer_sources.remove(self._layers)
             if self.anchor is None:      # only run: nothing comes back for a backward
                 self.close()
+
+    def unstack(self, tree: Tree) -> list:
+        """The layers of ``tree``: gathered one at a time when it is the stand-ins' tree, else ``unbind``'s."""
+        return unstack(tree, self._layers)
 
     def _layers(self, leaves: list, spec) -> Optional[_Layers]:
         idx = [self.by_id.get(id(t)) for t in leaves]
         if all(j is None for j in idx):
             return None
         if any(j is None for j in idx):
-            raise ValueError("core.tree.unstack: a tree mixing the stacked params of a sharded step (parallel=fsdp, "
+            raise ValueError("core.shard_blocks: a tree mixing the stacked params of a sharded step (parallel=fsdp, "
                              "gathered per block) with other tensors")
         return _Layers(self, idx, spec)
 

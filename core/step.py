@@ -20,7 +20,8 @@ Two gradient paths give the same numbers (tested):
   ``torch.autograd`` (``recipe=bench.step``).
 
 ``compile_scope="step"`` compiles as above; ``"block"`` compiles the model's repeated block once for all
-its layers (``core.compile.region``; regional compilation, so compile time does not grow with depth) and
+its layers (``core.compile.BlockCompiler``, handed to the model as ``core.layers.Layers``: regional compilation,
+so compile time does not grow with depth; the loss must take ``layers`` and pass it to the model) and
 the update on its own, with gradients through ``torch.autograd``: ``func.grad`` cannot trace a compiled
 region on torch 2.13 (pytorch/pytorch ``nested_compile_region`` under ``torch.func``).
 
@@ -42,8 +43,9 @@ from typing import Callable, Optional
 import torch
 
 from core import rng
-from core.compile import cpp_wrapper, maybe_compile, regions
+from core.compile import BlockCompiler, cpp_wrapper, maybe_compile
 from core.donate import owned
+from core.layers import check_takes_layers, layers_of
 from core.row_grads import RowGradients
 from core.spike import SpikeConfig
 from core.state import TrainState
@@ -66,16 +68,19 @@ def autocast(precision: str, device_type: str):
 
 
 def loss_caller(loss_fn: Callable) -> Callable:
-    """Normalize ``loss_fn`` to ``(params, batch, key, frozen) -> (loss, aux)``."""
+    """Normalize ``loss_fn`` to ``(params, batch, key, frozen, layers=None) -> (loss, aux)`` (``layers``: a
+    ``core.layers.Layers`` for the model, passed when the loss takes it)."""
     sig = inspect.signature(loss_fn).parameters
-    takes_key, takes_frozen = "key" in sig, "frozen" in sig
+    takes_key, takes_frozen, takes_layers = "key" in sig, "frozen" in sig, "layers" in sig
 
-    def call(params, batch, key, frozen):
+    def call(params, batch, key, frozen, layers=None):
         kwargs = {}
         if takes_key:
             kwargs["key"] = key
         if takes_frozen:
             kwargs["frozen"] = frozen
+        if takes_layers:
+            kwargs["layers"] = layers
         out = loss_fn(params, batch, **kwargs)
         return out if isinstance(out, tuple) else (out, {})
 
@@ -101,12 +106,13 @@ def _mean_aux(auxes: list[dict]) -> dict:
 
 
 def _make_objective(call: Callable, grad_accum: int, precision: str, device_type: str,
-                    in_regions: bool = False, mode: str = "default", cpp: bool = False) -> Callable:
-    """``objective(params, batch, key, frozen, scale) -> (scaled loss / grad_accum, (loss, aux))``; with
-    ``in_regions`` the model's blocks run compiled (``core.compile.regions``; ``cpp``: its C++ wrapper)."""
-    def objective(params, batch, key, frozen, scale):
-        with autocast(precision, device_type), regions(in_regions, mode, cpp, device_type):
-            loss, aux = call(params, batch, key, frozen)
+                    blocks: Optional[Callable] = None) -> Callable:
+    """``objective(params, batch, key, frozen, scale, unstack=None) -> (scaled loss / grad_accum, (loss, aux))``; the
+    model gets ``core.layers.Layers`` of ``blocks`` (a ``core.compile.BlockCompiler``: its block compiled) and
+    ``unstack`` (its layers from the step's row gradients or gathered shards) where either is given."""
+    def objective(params, batch, key, frozen, scale, unstack=None):
+        with autocast(precision, device_type):
+            loss, aux = call(params, batch, key, frozen, layers_of(unstack, blocks))
         loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         return loss * scale / grad_accum, (loss.detach(), aux)
 
@@ -139,8 +145,8 @@ def _autograd_gradients(objective: Callable, grad_accum: int, by_row: bool = Tru
         live_params = tree_unflatten(spec, rows.live)
         losses, auxes = [], []
         for i, micro in enumerate(_micro_batches(batch, grad_accum)):
-            with rows.installed() if by_row else contextlib.nullcontext():
-                obj, (loss, aux) = objective(live_params, micro, rng.fold_in(key, i), frozen, scale)
+            obj, (loss, aux) = objective(live_params, micro, rng.fold_in(key, i), frozen, scale,
+                                         rows.unstack if by_row else None)
             rows.backward(obj)
             losses.append(loss.detach())
             auxes.append({k: v.detach() for k, v in aux.items()})
@@ -159,7 +165,7 @@ def _block_gradients(objective: Callable, grad_accum: int, shard) -> Callable:
         total, losses, auxes = None, [], []
         for i, micro in enumerate(micros):
             with blocks.running(last=i == len(micros) - 1) as params:
-                obj, (loss, aux) = objective(params, micro, rng.fold_in(key, i), frozen, scale)
+                obj, (loss, aux) = objective(params, micro, rng.fold_in(key, i), frozen, scale, blocks.unstack)
             inputs = blocks.inputs()
             grads = torch.autograd.grad(obj, inputs, allow_unused=True)[:-1]     # the anchor's is None
             grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, inputs)]
@@ -279,12 +285,13 @@ def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precis
     grad_mode = _grad_mode(grad_mode, compile, compile_scope, remat, grad_accum)
     cpp = cpp_wrapper(device_type, collectives=shard is not None or reduce is not None)
     compiled = functools.partial(maybe_compile, mode=compile_mode, cpp=cpp, device_type=device_type)
-    objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type, in_regions=by_block,
-                                mode=compile_mode, cpp=cpp)
+    by_layer = per_block(shard, compile, compile_scope, grad_mode)
+    check_takes_layers(loss_fn, by_block, by_layer and shard.stacks)
+    objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type,
+                                BlockCompiler(compile_mode, cpp, device_type) if by_block else None)
     apply = _make_apply_gradients(optimizer, Monitors(extra_metrics, spike, skip), donate,
                                   None if shard is None else shard.psum)
     reduced = _make_reduce(reduce) if shard is None else shard.reduce
-    by_layer = per_block(shard, compile, compile_scope, grad_mode)
     if grad_mode == "func":      # one graph: forward, backward, the update
         gradients = _func_gradients(objective, grad_accum)
     elif by_layer:               # sharded: each block's params gathered when it runs, its gradients reduce-scattered
@@ -331,14 +338,17 @@ def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: s
     by_block = compile and compile_scope == "block"
     by_layer = per_block(shard, compile, compile_scope)
     cpp = cpp_wrapper(device_type, collectives=shard is not None)
+    check_takes_layers(loss_fn, by_block, by_layer and shard.stacks)
+    blocks = BlockCompiler(compile_mode, cpp, device_type) if by_block else None
 
     def eval_step(params, batch, frozen=None):
-        with torch.no_grad(), autocast(precision, device_type), regions(by_block, compile_mode, cpp, device_type):
+        with torch.no_grad(), autocast(precision, device_type):
             if by_layer:
-                with shard.blocks(params, train=False).running() as full:
-                    loss, aux = call(full, batch, None, frozen)
+                gathering = shard.blocks(params, train=False)
+                with gathering.running() as full:
+                    loss, aux = call(full, batch, None, frozen, layers_of(gathering.unstack, blocks))
             else:
-                loss, aux = call(params, batch, None, frozen)
+                loss, aux = call(params, batch, None, frozen, layers_of(None, blocks))
         return {"loss": loss, **aux}
 
     step = maybe_compile(eval_step, compile and not by_block, mode=compile_mode, cpp=cpp, device_type=device_type)

@@ -7,8 +7,6 @@ traced natively by dynamo on torch >= 2.10), in the spirit of ``jax.tree_util`` 
 """
 from __future__ import annotations
 
-import weakref
-
 from typing import Any, Callable, Iterable
 
 import optree
@@ -149,16 +147,9 @@ def squared_norms(tree: Tree) -> list[torch.Tensor]:
             for t in tree_leaves(tree)]
 
 
-_last_norms: list = []   # (key, psum, norm) of the last two eager global_norm calls (see global_norm)
-
-
 def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """L2 norm over every element of every leaf, in at least float32 (no host sync). ``psum`` sums the squared
     norm over the ranks that hold the other shards of a sharded tree (``core.shard.Layout.psum``) before the root.
-
-    Eager calls remember the last two results: the step's gradient-norm metric and a clipping transform read
-    the norm of the same tensors, and the second read costs nothing (a hit needs the very same tensors,
-    held by weak reference, with unchanged version counters, so an in-place write or a new tensor misses).
 
     Leaves of one dtype take one ``torch._foreach_norm`` (one multi-tensor kernel, as
     ``torch.nn.utils.clip_grad_norm_(foreach=True)``); the per-leaf norms are squared, summed and
@@ -167,7 +158,8 @@ def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None 
     each leaf takes a ``vector_norm`` instead: inductor has no CPU lowering of ``_foreach_norm`` (it runs
     the eager op, one kernel per leaf, three times per step for the gradient norm, the clip and the parameter
     norm), while ``vector_norm`` is fused into the kernels that already read the leaf (the health statistics
-    read the same gradients and weights).
+    read the same gradients and weights). Nothing is cached: an eager step hands its gradient-norm metric to the
+    clip instead (``optim.clip_by_global_norm``'s ``grad_norm``).
     """
     leaves = tree_leaves(tree)
     if not leaves:
@@ -178,17 +170,7 @@ def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None 
             return _global_norm(tree, leaves, psum)
         total = torch.stack(sq).sum()
         return (total if psum is None else psum(total)).sqrt()
-    for key, summed, norm in _last_norms:   # every rank hits or misses alike: a skipped psum is skipped everywhere
-        if summed == psum and _same_leaves(key, leaves):
-            return norm
-    norm = _global_norm(tree, leaves, psum)
-    _last_norms[:] = [([(weakref.ref(t), t._version) for t in leaves], psum, norm)] + _last_norms[:1]
-    return norm
-
-
-def _same_leaves(key: list, leaves: list) -> bool:
-    """``leaves`` are the very tensors ``key`` recorded (alive: weak references), none written since."""
-    return len(key) == len(leaves) and all(ref() is t and t._version == v for (ref, v), t in zip(key, leaves))
+    return _global_norm(tree, leaves, psum)
 
 
 def _global_norm(tree: Tree, leaves: list, psum) -> torch.Tensor:
@@ -250,17 +232,12 @@ def stack(trees: Iterable[Tree]) -> Tree:
     return tree_map(lambda *xs: torch.stack(xs), *trees)
 
 
-# Sources of a model's layers other than unbind, pushed while a step runs the model: core.shard_blocks (layers
-# gathered from the ranks' shards), core.row_grads (layers whose gradients land in rows). Each is
-# ``source(leaves, spec)`` -> the layers of a tree it owns, or None for any other tree.
-layer_sources: list[Callable] = []
-
-
 class LayerNode(torch.autograd.Function):
     """``anchor -> layer.take()``: one layer's tensors as the outputs of one autograd node, whose backward hands their
     gradients (None where none) to ``layer.backward(grads)`` as soon as the layer's own backward is done. The anchor
-    is a 0-d tensor that requires grad, so the outputs do too (its own gradient is None). How a layer source makes
-    a layer: ``core.shard_blocks`` gathers it and reduce-scatters its gradients, ``core.row_grads`` writes them."""
+    is a 0-d tensor that requires grad, so the outputs do too (its own gradient is None). How a layer source (see
+    :func:`unstack`) makes a layer: ``core.shard_blocks`` gathers it and reduce-scatters its gradients,
+    ``core.row_grads`` writes them."""
 
     @staticmethod
     def forward(ctx, layer, anchor: torch.Tensor):
@@ -274,24 +251,23 @@ class LayerNode(torch.autograd.Function):
         return None, None
 
 
-def unstack(tree: Tree) -> list[Tree]:
+def unstack(tree: Tree, source: Callable | None = None) -> list[Tree]:
     """The inverse of :func:`stack`: unbind every leaf once along axis 0 into a list of pytrees.
 
     ``torch.unbind`` gives views whose gradients are gathered by one ``stack`` in backward; indexing
     ``w[i]`` in a loop would make autograd scatter into a full-size zero tensor per layer.
 
-    The one way a model reaches its stacked layers: a step may hand out the layers lazily instead, from a
-    ``layer_sources`` entry (under ``parallel=fsdp`` layer i is gathered from the ranks' shards when the iteration
-    reaches it, ``core.shard_blocks``; on the autograd path each layer's gradients are written into their rows as
-    its backward ends, ``core.row_grads``), so iterate it once, in order, done with a layer's tree when taking the
-    next.
+    ``source(leaves, spec)`` (a step's, handed to the model through ``core.layers.Layers``) may hand out the layers
+    of a tree it owns lazily instead, and returns None for any other tree: under ``parallel=fsdp`` layer i is
+    gathered from the ranks' shards when the iteration reaches it (``core.shard_blocks``); on the autograd path each
+    layer's gradients are written into their rows as its backward ends (``core.row_grads``). Iterate the result
+    once, in order, done with a layer's tree when taking the next.
     """
     leaves, spec = tree_flatten(tree)
     if not leaves:
         return []
-    for source in reversed(layer_sources):
-        layers = source(leaves, spec)
-        if layers is not None:
-            return layers
+    layers = None if source is None else source(leaves, spec)
+    if layers is not None:
+        return layers
     columns = [leaf.unbind(0) for leaf in leaves]
     return [tree_unflatten(spec, [col[i] for col in columns]) for i in range(len(columns[0]))]

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from core.donate import update_in_place, write_into
+from core.donate import update_in_place, updating, write_into
 from core.loss_scale import update_loss_scale
 from core.spike import SpikeConfig, update_monitor
 from core.state import TrainState
@@ -71,10 +71,13 @@ def apply_gradients(state: TrainState, grads, optimizer, *, loss: torch.Tensor, 
     metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(), **(aux or {})}
     in_place = donate and not torch.compiler.is_compiling() and bool(finite)   # eager: one host sync
     if in_place:   # eager donated step: moments and (unless extra metrics read the old params) params in place
-        updates, opt_state, new_params = update_in_place(optimizer, state, grads,
+        updates, opt_state, new_params = update_in_place(updating(optimizer), state, grads, grad_norm=grad_norm,
                                                          keep=monitors.extra_metrics is not None and due is not False)
-    else:
+    elif torch.compiler.is_compiling():   # the compiler shares the norm; no signature is traced
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_params = apply_updates(state.params, updates)
+    else:   # eager: the clip reuses the norm above (core.donate.updating passes what the transforms take)
+        updates, opt_state = updating(optimizer)(grads, state.opt_state, state.params, grad_norm=grad_norm)
         new_params = apply_updates(state.params, updates)
     if getattr(optimizer, "metrics", None) is not None:   # what the transforms report: lr, clip activity
         metrics.update(optimizer.metrics(opt_state))

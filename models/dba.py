@@ -55,6 +55,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from core.layers import Layers
 from models import llama, losses
 from models.llama import LlamaConfig, apply_rope, rope_frequencies
 
@@ -194,20 +195,20 @@ def block(p: dict, x: torch.Tensor, cos, sin, cfg: DBAConfig, key=None, cache=No
 
 def apply(params: dict, tokens: torch.Tensor, cfg: DBAConfig, *, key: Optional[torch.Tensor] = None,
           return_hidden: bool | str = False, cache: Optional[list] = None, past_len: int = 0,
-          remat: bool = False):
+          remat: bool = False, layers: Optional[Layers] = None):
     """Logits [B, T, vocab]; the keyword arguments mean what they mean in ``llama.apply`` (``return_hidden``:
     the residual stream entering every block plus the last block's output, as the teacher's, for blockwise
     distillation)."""
     cos, sin = llama.position_tables(pair_frequencies, cfg, past_len, tokens.shape[1], params["embed"].dtype,
                                      tokens.device)
     return llama.apply_with(params, tokens, cfg, zip(cos.unbind(0), sin.unbind(0)), block, key=key,
-                            return_hidden=return_hidden, cache=cache, past_len=past_len, remat=remat)
+                            return_hidden=return_hidden, cache=cache, past_len=past_len, remat=remat, layers=layers)
 
 
 def loss(params: dict, batch: dict, cfg: DBAConfig, key: Optional[torch.Tensor] = None,
-         remat: bool = False) -> torch.Tensor:
+         remat: bool = False, layers: Optional[Layers] = None) -> torch.Tensor:
     """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored)."""
-    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat), batch["y"])
+    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat, layers=layers), batch["y"])
 
 
 # ----------------------------------------------------------------------------------------------------------

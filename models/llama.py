@@ -25,7 +25,8 @@ Params (weights in torch's ``(out, in)`` layout, so Hugging Face tensors map one
     lm_head              [vocab, d]   (absent when tie_embeddings)
 
 Blocks are stacked along a leading layer axis (Flax ``nn.scan``, Levanter ``Stacked``) and unbound once
-per forward with ``torch.unbind``.
+per forward with ``torch.unbind``, unless the caller hands the model ``layers`` (``core.layers.Layers``: the train
+step's compiled block, its per-layer gradients or gathered shards, applied from outside the model).
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from core import rng
-from core.compile import region
 from core.config import option
+from core.layers import Layers
 from core.remat import checkpoint
 from core.tree import unstack
 from models import losses
@@ -303,7 +304,7 @@ def block(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, key=None, cache=
 
 def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional[torch.Tensor] = None,
           return_hidden: bool | str = False, cache: Optional[list] = None, past_len: int = 0,
-          remat: bool = False, doc: Optional[torch.Tensor] = None):
+          remat: bool = False, doc: Optional[torch.Tensor] = None, layers: Optional[Layers] = None):
     """Logits [B, T, vocab] for ``tokens`` [B, T].
 
     ``key`` turns on dropout (training); ``return_hidden=True`` also returns the residual stream entering every
@@ -314,6 +315,7 @@ def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional
     counter-based key, so the recomputation is identical). ``remat`` needs ``torch.autograd``, not
     ``torch.func`` (``make_train_step(..., remat=True)``). ``doc`` [B, T]: the document id of every token of
     packed rows (``core.docs``): attention stays inside a document and RoPE positions restart at each one.
+    ``layers`` (``core.layers.Layers``, from the step that runs this): how the stacked blocks run.
     """
     if doc is None:
         tables = position_tables(rope_frequencies, cfg, past_len, tokens.shape[1], params["embed"].dtype,
@@ -323,12 +325,13 @@ def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional
         cos, sin = rope_tables(rope_frequencies(cfg), doc_positions(doc).flatten(), params["embed"].dtype)
         tables = cos.view(B, 1, T, -1), sin.view(B, 1, T, -1)
     return apply_with(params, tokens, cfg, itertools.repeat(tables), block, key=key, return_hidden=return_hidden,
-                      cache=cache, past_len=past_len, remat=remat, doc=doc)
+                      cache=cache, past_len=past_len, remat=remat, doc=doc, layers=layers)
 
 
 def apply_with(params: dict, tokens: torch.Tensor, cfg, layer_tables: Iterable, block_fn: Callable, *,
                key: Optional[torch.Tensor] = None, return_hidden: bool | str = False, cache: Optional[list] = None,
-               past_len: int = 0, remat: bool = False, doc: Optional[torch.Tensor] = None):
+               past_len: int = 0, remat: bool = False, doc: Optional[torch.Tensor] = None,
+               layers: Optional[Layers] = None):
     """The decoder every Llama variant shares (``apply`` here, ``models.dba.apply``): embedding (+ dropout),
     ``block_fn`` per layer with that layer's ``(cos, sin)`` from ``layer_tables``, the final norm and the
     (tied or untied) head. The keyword arguments are ``apply``'s (``doc`` reaches ``block_fn`` only when given)."""
@@ -336,8 +339,10 @@ def apply_with(params: dict, tokens: torch.Tensor, cfg, layer_tables: Iterable, 
     x = F.embedding(tokens, params["embed"])
     if key is not None:
         x = rng.dropout(rng.fold_in(key, 0), x, cfg.dropout)
-    hidden, block_fn = [], region(block_fn)   # compiled once for every layer inside core.compile.regions
-    for i, (lp, (cos, sin)) in enumerate(zip(unstack(params["layers"]), layer_tables)):
+    stacked = unstack(params["layers"]) if layers is None else layers.unstack(params["layers"])
+    block_fn = block_fn if layers is None else layers.block(block_fn)   # e.g. compiled once for every layer
+    hidden = []
+    for i, (lp, (cos, sin)) in enumerate(zip(stacked, layer_tables)):
         hidden.append(x)
         layer_key = None if key is None else rng.fold_in(key, 1000 + i)
         if remat and cache is None:
@@ -352,11 +357,11 @@ def apply_with(params: dict, tokens: torch.Tensor, cfg, layer_tables: Iterable, 
 
 
 def loss(params: dict, batch: dict, cfg: LlamaConfig, key: Optional[torch.Tensor] = None,
-         remat: bool = False) -> torch.Tensor:
+         remat: bool = False, layers: Optional[Layers] = None) -> torch.Tensor:
     """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored), with
-    ``batch["doc"]`` [B, T] the packed documents' ids when present (``core.docs``)."""
-    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat, doc=batch.get("doc")),
-                                batch["y"])
+    ``batch["doc"]`` [B, T] the packed documents' ids when present (``core.docs``); ``layers`` as in :func:`apply`."""
+    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat, doc=batch.get("doc"),
+                                      layers=layers), batch["y"])
 
 
 # ----------------------------------------------------------------------------------------------------------

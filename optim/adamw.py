@@ -32,12 +32,12 @@ class ScaleByAdamState(NamedTuple):
 
 
 def _adam_directions(mu: list, nu: list, bc1: torch.Tensor, bc2_sqrt: torch.Tensor, eps: torch.Tensor,
-                     spare: list) -> list:
+                     spare: list, donated=None) -> list:
     """``(m / (sqrt(v) / bc2_sqrt + eps)) / bc1`` leaf by leaf, one multi-tensor op at a time; the denominators
-    and then the directions written into ``spare`` (spent gradients) when the step donated them."""
+    and then the directions written into ``spare`` (spent gradients) when the step donated them (``donated``)."""
     if not mu:
         return []
-    denominators = foreach.roots(nu, spare)
+    denominators = foreach.roots(nu, spare, donated)
     torch._foreach_div_(denominators, bc2_sqrt)
     foreach.add_scalar_(denominators, eps)
     directions = foreach.over(mu, denominators)
@@ -50,15 +50,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         return ScaleByAdamState(counter(params), zeros_like(params), zeros_like(params),
                                 hparams(params, b1=b1, b2=b2, eps=eps))
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, donated=None):
         h = state.hparams
         beta1, beta2 = h["b1"], h["b2"]
         count = state.count + 1
         grads, old_mu, old_nu = zip_leaves(updates, state.mu, state.nu)
-        mu = foreach.next_lerp(old_mu, grads, 1 - beta1)
-        nu = foreach.next_lerp(old_nu, foreach.squares(grads, last_use=True), 1 - beta2)
+        mu = foreach.next_lerp(old_mu, grads, 1 - beta1, donated)
+        nu = foreach.next_lerp(old_nu, foreach.squares(grads, donated), 1 - beta2, donated)   # grads' last read
         directions = _adam_directions(mu, nu, 1 - beta1 ** count, (1 - beta2 ** count).sqrt(), h["eps"],
-                                      spare=grads)
+                                      spare=grads, donated=donated)
         return (like(updates, directions),
                 ScaleByAdamState(count, like(state.mu, mu, updates), like(state.nu, nu, updates), h))
 

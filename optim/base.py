@@ -1,10 +1,12 @@
 """The optax interface in PyTorch: gradient transformations as ``(init, update)`` pairs.
 
 ``init(params) -> state`` and ``update(updates, state, params) -> (updates, state)``, both out of place,
-composed with :func:`chain` (optax ``base.py`` / ``combine.py``). A transform may also say what it wants
-logged: ``metrics(state) -> dict`` of 0-d tensors (the learning rate, clip activity), which the train
-step adds to its metrics without knowing any optimizer. Hyperparameters that a run may change
-(learning rate, betas, weight decay) live in the state as 0-d tensors, as in optax's
+composed with :func:`chain` (optax ``base.py`` / ``combine.py``). An ``update`` may take extra keywords, as
+optax's transforms take extra arguments (``core.donate``): ``donated``, the ids of the tensors an eager donated
+step gave up, which it may overwrite, and ``grad_norm``, the global norm of the updates it is given.
+A transform may also say what it wants logged: ``metrics(state) -> dict`` of 0-d tensors (the learning rate,
+clip activity), which the train step adds to its metrics without knowing any optimizer. Hyperparameters that a
+run may change (learning rate, betas, weight decay) live in the state as 0-d tensors, as in optax's
 ``inject_hyperparams``, so a schedule or an edit never recompiles a compiled step. Their dtype follows
 the params' widest float dtype (float64 params give float64 hyperparameters, as ``torch.optim`` computes
 its bias corrections in double precision).
@@ -16,6 +18,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from core import tree
+from core.donate import takes
 from core.tree import Tree, tree_leaves
 
 
@@ -34,15 +37,24 @@ def identity() -> GradientTransformation:
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Apply transforms in order; the state is the tuple of their states."""
+    """Apply transforms in order; the state is the tuple of their states. The extra arguments (``core.donate``) are
+    handed on as optax's ``chain`` hands them, to the transforms whose ``update`` takes them: ``donated`` (the ids
+    of the tensors an eager donated step gave up) to each, ``grad_norm`` (the global norm of the updates the chain
+    is given) to the first, the one transform that sees those updates."""
+    donating = [takes(t.update, "donated") for t in transforms]
+    normed = bool(transforms) and takes(transforms[0].update, "grad_norm")
 
     def init(params):
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, donated: Optional[frozenset] = None,
+               grad_norm: Optional[torch.Tensor] = None):
         new_state = []
-        for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params)
+        for i, (t, s) in enumerate(zip(transforms, state)):
+            extra = {"donated": donated} if donating[i] and donated is not None else {}
+            if i == 0 and normed and grad_norm is not None:
+                extra["grad_norm"] = grad_norm
+            updates, s = t.update(updates, s, params, **extra)
             new_state.append(s)
         return updates, tuple(new_state)
 

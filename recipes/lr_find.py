@@ -112,8 +112,8 @@ def run(cfg: Config) -> dict:
                                        agc_clip=cfg.agc_clip))
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     state = init_state(params, opt, cfg.seed, cfg.dtype)
-    step = make_train_step(lambda p, b: llama.loss(p, b, model_cfg), opt, grad_accum=cfg.grad_accum,
-                           precision=cfg.dtype, device_type=device.type, compile=cfg.compile)
+    step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, model_cfg, layers=layers), opt,
+                           grad_accum=cfg.grad_accum, precision=cfg.dtype, device_type=device.type, compile=cfg.compile)
     n = cfg.num_steps
     lrs = sweep(cfg.start_lr, cfg.end_lr, n)
     rows = lr_range_test(state, step, batches, lrs)

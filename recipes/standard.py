@@ -100,8 +100,9 @@ def prepare_run(cfg: Config, write: bool = True) -> Prepared:
     run_setup = setup.start(cfg, folder if write else None, params, device=device, dist=dist, tokenizer=tok)
     params = run_setup.layout.full_shapes() if run_setup.layout else params   # fsdp: only shards stay alive
 
-    def loss_fn(params, batch, key):
-        return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat)
+    def loss_fn(params, batch, key, layers=None):
+        return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat,
+                          layers=layers)
 
     def make_steps(optimizer, skip: bool = True) -> Steps:
         return build_steps(cfg, loss_fn, optimizer, params, batches, device, vocab, dist, run_setup.layout, skip)
@@ -140,7 +141,7 @@ def run(cfg: Config):
         io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra, validation=validation, measures=measures)
         result = fit(cfg, p.run.state, steps, io, loop=p.run.loop, hooks=[orchestrator], dist=dist)
         report(logger, result, p.folder)
-    distributed.shutdown()
+    distributed.shutdown(dist)
     return result
 
 

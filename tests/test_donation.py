@@ -1,5 +1,5 @@
 """Buffer donation (``make_train_step(donate=True)``, ``core.donate``) and regional compilation
-(``compile_scope="block"``, ``core.compile.region``): the same numbers as the pure, uncompiled step.
+(``compile_scope="block"``, ``core.compile.BlockCompiler``): the same numbers as the pure, uncompiled step.
 
 Eager donated steps equal pure ones bitwise; compiled donated steps equal compiled pure ones within 1e-6, and
 with AdaGC (whose gamma reads its step count) eager ones. The skip on a non-finite loss leaves
@@ -13,21 +13,23 @@ import pytest
 import torch
 
 import optim
-from core.compile import compile_count, regions
+from core.compile import BlockCompiler, compile_count
 from core.donate import owned
+from core.layers import Layers
 from core.spike import SpikeConfig
 from core.state import init_state
 from core.step import make_train_step
 from core.tree import clone, leaves_of, max_abs_diff, tree_flatten, tree_map, tree_unflatten
 from models import llama
 from optim.health import GradientHealth, computed
+from optim.swats import swats
 
 CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
-def loss_fn(p, b):
+def loss_fn(p, b, layers=None):
     """Cross entropy times ``b["poison"]`` (1, or NaN for the step that must be skipped)."""
-    return llama.loss(p, b, CFG) * b["poison"]
+    return llama.loss(p, b, CFG, layers=layers) * b["poison"]
 
 
 def batches(n, poisoned=()):
@@ -50,13 +52,14 @@ def run(step, state, data):
 
 
 OPTIMIZERS = {"adamw": optimizer, "lion": lambda: optim.chain(optim.clip_by_global_norm(1.0), optim.lion(lr=1e-3)),
-              "sgd": lambda: optim.sgd(lr=1e-2, momentum=0.9)}
+              "sgd": lambda: optim.sgd(lr=1e-2, momentum=0.9),
+              "swats": lambda: optim.chain(optim.clip_by_global_norm(1.0), swats(lr=1e-2, switch_eps=1.0))}
 
 
 @pytest.mark.parametrize("name,health,dtype", [("adamw", True, torch.float32), ("adamw", 3, torch.float32),
                                                ("adamw", False, torch.float32),
                                                ("adamw", False, torch.bfloat16), ("lion", False, torch.float32),
-                                               ("sgd", False, torch.float32)])
+                                               ("sgd", False, torch.float32), ("swats", False, torch.float32)])
 def test_donated_eager_steps_equal_pure_bitwise_in_the_same_buffers(name, health, dtype):
     """With health statistics the params are updated apart and copied (with ``every=3``, only on the steps they are
     due); without, in place with the moments (and AdamW's intermediate results in the spent gradients, for bf16
@@ -74,6 +77,26 @@ def test_donated_eager_steps_equal_pure_bitwise_in_the_same_buffers(name, health
     assert [t.data_ptr() for t in leaves_of((b.params, b.opt_state))] == buffers
     assert all(torch.equal(x, y) for x, y in zip(leaves_of(a), leaves_of(b)))
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_what_a_transform_may_overwrite_travels_with_the_call():
+    """``optimizer.update(..., donated=ids)`` (``core.donate``): AdamW's chain (clip, Adam, decay, learning rate)
+    writes its updates into the very gradients it was given, with the pure update's bits; without ``donated`` it
+    writes into nothing it was given. (SWATS takes no ``donated``: it reads its gradients after its inner Adam's
+    update, so its donated step runs out of place, the swats case above.)"""
+    opt, params = optimizer(), llama.init(CFG, seed=8)
+    g = torch.Generator().manual_seed(8)
+    grads = tree_map(lambda p: torch.randn(p.shape, generator=g), params)
+    state = opt.init(params)
+    pure, _ = opt.update(clone(grads), clone(state), params)
+    given = frozenset(id(t) for t in leaves_of(grads) + leaves_of(state))
+    updates, _ = opt.update(grads, state, params, donated=given)
+    assert all(u is x for u, x in zip(leaves_of(updates), leaves_of(grads)))
+    assert all(torch.equal(u, p) for u, p in zip(leaves_of(updates), leaves_of(pure)))
+    fresh_grads, fresh_state = clone(grads), opt.init(params)
+    updates, new_state = opt.update(fresh_grads, fresh_state, params)
+    mine = {t.data_ptr() for t in leaves_of(updates) + leaves_of(new_state) if t.numel() > 1}
+    assert not mine & {t.data_ptr() for t in leaves_of(fresh_grads) + leaves_of(fresh_state)}
 
 
 def test_a_non_finite_step_leaves_the_donated_state_unchanged():
@@ -104,23 +127,33 @@ def test_donation_never_writes_into_the_frozen_inputs():
     assert not torch.equal(state.params["embed"], teacher["embed"])
 
 
-def _gradients(params, batch, compiled_block: bool):
+def _gradients(params, batch, compiler: BlockCompiler):
     leaves, spec = tree_flatten(params)
     live = [p.detach().requires_grad_() for p in leaves]
-    with regions(compiled_block):
-        loss = llama.loss(tree_unflatten(spec, live), batch, CFG)
+    loss = llama.loss(tree_unflatten(spec, live), batch, CFG, layers=Layers(block=compiler))
     return torch.autograd.grad(loss, live)
 
 
 def test_the_compiled_block_gives_eager_gradients_and_depth_compiles_nothing_new():
+    """The block compiled from outside the model (its compiler handed to it as ``layers``), one graph for every
+    layer, held by the compiler: a deeper model of the same width calls the same one."""
     params, batch = llama.init(CFG, seed=4), batches(1)[0]
     reference = torch.func.grad(lambda p: llama.loss(p, batch, CFG))(params)
-    grads = _gradients(params, batch, compiled_block=True)
+    compiler = BlockCompiler()
+    grads = _gradients(params, batch, compiler)
+    assert list(compiler.compiled) == [llama.block]
     assert max(float((g - r).abs().max()) for g, r in zip(grads, leaves_of(reference))) < 1e-6
     deeper = llama.init(llama.LlamaConfig(**{**vars(CFG), "n_layers": 5}), seed=5)
     before = compile_count()
-    _gradients(deeper, batch, compiled_block=True)
+    _gradients(deeper, batch, compiler)
     assert compile_count() == before, "a deeper model of the same width recompiled the block"
+
+
+def test_a_block_scope_step_needs_a_loss_that_takes_layers():
+    """The block is compiled from outside the model, through the loss's ``layers``: a loss without it is refused
+    rather than silently run uncompiled."""
+    with pytest.raises(ValueError, match="'layers' keyword"):
+        make_train_step(lambda p, b: llama.loss(p, b, CFG), optimizer(), compile=True, compile_scope="block")
 
 
 @pytest.mark.parametrize("scope", ["step", "block"])

@@ -290,8 +290,9 @@ def _sharded_run(group, *, compile, clipping, health, donate, steps=3, scope="st
                                                world=1, rank=0, group=group)
     psum = layout.psum if layout else None
     opt = make_optimizer(spec, psum)
-    step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=compile, compile_scope=scope,
-                           shard=layout, donate=donate, grad_mode="func" if explain or compile else None,
+    step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt, compile=compile,
+                           compile_scope=scope, shard=layout, donate=donate,
+                           grad_mode="func" if explain or compile else None,
                            extra_metrics=GradientHealth(params, psum=psum).metrics if health else None)
     state = init_state(clone(params), opt)
     state = layout.shard(state) if layout else state
@@ -336,7 +337,7 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
         runs = []
         for shard in (None, layout):
             opt = make_optimizer(spec, shard.psum if shard else None)
-            loss = lambda p, b: llama.loss(p, b, cfg, remat=remat)       # noqa: E731
+            loss = lambda p, b, layers=None: llama.loss(p, b, cfg, remat=remat, layers=layers)       # noqa: E731
             step = make_train_step(loss, opt, grad_accum=2, shard=shard, remat=remat, precision=precision)
             state = init_state(clone(params), opt)
             gathers.clear()

@@ -3,6 +3,7 @@ micro-batches and remat, while no layer's gradient outlives its landing."""
 import pytest
 import torch
 
+from core.layers import Layers
 from core.row_grads import RowGradients
 from core.step import _autograd_gradients, _make_objective, loss_caller
 from core import rng
@@ -21,7 +22,8 @@ def batches(grad_accum):
 def test_row_gradients_equal_unbind_bitwise(grad_accum, remat):
     params = llama.init(CFG, seed=1)
     batch = batches(grad_accum) if grad_accum > 1 else tree_map(lambda t: t[0], batches(1))
-    objective = _make_objective(loss_caller(lambda p, b: llama.loss(p, b, CFG, remat=remat)), grad_accum, "fp32", "cpu")
+    objective = _make_objective(loss_caller(lambda p, b, layers: llama.loss(p, b, CFG, remat=remat, layers=layers)),
+                                grad_accum, "fp32", "cpu")
     scale = torch.ones(())
     got = [_autograd_gradients(objective, grad_accum, by_row=by_row)(params, batch, rng.key(0), None,
                                                                      scale)
@@ -36,8 +38,8 @@ def test_stacked_leaves_land_by_row_and_the_others_whole():
     params = llama.init(CFG, seed=2)
     leaves, spec = tree_flatten(params)
     rows = RowGradients([p.detach().requires_grad_() for p in leaves])
-    with rows.installed():
-        loss = llama.loss(tree_unflatten(spec, rows.live), tree_map(lambda t: t[0], batches(1)), CFG)
+    loss = llama.loss(tree_unflatten(spec, rows.live), tree_map(lambda t: t[0], batches(1)), CFG,
+                      layers=Layers(unstack=rows.unstack))
     rows.backward(loss)
     stacked = [k for k, (name, _) in enumerate(named_leaves(params)) if name.startswith("layers.")]
     assert stacked and all(rows.stacked[k] is not None and rows.direct[k] is None for k in stacked)

@@ -159,3 +159,23 @@ def test_eval_step_equals_loss():
     batch = batch_of(TINY, 2, 8)
     metrics = make_eval_step(loss_fn)(params, batch)
     assert torch.equal(metrics["loss"], llama.loss(params, batch, TINY))
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_an_eager_step_hands_its_gradient_norm_to_the_clip(monkeypatch, donate):
+    """The step's gradient-norm metric reaches the clip as the chain's ``grad_norm`` extra argument
+    (``core.donate.updating``): two global norms a step (the gradients', the params'), not three; and the clip
+    scales by the norm it is given."""
+    import core.tree
+    opt = optim.chain(optim.clip_by_global_norm(0.1), optim.adamw(lr=1e-2))
+    step = make_train_step(lambda p, b: llama.loss(p, b, TINY), opt, donate=donate)
+    state = init_state(llama.init(TINY), opt)
+    norms, real = [], core.tree._global_norm
+    monkeypatch.setattr(core.tree, "_global_norm", lambda *a: norms.append(1) or real(*a))
+    step(state, batch_of(TINY, 2, 8))
+    assert len(norms) == 2
+    grads = tree_map(lambda p: torch.full_like(p, 0.5), llama.init(TINY))
+    clip = optim.clip_by_global_norm(0.1)
+    given, _ = clip.update(grads, clip.init(grads), grad_norm=torch.tensor(4.0))
+    factor = optim.clip.clip_factor(torch.tensor(4.0), torch.tensor(0.1))
+    assert all(torch.equal(a, b * factor) for a, b in zip(core.tree.leaves_of(given), core.tree.leaves_of(grads)))

@@ -100,8 +100,8 @@ def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool):
 
 def _functional(cfg: llama.LlamaConfig, params, batch, compiled: bool, bench: Config):
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3, weight_decay=0.1, mask=None))
-    train_step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=compiled, donate=bench.donate,
-                                 compile_scope=bench.compile_scope)
+    train_step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt,
+                                 compile=compiled, donate=bench.donate, compile_scope=bench.compile_scope)
     holder = {"state": init_state(params, opt)}
 
     def step():

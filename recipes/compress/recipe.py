@@ -155,7 +155,7 @@ def run(cfg: Config) -> list[dict]:
         if dist.is_main:
             write_summary(folder, rows)
             click.echo(markdown(rows))
-    distributed.shutdown()
+    distributed.shutdown(dist)
     return rows
 
 

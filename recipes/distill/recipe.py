@@ -219,14 +219,14 @@ def make_loss(cfg: Config, student_cfg: llama.LlamaConfig, teacher_cfg: llama.Ll
             return losses.scheduled_temperature(step, cfg.steps, cfg.temperature, cfg.temperature_end)
         return cfg.temperature
 
-    def loss_fn(params, batch, key, frozen=None):
+    def loss_fn(params, batch, key, frozen=None, layers=None):
         doc = batch.get("doc")   # packed JSONL documents (core.docs): attention and positions per document
         logits = llama.apply(params, batch["x"], student_cfg, key=key if student_cfg.dropout > 0 else None,
-                             remat=cfg.remat, doc=doc)
+                             remat=cfg.remat, doc=doc, layers=layers)
         t, y = temperature(params, batch["step"]), batch["y"]
         if not cache_mode:
-            with torch.no_grad():
-                teacher_logits = llama.apply(frozen["teacher"], batch["x"], teacher_cfg, doc=doc)
+            with torch.no_grad():   # the step's layers: its compiled block; the student's layers alone are its own
+                teacher_logits = llama.apply(frozen["teacher"], batch["x"], teacher_cfg, doc=doc, layers=layers)
             return losses.distill_objective(logits, y, teacher_logits, alpha=cfg.alpha, temperature=t,
                                             direction=cfg.kl, symmetric_lambda=cfg.symmetric_lambda)
         if cache_mode == "topk":
@@ -332,8 +332,8 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
 
     steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist,
                         layout)
-    eval_step = make_eval_step(lambda prm, b: llama.loss(prm, b, student_cfg), precision=cfg.dtype,
-                               device_type=device.type, compile=cfg.compile,
+    eval_step = make_eval_step(lambda prm, b, layers=None: llama.loss(prm, b, student_cfg, layers=layers),
+                               precision=cfg.dtype, device_type=device.type, compile=cfg.compile,
                                compile_scope=backend.compile_scope(cfg, params),
                                compile_mode=backend.compile_mode(cfg, device), shard=layout)
     steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
@@ -408,8 +408,8 @@ def run(cfg: Config):
         if resume is not None:
             logger.print(f"resuming from {resume} at step {int(state.step)}")
         else:
-            teacher_eval = make_eval_step(lambda prm, b: llama.loss(prm, b, tcfg), precision=cfg.dtype,
-                                          device_type=device.type, shard=p.teacher_layout)
+            teacher_eval = make_eval_step(lambda prm, b, layers=None: llama.loss(prm, b, tcfg, layers=layers),
+                                          precision=cfg.dtype, device_type=device.type, shard=p.teacher_layout)
             teacher_val = evaluate(teacher_eval,
                                    p.frozen["teacher"] if p.teacher_layout else p.teacher.params, p.val_batches,
                                    dist=dist)
@@ -428,7 +428,7 @@ def run(cfg: Config):
         learned = f", final T {learned_temperature(result.state.params, cfg):.3f}" \
             if cfg.temperature_mode == "learnable" else ""
         standard.report(logger, result, folder, label="student val loss", suffix=learned)
-    distributed.shutdown()
+    distributed.shutdown(dist)
     return result
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from core.config import option
+from core.layers import takes_layers
 from core.step import loss_caller
 
 
@@ -46,11 +47,13 @@ class FaultyBatches:
 
 def with_faults(loss_fn):
     """``loss_fn`` (any signature ``core.step`` accepts) scaled by ``batch["loss_multiplier"]`` (present
-    only when faults are configured)."""
+    only when faults are configured); it takes ``layers`` (``core.layers``) when ``loss_fn`` does."""
     call = loss_caller(loss_fn)
 
-    def loss(params, batch, key=None, frozen=None):
-        out, aux = call(params, batch, key, frozen)
+    def loss(params, batch, key=None, frozen=None, layers=None):
+        out, aux = call(params, batch, key, frozen, layers)
         return out * batch["loss_multiplier"], aux
 
-    return loss
+    if takes_layers(loss_fn):
+        return loss
+    return lambda params, batch, key=None, frozen=None: loss(params, batch, key, frozen)

@@ -167,12 +167,12 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     state, loop, resume = run_setup.state, run_setup.loop, run_setup.resume
     kd = g.kd_alpha > 0
 
-    def loss_fn(params, batch, frozen=None):
+    def loss_fn(params, batch, frozen=None, layers=None):
         if not kd:
-            return dba.loss(params, batch, scfg, remat=tc.remat)
-        logits = dba.apply(params, batch["x"], scfg, remat=tc.remat)
-        with torch.no_grad():
-            teacher_logits = llama.apply(frozen, batch["x"], t.config)
+            return dba.loss(params, batch, scfg, remat=tc.remat, layers=layers)
+        logits = dba.apply(params, batch["x"], scfg, remat=tc.remat, layers=layers)
+        with torch.no_grad():   # the step's layers: its compiled block; the student's layers alone are its own
+            teacher_logits = llama.apply(frozen, batch["x"], t.config, layers=layers)
         return losses.distill_objective(logits, batch["y"], teacher_logits, alpha=g.kd_alpha,
                                         temperature=g.temperature)
 
@@ -182,8 +182,8 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     vocab = ctx.corpus.tokenizer.vocab_size
     steps = build_steps(tc, loss_fn, run_setup.optimizer, student, batches, ctx.device, vocab, dist, layout)
     # validation and the orchestrator's probe: the student's next-token CE (the training loss adds KD)
-    student_ce = make_eval_step(lambda prm, b: dba.loss(prm, b, scfg), precision=tc.dtype,
-                                device_type=ctx.device.type, shard=layout)
+    student_ce = make_eval_step(lambda prm, b, layers=None: dba.loss(prm, b, scfg, layers=layers),
+                                precision=tc.dtype, device_type=ctx.device.type, shard=layout)
     extra = ctx.extra("global", scfg)
     with run_setup.writing(to_dict(cfg)) as (manager, logger):
         ctx.say(f"global: {g.steps} steps of {g.batch_size * g.grad_accum} x {cfg.block_size} tokens, "

@@ -156,7 +156,7 @@ def run(cfg: Config):
         if dist.is_main:
             _record_time(folder, "load", time.perf_counter() - start)
         results = _run_phases(ctx, teacher, corpus, dev, test)
-    distributed.shutdown()
+    distributed.shutdown(dist)
     return results
 
 

@@ -83,8 +83,8 @@ def _functional(cfg, params, batch, device, compile, scope=None):
     opt = optim.chain(optim.clip_by_global_norm(CLIP), optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY))
     scope = scope or auto_scope(cfg.n_layers, device.type)
     precision = "bf16" if device.type == "cuda" else "fp32"
-    step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, precision=precision, device_type=device.type,
-                           compile=compile, donate=True, compile_scope=scope)
+    step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt, precision=precision,
+                           device_type=device.type, compile=compile, donate=True, compile_scope=scope)
     holder = {"state": init_state(params, opt, precision=precision)}
 
     def run():
