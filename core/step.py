@@ -10,22 +10,22 @@ passes it through as a graph input rather than a baked-in constant.
 
 Two gradient paths give the same numbers (tested):
 
-- ``grad_mode="func"``: ``torch.func.grad_and_value`` inside one function, so forward, backward,
+- ``Gradients(mode="func")``: ``torch.func.grad_and_value`` inside one function, so forward, backward,
   clipping, the optimizer and the skip logic compile into a single ``fullgraph`` graph (the default of a
-  compiled step with ``compile_scope="step"``).
-- ``grad_mode="autograd"``: the loss is compiled on its own, ``torch.autograd.grad`` runs outside it,
+  compiled step with ``Compile(scope="step")``).
+- ``Gradients(mode="autograd")``: the loss is compiled on its own, ``torch.autograd.grad`` runs outside it,
   and the update is compiled on its own. This is the path for what ``func.grad`` cannot do today,
   activation checkpointing above all (pytorch/pytorch#122729), and the default of an eager step: on a
   100M Llama an eager ``func.grad`` step peaked about 700 MB above the same step through
   ``torch.autograd`` (``recipe=bench.step``).
 
-``compile_scope="step"`` compiles as above; ``"block"`` compiles the model's repeated block once for all
+``Compile(scope="step")`` compiles as above; ``"block"`` compiles the model's repeated block once for all
 its layers (``core.compile.BlockCompiler``, handed to the model as ``core.layers.Layers``: regional compilation,
 so compile time does not grow with depth; the loss must take ``layers`` and pass it to the model) and
 the update on its own, with gradients through ``torch.autograd``: ``func.grad`` cannot trace a compiled
 region on torch 2.13 (pytorch/pytorch ``nested_compile_region`` under ``torch.func``).
 
-Inside the step: micro-batches (``grad_accum``; the batch has a leading micro-batch axis) are averaged;
+Inside the step: micro-batches (``Gradients(accum=)``; the batch has a leading micro-batch axis) are averaged;
 ``bf16``/``fp16`` run the loss under autocast with fp32 master weights; fp16 multiplies the loss by the
 dynamic loss scale and unscales the gradients before anything reads them; a non-finite loss or gradient
 norm leaves params, optimizer state and the data cursor's meaning untouched through ``torch.where``
@@ -38,7 +38,8 @@ import contextlib
 import functools
 import inspect
 import weakref
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -47,9 +48,8 @@ from core.compile import BlockCompiler, cpp_wrapper, maybe_compile
 from core.donate import owned
 from core.layers import check_takes_layers, layers_of
 from core.row_grads import RowGradients
-from core.spike import SpikeConfig
 from core.state import TrainState
-from core.tree import map_flat, tree_flatten, tree_map, tree_unflatten
+from core.tree import leaves_of, map_flat, tree_flatten, tree_map, tree_unflatten
 from core.update import Monitors, apply_gradients
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -249,97 +249,141 @@ def _grad_mode(grad_mode: Optional[str], compile: bool, compile_scope: str, rema
     return grad_mode
 
 
-def make_train_step(loss_fn: Callable, optimizer, *, grad_accum: int = 1, precision: str = "fp32",
-                    device_type: str = "cpu", grad_mode: Optional[str] = None, compile: bool = False,
-                    extra_metrics: Optional[Callable] = None, spike: Optional[SpikeConfig] = None,
-                    remat: bool = False, reduce: Optional[Callable] = None, donate: bool = False,
-                    compile_scope: str = "step", compile_mode: str = "default", skip: bool = True,
-                    shard=None) -> Callable:
-    """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``.
+@dataclass(frozen=True)
+class Gradients:
+    """How a step differentiates its loss. ``mode``: ``"func"`` (``torch.func.grad_and_value`` inside the one
+    graph), ``"autograd"`` (``torch.autograd``; what activation checkpointing needs), None: ``func`` when the step
+    compiles as one graph without ``remat``, else ``autograd``. ``accum`` micro-batches (every batch leaf has a
+    leading axis of that size) are summed into one update. ``remat``: the loss checkpoints its activations."""
+    mode: Optional[str] = None
+    accum: int = 1
+    remat: bool = False
 
-    ``extra_metrics(grads=, updates=, params=, new_params=)`` may add 0-d (or small packed) tensors to the metrics
-    from inside the step, e.g. gradient health statistics (``optim.health``). With a ``due(step) -> bool`` method and
-    a ``skipped(device)`` one (what it returns when not due), a step whose update runs apart from the backward
-    (eager, or ``compile_scope="block"``) asks ``due`` on the host (the count as the host knows it, ``HostDue``)
-    and computes the metrics only when due, the eager donated step updating the params in place when not; the
-    one-graph step passes ``step=`` (the count after this step, a tensor) and lets it decide inside.
-    ``spike`` runs the spike detector (``core.spike``) on the step's loss and gradient norm; its state must exist
-    in ``state.monitor`` (``init_state(..., spike=True)``). ``remat=True`` says the loss uses activation
-    checkpointing, which ``torch.func`` cannot differentiate: it selects the autograd path. ``reduce(list of
-    tensors) -> list``
-    averages the gradients, loss and aux across data-parallel ranks before the update
-    (``core.distributed.Dist.all_reduce_mean``). ``donate=True`` lets the step write the new params and
-    optimizer state into the state it is given (``core.donate``: JAX's buffer donation; the same numbers, about
-    half the peak memory under ``torch.compile``); the caller must not read the old state again. The default
-    keeps the step pure: research code may branch several steps from one state. ``compile_scope`` is what one
-    graph covers under ``compile`` (module docstring); ``compile_mode`` is ``torch.compile``'s ``mode``; on the CPU
-    a step without collectives (``reduce``, ``shard``) compiles with inductor's C++ wrapper (``core.compile``).
-    ``skip=False`` drops the non-finite select (a non-finite step then writes its NaNs into the state): only
-    for measuring what the select costs (``recipes/bench/speed.py``).
-    ``shard`` (a ``core.shard.Layout``) says the state's params and optimizer state are this rank's shards: the
-    step gathers the params (one block at a time where :func:`per_block` says so, else whole), reduce-scatters
-    the summed gradients once per step and updates the shards (``reduce`` is then unused); the optimizer and
-    ``extra_metrics`` must take the layout's ``psum`` for their norms.
+
+@dataclass(frozen=True)
+class Compile:
+    """``torch.compile`` applied to the step from outside it (``core.compile``). ``scope``: what one graph covers
+    (``COMPILE_SCOPES``, module docstring); ``mode``: ``torch.compile``'s ``mode``. ``compile=True`` is
+    ``Compile()``; ``Compile(enabled=False)`` leaves the step eager."""
+    enabled: bool = True
+    scope: str = "step"
+    mode: str = "default"
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Data parallelism the step composes: ``reduce(list of tensors) -> list`` averages the gradients, loss and aux
+    across ranks before the update (``core.distributed.Dist.all_reduce_mean``); ``shard`` (a ``core.shard.Layout``)
+    says the state's params and optimizer state are this rank's shards: the step gathers the params (one block at a
+    time where :func:`per_block` says so, else whole), reduce-scatters the summed gradients once per step and
+    updates the shards (``reduce`` is then unused); the optimizer and the extra metrics must take the layout's
+    ``psum`` for their norms."""
+    reduce: Optional[Callable] = None
+    shard: Any = None
+
+
+def make_train_step(loss_fn: Callable, optimizer, *, precision: str = "fp32", compile: bool | Compile = False,
+                    donate: bool = False, gradients: Gradients = Gradients(), monitors: Monitors = Monitors(),
+                    parallel: Parallel = Parallel()) -> Callable:
+    """Build ``train_step(state, batch, frozen=None) -> (state, metrics)``: the composition of the pieces (a
+    gradient engine, ``core.update.apply_gradients``, the data-parallel reduction or sharding, donation and compile
+    applied around them). It runs where the state lives (its ``step`` tensor's device type, built on first use).
+
+    ``precision``: ``fp32``, or ``bf16``/``fp16`` autocast over fp32 master weights (fp16 with the state's dynamic
+    loss scale). ``monitors`` (``core.update.Monitors``): the extra metrics (gradient health), the spike detector and
+    the non-finite skip. Extra metrics with a ``due(step)`` method are asked on the host where the update runs
+    apart from the backward (eager, or ``compile_scope="block"``: ``HostDue``) and the eager donated step updates
+    in place when they are not due; the one-graph step passes ``step=`` and lets them decide inside. ``donate=True``
+    lets the step write the new params and optimizer state into the state it is given (``core.donate``: JAX's buffer
+    donation; the same numbers, a lower peak); the caller must not read the old state again. The default keeps the
+    step pure: research code may branch several steps from one state. On the CPU a step without collectives
+    compiles with inductor's C++ wrapper (``core.compile``).
     """
-    by_block = compile and compile_scope == "block"
-    grad_mode = _grad_mode(grad_mode, compile, compile_scope, remat, grad_accum)
-    cpp = cpp_wrapper(device_type, collectives=shard is not None or reduce is not None)
-    compiled = functools.partial(maybe_compile, mode=compile_mode, cpp=cpp, device_type=device_type)
-    by_layer = per_block(shard, compile, compile_scope, grad_mode)
-    check_takes_layers(loss_fn, by_block, by_layer and shard.stacks)
-    objective = _make_objective(loss_caller(loss_fn), grad_accum, precision, device_type,
-                                BlockCompiler(compile_mode, cpp, device_type) if by_block else None)
-    apply = _make_apply_gradients(optimizer, Monitors(extra_metrics, spike, skip), donate,
-                                  None if shard is None else shard.psum)
-    reduced = _make_reduce(reduce) if shard is None else shard.reduce
-    if grad_mode == "func":      # one graph: forward, backward, the update
-        gradients = _func_gradients(objective, grad_accum)
-    elif by_layer:               # sharded: each block's params gathered when it runs, its gradients reduce-scattered
-        gradients = _block_gradients(objective, grad_accum, shard)
-        apply = compiled(apply, compile)
-    else:                        # the loss and the update compiled apart, autograd between them
-        one_graph = compile and not by_block
-        gradients = _autograd_gradients(compiled(objective, one_graph, fullgraph=False), grad_accum,
-                                        by_row=not one_graph)
-        apply = compiled(apply, compile)
+    compile = compile if isinstance(compile, Compile) else Compile(enabled=bool(compile))
+    grad_mode = _grad_mode(gradients.mode, compile.enabled, compile.scope, gradients.remat, gradients.accum)
+    by_layer = per_block(parallel.shard, compile.enabled, compile.scope, grad_mode)
+    check_takes_layers(loss_fn, compile.enabled and compile.scope == "block", by_layer and parallel.shard.stacks)
+    built = {}   # device type -> the step built for it
 
-    host_due = HostDue(extra_metrics.due) if getattr(extra_metrics, "due", None) and grad_mode != "func" else None
+    def train_step(state: TrainState, batch, frozen=None):
+        kind = state.step.device.type
+        if kind not in built:
+            built[kind] = _train_step(loss_fn, optimizer, kind, precision, compile, donate, gradients, grad_mode,
+                                      monitors, parallel)
+        return built[kind](state, batch, frozen)
+
+    return train_step
+
+
+def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: Compile, donate: bool,
+                gradients: Gradients, grad_mode: str, monitors: Monitors, parallel: Parallel) -> Callable:
+    """:func:`make_train_step`'s step on ``device_type``."""
+    shard, accum = parallel.shard, gradients.accum
+    by_block = compile.enabled and compile.scope == "block"
+    cpp = cpp_wrapper(device_type, collectives=shard is not None or parallel.reduce is not None)
+    compiled = functools.partial(maybe_compile, mode=compile.mode, cpp=cpp, device_type=device_type)
+    by_layer = per_block(shard, compile.enabled, compile.scope, grad_mode)
+    objective = _make_objective(loss_caller(loss_fn), accum, precision, device_type,
+                                BlockCompiler(compile.mode, cpp, device_type) if by_block else None)
+    apply = _make_apply_gradients(optimizer, monitors, donate, None if shard is None else shard.psum)
+    reduced = _make_reduce(parallel.reduce) if shard is None else shard.reduce
+    if grad_mode == "func":      # one graph: forward, backward, the update
+        engine = _func_gradients(objective, accum)
+    elif by_layer:               # sharded: each block's params gathered when it runs, its gradients reduce-scattered
+        engine = _block_gradients(objective, accum, shard)
+        apply = compiled(apply, compile.enabled)
+    else:                        # the loss and the update compiled apart, autograd between them
+        one_graph = compile.enabled and not by_block
+        engine = _autograd_gradients(compiled(objective, one_graph, fullgraph=False), accum, by_row=not one_graph)
+        apply = compiled(apply, compile.enabled)
+    extra = monitors.extra_metrics
+    host_due = HostDue(extra.due) if getattr(extra, "due", None) and grad_mode != "func" else None
 
     def train_step(state: TrainState, batch, frozen=None):
         key = rng.fold_in(state.key, state.step)
         due = None if host_due is None else host_due(state.step)
         if by_layer:
-            grads, loss, aux = gradients(state.params, batch, key, frozen, _loss_scale(state))
+            grads, loss, aux = engine(state.params, batch, key, frozen, _loss_scale(state))
         else:
             params = state.params if shard is None else shard.gather(state.params)
-            grads, loss, aux = reduced(*gradients(params, batch, key, frozen, _loss_scale(state)))
+            grads, loss, aux = reduced(*engine(params, batch, key, frozen, _loss_scale(state)))
         new, metrics = apply(state, grads, loss, aux, due=due)
         if host_due is not None:
             host_due.returned(new.step)
         return new, metrics
 
-    step = compiled(train_step, compile) if grad_mode == "func" else train_step
+    step = compiled(train_step, compile.enabled) if grad_mode == "func" else train_step
     if not donate:
         return step
-
-    def donating_step(state: TrainState, batch, frozen=None):
-        return step(owned(state, frozen), batch, frozen)
-
-    return donating_step
+    return lambda state, batch, frozen=None: step(owned(state, frozen), batch, frozen)
 
 
-def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: str = "cpu",
-                   compile: bool = False, compile_scope: str = "step", compile_mode: str = "default",
+def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", compile: bool | Compile = False,
                    shard=None) -> Callable:
-    """``eval_step(params, batch, frozen=None) -> metrics`` (no gradients, no dropout). ``shard`` (a
-    ``core.shard.Layout``): ``params`` are this rank's shards, gathered block by block where :func:`per_block`
-    says so, else whole before the step."""
+    """``eval_step(params, batch, frozen=None) -> metrics`` (no gradients, no dropout), run where ``params`` live.
+    ``shard`` (a ``core.shard.Layout``): ``params`` are this rank's shards, gathered block by block where
+    :func:`per_block` says so, else whole before the step."""
+    compile = compile if isinstance(compile, Compile) else Compile(enabled=bool(compile))
+    by_layer = per_block(shard, compile.enabled, compile.scope)
+    check_takes_layers(loss_fn, compile.enabled and compile.scope == "block", by_layer and shard.stacks)
+    built = {}   # device type -> the step built for it
+
+    def eval_step(params, batch, frozen=None):
+        kind = next((t.device.type for t in leaves_of(params) if isinstance(t, torch.Tensor)), "cpu")
+        if kind not in built:
+            built[kind] = _eval_step(loss_fn, kind, precision, compile, shard)
+        return built[kind](params, batch, frozen)
+
+    return eval_step
+
+
+def _eval_step(loss_fn, device_type: str, precision: str, compile: Compile, shard) -> Callable:
+    """:func:`make_eval_step`'s step on ``device_type``."""
     call = loss_caller(loss_fn)
-    by_block = compile and compile_scope == "block"
-    by_layer = per_block(shard, compile, compile_scope)
+    by_block = compile.enabled and compile.scope == "block"
+    by_layer = per_block(shard, compile.enabled, compile.scope)
     cpp = cpp_wrapper(device_type, collectives=shard is not None)
-    check_takes_layers(loss_fn, by_block, by_layer and shard.stacks)
-    blocks = BlockCompiler(compile_mode, cpp, device_type) if by_block else None
+    blocks = BlockCompiler(compile.mode, cpp, device_type) if by_block else None
 
     def eval_step(params, batch, frozen=None):
         with torch.no_grad(), autocast(precision, device_type):
@@ -351,7 +395,8 @@ def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", device_type: s
                 loss, aux = call(params, batch, None, frozen, layers_of(None, blocks))
         return {"loss": loss, **aux}
 
-    step = maybe_compile(eval_step, compile and not by_block, mode=compile_mode, cpp=cpp, device_type=device_type)
+    step = maybe_compile(eval_step, compile.enabled and not by_block, mode=compile.mode, cpp=cpp,
+                         device_type=device_type)
     if shard is None or by_layer:
         return step
     return lambda params, batch, frozen=None: step(shard.gather(params), batch, frozen)

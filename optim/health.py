@@ -99,7 +99,7 @@ def slice_norms(t: torch.Tensor, stacked: bool) -> torch.Tensor:
 class GradientHealth:
     """Per-tensor and per-layer gradient statistics for ``make_train_step(extra_metrics=...)``.
 
-    ``health = GradientHealth(params, clip_norm=1.0)``; ``make_train_step(..., extra_metrics=health)``
+    ``health = GradientHealth(params, clip_norm=1.0)``; ``make_train_step(..., monitors=Monitors(health))``
     adds ``metrics["health"]``, a float32 ``[len(health.layout), 5]`` tensor; the loop pulls it to the host
     every log interval and calls :meth:`report`, :meth:`to_scalars` and :meth:`histograms` on it.
     ``clip_norm`` (the global clipping threshold, if any) adds ``health/clip/*`` to the scalars. ``psum`` sums

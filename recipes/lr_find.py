@@ -21,7 +21,7 @@ from core.device import resolve_device
 from core.logging import Logger
 from core.runs import claim
 from core.state import init_state
-from core.step import make_train_step
+from core.step import Gradients, make_train_step
 from core.tree import cast, clone
 from models import llama
 from models.loading import load_model
@@ -113,7 +113,8 @@ def run(cfg: Config) -> dict:
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     state = init_state(params, opt, cfg.seed, cfg.dtype)
     step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, model_cfg, layers=layers), opt,
-                           grad_accum=cfg.grad_accum, precision=cfg.dtype, device_type=device.type, compile=cfg.compile)
+                           precision=cfg.dtype, compile=cfg.compile,
+                           gradients=Gradients(accum=cfg.grad_accum))
     n = cfg.num_steps
     lrs = sweep(cfg.start_lr, cfg.end_lr, n)
     rows = lr_range_test(state, step, batches, lrs)

@@ -8,7 +8,7 @@ import torch
 import optim
 from core.compile import compile_count
 from core.state import init_state
-from core.step import make_train_step
+from core.step import Gradients, make_train_step
 from core.tree import max_abs_diff
 from models import llama
 
@@ -35,7 +35,7 @@ def optimizer():
 
 def test_train_step_has_no_graph_breaks():
     opt = optimizer()
-    step = make_train_step(loss_fn, opt, grad_mode="func")   # the path compile_scope="step" compiles
+    step = make_train_step(loss_fn, opt, gradients=Gradients(mode="func"))   # the path compile_scope="step" compiles
     explanation = torch._dynamo.explain(step)(init_state(llama.init(CFG), opt), batches(1)[0])
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1

@@ -18,11 +18,12 @@ from core.donate import owned
 from core.layers import Layers
 from core.spike import SpikeConfig
 from core.state import init_state
-from core.step import make_train_step
+from core.step import Compile, make_train_step
 from core.tree import clone, leaves_of, max_abs_diff, tree_flatten, tree_map, tree_unflatten
 from models import llama
 from optim.health import GradientHealth, computed
 from optim.swats import swats
+from core.update import Monitors
 
 CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
@@ -153,7 +154,7 @@ def test_a_block_scope_step_needs_a_loss_that_takes_layers():
     """The block is compiled from outside the model, through the loss's ``layers``: a loss without it is refused
     rather than silently run uncompiled."""
     with pytest.raises(ValueError, match="'layers' keyword"):
-        make_train_step(lambda p, b: llama.loss(p, b, CFG), optimizer(), compile=True, compile_scope="block")
+        make_train_step(lambda p, b: llama.loss(p, b, CFG), optimizer(), compile=Compile(scope="block"))
 
 
 @pytest.mark.parametrize("scope", ["step", "block"])
@@ -167,7 +168,8 @@ def test_compiled_donated_steps_match_the_pure_compiled_step(scope, one_thread):
     health = GradientHealth(params, clip_norm=1.0, every=4)   # due on 1, 4, 8, ..., 20
     results = []
     for donate in (False, True):
-        step = make_train_step(loss_fn, opt, donate=donate, compile=True, compile_scope=scope, extra_metrics=health)
+        step = make_train_step(loss_fn, opt, compile=Compile(scope=scope), donate=donate,
+                               monitors=Monitors(extra_metrics=health))
         results.append(run(step, init_state(clone(params), opt), data))
     (pure, pure_metrics), (donated, metrics) = results
     assert int(donated.step) == 20
@@ -202,7 +204,7 @@ def test_compiled_donated_adagc_equals_eager(one_thread):
     opt, params = optim.chain(optim.adagc(t_start=2), optim.sgd(lr=1e-2, momentum=0.9)), llama.init(CFG, seed=7)
     data = batches(5, poisoned={3})
     eager = run(make_train_step(loss_fn, opt), init_state(clone(params), opt), data)[0]
-    step = make_train_step(loss_fn, opt, donate=True, compile=True, compile_scope="block")   # the update's graph
+    step = make_train_step(loss_fn, opt, compile=Compile(scope="block"), donate=True)   # the update's graph
     donated = run(step, init_state(clone(params), opt), data)[0]
     assert int(donated.step) == 5 and int(donated.opt_state[0].count) == 4
     assert max_abs_diff(eager.params, donated.params) < 1e-6

@@ -17,6 +17,8 @@ from models import llama
 from optim.health import stacked_predicate
 from recipes import main
 from recipes.train.optimizer import AdaGCConfig, OptimizerSpec, make_optimizer
+from core.step import Compile, Gradients, Parallel
+from core.update import Monitors
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "log_every=5", "eval_every=10",
@@ -290,10 +292,11 @@ def _sharded_run(group, *, compile, clipping, health, donate, steps=3, scope="st
                                                world=1, rank=0, group=group)
     psum = layout.psum if layout else None
     opt = make_optimizer(spec, psum)
-    step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt, compile=compile,
-                           compile_scope=scope, shard=layout, donate=donate,
-                           grad_mode="func" if explain or compile else None,
-                           extra_metrics=GradientHealth(params, psum=psum).metrics if health else None)
+    step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt,
+                           compile=Compile(compile, scope=scope), donate=donate,
+                           gradients=Gradients(mode="func" if explain or compile else None),
+                           monitors=Monitors(GradientHealth(params, psum=psum).metrics if health else None),
+                           parallel=Parallel(shard=layout))
     state = init_state(clone(params), opt)
     state = layout.shard(state) if layout else state
     g = torch.Generator().manual_seed(0)
@@ -338,12 +341,13 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
         for shard in (None, layout):
             opt = make_optimizer(spec, shard.psum if shard else None)
             loss = lambda p, b, layers=None: llama.loss(p, b, cfg, remat=remat, layers=layers)       # noqa: E731
-            step = make_train_step(loss, opt, grad_accum=2, shard=shard, remat=remat, precision=precision)
+            step = make_train_step(loss, opt, precision=precision, gradients=Gradients(accum=2, remat=remat),
+                                   parallel=Parallel(shard=shard))
             state = init_state(clone(params), opt)
             gathers.clear()
             reduces.clear()
             state, metrics = step(shard.shard(state) if shard else state, batch)
-            evaluate = make_eval_step(loss, shard=shard, precision=precision)
+            evaluate = make_eval_step(loss, precision=precision, shard=shard)
             runs.append((state, metrics, evaluate(state.params, first)["loss"]))
         assert [k for k, _ in gathers] == [0, 1, 2, 1, 0] * 2 + [0, 1, 2]        # 2 micro-batches, then the eval
         assert all(dtypes == {dtype} for _, dtypes in gathers)

@@ -11,6 +11,7 @@ from core.step import make_train_step
 from core.tree import named_leaves, tree_map
 from models import llama
 from optim.health import COLUMNS, GradientHealth, computed
+from core.update import Monitors
 
 CFG = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, ffn_dim=32)
 
@@ -90,7 +91,7 @@ def test_first_step_report_names_an_unused_parameter():
     params["unused"] = torch.ones(4)                               # the loss never reads it
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3))
     health = GradientHealth(params, clip_norm=1.0)
-    step = make_train_step(lambda p, b: llama.loss(p, b, CFG), opt, extra_metrics=health.metrics)
+    step = make_train_step(lambda p, b: llama.loss(p, b, CFG), opt, monitors=Monitors(extra_metrics=health.metrics))
     tok = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     state, metrics = step(init_state(params, opt), {"x": tok[:, :-1], "y": tok[:, 1:]})
     packed = metrics["health"]
@@ -173,8 +174,8 @@ def test_the_host_knows_the_step_count_without_reading_the_device(monkeypatch):
     monkeypatch.setattr(HostDue, "read", staticmethod(lambda step: reads.append(1) or int(step)))
     params, opt = llama.init(CFG, seed=0), optim.adamw(1e-3)
     health = GradientHealth(params, every=3)
-    step = make_train_step(lambda p, b: llama.apply(p, b, CFG).logsumexp(-1).mean(), opt, extra_metrics=health,
-                           donate=True)
+    step = make_train_step(lambda p, b: llama.apply(p, b, CFG).logsumexp(-1).mean(), opt, donate=True,
+                           monitors=Monitors(extra_metrics=health))
     tokens, state, seen = torch.randint(0, 32, (2, 8)), init_state(params, opt), []
     for _ in range(7):
         state, metrics = step(state, tokens)

@@ -32,6 +32,7 @@ from recipes.train.optimizer import make_optimizer
 from recipes.orchestrator.driver import Orchestrator
 from recipes.orchestrator.config import NowcastConfig, OrchestratorConfig
 from recipes.standard import Config
+from core.update import Monitors
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -225,7 +226,8 @@ def orchestrator_for(cfg, tmp_path, initial_state_name=None):
     loss = lambda p, b: llama.loss(p, b, CFG)  # noqa: E731
     spike = cfg.spike
     data = Recorded()
-    orch = Orchestrator(cfg, make_step=lambda opt: make_train_step(loss, opt, spike=spike), batches=data,
+    orch = Orchestrator(cfg, make_step=lambda opt: make_train_step(loss, opt, monitors=Monitors(spike=spike)),
+                        batches=data,
                         probe=[batch(10_000 + i) for i in range(2)], eval_step=make_eval_step(loss),
                         logger=Logger(tmp_path, tensorboard=False, console=False), folder=tmp_path)
     state = init_state(llama.init(CFG, seed=0), strategies.build(cfg.orchestrator.initial, orch.spec), spike=True)

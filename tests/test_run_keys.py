@@ -12,6 +12,7 @@ from recipes import main
 from recipes.train.checkpointing import Checkpointing
 from recipes.train.hooks import StepContext
 from recipes.train.loop import LoopState
+from core.step import Compile
 
 pytestmark = pytest.mark.usefixtures("token_cache")   # tests/conftest.py
 
@@ -133,7 +134,7 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     cuda = {"options": {**list_mode_options("max-autotune"), "loop_ordering_after_fusion": False}}
     for kwargs, expected in (({}, cpu), ({"device_type": "cuda"}, cuda),
                              ({"reduce": lambda ts: ts}, {"mode": "max-autotune"})):   # collectives: Python
-        make_train_step(loss, adamw(1e-3), compile=True, compile_scope="step", compile_mode="max-autotune", **kwargs)
+        make_train_step(loss, adamw(1e-3), compile=Compile(scope="step", mode="max-autotune"), **kwargs)
         assert seen and all(s == expected for s in seen), kwargs
         seen.clear()
 

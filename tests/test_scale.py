@@ -15,6 +15,7 @@ from recipes import main
 from core.fim import FIM, fim_ids
 from core.tokenizers import ByteTokenizer
 from core.tree import max_abs_diff, tree_leaves
+from core.step import Parallel
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "log_every=2"]
@@ -167,7 +168,8 @@ def test_the_compiled_step_traces_with_a_cross_rank_reduce(monkeypatch):
     batch = {"x": tok[:, :-1], "y": tok[:, 1:]}
     results = []
     for compile in (True, False):
-        step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=compile, reduce=reduce)
+        step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=compile,
+                               parallel=Parallel(reduce=reduce))
         results.append(step(init_state(llama.init(cfg, seed=0), opt), batch))
     (compiled, m1), (eager, m2) = results
     assert seen and seen[0] == len(tree_leaves(compiled.params)) + 1       # every gradient and the loss

@@ -14,6 +14,7 @@ from optim import adamw
 from recipes.bench import speed
 from recipes.train import backend
 from recipes.train.config import TrainConfig
+from core.update import Monitors
 
 
 def test_bench_speed_times_every_variant(tmp_path, monkeypatch, capsys):
@@ -72,7 +73,7 @@ def test_step_without_skip_writes_a_non_finite_update():
 
     bad = torch.tensor([1.0, float("nan"), 1.0])
     for skip, finite in ((True, True), (False, False)):
-        step = make_train_step(loss_fn, adamw(1e-2), skip=skip)
+        step = make_train_step(loss_fn, adamw(1e-2), monitors=Monitors(skip=skip))
         state, metrics = step(init_state(params, adamw(1e-2)), bad)
         assert metrics["skipped"].item() == 1.0
         assert bool(torch.isfinite(state.params["w"]).all()) is finite

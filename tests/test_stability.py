@@ -11,7 +11,7 @@ from core import checkpoint as ckpt
 from recipes import main
 from core.loss_scale import init_loss_scale, update_loss_scale
 from core.state import init_state
-from core.step import make_train_step
+from core.step import Gradients, make_train_step
 from core.tree import max_abs_diff
 from models import llama
 
@@ -87,7 +87,7 @@ def test_remat_gives_the_same_gradients():
     opt = optim.sgd(lr=0.5)
     params = llama.init(CFG, seed=1)
     plain = make_train_step(lambda p, b: llama.loss(p, b, CFG), opt)
-    remat = make_train_step(lambda p, b: llama.loss(p, b, CFG, remat=True), opt, remat=True)
+    remat = make_train_step(lambda p, b: llama.loss(p, b, CFG, remat=True), opt, gradients=Gradients(remat=True))
     a, ma = plain(init_state(params, opt), batch())
     b, mb = remat(init_state(params, opt), batch())
     assert max_abs_diff(a.params, b.params) < 1e-6

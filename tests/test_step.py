@@ -9,7 +9,7 @@ from torch import nn
 import optim
 from core.module import from_module
 from core.state import init_state
-from core.step import make_eval_step, make_train_step
+from core.step import Gradients, make_eval_step, make_train_step
 from core.tree import flatten_dict, max_abs_diff, tree_map
 from models import llama
 
@@ -97,8 +97,8 @@ def test_autograd_path_equals_func_path():
     batch = batch_of(TINY, 4, 16)
     opt = optim.sgd(lr=0.5, momentum=0.9)
     params = llama.init(TINY, seed=3)
-    a = make_train_step(loss_fn, opt, grad_mode="func")
-    b = make_train_step(loss_fn, opt, grad_mode="autograd")
+    a = make_train_step(loss_fn, opt, gradients=Gradients(mode="func"))
+    b = make_train_step(loss_fn, opt, gradients=Gradients(mode="autograd"))
     sa, sb = init_state(params, opt), init_state(params, opt)
     for _ in range(3):
         sa, ma = a(sa, batch)
@@ -113,7 +113,7 @@ def test_grad_accum_equals_big_batch():
     opt = optim.sgd(lr=0.5, momentum=0.9)
     params = llama.init(TINY, seed=5)
     one = make_train_step(loss_fn, opt)
-    acc = make_train_step(loss_fn, opt, grad_accum=4)
+    acc = make_train_step(loss_fn, opt, gradients=Gradients(accum=4))
     s1, m1 = one(init_state(params, opt), big)
     s4, m4 = acc(init_state(params, opt), micro)
     assert abs(m1["loss"].item() - m4["loss"].item()) < 1e-6

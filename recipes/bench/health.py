@@ -35,6 +35,7 @@ from core.config import option
 from recipes.bench.common import StepBench, model_and_batch, warm_up
 from core.state import init_state
 from core.step import make_train_step
+from core.update import Monitors
 from models import llama
 from models.llama_module import LlamaModule, load_params
 
@@ -55,7 +56,8 @@ def _functional(cfg: llama.LlamaConfig, params, batch, *, adagc: bool, health: b
     clip = optim.adagc() if adagc else optim.clip_by_global_norm(1.0)
     opt = optim.chain(clip, optim.adamw(lr=1e-3, weight_decay=0.1))
     extra = optim.GradientHealth(params, clip_norm=None if adagc else 1.0).metrics if health else None
-    train_step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=True, extra_metrics=extra)
+    train_step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=True,
+                                 monitors=Monitors(extra_metrics=extra))
     holder = {"state": init_state(params, opt)}
 
     def step():

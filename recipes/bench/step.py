@@ -48,7 +48,7 @@ from core.config import ConfigError, option
 from core.logging import memory_mb, progress, reset_peak_memory
 from recipes.bench.common import StepBench, model_and_batch, warm_up
 from core.state import init_state
-from core.step import COMPILE_SCOPES, make_train_step
+from core.step import COMPILE_SCOPES, Compile, make_train_step
 from models import llama
 from models.llama_module import LlamaModule, load_params
 
@@ -101,7 +101,8 @@ def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool):
 def _functional(cfg: llama.LlamaConfig, params, batch, compiled: bool, bench: Config):
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3, weight_decay=0.1, mask=None))
     train_step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt,
-                                 compile=compiled, donate=bench.donate, compile_scope=bench.compile_scope)
+                                 compile=Compile(compiled, scope=bench.compile_scope),
+                                 donate=bench.donate)
     holder = {"state": init_state(params, opt)}
 
     def step():

@@ -56,7 +56,7 @@ from core import distributed
 from core.config import UserError, option, same_as, to_dict
 from core.device import resolve_device
 from core.distributed import Dist
-from core.step import make_eval_step
+from core.step import Compile, make_eval_step
 from core.docs import DocCorpus
 from core.telemetry import flops_per_token
 from core.tree import cast, size, tree_map
@@ -333,9 +333,10 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist,
                         layout)
     eval_step = make_eval_step(lambda prm, b, layers=None: llama.loss(prm, b, student_cfg, layers=layers),
-                               precision=cfg.dtype, device_type=device.type, compile=cfg.compile,
-                               compile_scope=backend.compile_scope(cfg, params),
-                               compile_mode=backend.compile_mode(cfg, device), shard=layout)
+                               precision=cfg.dtype,
+                               compile=Compile(cfg.compile, backend.compile_scope(cfg, params),
+                                               backend.compile_mode(cfg, device)),
+                               shard=layout)
     steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
     frozen, teacher_layout = (None, None) if cache else shard_teacher(cfg.teacher_shard, dist, teacher)
     if teacher_layout is not None:   # the train step takes the whole teacher: gathered from the shards
@@ -409,7 +410,7 @@ def run(cfg: Config):
             logger.print(f"resuming from {resume} at step {int(state.step)}")
         else:
             teacher_eval = make_eval_step(lambda prm, b, layers=None: llama.loss(prm, b, tcfg, layers=layers),
-                                          precision=cfg.dtype, device_type=device.type, shard=p.teacher_layout)
+                                          precision=cfg.dtype, shard=p.teacher_layout)
             teacher_val = evaluate(teacher_eval,
                                    p.frozen["teacher"] if p.teacher_layout else p.teacher.params, p.val_batches,
                                    dist=dist)

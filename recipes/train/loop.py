@@ -27,7 +27,7 @@ from core.logging import Logger, memory_mb, reset_peak_memory
 from core.shard import Layout, full_bytes, state_bytes
 from core.state import TrainState
 from core.telemetry import Preemption
-from core.step import make_eval_step, make_train_step, per_block
+from core.step import Compile, Gradients, Parallel, make_eval_step, make_train_step, per_block
 from optim.health import GradientHealth
 from recipes.train import backend
 from recipes.train.checkpointing import Checkpointing, Stopping
@@ -37,6 +37,7 @@ from recipes.train.hooks import Hook, Jump, StepContext, Stop
 from recipes.train.metrics import Evaluation, FirstStepCheck, TrainLog
 from recipes.train.prefetch import Prefetch
 from recipes.train.rollback import Rollback
+from core.update import Monitors
 
 
 def evaluate(eval_step: Callable, params, batches, frozen=None, dist: Dist = Dist()) -> float:
@@ -119,15 +120,14 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
         batches = FaultyBatches(batches, cfg.fault, vocab_size, cfg.seed)
     # donate: the loop never reads a state after stepping it, unless a run hook's branches do (one state, many steps)
     donate = not any(hook.keeps_states for hook in cfg.run_hooks())
-    train = make_train_step(train_loss, optimizer, grad_accum=cfg.grad_accum, precision=cfg.dtype,
-                            device_type=device.type, compile=cfg.compile, compile_scope=scope,
-                            remat=cfg.remat, extra_metrics=health,
-                            spike=cfg.spike if cfg.spike.enabled else None,
-                            reduce=dist.all_reduce_mean if dist.enabled and layout is None else None,
-                            donate=donate, compile_mode=mode, shard=layout,
-                            skip=skip)
-    evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, device_type=device.type, compile=cfg.compile,
-                                   compile_scope=scope, compile_mode=mode, shard=layout)
+    train = make_train_step(train_loss, optimizer, precision=cfg.dtype,
+                            compile=Compile(cfg.compile, scope, mode), donate=donate,
+                            gradients=Gradients(accum=cfg.grad_accum, remat=cfg.remat),
+                            monitors=Monitors(health, cfg.spike if cfg.spike.enabled else None, skip),
+                            parallel=Parallel(dist.all_reduce_mean if dist.enabled and layout is None else None,
+                                              shard=layout))
+    evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, compile=Compile(cfg.compile, scope, mode),
+                                   shard=layout)
     return Steps(train, evaluate_step, health, batches, layout, per_block(layout, cfg.compile, scope))
 
 

@@ -182,8 +182,8 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     vocab = ctx.corpus.tokenizer.vocab_size
     steps = build_steps(tc, loss_fn, run_setup.optimizer, student, batches, ctx.device, vocab, dist, layout)
     # validation and the orchestrator's probe: the student's next-token CE (the training loss adds KD)
-    student_ce = make_eval_step(lambda prm, b, layers=None: dba.loss(prm, b, scfg, layers=layers),
-                                precision=tc.dtype, device_type=ctx.device.type, shard=layout)
+    student_ce = make_eval_step(lambda prm, b, layers=None: dba.loss(prm, b, scfg, layers=layers), precision=tc.dtype,
+                                shard=layout)
     extra = ctx.extra("global", scfg)
     with run_setup.writing(to_dict(cfg)) as (manager, logger):
         ctx.say(f"global: {g.steps} steps of {g.batch_size * g.grad_accum} x {cfg.block_size} tokens, "

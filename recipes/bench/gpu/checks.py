@@ -94,7 +94,7 @@ def train(cfg: llama.LlamaConfig, device: torch.device, *, precision: str = "fp3
     ``"mib"``: the peak allocated over the steps after the first (the compile's own allocations left out)."""
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=LR, weight_decay=0.1))
     step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt, precision=precision,
-                           device_type=device.type, compile=compile, donate=donate)
+                           compile=compile, donate=donate)
     state = init_state(llama.init(cfg, seed=0, device=device), opt, precision=precision)
     losses = []
     for i, batch in enumerate(batches(cfg, steps)):

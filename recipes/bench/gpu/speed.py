@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import optim
 from core.compile import enable_caches
 from core.state import init_state
-from core.step import make_train_step
+from core.step import Compile, make_train_step
 from core.telemetry import GPU_PEAK_FLOPS, flops_per_token
 from core.tree import size
 from models import llama
@@ -84,7 +84,7 @@ def _functional(cfg, params, batch, device, compile, scope=None):
     scope = scope or auto_scope(cfg.n_layers, device.type)
     precision = "bf16" if device.type == "cuda" else "fp32"
     step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt, precision=precision,
-                           device_type=device.type, compile=compile, donate=True, compile_scope=scope)
+                           compile=Compile(compile, scope=scope), donate=True)
     holder = {"state": init_state(params, opt, precision=precision)}
 
     def run():
