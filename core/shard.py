@@ -19,7 +19,8 @@ gamma) and the rest of the train state (step, key, cursor, loss scale, spike mon
 rank computes them from the same global statistics.
 
 **The step** (``core.step.make_train_step(parallel=Parallel(shard=...))``). Eager, and with
-``Compile(scope="block")`` (the model's loop in Python, one compiled block), the step gathers the stacked leaves **one block at a time** (``core.shard_blocks``):
+``Compile(scope="block")`` (the model's loop in Python, one compiled block), the step gathers the stacked leaves
+**one block at a time** (``core.shard_blocks``):
 layer ``i``'s slice of every stacked leaf is all-gathered (one all-gather per dtype) when the model's
 loop reaches layer ``i`` and is not kept for backward (saved-tensor hooks put a token in its place; backward
 gathers it again, as does the recomputation of a checkpointed block under ``remat``), and its gradient is

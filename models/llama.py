@@ -314,7 +314,8 @@ def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional
     block's activations in the backward pass (activation checkpointing; dropout masks come from the
     counter-based key, so the recomputation is identical). ``remat`` needs ``torch.autograd``, not
     ``torch.func`` (``make_train_step(..., gradients=Gradients(remat=True))``). ``doc`` [B, T]: the document id of
-    every token of packed rows (``core.docs``): attention stays inside a document and RoPE positions restart at each one.
+    every token of packed rows (``core.docs``): attention stays inside a document and RoPE positions restart at
+    each one.
     ``layers`` (``core.layers.Layers``, from the step that runs this): how the stacked blocks run.
     """
     if doc is None:
