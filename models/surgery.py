@@ -217,15 +217,10 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
     ``v_err_act`` of the value bottleneck (for a teacher with q/k/v biases: of the augmented [W | b] matrices,
     on the augmented inputs [x; 1]); and the kept pairs (also in the config).
     """
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}; choose one of {', '.join(METHODS)}")
+    _check(cfg, sem_dim, geo_dim, v_dim, method)
     student_cfg = DBAConfig.from_teacher(cfg, sem_dim=sem_dim, geo_dim=geo_dim, v_dim=v_dim)
     L, d, H, G, hd = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    n, m = H // G, hd - geo_dim
-    if sem_dim > m:
-        raise ValueError(f"sem_dim={sem_dim} > head_dim - geo_dim = {m}: the no-RoPE score has rank <= {m}")
-    if v_dim > hd:
-        raise ValueError(f"v_dim={v_dim} > head_dim={hd}: a value head has rank <= {hd}")
+    n = H // G
     attn = params["layers"]["attn"]
     x = calibration_inputs(params, cfg, calib_tokens)
     keep = select_pairs(pair_scores(params, cfg, x), geo_dim // 2)           # [L, G, geo/2]
@@ -263,12 +258,18 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
         {"q_s": A.reshape(L, H * sem_dim, d1), "q_g": rows_q(keep_dims).reshape(L, H * geo_dim, d1),
          "k_s": B.reshape(L, G * sem_dim, d1), "k_g": rows_k(keep_dims).reshape(L, G * geo_dim, d1),
          "v": (U.mT @ Wv).reshape(L, G * v_dim, d1)}, Wo.reshape(L, d, H * v_dim), d, attn["wq"])
-    report = {
-        "method": method,
-        "score_err": score_error(Q, K, A, B).tolist(),
-        "score_err_act": score_error(Q, K, A, B, gram).tolist(),
-        "v_err": value_error(Wv, U).tolist(),
-        "v_err_act": value_error(Wv, U, gram).tolist(),
-        "rope_pairs": student_cfg.rope_pairs,
-    }
+    report = {"method": method, "score_err": score_error(Q, K, A, B).tolist(),
+              "score_err_act": score_error(Q, K, A, B, gram).tolist(), "v_err": value_error(Wv, U).tolist(),
+              "v_err_act": value_error(Wv, U, gram).tolist(), "rope_pairs": student_cfg.rope_pairs}
     return student, student_cfg, report
+
+
+def _check(cfg: LlamaConfig, sem_dim: int, geo_dim: int, v_dim: int, method: str) -> None:
+    """:func:`surgery`'s arguments against the teacher's head: one ``ValueError`` naming the bad one."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}; choose one of {', '.join(METHODS)}")
+    m = cfg.head_dim - geo_dim
+    if sem_dim > m:
+        raise ValueError(f"sem_dim={sem_dim} > head_dim - geo_dim = {m}: the no-RoPE score has rank <= {m}")
+    if v_dim > cfg.head_dim:
+        raise ValueError(f"v_dim={v_dim} > head_dim={cfg.head_dim}: a value head has rank <= {cfg.head_dim}")

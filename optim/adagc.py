@@ -84,28 +84,7 @@ def adagc(lambda_rel: float = 1.04, beta: float = 0.99, t_start: int = 100, lamb
         if psum is not None:   # one collective for every tensor's and layer slice's norm
             n = psum(n.square()).sqrt()
         gamma = torch.cat([gm.reshape(-1) for gm in gammas])
-        total = n.square().sum().sqrt()
-        one = torch.ones_like(n)
-
-        # warm-up: global clipping; gamma = running minimum of the clipped norms, zero norms left out
-        warm_factor = (h["lambda_abs"] / (total + h["eps"])).clamp(max=1.0)
-        m = n * warm_factor
-        gamma_warm = torch.where(m > 0, torch.minimum(gamma, m), gamma)
-        # per-tensor phase; an unset gamma takes the current norm (its first nonzero one)
-        unset = torch.isinf(gamma)
-        prev = torch.where(unset, n, gamma)
-        threshold = h["lambda_rel"] * prev
-        clip = n > threshold
-        ada_factor = torch.where(clip, threshold / (n + h["eps"]), one)
-        gamma_ada = h["beta"] * prev + (1 - h["beta"]) * torch.where(clip, threshold, n)
-        gamma_ada = torch.where(unset & (n == 0), gamma, gamma_ada)
-
-        factor = torch.where(warm, warm_factor * one, ada_factor)
-        new_gamma = torch.where(warm, gamma_warm, gamma_ada)
-        clipped = torch.where(warm, warm_factor < 1, clip)
-        ratio = torch.where(threshold > 0, n / threshold, torch.zeros_like(n))
-        ratio = torch.where(warm, total / h["lambda_abs"], ratio)
-
+        factor, new_gamma, clipped, ratio = _rule(n, gamma, warm, h)
         sizes = [gm.numel() for gm in gammas]
         new_grads = [g * f.reshape(gm.shape + (1,) * (g.ndim - gm.ndim)).to(g.dtype)
                      for g, f, gm in zip(grads, factor.split(sizes), gammas)]
@@ -115,6 +94,33 @@ def adagc(lambda_rel: float = 1.04, beta: float = 0.99, t_start: int = 100, lamb
         return tree_unflatten(spec, new_grads), new_state
 
     return GradientTransformation(init, update, adagc_metrics)
+
+
+def _rule(n: torch.Tensor, gamma: torch.Tensor, warm: torch.Tensor, h: dict):
+    """AdaGC's rule on the vector of unit norms ``n`` (tensors and layer slices) and their running ``gamma``:
+    the scale factor of each unit, the next gamma, which units clipped and the norm / threshold ratios."""
+    total = n.square().sum().sqrt()
+    one = torch.ones_like(n)
+
+    # warm-up: global clipping; gamma = running minimum of the clipped norms, zero norms left out
+    warm_factor = (h["lambda_abs"] / (total + h["eps"])).clamp(max=1.0)
+    m = n * warm_factor
+    gamma_warm = torch.where(m > 0, torch.minimum(gamma, m), gamma)
+    # per-tensor phase; an unset gamma takes the current norm (its first nonzero one)
+    unset = torch.isinf(gamma)
+    prev = torch.where(unset, n, gamma)
+    threshold = h["lambda_rel"] * prev
+    clip = n > threshold
+    ada_factor = torch.where(clip, threshold / (n + h["eps"]), one)
+    gamma_ada = h["beta"] * prev + (1 - h["beta"]) * torch.where(clip, threshold, n)
+    gamma_ada = torch.where(unset & (n == 0), gamma, gamma_ada)
+
+    factor = torch.where(warm, warm_factor * one, ada_factor)
+    new_gamma = torch.where(warm, gamma_warm, gamma_ada)
+    clipped = torch.where(warm, warm_factor < 1, clip)
+    ratio = torch.where(threshold > 0, n / threshold, torch.zeros_like(n))
+    ratio = torch.where(warm, total / h["lambda_abs"], ratio)
+    return factor, new_gamma, clipped, ratio
 
 
 def adagc_metrics(opt_state, prefix: str = "adagc/") -> dict[str, torch.Tensor]:

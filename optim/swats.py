@@ -68,19 +68,8 @@ def swats(lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-
         return 1 if scope == "global" else len(tree_flatten(params)[0])
 
     def init(params):
-        dtype, device = hparam_dtype(params), hparam_device(params)
-        n = groups(params)
-        zeros = torch.zeros(n, dtype=dtype, device=device)
-        h = hparams(params, lr=lr)
-        return SwatsState(
-            adam=ScaleByAdamState(counter(params), zeros_like(params), zeros_like(params),
-                                  hparams(params, b1=b1, b2=b2, eps=eps)),
-            buf=zeros_like(params),
-            lr=LearningRateState(counter(params), h["lr"], torch.zeros_like(h["lr"])),
-            phase=torch.zeros(n, dtype=torch.bool, device=device), lam=zeros, gamma=zeros.clone(),
-            sgd_lr=zeros.clone(), lr_at_switch=zeros.clone(),
-            switch_step=torch.zeros(n, dtype=torch.int64, device=device),
-            hparams=hparams(params, switch_eps=switch_eps, weight_decay=weight_decay))
+        return _init(params, groups(params), dict(lr=lr, b1=b1, b2=b2, eps=eps, switch_eps=switch_eps,
+                                                  weight_decay=weight_decay))
 
     adam_step = scale_by_adam().update                   # reads b1, b2, eps from state.adam.hparams
     lr_step = scale_by_learning_rate(lr, schedule).update  # reads the base lr from state.lr
@@ -111,15 +100,7 @@ def swats(lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-
         # SGD phase for groups that switched at an earlier step
         ratio = torch.where(state.lr_at_switch > 0, alpha / state.lr_at_switch, torch.ones_like(alpha))
         sgd_scale = -(1 - beta1) * state.sgd_lr * ratio                     # [G]
-        leaf_group = (lambda i: 0) if scope == "global" else (lambda i: i)  # noqa: E731
-        out, mu_o, nu_o, buf_o = [], [], [], []
-        for i, (x, m, v, b, step, m1, v1) in enumerate(zip(g, mu, nu, buf, p, new_mu, new_nu)):
-            sgd = state.phase[leaf_group(i)]
-            b1_new = beta1 * b + x
-            out.append(torch.where(sgd, sgd_scale[leaf_group(i)] * b1_new, step))
-            mu_o.append(torch.where(sgd, m, m1))
-            nu_o.append(torch.where(sgd, v, v1))
-            buf_o.append(torch.where(sgd, b1_new, b))
+        out, mu_o, nu_o, buf_o = _blend(scope, state.phase, sgd_scale, beta1, g, mu, nu, buf, p, new_mu, new_nu)
         new_state = SwatsState(
             adam=ScaleByAdamState(k, tree_unflatten(spec, mu_o), tree_unflatten(spec, nu_o), h),
             buf=tree_unflatten(spec, buf_o),
@@ -135,6 +116,38 @@ def swats(lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-
 
     return GradientTransformation(init, update, lambda state: {"lr": state.lr.current.float(),
                                                               **swats_metrics(state)})
+
+
+def _init(params, n: int, h: dict) -> SwatsState:
+    """SWATS's state: Adam's, the SGD momentum buffer, the learning rate's, and per group (``n``: 1 for the global
+    scope, else one per leaf) the phase, the projection EMA ``lam``, the last ``gamma`` and the switch's values."""
+    dtype, device = hparam_dtype(params), hparam_device(params)
+    zeros = torch.zeros(n, dtype=dtype, device=device)
+    lr = hparams(params, lr=h["lr"])
+    return SwatsState(
+        adam=ScaleByAdamState(counter(params), zeros_like(params), zeros_like(params),
+                              hparams(params, b1=h["b1"], b2=h["b2"], eps=h["eps"])),
+        buf=zeros_like(params),
+        lr=LearningRateState(counter(params), lr["lr"], torch.zeros_like(lr["lr"])),
+        phase=torch.zeros(n, dtype=torch.bool, device=device), lam=zeros, gamma=zeros.clone(),
+        sgd_lr=zeros.clone(), lr_at_switch=zeros.clone(),
+        switch_step=torch.zeros(n, dtype=torch.int64, device=device),
+        hparams=hparams(params, switch_eps=h["switch_eps"], weight_decay=h["weight_decay"]))
+
+
+def _blend(scope: str, phase, sgd_scale, beta1, g, mu, nu, buf, p, new_mu, new_nu):
+    """Per leaf: the SGD-with-momentum step where its group switched, else Adam's step ``p`` (``torch.where``);
+    the moments kept as they were in the SGD phase, the momentum buffer kept in the Adam phase."""
+    leaf_group = (lambda i: 0) if scope == "global" else (lambda i: i)  # noqa: E731
+    out, mu_o, nu_o, buf_o = [], [], [], []
+    for i, (x, m, v, b, step, m1, v1) in enumerate(zip(g, mu, nu, buf, p, new_mu, new_nu)):
+        sgd = phase[leaf_group(i)]
+        b1_new = beta1 * b + x
+        out.append(torch.where(sgd, sgd_scale[leaf_group(i)] * b1_new, step))
+        mu_o.append(torch.where(sgd, m, m1))
+        nu_o.append(torch.where(sgd, v, v1))
+        buf_o.append(torch.where(sgd, b1_new, b))
+    return out, mu_o, nu_o, buf_o
 
 
 def swats_metrics(opt_state, prefix: str = "swats/") -> dict[str, torch.Tensor]:

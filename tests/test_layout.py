@@ -23,6 +23,7 @@ PACKAGES = ("core", "models", "optim", "recipes")
 # the other: a model is not an optimizer's business, nor the reverse)
 LOWER = {"core": set(), "models": {"core"}, "optim": {"core"}, "recipes": {"core", "models", "optim"}}
 MAX_FUNCTION_LINES = 80
+KERNEL_FUNCTION_LINES = 60   # core/, models/, optim/: what research code reads (issue 32)
 MAX_FILE_LINES = 450
 # "path" or "path:function" -> why it may be longer than the limit. Keep it short; empty is best.
 SIZE_EXCEPTIONS: dict[str, str] = {}
@@ -211,8 +212,9 @@ def test_functions_and_files_are_small():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
-                if n > MAX_FUNCTION_LINES and f"{rel(path)}:{node.name}" not in SIZE_EXCEPTIONS:
-                    long.append(f"{rel(path)}:{node.lineno} {node.name}: {n} lines (limit {MAX_FUNCTION_LINES})")
+                limit = MAX_FUNCTION_LINES if rel(path).startswith("recipes/") else KERNEL_FUNCTION_LINES
+                if n > limit and f"{rel(path)}:{node.name}" not in SIZE_EXCEPTIONS:
+                    long.append(f"{rel(path)}:{node.lineno} {node.name}: {n} lines (limit {limit})")
     assert not long, "split these (or list one in SIZE_EXCEPTIONS with the reason):\n" + "\n".join(long)
 
 

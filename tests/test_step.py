@@ -179,3 +179,9 @@ def test_an_eager_step_hands_its_gradient_norm_to_the_clip(monkeypatch, donate):
     given, _ = clip.update(grads, clip.init(grads), grad_norm=torch.tensor(4.0))
     factor = optim.clip.clip_factor(torch.tensor(4.0), torch.tensor(0.1))
     assert all(torch.equal(a, b * factor) for a, b in zip(core.tree.leaves_of(given), core.tree.leaves_of(grads)))
+
+
+def test_make_train_step_takes_at_most_eight_parameters():
+    """The composition stays small: the rest is grouped (Gradients, Compile, Monitors, Parallel)."""
+    import inspect
+    assert len(inspect.signature(make_train_step).parameters) <= 8
