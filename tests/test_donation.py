@@ -67,7 +67,7 @@ def test_donated_eager_steps_equal_pure_bitwise_in_the_same_buffers(name, health
     leaves too)."""
     opt, params = OPTIMIZERS[name](), tree_map(lambda p: p.to(dtype), llama.init(CFG, seed=1))
     extra = GradientHealth(params, clip_norm=1.0, every=None if health is True else health) if health else None
-    kw = dict(spike=SpikeConfig(), extra_metrics=extra)
+    kw = dict(monitors=Monitors(extra_metrics=extra, spike=SpikeConfig()))
     pure = make_train_step(loss_fn, opt, **kw)
     donated = make_train_step(loss_fn, opt, donate=True, **kw)
     start = init_state(clone(params), opt, spike=True)

@@ -114,7 +114,8 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     no loop reordering after fusion on CUDA: ``core.compile.inductor_options``) as the mode's options plus those."""
     from torch._inductor import list_mode_options
     from core import compile as compile_module
-    from core.step import make_train_step
+    from core.step import Gradients, Parallel, _train_step
+    from core.update import Monitors
     from optim.adamw import adamw
     seen = []
 
@@ -132,10 +133,12 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
         return (p["w"] * b).sum(), {}
     cpu = {"options": {**list_mode_options("max-autotune"), "cpp_wrapper": True}}
     cuda = {"options": {**list_mode_options("max-autotune"), "loop_ordering_after_fusion": False}}
-    for kwargs, expected in (({}, cpu), ({"device_type": "cuda"}, cuda),
-                             ({"reduce": lambda ts: ts}, {"mode": "max-autotune"})):   # collectives: Python
-        make_train_step(loss, adamw(1e-3), compile=Compile(scope="step", mode="max-autotune"), **kwargs)
-        assert seen and all(s == expected for s in seen), kwargs
+    compile = Compile(scope="step", mode="max-autotune")
+    for device_type, parallel, expected in (("cpu", Parallel(), cpu), ("cuda", Parallel(), cuda),
+                                            ("cpu", Parallel(reduce=lambda ts: ts), {"mode": "max-autotune"})):
+        # what make_train_step builds on first use for a state on that device (collectives: the Python wrapper)
+        _train_step(loss, adamw(1e-3), device_type, "fp32", compile, False, Gradients(), "func", Monitors(), parallel)
+        assert seen and all(s == expected for s in seen), (device_type, parallel)
         seen.clear()
 
 
