@@ -6,6 +6,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# One intra-op thread for the suite and every process it starts (set before anything imports torch; a value the
+# caller set wins). The suite's models are tiny and its processes often run side by side (tests/test_default_paths.py
+# runs two jobs at a time, torchrun two ranks, and other work shares the machine): with two OpenMP threads per
+# process on a 2-core machine the threads spin-wait on each other, and an eager 60-step run of tests/test_distill.py's
+# teacher took 32 s against 1.2 s on one thread (the whole suite: 35 minutes against 23, on the same busy machine).
+# Tests that need another count set it themselves (tests/test_behaviour.py: 2, as recorded); the users' default
+# thread count runs in .ci/run's part 1, the README's first command, compiled.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def shared_data(name: str) -> Path:
     """A file from the shared test data (``$PURESTEP_SHARED_DATA`` or ``../shared/data``), or skip."""

@@ -11,9 +11,13 @@ not.
 Cost. The children share one inductor cache (``$TORCHINDUCTOR_CACHE_DIR`` as set, else inductor's own folder
 for this user) and one token cache, and one char teacher, trained by the README's standard command, serves
 every test that needs a teacher. A compiled train step still compiles in full in every process (gradient
-health's ``torch.cond`` keeps it out of inductor's FX graph and AOT-autograd caches), and one compile keeps one
-core busy, so the runs are jobs (``JOBS``) started together when the module starts (those of the selected
-tests), as many at a time as there are cores (a 2-rank torchrun takes two); a test waits for its own.
+health's ``torch.cond`` keeps it out of inductor's FX graph and AOT-autograd caches), but its eval graph and the
+train graph's compiled C++ come from the cache when a run of the same shapes compiled them before: the orchestrated
+run waits for ``shakes`` and the data-parallel runs for their one-process twins, at the same rows per rank (a
+measured 14 s of 48 s, and 12 s of each rank's 52 s). One compile keeps one core busy, so the runs are jobs
+(``JOBS``) started together when the module starts (those of the selected tests), as many at a time as there are
+cores (a 2-rank torchrun takes two); a test waits for its own. Each job's time is printed when the module ends (a
+test's own duration is mostly waiting).
 
 Written for issue 31: compiled distillation (two RoPE tables in one graph) and compiled data parallel and FSDP
 (``torch.cond`` over aliased gradients) crashed on the default command while every test ran ``compile=false``.
@@ -27,6 +31,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -90,6 +95,12 @@ def torchrun() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
+def label(args) -> str:
+    """A run's words that tell it from the others (the last of each key wins, as in ``bin/run``)."""
+    words = dict(a.split("=", 1) for a in args if "=" in a)
+    return " ".join(f"{k}={words[k]}" for k in ("recipe", "name", "out", "format", "parallel") if k in words)
+
+
 def output(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout + proc.stderr
 
@@ -106,6 +117,7 @@ class Runs:
         self.pool = ThreadPoolExecutor(max_workers=4 * len(JOBS))   # waiting on a job holds a thread, not a core
         self.futures: dict = {}
         self.lock = threading.Lock()
+        self.times: list[str] = []
 
     def __call__(self, *args: str, ranks: int = 1, expect: int = 0) -> subprocess.CompletedProcess:
         launcher = [sys.executable] if ranks == 1 else [*torchrun(), "--standalone", f"--nproc_per_node={ranks}"]
@@ -116,10 +128,13 @@ class Runs:
             self.queue.pop(0)
             self.free -= need
             self.cores.notify_all()
+        started = time.monotonic()
         try:
             proc = subprocess.run([*launcher, str(BIN), *args], cwd=self.work, env=self.env, capture_output=True,
                                   text=True, timeout=TIMEOUT)
         finally:
+            ranked = f" on {ranks} ranks" if ranks > 1 else ""
+            self.times.append(f"{time.monotonic() - started:6.1f}s  {label(args)}{ranked}")
             with self.cores:
                 self.free += need
                 self.cores.notify_all()
@@ -247,7 +262,9 @@ def export(run):
 
 @job
 def orchestrated(run):
-    """The orchestrator switched on over the compiled standard run, with a decision (one challenger) in it."""
+    """The orchestrator switched on over the compiled standard run, with a decision (one challenger) in it (after
+    ``shakes``, whose shapes it has: its compile reuses that run's cached graphs)."""
+    run.get("shakes")
     return run(*readme(STANDARD), *SMALL, "steps=10", "name=orchestrated", "orchestrator.enabled=true",
                "orchestrator.portfolio=adamw,conservative_adamw", "orchestrator.decision_interval=4",
                "orchestrator.eval_horizon=2", "orchestrator.min_gap=0", "orchestrator.probe_batches=1")
@@ -255,7 +272,9 @@ def orchestrated(run):
 
 @job
 def standard_ddp(run):
-    return run(*readme(DDP), "data=shakespeare.txt", "tokenizer=char", *SMALL, "batch_size=2", "name=ddp", ranks=2)
+    """After ``shakes``, with its rows per rank (its eval graph is then a cache hit)."""
+    run.get("shakes")
+    return run(*readme(DDP), "data=shakespeare.txt", "tokenizer=char", *SMALL, "name=ddp", ranks=2)
 
 
 @job
@@ -266,9 +285,9 @@ def standard_fsdp(run):
 
 @job
 def distill_ddp(run):
-    """The README's first distill command on 2 ranks."""
-    run.get("shakes")
-    return run(*readme(DISTILL), *STUDENT, "batch_size=2", "parallel=ddp", "name=ddp", ranks=2)
+    """The README's first distill command on 2 ranks (after ``distill_online``, with its rows per rank)."""
+    run.get("distill_online")
+    return run(*readme(DISTILL), *STUDENT, "parallel=ddp", "name=ddp", ranks=2)
 
 
 @job
@@ -316,6 +335,13 @@ def run(work, request):
                 runs.start(name.format(**params))
     yield runs
     runs.pool.shutdown(wait=True, cancel_futures=True)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter and capture and runs.times:
+        with capture.global_and_fixture_disabled():          # a fixture's teardown output is captured otherwise
+            reporter.write_line(f"\n{request.module.__name__}: each bin/run's time ({CORES} at a time)")
+            for line in runs.times:
+                reporter.write_line(line)
 
 
 @uses("shakes")
