@@ -18,8 +18,8 @@ against dataclass annotations instead of globals:
   matches for a misspelt key (difflib) and the valid choices.
 - ``resolve`` layers the sources: defaults < preset < config file (with its target) < command line.
 
-Reading a TOML config file is ``core.config_files``; the ``--help`` text and the key tables of
-docs/configuration.md are ``core.config_help``.
+Reading a TOML config file is ``core.cli.config_files``; the ``--help`` text and the key tables of
+docs/configuration.md are ``core.cli.config_help``.
 
 ``UserError`` lives here too: the class of errors that are the user's to fix (bad config, missing file,
 bad data). ``bin/run`` prints them as one ``error:`` line and exits 2; anything else is a bug and keeps

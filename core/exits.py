@@ -1,6 +1,6 @@
 """The exit codes of ``bin/run``, in one table, and the two outcomes that are neither success nor bad input.
 
-``core.cli.main`` maps every way a command ends to one of ``CODES``; the exit-code table of docs/configuration.md is
+``core.cli.command.main`` maps every way a command ends to one of ``CODES``; the exit-code table of docs/configuration.md is
 generated from it (``tests/test_exits.py`` compares them). Bad input is ``core.config.UserError`` (exit 2). The two
 classes here are for runs that did their work but must not count as done:
 
@@ -10,8 +10,8 @@ classes here are for runs that did their work but must not count as done:
   benchmark measurement); the rest ran and the reports say what failed. One ``incomplete:`` line, exit 5.
 - :class:`RunStopped`: a run that stopped without finishing: it diverged (a non-finite validation loss) or hit
   its rollback cap (``spike.max_rollbacks`` within ``spike.window`` steps, or a spike with nothing to roll back
-  to). Its last state is written as ``stopped.msgpack`` (``core.checkpoint.STOPPED``), never ``final.msgpack``,
-  so a script, a grid (``core.grid``) or a rerun of the same command cannot take it for a finished run. One
+  to). Its last state is written as ``stopped.msgpack`` (``core.io.checkpoint.STOPPED``), never ``final.msgpack``,
+  so a script, a grid (``core.cli.grid``) or a rerun of the same command cannot take it for a finished run. One
   ``stopped:`` line, exit 4; a rerun on the same ``out=`` says the same instead of repeating the run.
 
 The convention (0 done, 2 bad input, 3 gate failed, one code of its own for an unfinished run) follows

@@ -10,7 +10,7 @@ steps (``core.step``) apply what they own from outside the model, as torchtitan'
   compiled graph of the block (regional compilation);
 - ``unstack``: on the eager autograd path the step's ``core.row_grads.RowGradients.unstack`` (each layer's
   gradients written into their rows as its backward ends); under ``parallel=fsdp`` run block by block,
-  ``core.shard_blocks.Blocks.unstack`` (each layer gathered from the ranks' shards when the loop reaches it).
+  ``core.parallel.shard_blocks.Blocks.unstack`` (each layer gathered from the ranks' shards when the loop reaches it).
 
 A loss function gets it from the step when it takes a ``layers`` keyword
 (``loss_fn(params, batch[, key=][, frozen=][, layers=])``) and passes it on to the model, and to a frozen teacher's

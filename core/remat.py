@@ -5,7 +5,7 @@ One difference from calling ``torch.utils.checkpoint.checkpoint(block, params, x
 params (a pytree) are handed to it as flat tensor arguments. ``torch.utils.checkpoint`` keeps a container argument
 by reference until backward, but saves tensor arguments as saved tensors, which the saved-tensor hooks in force
 see: so under ``parallel=fsdp`` a block's gathered params are not held from the forward to the recomputation but
-gathered again for it (``core.shard_blocks``), as FSDP2 does with a checkpointed block.
+gathered again for it (``core.parallel.shard_blocks``), as FSDP2 does with a checkpointed block.
 """
 from __future__ import annotations
 

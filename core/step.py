@@ -157,7 +157,7 @@ def _autograd_gradients(objective: Callable, grad_accum: int, by_row: bool = Tru
 
 def _block_gradients(objective: Callable, grad_accum: int, shard) -> Callable:
     """The autograd path over this rank's shards, the stacked layers gathered one block at a time
-    (``core.shard_blocks``): this rank's gradient shards (reduce-scattered once per optimizer step), the loss and
+    (``core.parallel.shard_blocks``): this rank's gradient shards (reduce-scattered once per optimizer step), the loss and
     aux averaged over ranks."""
     def gradients(shards, batch, key, frozen, scale):
         blocks = shard.blocks(shards)
@@ -178,7 +178,7 @@ def _block_gradients(objective: Callable, grad_accum: int, shard) -> Callable:
 
 
 def per_block(shard, compile: bool, compile_scope: str = "step", grad_mode: Optional[str] = None) -> bool:
-    """Whether a step over sharded params (``shard``) gathers them one block at a time (``core.shard_blocks``):
+    """Whether a step over sharded params (``shard``) gathers them one block at a time (``core.parallel.shard_blocks``):
     on the autograd path when the model's loop runs in Python (eager, or ``compile_scope="block"``); a one-graph
     compiled step gathers them whole."""
     one_graph = compile and compile_scope != "block"
@@ -273,7 +273,7 @@ class Compile:
 @dataclass(frozen=True)
 class Parallel:
     """Data parallelism the step composes: ``reduce(list of tensors) -> list`` averages the gradients, loss and aux
-    across ranks before the update (``core.distributed.Dist.all_reduce_mean``); ``shard`` (a ``core.shard.Layout``)
+    across ranks before the update (``core.parallel.distributed.Dist.all_reduce_mean``); ``shard`` (a ``core.parallel.shard.Layout``)
     says the state's params and optimizer state are this rank's shards: the step gathers the params (one block at a
     time where :func:`per_block` says so, else whole), reduce-scatters the summed gradients once per step and
     updates the shards (``reduce`` is then unused); the optimizer and the extra metrics must take the layout's
@@ -361,7 +361,7 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
 def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", compile: bool | Compile = False,
                    shard=None) -> Callable:
     """``eval_step(params, batch, frozen=None) -> metrics`` (no gradients, no dropout), run where ``params`` live.
-    ``shard`` (a ``core.shard.Layout``): ``params`` are this rank's shards, gathered block by block where
+    ``shard`` (a ``core.parallel.shard.Layout``): ``params`` are this rank's shards, gathered block by block where
     :func:`per_block` says so, else whole before the step."""
     compile = compile if isinstance(compile, Compile) else Compile(enabled=bool(compile))
     by_layer = per_block(shard, compile.enabled, compile.scope)

@@ -15,7 +15,7 @@ cannot express are refused with a ``UserError``: RoPE scaling other than llama3 
 ``factors``), params whose attention leaves do not match the config (biases without ``qkv_bias`` or the reverse),
 a head that contradicts ``tie_embeddings``.
 
-The folder is written whole or not at all (``core.cache.build_folder``: a temporary sibling folder, fsynced,
+The folder is written whole or not at all (``core.io.cache.build_folder``: a temporary sibling folder, fsynced,
 then renamed into place). An existing folder is replaced only if it is empty or an earlier DBA export (its
 ``config.json`` says ``model_type: purestep_dba`` and it holds nothing but the files an export writes); anything
 else is refused, so an export never deletes files it did not write.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from core.cache import build_folder
+from core.io.cache import build_folder
 from core.config import UserError
 from core.tree import flatten_dict
 from models import hf

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from core.config import UserError
-from core.tokenizers import BPETokenizer
+from core.data.tokenizers import BPETokenizer
 from core.tree import cast
 from models import hf
 from models.llama import LlamaConfig

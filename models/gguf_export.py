@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.cache import publish_file
+from core.io.cache import publish_file
 from core.config import UserError
 from models import hf
 from models.dba import DBAConfig
@@ -207,7 +207,7 @@ def export_gguf(params: dict, cfg: LlamaConfig, path, tokenizer=None, dtype: str
         writer.close()
         with open(tmp, "rb") as f:      # the writer closes without an fsync: make the bytes durable first
             os.fsync(f.fileno())
-        publish_file(tmp, path)          # the one atomic rename (core.cache), then the temporary name goes
+        publish_file(tmp, path)          # the one atomic rename (core.io.cache), then the temporary name goes
     finally:
         writer.close()
         tmp.unlink(missing_ok=True)

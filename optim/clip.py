@@ -24,7 +24,7 @@ def clip_factor(norm, max_norm):
 
 
 def clip_by_global_norm(max_norm: float, psum=None) -> GradientTransformation:
-    """``psum``: sums a squared norm over the ranks holding the other shards (``core.shard``), else None.
+    """``psum``: sums a squared norm over the ranks holding the other shards (``core.parallel.shard``), else None.
 
     ``update(..., grad_norm=)``: the global norm of ``updates`` (over the ranks, as ``psum`` sums it) when the
     caller has it: the train step computed it for its metrics, and an eager step reuses it rather than read every

@@ -1,12 +1,12 @@
 """recipes: the training loops (a config dataclass plus ``run(cfg)`` each) and their registry.
 
 ``RECIPES`` maps each name ``bin/run recipe=NAME`` accepts to its module (imported only when chosen).
-``core.cli`` receives it from its caller and knows no recipe by itself; a name not registered here is
+``core.cli.command`` receives it from its caller and knows no recipe by itself; a name not registered here is
 tried as a dotted module path that defines ``Config`` and ``run`` (research code's own recipes).
 """
 from typing import Sequence
 
-from core import cli
+from core.cli import command as cli
 
 RECIPES = {
     "standard": "recipes.standard",
@@ -31,5 +31,5 @@ RECIPES = {
 
 
 def main(argv: Sequence[str]) -> int:
-    """``bin/run`` with these arguments over this registry; returns the exit code (see ``core.cli.main``)."""
+    """``bin/run`` with these arguments over this registry; returns the exit code (see ``core.cli.command.main``)."""
     return cli.main(argv, RECIPES)

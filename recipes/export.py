@@ -13,7 +13,7 @@ Hugging Face folder, a GGUF file, ``smollm2``). What is written:
 
 Byte and char tokenizers are converted to a Hugging Face ``tokenizer.json`` with the same ids
 (``models.tokenizer_export``) or refused with the reason. The folder ``out`` is built in a temporary folder next
-to it and renamed into place (``core.cache.build_folder``): a failed export leaves nothing, and an existing
+to it and renamed into place (``core.io.cache.build_folder``): a failed export leaves nothing, and an existing
 ``out`` is replaced only with ``overwrite=true``. ``verify=true`` reads the export back (transformers for HF
 folders when it is installed, else purestep's own loader) and prints the largest logit difference against the
 model that was exported, on one fixed random sequence.
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from core.cache import build_folder
+from core.io.cache import build_folder
 from core.config import UserError, option
-from core.logging import progress
+from core.io.logging import progress
 from core.tree import cast
 from models.loading import LoadedModel, load_model
 

@@ -3,7 +3,7 @@
 The prompt is processed once (prefill) and every new token costs one position of the KV cache
 (``models.sampling.generate``). Sampling is temperature / top-k / top-p with an explicit seed, and the
 text streams to stdout as it is produced. ``chat=true`` renders the prompt with the model's chat template
-(``core.chat``; the plain template for a tokenizer without one) and its generation prompt: ``prompt=`` is then
+(``core.data.chat``; the plain template for a tokenizer without one) and its generation prompt: ``prompt=`` is then
 one user message, or a whole chat as a JSON list of ``{"role", "content"}`` messages (a prompt that is such a
 list is a chat even without ``chat=true``); generation stops at the tokenizer's EOS (the end of the turn).
 """
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from core.chat import check_messages, render, template_of
+from core.data.chat import check_messages, render, template_of
 from core.config import UserError, option
 from core.device import DEVICES, resolve_device
-from core.logging import progress
+from core.io.logging import progress
 from core.step import autocast
 from models.loading import load_model
 from models.sampling import generate

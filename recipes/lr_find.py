@@ -16,10 +16,10 @@ import torch
 
 import optim
 from core.config import UserError, option, same_as, to_dict
-from core.docs import prepare_text
+from core.data.documents import prepare_text
 from core.device import resolve_device
-from core.logging import Logger
-from core.runs import claim
+from core.io.logging import Logger
+from core.cli.runs import claim
 from core.state import init_state
 from core.step import Gradients, make_train_step
 from core.tree import cast, clone

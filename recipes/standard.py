@@ -18,11 +18,11 @@ from typing import Callable, Optional
 
 import torch
 
-from core import distributed
+from core.parallel import distributed
 from core.config import UserError, option, to_dict
 from core.device import resolve_device
-from core.fim import FIM, fim_ids
-from core.telemetry import flops_per_token
+from core.data.fim import FIM, fim_ids
+from core.io.telemetry import flops_per_token
 from core.tree import cast, size
 from models import llama
 from models.loading import load_model, model_entry
@@ -35,7 +35,7 @@ from recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps,
 from recipes.train.setup import run_folder
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
-GRID = True                 # seed=1,2 and grid.KEY=A,B run it per cell (core.grid)
+GRID = True                 # seed=1,2 and grid.KEY=A,B run it per cell (core.cli.grid)
 
 
 @dataclass

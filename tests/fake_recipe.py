@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from core.checkpoint import CheckpointError
+from core.io.checkpoint import CheckpointError
 from core.config import UserError, option, to_dict
 from core.exits import GateFailed, RunStopped
 

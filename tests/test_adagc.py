@@ -174,7 +174,7 @@ def test_adagc_traces_into_one_graph_and_edits_do_not_recompile():
 
 
 def test_adagc_state_survives_a_skipped_step_and_a_checkpoint(tmp_path):
-    checkpoint = pytest.importorskip("core.checkpoint")
+    checkpoint = pytest.importorskip("core.io.checkpoint")
     cfg = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, ffn_dim=32)
     params = llama.init(cfg, seed=0)
     opt = optim.chain(adagc(t_start=1), optim.adamw(lr=1e-2))

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from core.tree import max_abs_diff
 from recipes import main
 from tests.fixtures.behaviour.state_hash import platform_key, state_hash

@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util import tensor_util
 
-from core.board import board_tag
+from core.io.board import board_tag
 from optim.health import COLUMNS
 from recipes import main
 

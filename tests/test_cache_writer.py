@@ -1,5 +1,5 @@
-"""One home for atomic writes: ``core/cache.py`` renames into place and fsyncs folders (checkpoints, caches
-and small JSON files all go through it); nothing else does. Plus the unit tests of ``core.cache``."""
+"""One home for atomic writes: ``core/io/cache.py`` renames into place and fsyncs folders (checkpoints, caches
+and small JSON files all go through it); nothing else does. Plus the unit tests of ``core.io.cache``."""
 from __future__ import annotations
 
 import ast
@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core import cache
+from core.io import cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("core", "models", "optim", "recipes")
-ALLOWED = {"core/cache.py",                 # checkpoints too write through it (write_file, publish_file)
+ALLOWED = {"core/io/cache.py",                 # checkpoints too write through it (write_file, publish_file)
            "recipes/bench/checkpoint.py"}   # times torch.save + fsync_path of its *file* against checkpoint.save
 
 
@@ -56,7 +56,7 @@ def _renames_or_folder_syncs(tree: ast.AST) -> list[tuple[int, str]]:
 def test_one_cache_writer():
     offenders = [f"{name}:{line} {what}" for name, tree in _sources() if name not in ALLOWED
                  for line, what in _renames_or_folder_syncs(tree)]
-    assert not offenders, ("rename into place / fsync a folder only through core.cache (build_folder, "
+    assert not offenders, ("rename into place / fsync a folder only through core.io.cache (build_folder, "
                            f"write_file, write_json, publish_file): {offenders}")
     teacher_caches = [name for name, tree in _sources() for node in ast.walk(tree)
                       if isinstance(node, ast.ClassDef) and node.name == "TeacherCache"]
@@ -70,7 +70,7 @@ def test_the_walk_sees_every_kind_of_rename():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# core.cache
+# core.io.cache
 
 def _layout(meta):
     return {"a": ("int16", meta["shape"]), "b": ("float32", [meta["shape"][0]])}

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the PNG charts need the [plot] extra (matplotlib)")
 
-from core import grid_summary  # noqa: E402
+from core.cli import grid_summary  # noqa: E402
 from recipes.upcycle import charts  # noqa: E402
 
 NONE = ("None", "none", "", " ", None)

@@ -1,4 +1,4 @@
-"""core.checkpoint: Flax wire format, chunking, atomicity (incl. SIGKILL), corruption, retention, templates."""
+"""core.io.checkpoint: Flax wire format, chunking, atomicity (incl. SIGKILL), corruption, retention, templates."""
 from __future__ import annotations
 
 import os
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from core import cache
-from core import checkpoint as ckpt
-from core import checkpoint_format as fmt
-from core.checkpoint import CheckpointError, CheckpointManager
+from core.io import cache
+from core.io import checkpoint as ckpt
+from core.io import checkpoint_format as fmt
+from core.io.checkpoint import CheckpointError, CheckpointManager
 from core.state import TrainState
 
 
@@ -262,7 +262,8 @@ def test_error_while_writing_leaves_no_temp(tmp_path):
 
 CHILD = textwrap.dedent("""
     import sys, time, torch
-    from core import checkpoint as ckpt, checkpoint_format as fmt
+    from core.io import checkpoint as ckpt
+    from core.io import checkpoint_format as fmt
     folder, marker = sys.argv[1], sys.argv[2]
     manager = ckpt.CheckpointManager(folder, keep_last=1)
     manager.save(1, {"w": torch.full((1000,), 1.0)})

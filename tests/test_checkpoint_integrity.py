@@ -1,4 +1,4 @@
-"""core.checkpoint hardening: per-tensor CRC-32s, resume over damaged files, Flax's other leaf types, disk full."""
+"""core.io.checkpoint hardening: per-tensor CRC-32s, resume over damaged files, Flax's other leaf types, disk full."""
 from __future__ import annotations
 
 import errno
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from core import checkpoint as ckpt
-from core import checkpoint_format as fmt
-from core.checkpoint import CheckpointError, CheckpointManager
+from core.io import checkpoint as ckpt
+from core.io import checkpoint_format as fmt
+from core.io.checkpoint import CheckpointError, CheckpointManager
 from core.config import UserError
 from recipes import main
 

@@ -1,4 +1,4 @@
-"""bin/run and core.cli: argument parsing, help, and exit codes, against the fake recipe in this folder."""
+"""bin/run and core.cli.command: argument parsing, help, and exit codes, against the fake recipe in this folder."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import pytest
 
 import fake_recipe
 import recipes
-from core import cli
+from core.cli import command as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipe=tests.fake_recipe"           # bin/run also takes a module path as the recipe
@@ -36,7 +36,7 @@ def assert_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> str
 
 @pytest.fixture
 def fake(monkeypatch):
-    """Register the fake recipe as 'fake' for in-process calls to core.cli.main."""
+    """Register the fake recipe as 'fake' for in-process calls to core.cli.command.main."""
     monkeypatch.setitem(recipes.RECIPES, "fake", "fake_recipe")
     fake_recipe.RUNS.clear()
     return fake_recipe.RUNS
@@ -65,7 +65,7 @@ def test_happy_path_passes_the_parsed_config(tmp_path):
     (["config=missing.toml"], ["config file missing.toml not found"]),
     (["fail=user"], ["error: the dataset is empty"]),           # a multi-line message comes out on one line
     (["fail=data"], ["shard 3 is truncated"]),
-    (["fail=checkpoint"], ["ckpt.msgpack is corrupt"]),           # core.checkpoint.CheckpointError
+    (["fail=checkpoint"], ["ckpt.msgpack is corrupt"]),           # core.io.checkpoint.CheckpointError
     (["fail=missing"], ["error: nowhere.bin: no such file or directory"]),    # not Python's "[Errno 2] ..."
 ])
 def test_user_errors_are_one_line_and_exit_2(args, fragments):
@@ -73,7 +73,7 @@ def test_user_errors_are_one_line_and_exit_2(args, fragments):
 
 
 def test_a_bad_checkpoint_is_a_user_error(tmp_path):
-    """core.checkpoint.CheckpointError is a UserError subclass: a real recipe reading a bad file exits 2."""
+    """core.io.checkpoint.CheckpointError is a UserError subclass: a real recipe reading a bad file exits 2."""
     bad = tmp_path / "ckpt.msgpack"
     bad.write_bytes(b"garbage")
     assert_user_error(run("recipe=generate", f"init={bad}"), f"{bad}: not a purestep checkpoint")
@@ -169,8 +169,8 @@ def test_top_level_help_in_process_shows_descriptions(fake, monkeypatch, capsys)
 
 
 def test_user_error_classes():
-    from core.checkpoint import CheckpointError
-    from core.tokenizers import DataError
+    from core.io.checkpoint import CheckpointError
+    from core.data.tokenizers import DataError
 
     class CheckpointErrorLookalike(Exception):   # a user error by class, never by name
         pass

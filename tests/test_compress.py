@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import optim
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from recipes import main
 from core.state import init_state
 from core.step import make_train_step
-from core.tokenizers import make_tokenizer
+from core.data.tokenizers import make_tokenizer
 from models import compressor as C, llama
 from models.loading import load_model, model_entry
 from optim import schedules

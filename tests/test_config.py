@@ -8,8 +8,8 @@ from typing import Literal, Optional
 import pytest
 
 from core.config import ConfigError, UserError, apply_overrides, from_dict, option, resolve, to_dict
-from core.config_files import load_toml
-from core.config_help import describe, format_help
+from core.cli.config_files import load_toml
+from core.cli.config_help import describe, format_help
 from models.llama import LlamaConfig
 
 

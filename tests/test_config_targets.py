@@ -1,4 +1,4 @@
-"""Config files' [vars] and [targets.NAME] (core.config_files) and their place in bin/run's precedence:
+"""Config files' [vars] and [targets.NAME] (core.cli.config_files) and their place in bin/run's precedence:
 defaults < preset < config file < target < [[stages]] < command line."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import fake_recipe
 import recipes
 from core.config import ConfigError
-from core.config_files import load_toml
+from core.cli.config_files import load_toml
 
 STUDY = '''
 recipe = "fake"

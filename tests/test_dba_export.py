@@ -221,7 +221,7 @@ def test_remote_code_is_self_contained():
 
 def test_tokenizer_files_travel(tmp_path):
     tokenizers = pytest.importorskip("tokenizers", reason="needs the 'hf' extra: pip install purestep[hf]")
-    from core.tokenizers import BPETokenizer
+    from core.data.tokenizers import BPETokenizer
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
     bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
     alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()[:60]

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from recipes import main
 from core.tree import tree_leaves
 from models import losses

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import checkpoint as ckpt, exits
+from core import exits
+from core.io import checkpoint as ckpt
 from recipes import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +130,7 @@ from pathlib import Path
 
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from core.config import option
 from core.exits import RunStopped
 

@@ -10,8 +10,8 @@ pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install pur
 pytest.importorskip("gguf", reason="needs the 'hf' extra: pip install purestep[hf]")
 pytest.importorskip("tokenizers", reason="needs the 'hf' extra: pip install purestep[hf]")
 
-from core import checkpoint as ckpt  # noqa: E402
-from core.tokenizers import ByteTokenizer  # noqa: E402
+from core.io import checkpoint as ckpt  # noqa: E402
+from core.data.tokenizers import ByteTokenizer  # noqa: E402
 from models import dba  # noqa: E402
 from models.loading import load_model, model_entry  # noqa: E402
 from recipes import main  # noqa: E402

@@ -1,4 +1,4 @@
-"""parallel=fsdp (core.shard): 2 gloo ranks under torchrun against one process, checkpoints across rank counts,
+"""parallel=fsdp (core.parallel.shard): 2 gloo ranks under torchrun against one process, checkpoints across rank counts,
 the layout's cut and join, the compiled sharded step, and the refusals."""
 import os
 import re
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import checkpoint as ckpt
-from core.shard import Layout
+from core.io import checkpoint as ckpt
+from core.parallel.shard import Layout
 from core.tree import max_abs_diff, tree_leaves, tree_map
 from models import llama
 from optim.health import stacked_predicate
@@ -94,10 +94,10 @@ def test_sharded_bf16_equals_one_process_to_bf16_rounding(corpus, tmp_path, one_
 def _loaded_state(args: list, path: Path, world: int) -> dict:
     """The train state a ``recipe=standard`` run of ``args`` resumes from the checkpoint ``path`` on ``world`` ranks,
     each rank's load run in this process (``recipes.train.setup.start``: the file read, then this rank's cut), the
-    ranks' shards joined as ``core.shard.Layout.gather_state`` joins them. Zero params give only the structure."""
-    from core.cli import parse_args
+    ranks' shards joined as ``core.parallel.shard.Layout.gather_state`` joins them. Zero params give only the structure."""
+    from core.cli.command import parse_args
     from core.config import resolve
-    from core.distributed import Dist
+    from core.parallel.distributed import Dist
     from recipes import standard
     from recipes.train import setup
     pairs, _ = parse_args([*args, f"resume={path}"])
@@ -175,7 +175,7 @@ def test_parallel_fsdp_without_a_launcher_is_one_line_exit_2(corpus, tmp_path):
 
 def test_what_cannot_be_sharded_is_a_one_line_error_naming_it(corpus, tmp_path, capsys):
     from core.config import ConfigError
-    from core.distributed import Dist
+    from core.parallel.distributed import Dist
     from recipes.train.setup import sharded_layout
     assert main([*TINY, f"data={corpus}", "parallel=fsdp", "clipping=agc", f"out={tmp_path / 'x'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -316,7 +316,7 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
     still held): nothing autograd saved, nor under remat the checkpoint, kept a gathered layer. Two micro-batches
     reduce-scatter each layer once, in the last one's backward. Under bf16 the layers come gathered in bf16. The
     step and the per-block eval equal the plain ones (fp32; bf16: the loss to bf16 rounding)."""
-    from core import shard_blocks
+    from core.parallel import shard_blocks
     from core.state import init_state
     from core.step import make_eval_step, make_train_step
     from core.tree import clone
@@ -373,7 +373,7 @@ def test_the_sharded_step_traces_into_one_graph(one_rank_group):
 @pytest.mark.slow
 def test_the_sharded_step_compiles_and_matches_eager(one_rank_group, one_thread):
     """Inductor compiles the sharded step whole (its collectives inside the graph) to the eager numbers; and
-    with ``compile_scope=block`` the compiled block runs on layers gathered one at a time (``core.shard_blocks``)."""
+    with ``compile_scope=block`` the compiled block runs on layers gathered one at a time (``core.parallel.shard_blocks``)."""
     plain, plain_metrics = _sharded_run(None, compile=False, clipping="global", health=True, donate=False)
     for scope in ("step", "block"):
         sharded, metrics = _sharded_run(one_rank_group, compile=True, clipping="global", health=True, donate=False,

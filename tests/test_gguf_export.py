@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf", reason="GGUF export needs the 'hf' extra: pip
 tokenizers = pytest.importorskip("tokenizers", reason="export tokenizers need the 'hf' extra: pip install purestep[hf]")
 
 from core.config import UserError  # noqa: E402
-from core.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer, tokenizer_from_dict  # noqa: E402
+from core.data.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer, tokenizer_from_dict  # noqa: E402
 from core.tree import names, tree_leaves  # noqa: E402
 from models import dba, gguf_export, llama, smollm2  # noqa: E402
 from models.gguf import metadata, open_gguf, tokenizer_from_gguf  # noqa: E402

@@ -1,4 +1,4 @@
-"""Seed lists and grids (core.grid): the cells, their folders, resuming, the summary, and refusals."""
+"""Seed lists and grids (core.cli.grid): the cells, their folders, resuming, the summary, and refusals."""
 from __future__ import annotations
 
 import csv
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from core.config import ConfigError, option
-from core.grid import alternatives, cell_name, plan, split_grid
+from core.cli.grid import alternatives, cell_name, plan, split_grid
 from recipes import main
 
 pytestmark = pytest.mark.usefixtures("token_cache", "one_thread")   # tests/conftest.py

@@ -19,7 +19,7 @@ pytest.importorskip("tokenizers", reason="needs the 'hf' extra: pip install pure
 
 import safetensors.torch  # noqa: E402
 
-from core import checkpoint as ckpt  # noqa: E402
+from core.io import checkpoint as ckpt  # noqa: E402
 from core.config import UserError  # noqa: E402
 from core.tree import cast, max_abs_diff, names, tree_leaves  # noqa: E402
 from models import hf, llama, smollm2  # noqa: E402
@@ -161,7 +161,7 @@ def test_missing_smollm2_package_says_how_to_install(monkeypatch, tmp_path):
 
 
 def test_publish_replaces_a_stale_cache(tmp_path):
-    from core.cache import build_folder
+    from core.io.cache import build_folder
     target = tmp_path / "models" / "smollm2"
     target.mkdir(parents=True)
     (target / "old.txt").write_text("stale")

@@ -1,4 +1,4 @@
-"""JSONL data (core.jsonl, core.docs, core.chat): chat SFT masks, packing, memory, bad input (issue 18)."""
+"""JSONL data (core.data.jsonl, core.data.documents, core.data.chat): chat SFT masks, packing, memory, bad input (issue 18)."""
 import json
 import os
 import subprocess
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from core import chat
-from core.docs import prepare_data
+from core.data import chat
+from core.data.documents import prepare_data
 from models import llama
 from recipes import main
 
@@ -128,7 +128,7 @@ def test_packed_documents_do_not_see_each_other(tmp_path):
 MEASURE = """
 import json, os, resource, sys
 sys.path.insert(0, {repo!r})
-from core.docs import prepare_data
+from core.data.documents import prepare_data
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 corpus = prepare_data({path!r}, "byte")
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -204,7 +204,7 @@ def test_ranks_epochs_and_val_data(tmp_path):
     out = tmp_path / "run"
     assert main(["recipe=standard", f"data={data}", f"val_data={held}", "epochs=2", f"out={out}", *TINY,
                  "block_size=16"]) == 0
-    from core import checkpoint as ckpt
+    from core.io import checkpoint as ckpt
     packed = prepare_data(str(data), "byte", val_data=str(held)).rows("train", 16).n
     assert ckpt.read_meta(out / "final.msgpack")["step"] == -(-2 * packed // 4)
 
@@ -222,7 +222,7 @@ def test_distill_trains_on_packed_chats(tmp_path, capsys):
 
 def test_val_fraction_on_raw_text(tmp_path):
     """val_fraction= moves the split of raw text too; the default keeps the cache key (and tokens) of before."""
-    from core import data as text_data
+    from core.data import text as text_data
     text = tmp_path / "plain.txt"
     text.write_text("0123456789" * 100)
     default, quarter = prepare_data(str(text), "byte"), prepare_data(str(text), "byte", val_fraction=0.25)

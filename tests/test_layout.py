@@ -4,8 +4,8 @@
   models/optim/recipes; optim/ and models/ never import recipes; no two modules import each other, directly
   or through others (module-level and function-level imports, relative imports resolved).
 - Size: no function over 80 lines, no file over 450 lines, apart from the exceptions listed here with why.
-- Progress goes through ``core.logging``: no bare ``print``/``click.echo``/``sys.std*.write`` in core/,
-  models/ or optim/ outside ``core/logging.py`` (the progress function) and ``core/cli.py`` (the program's
+- Progress goes through ``core.io.logging``: no bare ``print``/``click.echo``/``sys.std*.write`` in core/,
+  models/ or optim/ outside ``core/io/logging.py`` (the progress function) and ``core/cli/command.py`` (the program's
   help and ``error:`` lines).
 
 Docstrings and comments are not code: they are never read as imports, module names or output.
@@ -22,12 +22,16 @@ PACKAGES = ("core", "models", "optim", "recipes")
 # what each package may import besides itself: models/ and optim/ sit side by side above core/ (neither needs
 # the other: a model is not an optimizer's business, nor the reverse)
 LOWER = {"core": set(), "models": {"core"}, "optim": {"core"}, "recipes": {"core", "models", "optim"}}
+# inside core (core/__init__.py): the kernel at the top of core/ imports only itself; each package the kernel
+# and the packages before it
+CORE_LOWER = {"kernel": set(), "io": {"kernel"}, "data": {"kernel", "io"}, "parallel": {"kernel", "io"},
+              "cli": {"kernel", "io", "data", "parallel"}}
 MAX_FUNCTION_LINES = 80
 KERNEL_FUNCTION_LINES = 60   # core/, models/, optim/: what research code reads (issue 32)
 MAX_FILE_LINES = 450
 # "path" or "path:function" -> why it may be longer than the limit. Keep it short; empty is best.
 SIZE_EXCEPTIONS: dict[str, str] = {}
-PRINT_ALLOWED = {"core/logging.py": "the progress function itself", "core/cli.py": "help text and the error: line",
+PRINT_ALLOWED = {"core/io/logging.py": "the progress function itself", "core/cli/command.py": "help text and the error: line",
                  "recipes/generate.py": "the generated text is the recipe's output",
                  "recipes/compress/recipe.py": "the summary table is the recipe's output",
                  "recipes/bench/": "benchmark tables are the recipes' output"}
@@ -186,6 +190,24 @@ def test_layers_import_only_downwards():
     assert not bad, "\n".join(bad)
 
 
+def core_part(module: str) -> str:
+    """``core.io.cache`` -> ``io``; a module at the top of core/ -> ``kernel``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in CORE_LOWER) else "kernel"
+
+
+def test_core_packages_import_only_downwards():
+    mods, bad = sources(), []
+    for name, edges in import_graph().items():
+        if not name.startswith("core.") or name == "core":
+            continue
+        part = core_part(name)
+        for target, line in edges.items():
+            if target.startswith("core.") and core_part(target) not in CORE_LOWER[part] | {part}:
+                bad.append(f"{rel(mods[name][0])}:{line} imports {target} (core.{part} must not depend on it)")
+    assert not bad, "\n".join(bad)
+
+
 def test_core_names_no_upper_module():
     """A module path kept as a string (a registry, ``importlib.import_module("models.x")``) is a dependency too."""
     bad = []
@@ -238,4 +260,4 @@ def test_progress_goes_through_core_logging():
             continue
         bad += [f"{rel(path)}:{node.lineno}" for node in ast.walk(tree)
                 if isinstance(node, ast.Call) and is_bare_output(node)]
-    assert not bad, "print progress with core.logging.progress (or a Logger's print):\n" + "\n".join(bad)
+    assert not bad, "print progress with core.io.logging.progress (or a Logger's print):\n" + "\n".join(bad)

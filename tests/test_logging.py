@@ -1,4 +1,4 @@
-"""core.logging: what the Logger writes is read back with TensorBoard's own reader and json."""
+"""core.io.logging: what the Logger writes is read back with TensorBoard's own reader and json."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
-from core import logging as log
-from core.logging import Logger, format_duration, to_floats
+from core.io import logging as log
+from core.io.logging import Logger, format_duration, to_floats
 
 
 def read_events(folder) -> EventAccumulator:
@@ -36,7 +36,7 @@ def test_scalars_reach_tensorboard_and_jsonl(tmp_path):
         logger.scalars(torch.tensor(20), {"train/loss": torch.tensor(2.25), "val/perplexity": 9.5})
     assert got == {"train/loss": 2.5, "lr": 1e-3, "tokens": 4096.0}
     events = read_events(tmp_path)
-    # TensorBoard tags are core.board.board_tag's: loss, lr and throughput sort first; JSONL keeps the keys
+    # TensorBoard tags are core.io.board.board_tag's: loss, lr and throughput sort first; JSONL keeps the keys
     assert [(e.step, e.value) for e in events.Scalars("1_train/loss")] == [(10, 2.5), (20, 2.25)]
     assert [(e.step, e.value) for e in events.Scalars("2_val/perplexity")] == [(20, 9.5)]
     assert events.Scalars("1_train/lr")[0].value == pytest.approx(1e-3)
@@ -155,7 +155,7 @@ def test_progress_plain_lines_with_eta(tmp_path, capsys, monkeypatch):
 
 
 def test_status_lines_go_through_one_function(tmp_path, capsys, monkeypatch):
-    """``core.logging.progress`` prints a status line on stderr (nothing on stdout); Logger.print uses it."""
+    """``core.io.logging.progress`` prints a status line on stderr (nothing on stdout); Logger.print uses it."""
     log.progress("purestep: tokenizing x")
     assert capsys.readouterr() == ("", "purestep: tokenizing x\n")
     seen = []
@@ -191,7 +191,7 @@ def test_memory_and_durations():
     """Peak memory grows with a fresh 256 MiB allocation (in a new process: this one's peak is unknown)."""
     import subprocess
     import sys
-    code = ("import torch; from core.logging import memory_mb; a = memory_mb('cpu'); "
+    code = ("import torch; from core.io.logging import memory_mb; a = memory_mb('cpu'); "
             "b = torch.ones(64 * 2**20); print(memory_mb(torch.device('cpu')) - a)")
     grew = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert grew > 200
@@ -200,7 +200,7 @@ def test_memory_and_durations():
 
 def test_scalars_of_one_step_are_one_event_that_tensorboard_reads_as_separate_tags(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from core.logging import Logger
+    from core.io.logging import Logger
     logger = Logger(tmp_path, console=False)
     logger.scalars(10, {"train/loss": 1.5, "health/a/norm": 2.0})
     logger.scalars(20, {"train/loss": 1.25, "health/a/norm": float("nan")})

@@ -11,11 +11,11 @@ from typing import Optional
 
 import pytest
 
-from core import cli
+from core.cli import command as cli
 from core.config import ConfigError, UserError, _fields, _is_section, option, resolve, same_as
-from core.config_help import describe
-from core.data import prepare
-from core.tokenizers import DataError
+from core.cli.config_help import describe
+from core.data.text import prepare
+from core.data.tokenizers import DataError
 from recipes import RECIPES, main
 
 
@@ -111,7 +111,7 @@ def test_os_errors_on_the_run_folder_are_one_line_with_the_path(code, tmp_path, 
 
 
 def test_a_real_enotdir_from_the_run_folder_lock_is_a_user_error(tmp_path):
-    from core.runs import claim
+    from core.cli.runs import claim
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(UserError) as e:
         with claim(tmp_path / "a_file" / "run"):
@@ -171,12 +171,12 @@ def test_a_damaged_token_cache_is_rebuilt(small_text, damage):
 
 
 def test_a_token_cache_that_stays_unreadable_is_one_error_naming_it(small_text, monkeypatch):
-    import core.data
+    import core.data.text
     folder = prepare(str(small_text)).path
 
     def unreadable(d):
         raise ValueError("garbage")
-    monkeypatch.setattr(core.data, "tokenizer_from_dict", unreadable)
+    monkeypatch.setattr(core.data.text, "tokenizer_from_dict", unreadable)
     with pytest.raises(DataError, match="token cache .* is unreadable") as e:
         prepare(str(small_text))
     assert folder in str(e.value)

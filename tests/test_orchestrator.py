@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from recipes import main
-from core.logging import Logger
+from core.io.logging import Logger
 from core.spike import SpikeConfig
 from core.state import init_state
 from core.step import make_eval_step, make_train_step

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import documentation
-from core.config_help import markdown_table
+from core.cli.config_help import markdown_table
 from recipes import RECIPES
 
 REPO = documentation.REPO

@@ -45,7 +45,7 @@ def test_a_resumed_run_takes_the_new_lr_and_says_so(tmp_path, corpus, token_cach
     """The issue's case: 40 steps, then the same out= with lr=0.3 and a constant schedule continued at the
     checkpoint's lr 0.001 without a word. Now the new lr is in the state from step 40 and the log says so;
     a changed model is refused by name before anything is written."""
-    from core import checkpoint as ckpt
+    from core.io import checkpoint as ckpt
     from recipes import main
     args = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "eval_batches=1", f"data={corpus}",
             "tokenizer=char", "spike.enabled=false", f"out={tmp_path}"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import optim
-from core import checkpoint as ckpt
-from core.logging import Logger
+from core.io import checkpoint as ckpt
+from core.io.logging import Logger
 from core.spike import SpikeConfig
 from core.state import init_state
 from core.tree import clone, max_abs_diff, tree_map

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from core.config import ConfigError, UserError, to_dict
 from models import llama
 from optim.base import find_state

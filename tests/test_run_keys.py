@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.logging import Logger
+from core.io.logging import Logger
 from recipes import main
 from recipes.train.checkpointing import Checkpointing
 from recipes.train.hooks import StepContext

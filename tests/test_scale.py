@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from recipes import main
-from core.fim import FIM, fim_ids
-from core.tokenizers import ByteTokenizer
+from core.data.fim import FIM, fim_ids
+from core.data.tokenizers import ByteTokenizer
 from core.tree import max_abs_diff, tree_leaves
 from core.step import Parallel
 
@@ -104,7 +104,7 @@ def test_telemetry_in_tensorboard_and_budget_stop(corpus, tmp_path, capsys):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"3_system/mfu", "1_train/tokens_per_sec", "1_train/param_norm", "3_system/memory_mb", "3_system/cost",
-            "3_system/wall_hours"} <= tags                                  # core.board.board_tag
+            "3_system/wall_hours"} <= tags                                  # core.io.board.board_tag
     mfu = acc.Scalars("3_system/mfu")[-1].value
     assert 0 < mfu < 1
     cost = acc.Scalars("3_system/cost")[-1].value

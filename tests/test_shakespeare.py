@@ -6,7 +6,7 @@
 """
 import pytest
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from recipes import main
 from conftest import shared_data
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import optim
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from recipes import main
 from core.loss_scale import init_loss_scale, update_loss_scale
 from core.state import init_state

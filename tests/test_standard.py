@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from recipes import main
 from core.tree import tree_leaves
 
@@ -48,7 +48,7 @@ def test_trains_and_logs_to_tensorboard(corpus, tmp_path):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     for tag in ("1_train/loss", "1_train/grad_norm", "1_train/lr", "1_train/tokens_per_sec", "3_system/memory_mb",
-                "2_val/loss", "2_val/perplexity"):          # core.board.board_tag
+                "2_val/loss", "2_val/perplexity"):          # core.io.board.board_tag
         assert tag in tags, tag
     assert [e.step for e in events.Scalars("2_val/loss")] == [4, 8]
     assert len(events.Scalars("1_train/loss")) == 4
@@ -145,7 +145,7 @@ def test_generate_recipe(existing_run, capsys):
 
 def test_lr_find_leaves_the_state_untouched(corpus, tmp_path):
     import optim
-    from core.data import prepare
+    from core.data.text import prepare
     from core.state import init_state
     from core.step import make_train_step
     from core.tree import clone

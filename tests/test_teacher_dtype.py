@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from core.tree import tree_leaves
 from models.loading import load_model
 from recipes import main

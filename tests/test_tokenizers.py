@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from core.fim import fim_ids
-from core.tokenizers import (SENTINELS, BPETokenizer, ByteTokenizer, CharTokenizer, DataError, make_tokenizer,
+from core.data.fim import fim_ids
+from core.data.tokenizers import (SENTINELS, BPETokenizer, ByteTokenizer, CharTokenizer, DataError, make_tokenizer,
                              tokenizer_from_dict)
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
@@ -133,7 +133,7 @@ def test_char_encode_is_numpy_fast_path_equivalent():
 
 
 def test_fim_sentinels_appended_past_the_vocab_decode_the_same_for_every_tokenizer(tmp_path):
-    """core.fim appends three ids past a vocabulary without FIM tokens (BPE included); every tokenizer's
+    """core.data.fim appends three ids past a vocabulary without FIM tokens (BPE included); every tokenizer's
     decode renders them as the sentinel names, between normally decoded runs; further ids are U+FFFD."""
     bpe = make_tokenizer(str(_tiny_bpe(tmp_path)))
     for tok in (ByteTokenizer(), CharTokenizer.from_text(TEXT), bpe):

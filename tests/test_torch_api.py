@@ -37,7 +37,7 @@ PRIVATE = {
     "torch._inductor.config": "core/compile.py (fx_graph_cache), recipes/bench/speed.py (cpp.enable_kernel_profile)",
     "torch._inductor.list_mode_options": "core/compile.py: a mode's options plus cpp_wrapper",
     "torch._dynamo.utils.counters": "core/compile.py compile_count(): graphs compiled in this process",
-    "torch.distributed._functional_collectives": "core/distributed.py only: the collectives dynamo traces",
+    "torch.distributed._functional_collectives": "core/parallel/distributed.py only: the collectives dynamo traces",
     "Tensor._version": "core/step.py HostDue, core/tree.py: has a tensor changed in place since it was read",
 }
 
@@ -166,12 +166,12 @@ def test_compile_count_reads_dynamos_counter():
 
 
 def test_functional_collectives_on_one_rank(tmp_path):
-    """``core.distributed``'s four functional collectives (the steps' only collectives) on a 1-rank gloo group in
+    """``core.parallel.distributed``'s four functional collectives (the steps' only collectives) on a 1-rank gloo group in
     a child process (a process group in this process would outlive the test), eager and compiled. Two ranks
     and their numbers: ``tests/test_fsdp.py``, ``tests/test_scale.py``."""
     script = textwrap.dedent(f"""
         import torch, torch.distributed as dist
-        from core.distributed import all_gather, all_reduce_sum, reduce_scatter_sum, wait
+        from core.parallel.distributed import all_gather, all_reduce_sum, reduce_scatter_sum, wait
         dist.init_process_group("gloo", init_method="file://{tmp_path / 'pg'}", rank=0, world_size=1)
         group = dist.group.WORLD
         x = torch.arange(6.0)
@@ -191,9 +191,9 @@ def test_functional_collectives_on_one_rank(tmp_path):
 
 
 def test_functional_collectives_have_one_home():
-    """Only ``core/distributed.py`` imports the functional collectives (the names it reaches on the installed torch
+    """Only ``core/parallel/distributed.py`` imports the functional collectives (the names it reaches on the installed torch
     are what ``test_functional_collectives_on_one_rank`` runs)."""
     importers = [str(p.relative_to(REPO)) for p in _files()
                  if any(isinstance(n, (ast.Import, ast.ImportFrom)) and "_functional_collectives" in ast.dump(n)
                         for n in ast.walk(ast.parse(p.read_text())))]
-    assert importers == ["core/distributed.py"]
+    assert importers == ["core/parallel/distributed.py"]

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from recipes import main
-from core.data import prepare
+from core.data.text import prepare
 from core.tree import cast, fingerprint, tree_leaves
 from models import blockwise, dba, llama, surgery
 from models.loading import load_model
@@ -374,7 +374,7 @@ def test_bad_input_is_one_line_and_loses_nothing(teacher, corpus, tmp_path, caps
 
 def test_a_config_file_lists_phases_with_their_own_steps_and_lr(tmp_path):
     from core.config import resolve
-    from core.config_files import load_toml
+    from core.cli.config_files import load_toml
     from recipes.upcycle.recipe import Config, PRESETS
     path = tmp_path / "up.toml"
     path.write_text('recipe = "upcycle"\nteacher = "smollm2"\nphases = ["blockwise", "global"]\n'

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from core.config import EXIT_GATE
-from core.data import prepare
+from core.data.text import prepare
 from models import dba, llama, surgery
 from models.loading import load_model
 from recipes import main

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from core.tree import max_abs_diff
 from models import dba, llama, surgery
 from optim.common import decay_mask

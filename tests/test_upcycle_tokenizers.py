@@ -8,7 +8,7 @@ import random
 import pytest
 
 from core.config import EXIT_INCOMPLETE
-from core.tokenizers import CharTokenizer
+from core.data.tokenizers import CharTokenizer
 from recipes import main
 from recipes.upcycle import passkey, quality
 

@@ -1,4 +1,4 @@
-"""Checkpoint throughput and memory: :mod:`core.checkpoint` against ``torch.save`` / ``torch.load``.
+"""Checkpoint throughput and memory: :mod:`core.io.checkpoint` against ``torch.save`` / ``torch.load``.
 
 Run ``bin/run recipe=bench.checkpoint [n_params=100000000] [repeats=3] [folder=PATH]``. Both formats write
 the same float32 state dict (a Llama-shaped model, one tensor per weight) to the same folder; after an
@@ -13,7 +13,7 @@ than wall time. Peak extra memory during a save is the resident set size (sample
 
 Both loaders do the same work per tensor (allocate, ``read`` into it), and that work is mostly the
 kernel faulting in and zeroing fresh pages; ours also computes each tensor's CRC-32 (``zlib.crc32``, on
-a worker thread overlapped with the writes and reads: ``core.checkpoint_checksums``), which a warm load
+a worker thread overlapped with the writes and reads: ``core.io.checkpoint_checksums``), which a warm load
 from the page cache cannot hide, so expect load ratios below 1 that move with the machine.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from core import checkpoint
+from core.io import checkpoint
 from core.config import UserError, option
 
 DESCRIPTION = "time durable msgpack checkpoints against torch.save/torch.load (MB/s ratios, peak memory)"

@@ -10,7 +10,7 @@ import torch
 
 from core.config import option, same_as
 from core.device import DEVICES, resolve_device
-from core.logging import progress
+from core.io.logging import progress
 from core.tree import size
 from models import llama
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.config import UserError, option
-from core.data import EvalBatches, prepare
+from core.data.text import EvalBatches, prepare
 from core.device import DEVICES, resolve_device
-from core.logging import progress
-from core.runs import run_folder
+from core.io.logging import progress
+from core.cli.runs import run_folder
 from models.loading import load_model
 from recipes.distill.teacher import load_teacher
 from recipes.upcycle import benchmark, report

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from core.config import UserError, option, same_as
-from core.docs import prepare_text
-from core.logging import progress
-from core.runs import run_folder
+from core.data.documents import prepare_text
+from core.io.logging import progress
+from core.cli.runs import run_folder
 from models.loading import load_model
 from models.sampling import generate
 from recipes.export import Config as ExportConfig, run as export

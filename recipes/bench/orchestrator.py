@@ -30,7 +30,7 @@ import torch
 from recipes import main as run_main
 from core import exits
 from core.config import ConfigError, UserError, option
-from core.docs import prepare_text
+from core.data.documents import prepare_text
 from core.step import make_eval_step
 from core.tree import tree_leaves
 from models import llama
@@ -68,7 +68,7 @@ def train(out: Path, data: str, steps: int, *extra: str, may_stop: bool = False)
 def final_val(out: Path, data: str, batch_size: int = 16, block_size: int = 64, batches: int = 10):
     """Validation loss of the newest state in ``out`` (default: the tiny preset's 10 validation batches),
     its step, and whether every parameter is finite."""
-    from core import checkpoint as ckpt
+    from core.io import checkpoint as ckpt
     path = ckpt.latest(out)
     model = load_model(str(path))
     corpus = prepare_text(data, model.tokenizer)

@@ -27,7 +27,7 @@ second step to the end of its last (what ``fit`` does once per call stays out, a
 rollback ring's starting copy, and the step after it, 2x slower at 100M); the median round is the time; "paired"
 is the median of each round's ratio to ``standard``'s time in it. Every round also times a ``peak_size``-square
 fp32 matmul (the measured peak, 2 n^3 FLOPs); the step's FLOP/s is tokens/s times PaLM's training FLOPs per
-token (``core.telemetry.flops_per_token``). Gradient health's cost is also read off ``standard``'s own steps:
+token (``core.io.telemetry.flops_per_token``). Gradient health's cost is also read off ``standard``'s own steps:
 its due steps against the other steps of their call. Ratios are the result: this machine is shared and noisy.
 
 What each default costs (``overhead=true``) is then measured step by step, as rounds cannot resolve a few
@@ -51,9 +51,9 @@ import torch
 import torch.nn.functional as F
 
 from core.config import ConfigError, option
-from core.logging import Logger, progress
+from core.io.logging import Logger, progress
 from core.spike import SpikeConfig
-from core.telemetry import flops_per_token
+from core.io.telemetry import flops_per_token
 from optim.health import computed
 from models import llama
 from models.llama_module import LlamaModule, load_params

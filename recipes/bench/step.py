@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 import optim
 from core.config import ConfigError, option
-from core.logging import memory_mb, progress, reset_peak_memory
+from core.io.logging import memory_mb, progress, reset_peak_memory
 from recipes.bench.common import StepBench, model_and_batch, warm_up
 from core.state import init_state
 from core.step import COMPILE_SCOPES, Compile, make_train_step

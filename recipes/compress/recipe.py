@@ -32,13 +32,14 @@ from pathlib import Path
 
 import click
 
-from core import checkpoint as ckpt, distributed
+from core.io import checkpoint as ckpt
+from core.parallel import distributed
 from core.config import ConfigError, UserError, option, same_as, to_dict
-from core.docs import prepare_text
+from core.data.documents import prepare_text
 from core.device import resolve_device
-from core.distributed import Dist
-from core.logging import Logger, progress
-from core.runs import claim
+from core.parallel.distributed import Dist
+from core.io.logging import Logger, progress
+from core.cli.runs import claim
 from core.spike import SpikeConfig
 from core.state import init_state
 from models import compressor
@@ -183,7 +184,7 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
                 dist: Dist = Dist()) -> dict:
     """Train (or resume, or skip when finished) one stage at width ``d``; returns its summary row. Under torchrun
     every rank trains on its rows of each batch (parallel=fsdp: the compressor's params and moments sharded,
-    ``core.shard``); rank 0 writes."""
+    ``core.parallel.shard``); rank 0 writes."""
     best_path, folder = sub / f"stage{data.name}_best.msgpack", sub / f"stage{data.name}"
     sig = signature(cfg, data, d, teacher)
     if best_path.exists():

@@ -1,12 +1,12 @@
 """Teacher hidden states for ``recipe=compress``: fixed windows of text, computed on the fly or cached.
 
 A *state set* is the hidden states of one teacher layer over ``n`` fixed windows of ``block_size`` tokens,
-``[n, T, D]``. The windows are evenly spaced over a split of the corpus (``core.data.eval_batches``: the
+``[n, T, D]``. The windows are evenly spaced over a split of the corpus (``core.data.text.eval_batches``: the
 same windows every time), so a set is a pure function of (teacher weights, layer, corpus, split, n, T):
 
 - ``cache=true``: computed once into a raw float32 memmap under ``$PURESTEP_CACHE/states/<name>-<key>/``
   (``states.bin`` + ``meta.json``; the key hashes those inputs, the teacher by a SHA-256 of its weights),
-  built atomically by ``core.cache.build_folder`` (as ``core.data``'s token cache is). Every
+  built atomically by ``core.io.cache.build_folder`` (as ``core.data.text``'s token cache is). Every
   width of a sweep and every later run with the same inputs reads it instead of running the teacher.
 - ``cache=false``: :class:`TeacherStates` runs the teacher (under ``torch.no_grad``) each time windows
   are asked for; nothing is written. Same numbers, teacher cost on every batch.
@@ -27,11 +27,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from core.cache import FolderBuilder, open_or_build
+from core.io.cache import FolderBuilder, open_or_build
 from core.config import UserError
-from core.data import cache_root, eval_batches
+from core.data.text import cache_root, eval_batches
 from core.tree import fingerprint, tree_map
-from core.logging import progress
+from core.io.logging import progress
 from models import llama
 from models.compressor import Moments
 from recipes.distill.teacher import load_teacher
@@ -137,7 +137,7 @@ class TeacherStates:
 
 class Batches:
     """Training batch number ``cursor``: ``batch_size`` windows drawn with ``default_rng([seed, cursor])``,
-    ``{"x": [B, T, D]}`` (the seekable, checkpointable cursor of ``core.data.Batches``). With several ranks the
+    ``{"x": [B, T, D]}`` (the seekable, checkpointable cursor of ``core.data.text.Batches``). With several ranks the
     draw is of ``batch_size x world_size`` windows and rank r takes its ``batch_size`` (one global batch)."""
 
     def __init__(self, states, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):

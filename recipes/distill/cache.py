@@ -12,12 +12,12 @@ vocab x 2 B = 256 TB):
   with replacement, stored as distinct ids + uint16 counts (``models.losses.sample_teacher``); unbiased,
   unlike top-k.
 
-Ids are uint16 when the vocabulary fits (as ``core.data`` stores tokens), else int32. Targets are
+Ids are uint16 when the vocabulary fits (as ``core.data.text`` stores tokens), else int32. Targets are
 captured at ``temperature``, which the distill run must use (a softened top-k cannot be re-softened
 exactly). Layout: ``meta.json`` (format, mode, k/samples, dtypes and shapes, batch/block/seed/grad_accum/
 steps, temperature, teacher identity with a hash of its weights, data identity) and one raw numpy memmap
 per array (``ids.bin``, ``logprobs.bin``, ``missing.bin`` or ``ids.bin``, ``counts.bin``) of shape
-``[steps, *batch_x_shape, width]``. It is written by ``core.cache.build_folder`` (a temporary folder next to
+``[steps, *batch_x_shape, width]``. It is written by ``core.io.cache.build_folder`` (a temporary folder next to
 ``out``, renamed into place), so an interrupted build never leaves a cache that a run would trust.
 """
 from __future__ import annotations
@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core import cache
+from core.io import cache
 from core.config import UserError, option, same_as
 from core.device import resolve_device
 from core.step import autocast
-from core.logging import progress
+from core.io.logging import progress
 from models import llama, losses
 from recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, teacher_data,
                                      teacher_dtype_option, teacher_identity, teacher_option)

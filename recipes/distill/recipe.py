@@ -52,13 +52,13 @@ from typing import Callable, Optional
 
 import torch
 
-from core import distributed
+from core.parallel import distributed
 from core.config import UserError, option, same_as, to_dict
 from core.device import resolve_device
-from core.distributed import Dist
+from core.parallel.distributed import Dist
 from core.step import Compile, make_eval_step
-from core.docs import DocCorpus
-from core.telemetry import flops_per_token
+from core.data.documents import DocCorpus
+from core.io.telemetry import flops_per_token
 from core.tree import cast, size, tree_map
 from models import llama, losses
 from models.loading import LoadedModel, load_model, model_entry
@@ -74,7 +74,7 @@ from recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps,
 from recipes.train.setup import RunSetup, run_folder
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
-GRID = True                 # seed=1,2 and grid.KEY=A,B run it per cell (core.grid)
+GRID = True                 # seed=1,2 and grid.KEY=A,B run it per cell (core.cli.grid)
 
 STUDENTS = ("config", "drop_layers", "shrink")
 TEMPERATURE_MODES = ("fixed", "scheduled", "learnable")
@@ -220,7 +220,7 @@ def make_loss(cfg: Config, student_cfg: llama.LlamaConfig, teacher_cfg: llama.Ll
         return cfg.temperature
 
     def loss_fn(params, batch, key, frozen=None, layers=None):
-        doc = batch.get("doc")   # packed JSONL documents (core.docs): attention and positions per document
+        doc = batch.get("doc")   # packed JSONL documents (core.data.documents): attention and positions per document
         logits = llama.apply(params, batch["x"], student_cfg, key=key if student_cfg.dropout > 0 else None,
                              remat=cfg.remat, doc=doc, layers=layers)
         t, y = temperature(params, batch["step"]), batch["y"]
@@ -278,7 +278,7 @@ class Prepared:
     val_batches: object
     frozen: Optional[dict]
     cache: object
-    teacher_layout: object = None   # teacher_shard=true: where the teacher's shards live (core.shard)
+    teacher_layout: object = None   # teacher_shard=true: where the teacher's shards live (core.parallel.shard)
 
     @property
     def state(self):

@@ -18,8 +18,8 @@ import os
 import torch
 
 from core.config import UserError, option
-from core.distributed import Dist
-from core.docs import prepare_text
+from core.parallel.distributed import Dist
+from core.data.documents import prepare_text
 from core.tree import cast, fingerprint
 from models import llama
 from models.loading import LoadedModel, load_model
@@ -106,7 +106,7 @@ def data_identity(corpus) -> dict:
 def teacher_data(teacher, tokenizer_spec: str, data: str, cfg=None):
     """``(corpus, tokenizer)``: ``data`` tokenized with the teacher's tokenizer, checked against its vocab; with
     a training ``cfg``, its JSONL keys apply (``recipes.train.data.open_data``), else JSONL is read as rendered
-    text (``core.docs.prepare_text``)."""
+    text (``core.data.documents.prepare_text``)."""
     tok = tokenizer_for(teacher, tokenizer_spec)
     corpus = open_data(cfg, tok) if cfg is not None else prepare_text(data, tok)
     tok = corpus.tokenizer
@@ -118,7 +118,7 @@ def teacher_data(teacher, tokenizer_spec: str, data: str, cfg=None):
 
 def shard_teacher(shard: bool, dist: Dist, teacher: LoadedModel):
     """``({"teacher": params}, layout)``: the frozen inputs of the train step, this rank's shards of the teacher
-    when ``shard`` (``teacher_shard=true``: ``core.shard``, no optimizer state), else the whole teacher and None."""
+    when ``shard`` (``teacher_shard=true``: ``core.parallel.shard``, no optimizer state), else the whole teacher and None."""
     if not shard:
         return {"teacher": teacher.params}, None
     if not dist.sharded:

@@ -49,7 +49,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from core.data import eval_batches
+from core.data.text import eval_batches
 from core.state import TrainState
 from core.tree import clone
 from recipes.orchestrator.bandit import PHASES, DiscountedUCB, Telemetry, normalized_rewards

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from core.host_memory import set_host_memory
-from core.logging import progress
+from core.io.logging import progress
 from core.step import COMPILE_SCOPES
 from core.tree import named_leaves
 
@@ -76,7 +76,7 @@ def efficient_attention(compile: bool, dtype: str) -> bool:
 
 
 def configure(cfg, device: torch.device) -> str:
-    """Apply ``tf32`` on CUDA and ``host_memory``, warn (``core.logging.progress``) about settings this device or
+    """Apply ``tf32`` on CUDA and ``host_memory``, warn (``core.io.logging.progress``) about settings this device or
     C library ignores, and return :func:`compile_mode`. Called once per run (``recipes.train.setup.start``)."""
     if not set_host_memory(host_memory(cfg, device)):
         progress(f"warning: host_memory={cfg.host_memory} is ignored: this process's C library is not glibc")

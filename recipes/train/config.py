@@ -14,7 +14,7 @@ from pathlib import Path
 from core.compile import COMPILE_MODES
 from core.config import ConfigError, option
 from core.device import DEVICES
-from core.distributed import PARALLEL
+from core.parallel.distributed import PARALLEL
 from core.host_memory import MODES as HOST_MEMORY
 from core.spike import SpikeConfig
 from core.step import PRECISIONS

@@ -1,12 +1,12 @@
 """The data keys every training recipe shares, applied once: which corpus ``data=`` names (raw text or JSONL,
-``core.docs.prepare_data``) and how many steps ``epochs=`` means."""
+``core.data.documents.prepare_data``) and how many steps ``epochs=`` means."""
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 
 from core.config import ConfigError
-from core.docs import DocCorpus, prepare_data
+from core.data.documents import DocCorpus, prepare_data
 
 MAX_STEPS = 2**63 - 1          # the train state's step and data cursor are int64 tensors
 

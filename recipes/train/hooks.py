@@ -82,7 +82,7 @@ class RunHook:
     def optimizer(self, psum: Optional[Callable], resumed: dict) -> Optional[GradientTransformation]:
         """The optimizer the run's state is built with, or None for the run's own (``recipes.train.optimizer``).
         ``psum``: sums over the ranks of a sharded state (parallel=fsdp), else None; ``resumed``: the top level of
-        the checkpoint the run resumes (``core.checkpoint.read_meta``; {} for a fresh run)."""
+        the checkpoint the run resumes (``core.io.checkpoint.read_meta``; {} for a fresh run)."""
         return None
 
     def dry_run_refusal(self) -> Optional[str]:
@@ -110,7 +110,7 @@ class StepContext:
     excluded: float = 0.0                   # seconds evaluating/saving since the last log (not throughput)
     data_seconds: float = 0.0               # seconds the steps since the last log waited for their batch
     checkpoint: Optional[Path] = None       # the newest checkpoint written
-    preemption: Any = None                  # core.telemetry.Preemption
+    preemption: Any = None                  # core.io.telemetry.Preemption
     session_start: float = field(default_factory=time.perf_counter)
     wall_before: float = 0.0                # wall seconds of the run's earlier sessions
 

@@ -19,14 +19,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from core.config import UserError, to_dict
-from core.distributed import Dist
+from core.parallel.distributed import Dist
 from core.exits import RunStopped
-from core.logging import Logger, memory_mb, reset_peak_memory
-from core.shard import Layout, full_bytes, state_bytes
+from core.io.logging import Logger, memory_mb, reset_peak_memory
+from core.parallel.shard import Layout, full_bytes, state_bytes
 from core.state import TrainState
-from core.telemetry import Preemption
+from core.io.telemetry import Preemption
 from core.step import Compile, Gradients, Parallel, make_eval_step, make_train_step, per_block
 from optim.health import GradientHealth
 from recipes.train import backend
@@ -97,8 +97,8 @@ class Steps:
     eval: Callable
     health: Optional[GradientHealth]
     batches: object      # the batch source the loop reads (with faults when configured)
-    layout: Optional[Layout] = None   # parallel=fsdp: the state's leaves are this rank's shards (core.shard)
-    per_block: bool = False           # and the steps gather them one block at a time (core.shard_blocks)
+    layout: Optional[Layout] = None   # parallel=fsdp: the state's leaves are this rank's shards (core.parallel.shard)
+    per_block: bool = False           # and the steps gather them one block at a time (core.parallel.shard_blocks)
 
 
 def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches, device: torch.device,
@@ -258,8 +258,8 @@ def _report_peaks(logger: Logger, step: int, device, dist: Dist, setup_peak: flo
 
 def _announce_parallel(logger: Logger, state: TrainState, steps: Steps, dist: Dist) -> Optional[float]:
     """The run log's first word on parallelism: the layout, and every rank's params + optimizer state bytes next
-    to what one process holds (``core.shard``). Returns this rank's peak memory so far (setup: data, model,
-    loading), and starts the peak afresh for the training (``core.logging.reset_peak_memory``); None in one
+    to what one process holds (``core.parallel.shard``). Returns this rank's peak memory so far (setup: data, model,
+    loading), and starts the peak afresh for the training (``core.io.logging.reset_peak_memory``); None in one
     process."""
     layout = steps.layout
     if not dist.enabled and layout is None:

@@ -14,9 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
-from core.board import board_tag, exact, training_charts
-from core.logging import Logger, memory_mb
-from core.telemetry import peak_flops
+from core.io.board import board_tag, exact, training_charts
+from core.io.logging import Logger, memory_mb
+from core.io.telemetry import peak_flops
 from optim.health import COLUMNS, GLOBAL, GradientHealth, computed
 from recipes.train.hooks import Hook, StepContext, Stop
 

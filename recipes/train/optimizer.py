@@ -73,7 +73,7 @@ def adagc_transform(spec: OptimizerSpec, psum=None) -> GradientTransformation:
 
 def clip_transform(spec: OptimizerSpec, psum=None) -> Optional[GradientTransformation]:
     """The gradient clipping ``spec.clipping`` names (global | adagc | agc | none), or None. ``psum``: the norms
-    are over sharded gradients (``core.shard.Layout.psum``); AGC's unit norms are not wired for that."""
+    are over sharded gradients (``core.parallel.shard.Layout.psum``); AGC's unit norms are not wired for that."""
     if spec.clipping == "global":
         return optim.clip_by_global_norm(spec.grad_clip, psum)
     if spec.clipping == "adagc":

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 import torch
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from core.config import UserError
 from core.device import synchronize
 from core.tree import size, tree_leaves

@@ -1,7 +1,7 @@
 """Batches prepared one step ahead in a background thread, so the step rarely waits on data.
 
-``get(cursor)`` is a pure function of the cursor for every batch source here (``core.data.Batches``,
-``core.docs.DocBatches``, the fault and distill wrappers), so computing ``cursor + 1`` early changes no value:
+``get(cursor)`` is a pure function of the cursor for every batch source here (``core.data.text.Batches``,
+``core.data.documents.DocBatches``, the fault and distill wrappers), so computing ``cursor + 1`` early changes no value:
 after a jump (a rollback, a resume) the prefetched batch is simply not used. Pinned memory and non-blocking
 copies on CUDA come from the batch sources themselves (``pin_memory``). The loop logs the time each step
 waited for its batch (``data_ms``).

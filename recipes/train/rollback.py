@@ -19,7 +19,7 @@ Where that state comes from:
   is always at least ``rollback_back`` steps old (once the session is). The single default copy (the session's starting state until
   the first renewal) is renewed every ``2 * rollback_back`` steps: it reaches back far enough for the onsets in
   the second half of each period, and is never more than ``2 * rollback_back`` steps behind them.
-- The disk, for the onsets the ring does not reach: the run's step checkpoints (``core.checkpoint``), loaded
+- The disk, for the onsets the ring does not reach: the run's step checkpoints (``core.io.checkpoint``), loaded
   with the current state as template. The newest copy or checkpoint at or before ``onset - rollback_back``
   wins (the copy on a tie); if none reaches that far, the oldest one before the onset. A checkpoint that a
   rollback abandoned (newer than the state the run continued from, and not rewritten since) is never used.
@@ -38,8 +38,8 @@ from typing import Optional
 import torch
 
 import optim
-from core import checkpoint as ckpt
-from core.logging import Logger
+from core.io import checkpoint as ckpt
+from core.io.logging import Logger
 from core.spike import SpikeConfig, clear as clear_monitor
 from core.state import TrainState
 from core.tree import tree_map

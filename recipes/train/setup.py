@@ -4,7 +4,7 @@ optimizer and train state it starts from, and the checkpoint manager and logger 
 ``recipes/standard.py``, ``recipes/distill/recipe.py`` and ``recipes/upcycle/phases.py`` (its global phase)
 call :func:`start` once their inputs are checked; :func:`start` reads, and writes nothing, so a run that
 fails later on bad input leaves no trace. :meth:`RunSetup.writing` claims the folder (an OS lock, see
-``core.runs.claim``) and opens the checkpoint manager and logger: the first writes into the run folder.
+``core.cli.runs.claim``) and opens the checkpoint manager and logger: the first writes into the run folder.
 """
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from core import checkpoint as ckpt, runs
+from core.io import checkpoint as ckpt
+from core.cli import runs
 from core.config import ConfigError, UserError, apply_overrides
-from core.distributed import Dist, all_reduce_sum
-from core.logging import Logger
-from core.shard import Layout, LayoutError
+from core.parallel.distributed import Dist, all_reduce_sum
+from core.io.logging import Logger
+from core.parallel.shard import Layout, LayoutError
 from core.state import TrainState, init_state
 from core.tree import cast
 from optim.health import stacked_predicate
@@ -60,11 +61,11 @@ class RunSetup:
     resumed: dict = field(default_factory=dict)   # the resumed checkpoint's top level ({} for a fresh run), with
                                                   # every loop hook's state under its key
     changed: str = ""                   # the keys changed since that checkpoint, applied from its step
-    layout: Optional[Layout] = None     # parallel=fsdp: where each leaf of the state lives (core.shard)
+    layout: Optional[Layout] = None     # parallel=fsdp: where each leaf of the state lives (core.parallel.shard)
 
     @contextmanager
     def writing(self, hparams: dict) -> Iterator[tuple[Optional[ckpt.CheckpointManager], Logger]]:
-        """The run folder claimed for this process (``core.runs.claim``: a second run on it stops, naming this
+        """The run folder claimed for this process (``core.cli.runs.claim``: a second run on it stops, naming this
         one), then its checkpoint manager and Logger: the first writes into the folder."""
         with runs.claim(self.folder) if self.dist.is_main else nullcontext():
             with self.logger(hparams) as logger:
@@ -99,7 +100,7 @@ def build_optimizer(cfg: TrainConfig, psum: Optional[Callable] = None, resumed: 
 
 
 def sum_over_ranks(dist: Dist) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """Under parallel=fsdp, ``x -> x`` summed over every rank (what the layout's ``core.shard.Layout.psum`` sums
+    """Under parallel=fsdp, ``x -> x`` summed over every rank (what the layout's ``core.parallel.shard.Layout.psum`` sums
     over: :func:`sharded_layout` lays the state over the WORLD group), which an optimizer's norms over sharded
     gradients need; else None."""
     if not dist.sharded:
@@ -109,7 +110,7 @@ def sum_over_ranks(dist: Dist) -> Optional[Callable[[torch.Tensor], torch.Tensor
 
 
 def sharded_layout(dist: Dist, params, init, dtype: str) -> Optional[Layout]:
-    """``core.shard.Layout`` of ``params`` over ``dist``'s ranks when ``dist.sharded`` (parallel=fsdp), else None:
+    """``core.parallel.shard.Layout`` of ``params`` over ``dist``'s ranks when ``dist.sharded`` (parallel=fsdp), else None:
     leaves stacked under ``layers.`` split on their first non-layer dim, others on dim 0; params gathered in bf16
     under dtype=bf16 (FSDP2's ``param_dtype``); ``init`` makes the optimizer state whose leaves follow them. A
     leaf it cannot split is a ConfigError naming it."""

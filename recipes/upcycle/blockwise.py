@@ -15,7 +15,7 @@ math (teacher block I/O, student blocks, per-block losses) is ``models/blockwise
   stopped or at ``blockwise.steps``.
 - **Teacher I/O** is recomputed per batch under ``no_grad``, or cached once on disk (``cache_teacher=true``):
   a bf16 memmap of ``cache_batches`` entries where entry i is the teacher's I/O on training batch number i (the
-  data cursor, not ``id(x)``), built atomically by ``core.cache.build_folder``, shared by every
+  data cursor, not ``id(x)``), built atomically by ``core.io.cache.build_folder``, shared by every
   run with the same teacher, data, seed and shapes, and cycled by ``cursor % cache_batches``.
 - The steps run through the shared training loop (``recipes.train.loop.fit``): the per-block log and the end of
   the phase are its hook :class:`BlockConvergence`; checkpoints (``blockwise/step_*.msgpack``, ``final.msgpack``)
@@ -34,12 +34,12 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-from core import cache
-from core import checkpoint as ckpt
+from core.io import cache
+from core.io import checkpoint as ckpt
 from core.compile import cpp_wrapper, maybe_compile
-from core.data import cache_root
-from core.distributed import Dist
-from core.logging import Logger, format_duration
+from core.data.text import cache_root
+from core.parallel.distributed import Dist
+from core.io.logging import Logger, format_duration
 from core.spike import SpikeConfig
 from core.step import autocast
 from core.state import TrainState
@@ -143,9 +143,9 @@ def make_step(scfg: dba.DBAConfig, optimizer, *, loss: str, mode: str, train: st
               device_type: str = "cpu", compile: bool = False, layout=None, average=None, health=None):
     """``step(state, batch) -> (state, metrics)``; ``batch`` = {"x": tokens, "inputs", "targets": [L, B, T, d]}
     (``match``: what the targets are, ``models.blockwise.TARGETS``). Each rank of a run under torchrun trains on
-    its rows of the batch: with ``layout`` (``core.shard``, parallel=fsdp) the state's student and optimizer
+    its rows of the batch: with ``layout`` (``core.parallel.shard``, parallel=fsdp) the state's student and optimizer
     state are this rank's shards, gathered for the step and the gradients reduce-scattered; with ``average``
-    (``core.distributed.Dist.all_reduce_mean``, parallel=ddp) the gradients are averaged. Either way the
+    (``core.parallel.distributed.Dist.all_reduce_mean``, parallel=ddp) the gradients are averaged. Either way the
     per-block losses are averaged over ranks, so every rank takes the same convergence decisions.
 
     The update is the shared one (``core.update.apply_gradients``, as every training step's): a step whose loss or
@@ -224,7 +224,7 @@ class BlockIOCache:
     """A bf16 memmap of the teacher's block inputs and targets for training batches 0..n-1.
 
     ``<root>/<key>/`` holds ``inputs.bin``, ``targets.bin`` ([n, L, B, T, d] bf16 stored as int16) and
-    ``meta.json``; the key hashes everything the contents depend on. Written by ``core.cache.build_folder``
+    ``meta.json``; the key hashes everything the contents depend on. Written by ``core.io.cache.build_folder``
     (a temporary folder renamed into place), so a killed build never leaves a cache that is later trusted.
     """
     VERSION = 1

@@ -11,7 +11,7 @@ bad input's 2), with ``warn`` it prints a warning. The verdicts go to ``gates.js
 """
 from __future__ import annotations
 
-from core.cache import write_json
+from core.io.cache import write_json
 from core.config import GateFailed
 from recipes.upcycle.phases import ppl
 

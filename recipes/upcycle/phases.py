@@ -18,11 +18,11 @@ from typing import Callable
 
 import torch
 
-from core import checkpoint as ckpt
-from core.cache import write_json
+from core.io import checkpoint as ckpt
+from core.io.cache import write_json
 from core.config import UserError, to_dict
-from core.data import Corpus, EvalBatches
-from core.distributed import Dist
+from core.data.text import Corpus, EvalBatches
+from core.parallel.distributed import Dist
 from core.step import make_eval_step
 from models import blockwise, dba, llama, losses, surgery
 from models.loading import LoadedModel, model_entry

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from core import jsonl
+from core.data import jsonl
 from core.config import UserError
 from models import llama
 from recipes.upcycle.spelling import spell
@@ -52,7 +52,7 @@ def load_cases(spec: str) -> list[dict]:
     if not path.is_file():
         raise UserError(f"benchmark.behaviour={spec}: no such file (builtin, none, or a JSONL file of cases)")
     cases = []
-    for i, line in jsonl.lines(str(path)):                       # the project's JSONL reader (core.jsonl)
+    for i, line in jsonl.lines(str(path)):                       # the project's JSONL reader (core.data.jsonl)
         case = jsonl.parse(line, f"{path}:{i}")
         ok = isinstance(case, dict) and case.get("type") in TYPES and isinstance(case.get("prompt"), str) and (
             case["type"] == "exact_match_greedy" and isinstance(case.get("target"), str) or

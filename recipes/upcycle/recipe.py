@@ -23,14 +23,14 @@ import time
 from contextlib import nullcontext
 
 
-from core import checkpoint as ckpt
+from core.io import checkpoint as ckpt
 from core.config import GateFailed, UserError
-from core.data import EvalBatches
-from core.docs import prepare_text
-from core import distributed
+from core.data.text import EvalBatches
+from core.data.documents import prepare_text
+from core.parallel import distributed
 from core.device import resolve_device
-from core.logging import Logger, format_duration, progress
-from core.runs import claim, run_folder
+from core.io.logging import Logger, format_duration, progress
+from core.cli.runs import claim, run_folder
 from core.tree import cast, fingerprint, size
 from models import dba, llama
 from recipes.distill.teacher import load_teacher
@@ -289,7 +289,7 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
 
 
 def blockwise_layout(ctx: Context, student: dict, optimizer):
-    """Under parallel=fsdp, the blockwise phase's layout (``core.shard``): the whole student sharded as the global
+    """Under parallel=fsdp, the blockwise phase's layout (``core.parallel.shard``): the whole student sharded as the global
     phase shards it, the optimizer state of the trainable part following it; None otherwise."""
     train = ctx.cfg.blockwise.train
     return sharded_layout(ctx.dist, student, lambda p: optimizer.init(bw_loop.split(p, train)[0]), ctx.cfg.dtype)

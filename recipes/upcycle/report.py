@@ -19,8 +19,8 @@ import csv
 import importlib.util
 import traceback
 
-from core.cache import write_json
-from core.logging import Logger, progress
+from core.io.cache import write_json
+from core.io.logging import Logger, progress
 from recipes.upcycle.phases import ppl
 from recipes.upcycle.sweep import COLUMNS
 

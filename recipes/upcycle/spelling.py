@@ -1,7 +1,7 @@
 """What a tokenizer can write: the benchmark's prompts (passkey, behaviour cases) are built from text the teacher's
 tokenizer encodes and decodes back unchanged, so they run on a byte, a BPE or a char tokenizer of any corpus.
 
-A char tokenizer (nanoGPT's, ``core.tokenizers.CharTokenizer``) knows only the characters of its training text:
+A char tokenizer (nanoGPT's, ``core.data.tokenizers.CharTokenizer``) knows only the characters of its training text:
 tiny shakespeare has no digit. ``spell`` says whether a text survives the round trip and why not; ``adapt`` turns
 a fixed English text into what the tokenizer can write (a character it lacks written in its other case, a line
 break as a space, else left out), for the passkey's texts, whose wording is not what the passkey measures.
@@ -15,7 +15,7 @@ def spell(tokenizer, text: str) -> tuple[list[int] | None, str]:
     """``(ids, "")`` when ``tokenizer`` encodes ``text`` and decodes the ids back to it; ``(None, why)`` else."""
     try:
         ids = tokenizer.encode(text)
-    except UserError as e:                  # core.tokenizers.DataError: a character outside a char vocabulary
+    except UserError as e:                  # core.data.tokenizers.DataError: a character outside a char vocabulary
         return None, str(e)
     back = tokenizer.decode(ids)
     if back != text:

@@ -31,8 +31,8 @@ import torch
 from core.config import GateFailed, UserError, option
 from core.exits import GATE
 from core.device import resolve_device
-from core.logging import progress
-from core.runs import run_folder
+from core.io.logging import progress
+from core.cli.runs import run_folder
 from recipes.bench.gpu import commands, jobs
 from recipes.bench.gpu.checks import run_checks
 from recipes.bench.gpu.report import Report, Skip, machine

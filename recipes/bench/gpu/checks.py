@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import optim
-from core import checkpoint
+from core.io import checkpoint
 from core.state import init_state
 from core.step import make_train_step
 from core.tree import leaves_of, tree_map

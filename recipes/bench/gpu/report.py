@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from core.cache import write_file
-from core.logging import progress
+from core.io.cache import write_file
+from core.io.logging import progress
 
 
 def machine(device: torch.device) -> dict:

@@ -12,7 +12,7 @@ the same batch, in one process, and the card's bf16 matmul peak measured in the 
 
 Each variant is built alone (the other freed), runs ``warmup`` untimed steps (the first compiles), then ``steps``
 timed steps; peak memory is ``max_memory_allocated`` over the timed steps (state, gradients, activations: what the
-variant needs to keep training). Tokens/s times PaLM's FLOPs per token (``core.telemetry.flops_per_token``) over
+variant needs to keep training). Tokens/s times PaLM's FLOPs per token (``core.io.telemetry.flops_per_token``) over
 the measured matmul peak is the MFU.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import optim
 from core.compile import enable_caches
 from core.state import init_state
 from core.step import Compile, make_train_step
-from core.telemetry import GPU_PEAK_FLOPS, flops_per_token
+from core.io.telemetry import GPU_PEAK_FLOPS, flops_per_token
 from core.tree import size
 from models import llama
 from models.llama_module import LlamaModule, load_params

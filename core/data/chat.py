@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import time
 
-from core.tokenizers import DataError
+from core.data.tokenizers import DataError
 
 PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

@@ -29,7 +29,7 @@ The cache lives in ``$PURESTEP_CACHE/tokens/<name>-<key>/`` (default ``~/.cache/
 ``train.bin``, ``val.bin`` (uint16 when every id fits, else uint32) and ``meta.json``. The key hashes
 the file list with sizes and mtimes, the tokenizer identity (its ``to_dict``; for ``char`` the word
 itself, since the vocabulary is a function of those files) and the cache format version. A cache is
-built by ``core.cache.build_folder`` (a temporary folder renamed into place), so an interrupted run never
+built by ``core.io.cache.build_folder`` (a temporary folder renamed into place), so an interrupted run never
 leaves a cache that is later trusted; a cache whose file sizes disagree with its ``meta.json``, whose
 ``meta.json`` is unreadable, or whose token ids do not fit its tokenizer is rebuilt.
 """
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core import cache
-from core.logging import progress
-from core.tokenizers import CharTokenizer, DataError, decode_utf8, make_tokenizer, tokenizer_from_dict
+from core.io import cache
+from core.io.logging import progress
+from core.data.tokenizers import CharTokenizer, DataError, decode_utf8, make_tokenizer, tokenizer_from_dict
 
 __all__ = ["DataError", "Source", "find_source", "Corpus", "prepare", "Batches", "EvalBatches",
            "eval_batches", "cache_root"]
@@ -206,7 +206,7 @@ def _read(path: str) -> bytes:
 
 
 def _build(source: Source, tok, folder, fraction: float = VAL_FRACTION) -> dict:
-    """Tokenize ``source`` into ``folder``/{train,val}.bin; return the meta dict (``core.cache`` writes it).
+    """Tokenize ``source`` into ``folder``/{train,val}.bin; return the meta dict (``core.io.cache`` writes it).
 
     ``tok`` None means a char tokenizer, built here over the whole corpus (nanoGPT) plus "\n" for the
     separator when there are several files.
@@ -392,7 +392,7 @@ class Batches:
         self.grad_accum, self.rank, self.world_size = grad_accum, rank, world_size
         self.device, self.pin_memory = _placement(device, pin_memory)
         self._span = np.arange(block_size + 1)
-        self.fim = fim   # core.fim.FIM or None: fill-in-the-middle on a fraction of the windows
+        self.fim = fim   # core.data.fim.FIM or None: fill-in-the-middle on a fraction of the windows
 
     def offsets(self, cursor: int) -> np.ndarray:
         """Window starts of the global batch: ``[grad_accum, world_size * batch_size]``."""

@@ -1,7 +1,7 @@
 """Checkpoints on disk: atomic save and checked load of one file, and a folder of them.
 
-The bytes are ``core.checkpoint_format`` (Flax-compatible msgpack, streamed both ways). A file appears
-atomically (Orbax ``AtomicRenameTemporaryPath``, reduced to one file, via ``core.cache.write_file``):
+The bytes are ``core.io.checkpoint_format`` (Flax-compatible msgpack, streamed both ways). A file appears
+atomically (Orbax ``AtomicRenameTemporaryPath``, reduced to one file, via ``core.io.cache.write_file``):
 ``mkstemp(dir=folder, prefix=".tmp-")``, write, flush, fsync, ``os.replace``, fsync the folder; the temp
 file is unlinked on any error, and a SIGKILL leaves at most a stale ``.tmp-*`` that discovery ignores and
 :class:`CheckpointManager` cleans up; a save that fails on the way (disk full, I/O error) raises
@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from core.cache import fsync_path, publish_file, write_file
-from core.checkpoint_checksums import Checksums
-from core.checkpoint_format import (_NAMES, CHECKSUMS, CHUNKED, DTYPES, FORMAT, MAX_CHUNK_SIZE, CheckpointError,
+from core.io.cache import fsync_path, publish_file, write_file
+from core.io.checkpoint_checksums import Checksums
+from core.io.checkpoint_format import (_NAMES, CHECKSUMS, CHUNKED, DTYPES, FORMAT, MAX_CHUNK_SIZE, CheckpointError,
                                     Writer, read)
 from core.exits import RunStopped
-from core.logging import progress
+from core.io.logging import progress
 
 __all__ = ["CHUNKED", "DTYPES", "FORMAT", "MAX_CHUNK_SIZE", "CheckpointError", "CheckpointSaveError",
            "from_state_dict", "to_state_dict", "Deferred", "make_deferred", "fsync_path", "save", "load",
@@ -53,7 +53,7 @@ def _is_namedtuple(x) -> bool:
 
 class Deferred:
     """A leaf whose tensor is made when the writer reaches it (``fn()``): a sharded leaf gathered from its ranks
-    (``core.shard``), so a save holds one whole leaf at a time. Every rank must make the same leaves in the same
+    (``core.parallel.shard``), so a save holds one whole leaf at a time. Every rank must make the same leaves in the same
     order: the writer on one, :func:`make_deferred` on the others."""
 
     def __init__(self, fn):

@@ -5,7 +5,7 @@ metrics) and hands them to one ``Logger``, which fans out to:
 
 - TensorBoard through ``torch.utils.tensorboard.SummaryWriter`` (``tensorboard --logdir runs``):
   scalars, text (generated samples, events, the resolved config), histograms, the HParams plugin and a
-  custom-scalars layout (``layout``); scalar and histogram tags are renamed by ``core.board.board_tag`` so
+  custom-scalars layout (``layout``); scalar and histogram tags are renamed by ``core.io.board.board_tag`` so
   that loss, learning rate and throughput sort first (``train/loss`` -> ``1_train/loss``);
 - ``metrics.jsonl`` in the same folder: one JSON object per ``scalars`` or ``event`` call, under the keys
   as logged (``train/loss``, ``lr``, ``health/...``);
@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import click
 import torch
 
-from core.board import board_tag, layout_of
+from core.io.board import board_tag, layout_of
 from core.config import flatten_keys
 
 __all__ = ["Logger", "progress", "to_floats", "memory_mb", "format_duration"]
@@ -212,7 +212,7 @@ class Logger:
 
     def layout(self, categories: Mapping[str, Mapping[str, Any]]) -> None:
         """The custom-scalars layout (TensorBoard's CUSTOM SCALARS tab): ``{category: {chart: [tag regex,
-        ...]}}``, each chart a multi-line chart with one line per matching tag (``core.board.layout_of``)."""
+        ...]}}``, each chart a multi-line chart with one line per matching tag (``core.io.board.layout_of``)."""
         if self._tb is not None:
             self._tb.add_custom_scalars(layout_of(categories))
 

@@ -4,7 +4,7 @@ nanoGPT's ``python train.py config/x.py --key=value``, made strict (see ``core.c
 config dataclass is built from its defaults < preset < config file < the file's ``target=NAME`` table <
 ``key=value`` arguments (a ``[[stages]]`` table's keys sit above the file and its target, below the command
 line), and an unknown key or a badly typed value stops the run before anything starts. A config file's
-``[vars]`` and ``[targets.NAME]`` are ``core.config_files``'. ``dry_run=true`` prints the recipe's plan
+``[vars]`` and ``[targets.NAME]`` are ``core.cli.config_files``'. ``dry_run=true`` prints the recipe's plan
 (``module.dry_run(cfg) -> str``, optional; refused by name for a recipe without one) instead of running.
 
 The caller passes the registry of recipe names (``recipes.RECIPES``: name -> module path; ``core`` names no
@@ -17,11 +17,11 @@ A recipe module (imported only when chosen) exposes:
 - ``DESCRIPTION``: one line for ``bin/run --help``;
 - ``run(cfg)``: the loop;
 - ``GRID``: optional, True when the recipe trains into ``out=`` and leaves ``final.msgpack`` there, so
-  ``seed=1,2`` and ``grid.KEY=A,B`` may repeat it per cell (``core.grid``).
+  ``seed=1,2`` and ``grid.KEY=A,B`` may repeat it per cell (``core.cli.grid``).
 
 Exit codes (their table is ``core.exits.CODES``, which docs/configuration.md shows): 0 done; 2 a user error
-(``core.config.UserError`` and its subclasses, among them ``core.tokenizers.DataError`` and
-``core.checkpoint.CheckpointError``, ``FileNotFoundError``, and the OS errors of a path that cannot be written,
+(``core.config.UserError`` and its subclasses, among them ``core.data.tokenizers.DataError`` and
+``core.io.checkpoint.CheckpointError``, ``FileNotFoundError``, and the OS errors of a path that cannot be written,
 ``PATH_ERRORS``: no permission, no space, a read-only disk, a file in the way), reported as one ``error:`` line on
 stderr (naming the path and what to do); 3 a quality gate failed (``core.exits.GateFailed``: the run finished and
 wrote its report, but its results miss a threshold the user set, e.g. upcycle's ``verify.max_ppl_ratio``), one
@@ -49,13 +49,13 @@ from typing import Mapping, Sequence
 import click
 
 from core import exits
-from core.checkpoint import FINAL
+from core.io.checkpoint import FINAL
 from core.config import ConfigError, UserError, flatten_keys, resolve
 from core.exits import GateFailed, Incomplete, RunStopped
-from core.config_files import load_toml
-from core.config_help import format_help
-from core.grid import check_recipe, run_grid, split_grid
-from core.runs import check_name, run_folder
+from core.cli.config_files import load_toml
+from core.cli.config_help import format_help
+from core.cli.grid import check_recipe, run_grid, split_grid
+from core.cli.runs import check_name, run_folder
 
 PROG = "bin/run"
 RESERVED = ("recipe", "config", "preset", "target", "dry_run")   # arguments of bin/run itself, not recipe keys
@@ -238,7 +238,7 @@ def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
         raise ConfigError(f"bad value for 'recipe': {name!r} is not a str")
     module = load_recipe(name, recipes)
     preset = pairs.pop("preset", None)
-    pairs, axes, parallel = split_grid(pairs)       # seed=1,2 and grid.KEY=A,B: core.grid
+    pairs, axes, parallel = split_grid(pairs)       # seed=1,2 and grid.KEY=A,B: core.cli.grid
     if axes:
         check_recipe(name, module, axes, stages)
     cfg = resolve(module.Config, presets=getattr(module, "PRESETS", None), preset=preset, toml=toml,
@@ -262,7 +262,7 @@ def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
 
 
 def _config_file(pairs: dict) -> dict:
-    """The ``config=`` file's keys (``[vars]`` substituted, the ``target=`` chosen: ``core.config_files``),
+    """The ``config=`` file's keys (``[vars]`` substituted, the ``target=`` chosen: ``core.cli.config_files``),
     both arguments taken out of ``pairs``; ``{}`` without a file."""
     target = pairs.pop("target", None)
     if "config" not in pairs:

@@ -4,13 +4,13 @@
 its matches (then only those are read; :func:`find_jsonl`). Every non-blank line is one JSON object, a document:
 
 - a chat ``{"messages": [{"role", "content"}, ...]}``, rendered by the tokenizer's chat template
-  (``core.chat``), its assistant tokens flagged;
+  (``core.data.chat``), its assistant tokens flagged;
 - a text ``{"text": ...}`` (``text_field=`` picks another field).
 
 Each document is followed by the tokenizer's end-of-text token (EOS; ``"\\n"`` for a tokenizer without one),
 flagged like the document's last token (so an answer's end is trained on under ``loss_on=assistant``).
 
-A shard is built by ``core.cache.build_folder`` (the one cache writer) into
+A shard is built by ``core.io.cache.build_folder`` (the one cache writer) into
 ``$PURESTEP_CACHE/docs/<name>-<key>/``: ``tokens.bin`` (uint16/uint32), ``roles.bin`` (uint8, 1 = an
 assistant token), ``starts.bin`` (int64 document offsets, one more than documents) and ``hashes.bin``
 (float64 per document: sha256 of ``<file name>:<line>`` mapped to [0, 1), which decides the validation split
@@ -31,10 +31,10 @@ from array import array
 
 import numpy as np
 
-from core import cache
-from core.chat import ChatTemplate, check_messages, segments, template_of
-from core.logging import progress
-from core.tokenizers import DataError
+from core.io import cache
+from core.data.chat import ChatTemplate, check_messages, segments, template_of
+from core.io.logging import progress
+from core.data.tokenizers import DataError
 
 VERSION = 1
 SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -46,7 +46,7 @@ def is_jsonl(path: str) -> bool:
 
 
 def find_jsonl(data: str) -> list | None:
-    """The sorted JSONL files ``data`` names, or None when it names none (raw text: ``core.data``)."""
+    """The sorted JSONL files ``data`` names, or None when it names none (raw text: ``core.data.text``)."""
     if not data or data == "stdlib":
         return None
     path = os.path.abspath(os.path.expanduser(data))
@@ -84,7 +84,7 @@ def parse(line: bytes, where: str) -> dict:
 
 def encode_record(record: dict, where: str, tok, template: str | ChatTemplate, text_field: str = "text"):
     """``(ids, roles)`` int64 / uint8 arrays of one document (separator included, see the module docstring);
-    ``template`` renders its chat (a ``core.chat.ChatTemplate`` compiles once for every record)."""
+    ``template`` renders its chat (a ``core.data.chat.ChatTemplate`` compiles once for every record)."""
     if "messages" in record:
         pieces = segments(template, check_messages(record["messages"], where), tok, where)
     elif isinstance(record.get(text_field), str):

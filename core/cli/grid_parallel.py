@@ -1,4 +1,4 @@
-"""``grid.parallel=N``: a grid's cells run N at once, each as its own ``bin/run`` process (``core.grid``).
+"""``grid.parallel=N``: a grid's cells run N at once, each as its own ``bin/run`` process (``core.cli.grid``).
 
 A cell's command is this command's arguments without the grid (``grid.*``, the seed list) and without
 ``out=``/``name=``, followed by the cell's values and ``out=<cell folder>``; it runs from the same working
@@ -25,10 +25,10 @@ from typing import Sequence
 
 from core.config import UserError
 from core.exits import STOPPED
-from core.logging import progress
+from core.io.logging import progress
 
 LOG = "grid.log"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DROP = ("out", "name")
 
 

@@ -3,7 +3,7 @@
 ``split_grid`` takes the grid's axes out of the command line's ``key=value`` pairs before the config is
 resolved; ``run_grid`` then runs the cross product of the axes, one cell after another, each in its own run
 folder under the run root (``out=``, else ``runs/<recipe>-<name>``), and writes the summary
-(``core.grid_summary``: ``grid.csv``, ``grid.md``, ``grid.png``) in the root.
+(``core.cli.grid_summary``: ``grid.csv``, ``grid.md``, ``grid.png``) in the root.
 
 The rule for a value's alternatives: an axis value is split on ``|`` when it contains one, else on ``,``. So
 ``grid.lr=1e-3,3e-3`` has two alternatives, and a list, tuple or dict key keeps the commas inside each of its
@@ -16,7 +16,7 @@ comma and no second alternative ends in ``|`` (``grid.betas=0.9,0.95|``). ``seed
 A cell's folder is named by its values in the order the axes were given (``seed=1,lr=0.001``): each value
 as the config holds it (``show_value``), with characters outside ``[A-Za-z0-9._+-]`` turned into ``_`` (and
 one longer than 40 characters cut to its last 24 and a hash). ``grid.parallel=N`` runs N cells at once
-(``core.grid_parallel``); it is never an axis.
+(``core.cli.grid_parallel``); it is never an axis.
 
 A cell whose folder holds a final checkpoint is finished and skipped; any other resumes (``resume=auto``) or
 starts. A cell that stops without finishing (diverged, too many rollbacks: ``core.exits.RunStopped``) is marked
@@ -38,14 +38,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping, Sequence
 
-from core.checkpoint import FINAL, stopped_run
+from core.io.checkpoint import FINAL, stopped_run
 from core.config import ConfigError, resolve, show_value
 from core.exits import RunStopped
-from core.logging import progress
-from core.runs import make_folder, run_folder
+from core.io.logging import progress
+from core.cli.runs import make_folder, run_folder
 
 PREFIX = "grid."
-PARALLEL = "grid.parallel"                      # cells at once (core.grid_parallel); never an axis
+PARALLEL = "grid.parallel"                      # cells at once (core.cli.grid_parallel); never an axis
 RESERVED = ("out", "name", "resume")           # each cell has its own folder and resumes on its own
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
 
@@ -171,8 +171,8 @@ def run_grid(name: str, module: ModuleType, preset, toml: dict, pairs: dict, axe
     """Run every cell of the grid (finished ones skipped): one after another in this process, or with
     ``parallel`` > 1 that many at once as ``bin/run`` subprocesses given ``argv`` (this command's arguments)
     for the cell; then write the summary in the run root."""
-    from core.grid_parallel import run_parallel
-    from core.grid_summary import write_summary
+    from core.cli.grid_parallel import run_parallel
+    from core.cli.grid_summary import write_summary
     root = run_folder(getattr(base, "out", ""), getattr(base, "name", ""), name)
     cells = plan(name, module, preset, toml, pairs, axes, root)
     make_folder(root)

@@ -1,11 +1,11 @@
-"""Document data (JSONL shards, ``core.jsonl``) -> deterministic, seekable batches with loss masks and packing.
+"""Document data (JSONL shards, ``core.data.jsonl``) -> deterministic, seekable batches with loss masks and packing.
 
 Follows torchtune's SFT datasets (``torchtune/datasets/_packed.py``, ``_sft.py``: target masking with the
 ignore index, packed rows with a per-document mask and restarting positions) and Levanter's resumable data
 pipeline (the order is a function of the step, not of a stateful shuffle buffer).
 
 - ``loss_on=all``: every next-token target inside a document is trained on; ``loss_on=assistant``: only
-  targets that are assistant tokens (``core.chat.segments``). A target outside its document, a masked target
+  targets that are assistant tokens (``core.data.chat.segments``). A target outside its document, a masked target
   and padding get -1, the ignore index of ``models.losses.cross_entropy``, so every recipe's loss sees it.
   Under ``assistant`` a document with no assistant token (a chat without an assistant turn, a text record)
   is skipped and counted (``meta["skipped"]``; the recipes log it); if every document is skipped the run
@@ -21,7 +21,7 @@ pipeline (the order is a function of the step, not of a stateful shuffle buffer)
   ``cursor * G .. (cursor + 1) * G - 1`` (``G = grad_accum * world_size * batch_size``): a pure function of
   ``(seed, epoch, cursor)``, so the checkpointed cursor is all a resume needs. Rank ``r`` builds only its
   own rows ``r*batch_size:(r+1)*batch_size`` of each micro-batch.
-- Validation: a document is validation when its line hash (``core.jsonl``) is below ``val_fraction``
+- Validation: a document is validation when its line hash (``core.data.jsonl``) is below ``val_fraction``
   (at least one document each side), or every document of ``val_data=``.
 """
 from __future__ import annotations
@@ -34,9 +34,9 @@ import os
 import numpy as np
 import torch
 
-from core import data as text_data
-from core.jsonl import find_jsonl, shard
-from core.tokenizers import DataError, make_tokenizer
+from core.data import text as text_data
+from core.data.jsonl import find_jsonl, shard
+from core.data.tokenizers import DataError, make_tokenizer
 
 LOSS_ON = ("all", "assistant")
 
@@ -111,7 +111,7 @@ def _tensors(out: dict, device, pin: bool) -> dict:
 
 
 class DocBatches:
-    """``get(cursor)``: the batch at ``cursor`` (see the module docstring); the interface of ``core.data.Batches``."""
+    """``get(cursor)``: the batch at ``cursor`` (see the module docstring); the interface of ``core.data.text.Batches``."""
 
     def __init__(self, rows: _Rows, batch_size: int, seed: int, grad_accum: int = 1, rank: int = 0,
                  world_size: int = 1, device=None, pin_memory=None, source: str = "data"):
@@ -200,7 +200,7 @@ class Stream:
 
 
 class DocCorpus:
-    """JSONL documents of both splits; ``batches``/``eval_batches`` as ``core.data.Corpus`` has them.
+    """JSONL documents of both splits; ``batches``/``eval_batches`` as ``core.data.text.Corpus`` has them.
 
     ``train``/``val`` are :class:`Stream` views of the splits' documents concatenated in file order (for
     recipes that read the rendered text as a token stream, such as upcycle and compress). ``path`` names
@@ -282,7 +282,7 @@ def prepare_docs(files: list, tok, *, text_field="text", loss_on="all", pack=Tru
 
 def prepare_data(data: str, tokenizer_spec="byte", *, text_field="text", loss_on="all", pack=True,
                  val_fraction=0.1, val_data="", cache_dir=None):
-    """``data=`` of any kind: JSONL (a ``DocCorpus``) or raw text (``core.data.prepare``, unchanged)."""
+    """``data=`` of any kind: JSONL (a ``DocCorpus``) or raw text (``core.data.text.prepare``, unchanged)."""
     files = find_jsonl(data)
     if files is None:
         for key, value, default in (("loss_on", loss_on, "all"), ("val_data", val_data, "")):
@@ -304,13 +304,13 @@ def prepare_data(data: str, tokenizer_spec="byte", *, text_field="text", loss_on
 
 
 def prepare_text(data: str, tokenizer_spec="byte", cache_dir=None) -> text_data.Corpus:
-    """``data=`` as one token stream per split (``core.data.Corpus``) for recipes that read text as windows of
-    a stream (upcycle, compress, distill's teacher cache, benchmarks): raw text as ``core.data.prepare`` has it;
+    """``data=`` as one token stream per split (``core.data.text.Corpus``) for recipes that read text as windows of
+    a stream (upcycle, compress, distill's teacher cache, benchmarks): raw text as ``core.data.text.prepare`` has it;
     JSONL documents rendered (chats by their template), each followed by its separator, concatenated in file
     order; every token is a target (``loss_on``/``pack`` are for ``standard`` and ``distill``)."""
     files = find_jsonl(data)
     if files is None:
         return text_data.prepare(data, tokenizer_spec, cache_dir)
     docs = prepare_data(data, tokenizer_spec, cache_dir=cache_dir)
-    meta = {**docs.meta, "rendered": "JSONL documents rendered and concatenated (core.docs.prepare_text)"}
+    meta = {**docs.meta, "rendered": "JSONL documents rendered and concatenated (core.data.documents.prepare_text)"}
     return text_data.Corpus(docs.train[:], docs.val[:], docs.tokenizer, meta, docs.path)

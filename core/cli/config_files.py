@@ -13,7 +13,7 @@ Two tables are the file's own, not config keys:
   when ``target=NAME`` is chosen (on the command line, or as the file's own default ``target = "NAME"``;
   the command line's wins). An unknown target is a ConfigError listing the file's targets.
 
-So a file resolves as: its top-level keys < the chosen target's keys (``core.cli`` then puts the preset
+So a file resolves as: its top-level keys < the chosen target's keys (``core.cli.command`` then puts the preset
 below both and the command line above them).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Three tokenizers share one small protocol: ``name``, ``vocab_size``, ``eos_id``/``bos_id`` (None where
 there is none), ``encode(text) -> list[int]``, ``encode_bytes(data, source=...) -> np.ndarray``,
-``decode(ids) -> str`` (shared: FIM sentinel ids appended past the vocabulary by ``core.fim`` render
+``decode(ids) -> str`` (shared: FIM sentinel ids appended past the vocabulary by ``core.data.fim`` render
 as ``SENTINELS`` for every tokenizer) and ``to_dict()`` (str/int only, JSON- and msgpack-safe) with
 ``tokenizer_from_dict(d)`` rebuilding the same tokenizer, so a checkpoint carries its own tokenizer.
 
@@ -13,7 +13,7 @@ as ``SENTINELS`` for every tokenizer) and ``to_dict()`` (str/int only, JSON- and
   (``Tokenizer.from_str``; ``pip install purestep[hf]``). ``to_dict`` keeps the whole JSON string.
 
 ``make_tokenizer(spec, text)`` picks one from a config string: ``byte``, ``char`` or a path.
-``DataError`` lives here (the lowest data layer) and is re-exported by ``core.data``: ``str(exc)`` is a
+``DataError`` lives here (the lowest data layer) and is re-exported by ``core.data.text``: ``str(exc)`` is a
 one-line, self-contained message naming the offending path or character, printed as is by the CLI.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ def decode_utf8(data: bytes, source: str) -> str:
             f"this tokenizer needs UTF-8 text, use tokenizer=byte for arbitrary bytes") from None
 
 
-SENTINELS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")  # FIM sentinel names (core.fim)
+SENTINELS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")  # FIM sentinel names (core.data.fim)
 
 
 class _Tokenizer:
@@ -55,7 +55,7 @@ class _Tokenizer:
 
     def decode(self, ids) -> str:
         """Decode runs of in-vocabulary ids with ``_decode_run``; the three ids just past the vocabulary
-        are the FIM sentinels ``core.fim`` appends to a vocabulary without its own and render by name
+        are the FIM sentinels ``core.data.fim`` appends to a vocabulary without its own and render by name
         (``SENTINELS``); anything else renders as U+FFFD."""
         parts, run = [], []
         for i in (int(i) for i in ids):

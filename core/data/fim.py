@@ -11,7 +11,7 @@ sides.
 Sentinels: a tokenizer that has ``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>`` (StarCoder-style
 vocabularies) uses them; any other tokenizer (byte, char, a BPE without them) gets three ids appended
 after its vocabulary (the model's vocab grows by three and every tokenizer's decode renders them by name,
-``core.tokenizers.SENTINELS``).
+``core.data.tokenizers.SENTINELS``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.tokenizers import SENTINELS
+from core.data.tokenizers import SENTINELS
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ rank computes them from the same global statistics.
 
 **The step** (``core.step.make_train_step(parallel=Parallel(shard=...))``). Eager, and with
 ``Compile(scope="block")`` (the model's loop in Python, one compiled block), the step gathers the stacked leaves
-**one block at a time** (``core.shard_blocks``):
+**one block at a time** (``core.parallel.shard_blocks``):
 layer ``i``'s slice of every stacked leaf is all-gathered (one all-gather per dtype) when the model's
 loop reaches layer ``i`` and is not kept for backward (saved-tensor hooks put a token in its place; backward
 gathers it again, as does the recomputation of a checkpointed block under ``remat``), and its gradient is
@@ -47,7 +47,7 @@ gradient paths, the optimizer's foreach math, buffer donation and checkpoints on
 padding explicit.
 
 **Checkpoints** hold full leaves, as a one-process run writes them: :meth:`Layout.deferred` turns each
-sharded leaf into a ``core.checkpoint.Deferred`` that gathers it when the writer reaches it (peak extra
+sharded leaf into a ``core.io.checkpoint.Deferred`` that gathers it when the writer reaches it (peak extra
 memory: the largest leaf), and :meth:`Layout.shard` cuts a loaded full state, so a run resumes on any number
 of ranks.
 """
@@ -59,8 +59,8 @@ from typing import Callable, Optional
 
 import torch
 
-from core.checkpoint import Deferred
-from core.distributed import all_gather, all_reduce_sum, mean_over_ranks, reduce_scatter_sum, split_mean, wait
+from core.io.checkpoint import Deferred
+from core.parallel.distributed import all_gather, all_reduce_sum, mean_over_ranks, reduce_scatter_sum, split_mean, wait
 from core.tree import leaves_of, like, tree_map, tree_map_with_name, zip_leaves
 
 
@@ -163,7 +163,7 @@ class Layout:
 
     def describe(self, per_block: bool = False) -> str:
         """One line: which leaves are sharded on which dim, and how the step gathers them (``per_block``: the
-        stacked leaves one layer at a time, ``core.shard_blocks``)."""
+        stacked leaves one layer at a time, ``core.parallel.shard_blocks``)."""
         by_dim: dict = {}
         for spec in leaves_of(self.params):
             by_dim[spec.dim] = by_dim.get(spec.dim, 0) + 1
@@ -248,12 +248,12 @@ class Layout:
     @property
     def stacks(self) -> bool:
         """Whether a param leaf is stacked along a layer axis (sharded on dim 1): a step run block by block gathers
-        those a layer at a time, through the model's ``layers`` (``core.shard_blocks``, ``core.layers``)."""
+        those a layer at a time, through the model's ``layers`` (``core.parallel.shard_blocks``, ``core.layers``)."""
         return any(spec.dim == 1 for spec in leaves_of(self.params))
 
     def blocks(self, shards, train: bool = True):
-        """A step's per-block gathering of ``shards`` (``core.shard_blocks.Blocks``)."""
-        from core.shard_blocks import Blocks
+        """A step's per-block gathering of ``shards`` (``core.parallel.shard_blocks.Blocks``)."""
+        from core.parallel.shard_blocks import Blocks
         return Blocks(self, shards, train)
 
     # ------------------------------------------------------------------------- checkpoints
@@ -264,7 +264,7 @@ class Layout:
         return self._join(wait(every).view(self.world, -1), spec).clone()
 
     def deferred(self, state):
-        """``state`` with every sharded leaf a ``core.checkpoint.Deferred`` that gathers it when written."""
+        """``state`` with every sharded leaf a ``core.io.checkpoint.Deferred`` that gathers it when written."""
         return self._map_sharded(state, lambda x, spec: Deferred(lambda: self.gather_leaf(x, spec)))
 
     def gather_state(self, state):

@@ -1,4 +1,4 @@
-"""The summary of a grid (``core.grid``), read from each cell's own ``metrics.jsonl``.
+"""The summary of a grid (``core.cli.grid``), read from each cell's own ``metrics.jsonl``.
 
 Per cell: its status (``failed``: it stopped without finishing, a ``stopped.msgpack`` exists; ``finished``: a
 final checkpoint exists; ``unfinished``), the last logged step, the final
@@ -26,7 +26,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from core.checkpoint import FINAL, STOPPED
+from core.io.checkpoint import FINAL, STOPPED
 
 METRICS = ("final_val_loss", "best_val_loss", "tokens_per_sec", "wall_seconds")
 

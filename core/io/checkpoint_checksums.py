@@ -1,7 +1,7 @@
 """Per-tensor CRC-32s of a checkpoint (``zlib.crc32``, the checksum of zlib/gzip, RFC 1952), computed
 on one worker thread so that the CRC of one piece overlaps the write or read of the next: ``zlib.crc32``
 releases the GIL for buffers above 5 KiB, as file ``write`` and ``readinto`` do. Where the CRCs sit in
-the file is ``core.checkpoint_format``'s business (the reserved top-level key ``"checksums"``).
+the file is ``core.io.checkpoint_format``'s business (the reserved top-level key ``"checksums"``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Data parallel on ``torch.distributed`` for the pure step (launch with ``torchrun``).
 
-Each rank reads its own rows of the same global batch (``core.data.Batches(rank=, world_size=)``), and
+Each rank reads its own rows of the same global batch (``core.data.text.Batches(rank=, world_size=)``), and
 the step averages gradients, the loss and its aux metrics across ranks *inside* the step with one
 bucketed all-reduce: every leaf is flattened into one float32 buffer, reduced with a functional
 collective (``torch.distributed._functional_collectives.all_reduce``, which dynamo traces, so the
@@ -10,7 +10,7 @@ from local signals (preemption, the cost budget) are agreed with :meth:`Dist.agr
 checkpoints and logs. NCCL on GPUs, gloo on CPU.
 
 Sharded parallel (``parallel=fsdp``: params, gradients and optimizer state split across ranks) is
-``core.shard``; this file joins the process group for both and says which one a run uses (:class:`Dist`).
+``core.parallel.shard``; this file joins the process group for both and says which one a run uses (:class:`Dist`).
 ``parallel``: ``auto`` is data parallel under ``torchrun`` and one process without it; ``ddp`` and ``fsdp``
 need a launcher (``torchrun`` sets ``WORLD_SIZE``), ``none`` refuses one with several ranks. The process group
 is joined with a short ``timeout`` (``PG_TIMEOUT``): when a peer dies, the survivors' next collective fails
@@ -45,7 +45,7 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    sharded: bool = False     # parallel=fsdp: the state is split across ranks (core.shard)
+    sharded: bool = False     # parallel=fsdp: the state is split across ranks (core.parallel.shard)
     patient: Any = field(default=None, compare=False, repr=False)   # the gloo group barriers wait on, with
     #                                                                 PATIENCE (None: the default group)
 

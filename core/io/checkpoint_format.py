@@ -14,7 +14,7 @@ written back by Flax, even key-sorted, opens here.
 
 ``"checksums"``, written last, is a reserved top-level key: the nesting of the tensors it covers
 (``{"state": {"params": {"embed": crc, ..}}, ..}``, a chunked array holding one) with ``zlib.crc32`` of
-each tensor's C-order bytes (all its chunks) as the leaf (``core.checkpoint_checksums``). :func:`read`
+each tensor's C-order bytes (all its chunks) as the leaf (``core.io.checkpoint_checksums``). :func:`read`
 checks every tensor it reads against it and strips it; a mismatch is corrupt, like a truncation; a file
 without it (older, or Flax's) loads unchecked.
 
@@ -23,7 +23,7 @@ to the file (no bytes object of the whole file, no second copy of a CPU tensor; 
 to the host one at a time). :func:`read` parses the msgpack framing itself and ``readinto``s every
 tensor's bytes straight into its own freshly allocated tensor: one copy from the page cache. A file whose
 framing does not end exactly at its last byte is truncated or corrupt and raises
-:class:`CheckpointError`. Where the file goes and how it appears atomically is ``core.checkpoint``'s.
+:class:`CheckpointError`. Where the file goes and how it appears atomically is ``core.io.checkpoint``'s.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import msgpack
 import torch
 
-from core.checkpoint_checksums import Checksums, check_checksums
+from core.io.checkpoint_checksums import Checksums, check_checksums
 from core.config import UserError
 
 FORMAT = "purestep-checkpoint-1"
@@ -110,7 +110,7 @@ class Writer:
         self.value(self.checksums.tree(), (CHECKSUMS,))
 
     def value(self, x, path: tuple) -> None:
-        if isinstance(x, torch.Tensor) or callable(x):   # callable: core.checkpoint.Deferred, made when written
+        if isinstance(x, torch.Tensor) or callable(x):   # callable: core.io.checkpoint.Deferred, made when written
             self.tensor(x() if callable(x) else x, path)
         elif isinstance(x, dict):
             self.f.write(self.pack.pack_map_header(len(x)))

@@ -1,0 +1,8 @@
+"""core.parallel: several processes training one model.
+
+``distributed`` (the process group from torchrun's environment, ``Dist``, and the functional collectives
+under whichever names the installed torch has), ``shard`` and ``shard_blocks`` (the state sharded along its
+first axis, FSDP/ZeRO-3 style: gather for the forward, reduce-scatter for the gradients; sharded
+checkpoints). The step composes these as pieces (``core.step.Parallel``). Imports the kernel and
+``core.io`` (checkpoints), nothing else of core.
+"""
