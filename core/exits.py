@@ -1,8 +1,8 @@
 """The exit codes of ``bin/run``, in one table, and the two outcomes that are neither success nor bad input.
 
-``core.cli.command.main`` maps every way a command ends to one of ``CODES``; the exit-code table of docs/configuration.md is
-generated from it (``tests/test_exits.py`` compares them). Bad input is ``core.config.UserError`` (exit 2). The two
-classes here are for runs that did their work but must not count as done:
+``core.cli.command.main`` maps every way a command ends to one of ``CODES``; the exit-code table of
+docs/configuration.md is generated from it (``tests/test_exits.py`` compares them). Bad input is
+``core.config.UserError`` (exit 2). The two classes here are for runs that did their work but must not count as done:
 
 - :class:`GateFailed`: a finished run whose results miss a quality gate the user set (upcycle's
   ``verify.max_ppl_ratio`` ...); the report is written first. One ``gate failed:`` line, exit 3.

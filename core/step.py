@@ -157,8 +157,8 @@ def _autograd_gradients(objective: Callable, grad_accum: int, by_row: bool = Tru
 
 def _block_gradients(objective: Callable, grad_accum: int, shard) -> Callable:
     """The autograd path over this rank's shards, the stacked layers gathered one block at a time
-    (``core.parallel.shard_blocks``): this rank's gradient shards (reduce-scattered once per optimizer step), the loss and
-    aux averaged over ranks."""
+    (``core.parallel.shard_blocks``): this rank's gradient shards (reduce-scattered once per optimizer step), the loss
+    and aux averaged over ranks."""
     def gradients(shards, batch, key, frozen, scale):
         blocks = shard.blocks(shards)
         micros = _micro_batches(batch, grad_accum)
@@ -273,11 +273,11 @@ class Compile:
 @dataclass(frozen=True)
 class Parallel:
     """Data parallelism the step composes: ``reduce(list of tensors) -> list`` averages the gradients, loss and aux
-    across ranks before the update (``core.parallel.distributed.Dist.all_reduce_mean``); ``shard`` (a ``core.parallel.shard.Layout``)
-    says the state's params and optimizer state are this rank's shards: the step gathers the params (one block at a
-    time where :func:`per_block` says so, else whole), reduce-scatters the summed gradients once per step and
-    updates the shards (``reduce`` is then unused); the optimizer and the extra metrics must take the layout's
-    ``psum`` for their norms."""
+    across ranks before the update (``core.parallel.distributed.Dist.all_reduce_mean``); ``shard`` (a
+    ``core.parallel.shard.Layout``) says the state's params and optimizer state are this rank's shards: the step
+    gathers the params (one block at a time where :func:`per_block` says so, else whole), reduce-scatters the summed
+    gradients once per step and updates the shards (``reduce`` is then unused); the optimizer and the extra metrics
+    must take the layout's ``psum`` for their norms."""
     reduce: Optional[Callable] = None
     shard: Any = None
 

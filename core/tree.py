@@ -149,7 +149,8 @@ def squared_norms(tree: Tree) -> list[torch.Tensor]:
 
 def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """L2 norm over every element of every leaf, in at least float32 (no host sync). ``psum`` sums the squared
-    norm over the ranks that hold the other shards of a sharded tree (``core.parallel.shard.Layout.psum``) before the root.
+    norm over the ranks that hold the other shards of a sharded tree (``core.parallel.shard.Layout.psum``) before the
+    root.
 
     Leaves of one dtype take one ``torch._foreach_norm`` (one multi-tensor kernel, as
     ``torch.nn.utils.clip_grad_norm_(foreach=True)``); the per-leaf norms are squared, summed and
@@ -259,9 +260,9 @@ def unstack(tree: Tree, source: Callable | None = None) -> list[Tree]:
 
     ``source(leaves, spec)`` (a step's, handed to the model through ``core.layers.Layers``) may hand out the layers
     of a tree it owns lazily instead, and returns None for any other tree: under ``parallel=fsdp`` layer i is
-    gathered from the ranks' shards when the iteration reaches it (``core.parallel.shard_blocks``); on the autograd path each
-    layer's gradients are written into their rows as its backward ends (``core.row_grads``). Iterate the result
-    once, in order, done with a layer's tree when taking the next.
+    gathered from the ranks' shards when the iteration reaches it (``core.parallel.shard_blocks``); on the autograd
+    path each layer's gradients are written into their rows as its backward ends (``core.row_grads``). Iterate the
+    result once, in order, done with a layer's tree when taking the next.
     """
     leaves, spec = tree_flatten(tree)
     if not leaves:

@@ -63,8 +63,8 @@ def apply_gradients(state: TrainState, grads, optimizer, *, loss: torch.Tensor, 
                     due: Optional[bool] = None) -> tuple[TrainState, dict]:
     """The state after one optimizer step on ``grads`` (summed over micro-batches and averaged over ranks already),
     and the step's metrics: ``loss``, ``grad_norm``, ``skipped``, ``param_norm``, ``aux``, what the optimizer and
-    ``monitors`` report. ``psum`` makes norms of sharded params and gradients whole-model (``core.parallel.shard``); ``due``
-    (decided on the host, or None: in the graph or always) says whether the extra metrics run this step."""
+    ``monitors`` report. ``psum`` makes norms of sharded params and gradients whole-model (``core.parallel.shard``);
+    ``due`` (decided on the host, or None: in the graph or always) says whether the extra metrics run this step."""
     grads = unscale(grads, state.loss_scale)   # before clipping or statistics read them
     grad_norm = global_norm(grads, psum)
     finite = torch.isfinite(loss) & torch.isfinite(grad_norm)

@@ -314,8 +314,8 @@ def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional
     block's activations in the backward pass (activation checkpointing; dropout masks come from the
     counter-based key, so the recomputation is identical). ``remat`` needs ``torch.autograd``, not
     ``torch.func`` (``make_train_step(..., gradients=Gradients(remat=True))``). ``doc`` [B, T]: the document id of
-    every token of packed rows (``core.data.documents``): attention stays inside a document and RoPE positions restart at
-    each one.
+    every token of packed rows (``core.data.documents``): attention stays inside a document and RoPE positions restart
+    at each one.
     ``layers`` (``core.layers.Layers``, from the step that runs this): how the stacked blocks run.
     """
     if doc is None:
@@ -360,7 +360,8 @@ def apply_with(params: dict, tokens: torch.Tensor, cfg, layer_tables: Iterable, 
 def loss(params: dict, batch: dict, cfg: LlamaConfig, key: Optional[torch.Tensor] = None,
          remat: bool = False, layers: Optional[Layers] = None) -> torch.Tensor:
     """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored), with
-    ``batch["doc"]`` [B, T] the packed documents' ids when present (``core.data.documents``); ``layers`` as in :func:`apply`."""
+    ``batch["doc"]`` [B, T] the packed documents' ids when present (``core.data.documents``); ``layers`` as in
+    :func:`apply`."""
     return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat, doc=batch.get("doc"),
                                       layers=layers), batch["y"])
 

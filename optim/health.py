@@ -103,9 +103,9 @@ class GradientHealth:
     adds ``metrics["health"]``, a float32 ``[len(health.layout), 5]`` tensor; the loop pulls it to the host
     every log interval and calls :meth:`report`, :meth:`to_scalars` and :meth:`histograms` on it.
     ``clip_norm`` (the global clipping threshold, if any) adds ``health/clip/*`` to the scalars. ``psum`` sums
-    partial statistics over the ranks holding the other shards of sharded params and gradients (``core.parallel.shard``).
-    ``every`` (the loop's ``log_every``) computes them only on the steps :meth:`due` names; the object itself is
-    the ``extra_metrics`` callable then, so the step can ask :meth:`due` (``make_train_step``).
+    partial statistics over the ranks holding the other shards of sharded params and gradients
+    (``core.parallel.shard``). ``every`` (the loop's ``log_every``) computes them only on the steps :meth:`due` names;
+    the object itself is the ``extra_metrics`` callable then, so the step can ask :meth:`due` (``make_train_step``).
     """
 
     def __init__(self, params: Tree, *, stacked: Stacked = None, clip_norm: float | None = None, psum=None,

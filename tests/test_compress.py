@@ -2,6 +2,7 @@
 stages 1a -> 1b, early stopping, sweep tables, the state cache, bad input, SmolLM2 states."""
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -245,6 +246,22 @@ def test_stage_1b_starts_from_stage_1a_best(teacher, texts, tmp_path):
     assert top["init"].startswith(str(out / "stage1a_best.msgpack")) and "(step 1)" in top["init"]
     assert top["signature"]["data"] != ckpt.read_meta(out / "stage1a_best.msgpack")["signature"]["data"]
     assert sorted(p.name for p in out.glob("*.msgpack")) == ["stage1a_best.msgpack", "stage1b_best.msgpack"]
+
+
+def test_a_stage_resumes_through_the_shared_run_setup(teacher, texts, tmp_path, capsys):
+    """A stage's checkpoint in its folder is resumed (``recipes.train.setup.start``: the loop goes on from its step);
+    one written at another width is refused with one line before anything is loaded."""
+    done = tmp_path / "done"
+    assert compress(teacher, done, f"data={texts['1a']}", "d_compressed=8", "steps=6", "eval_every=3") == 0
+    for out in (tmp_path / "resumed", tmp_path / "wider"):
+        (out / "stage1a").mkdir(parents=True)
+        shutil.copy(done / "stage1a_best.msgpack", out / "stage1a" / "step_000000006.msgpack")
+    capsys.readouterr()
+    assert compress(teacher, tmp_path / "resumed", f"data={texts['1a']}", "d_compressed=8", "steps=9",
+                    "eval_every=3") == 0
+    assert "at step 6" in capsys.readouterr().out and int(read_rows(tmp_path / "resumed")[0]["steps"]) == 9
+    assert compress(teacher, tmp_path / "wider", f"data={texts['1a']}", "d_compressed=16", "steps=9") == 2
+    assert "holds a run with other settings" in capsys.readouterr().err
 
 
 def test_stages_1a_1b_in_one_run_with_fixed_centering(teacher, texts, tmp_path):

@@ -94,7 +94,8 @@ def test_sharded_bf16_equals_one_process_to_bf16_rounding(corpus, tmp_path, one_
 def _loaded_state(args: list, path: Path, world: int) -> dict:
     """The train state a ``recipe=standard`` run of ``args`` resumes from the checkpoint ``path`` on ``world`` ranks,
     each rank's load run in this process (``recipes.train.setup.start``: the file read, then this rank's cut), the
-    ranks' shards joined as ``core.parallel.shard.Layout.gather_state`` joins them. Zero params give only the structure."""
+    ranks' shards joined as ``core.parallel.shard.Layout.gather_state`` joins them. Zero params give only the
+    structure."""
     from core.cli.command import parse_args
     from core.config import resolve
     from core.parallel.distributed import Dist
@@ -373,7 +374,8 @@ def test_the_sharded_step_traces_into_one_graph(one_rank_group):
 @pytest.mark.slow
 def test_the_sharded_step_compiles_and_matches_eager(one_rank_group, one_thread):
     """Inductor compiles the sharded step whole (its collectives inside the graph) to the eager numbers; and
-    with ``compile_scope=block`` the compiled block runs on layers gathered one at a time (``core.parallel.shard_blocks``)."""
+    with ``compile_scope=block`` the compiled block runs on layers gathered one at a time
+    (``core.parallel.shard_blocks``)."""
     plain, plain_metrics = _sharded_run(None, compile=False, clipping="global", health=True, donate=False)
     for scope in ("step", "block"):
         sharded, metrics = _sharded_run(one_rank_group, compile=True, clipping="global", health=True, donate=False,

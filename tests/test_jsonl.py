@@ -1,4 +1,5 @@
-"""JSONL data (core.data.jsonl, core.data.documents, core.data.chat): chat SFT masks, packing, memory, bad input (issue 18)."""
+"""JSONL data (core.data.jsonl, core.data.documents, core.data.chat): chat SFT masks, packing, memory, bad input (issue
+18)."""
 import json
 import os
 import subprocess

@@ -31,7 +31,8 @@ KERNEL_FUNCTION_LINES = 60   # core/, models/, optim/: what research code reads 
 MAX_FILE_LINES = 450
 # "path" or "path:function" -> why it may be longer than the limit. Keep it short; empty is best.
 SIZE_EXCEPTIONS: dict[str, str] = {}
-PRINT_ALLOWED = {"core/io/logging.py": "the progress function itself", "core/cli/command.py": "help text and the error: line",
+PRINT_ALLOWED = {"core/io/logging.py": "the progress function itself",
+                 "core/cli/command.py": "help text and the error: line",
                  "recipes/generate.py": "the generated text is the recipe's output",
                  "recipes/compress/recipe.py": "the summary table is the recipe's output",
                  "recipes/bench/": "benchmark tables are the recipes' output"}

@@ -166,8 +166,8 @@ def test_compile_count_reads_dynamos_counter():
 
 
 def test_functional_collectives_on_one_rank(tmp_path):
-    """``core.parallel.distributed``'s four functional collectives (the steps' only collectives) on a 1-rank gloo group in
-    a child process (a process group in this process would outlive the test), eager and compiled. Two ranks
+    """``core.parallel.distributed``'s four functional collectives (the steps' only collectives) on a 1-rank gloo group
+    in a child process (a process group in this process would outlive the test), eager and compiled. Two ranks
     and their numbers: ``tests/test_fsdp.py``, ``tests/test_scale.py``."""
     script = textwrap.dedent(f"""
         import torch, torch.distributed as dist
@@ -191,8 +191,8 @@ def test_functional_collectives_on_one_rank(tmp_path):
 
 
 def test_functional_collectives_have_one_home():
-    """Only ``core/parallel/distributed.py`` imports the functional collectives (the names it reaches on the installed torch
-    are what ``test_functional_collectives_on_one_rank`` runs)."""
+    """Only ``core/parallel/distributed.py`` imports the functional collectives (the names it reaches on the installed
+    torch are what ``test_functional_collectives_on_one_rank`` runs)."""
     importers = [str(p.relative_to(REPO)) for p in _files()
                  if any(isinstance(n, (ast.Import, ast.ImportFrom)) and "_functional_collectives" in ast.dump(n)
                         for n in ast.walk(ast.parse(p.read_text())))]

@@ -111,7 +111,8 @@ def _tensors(out: dict, device, pin: bool) -> dict:
 
 
 class DocBatches:
-    """``get(cursor)``: the batch at ``cursor`` (see the module docstring); the interface of ``core.data.text.Batches``."""
+    """``get(cursor)``: the batch at ``cursor`` (see the module docstring); the interface of
+    ``core.data.text.Batches``."""
 
     def __init__(self, rows: _Rows, batch_size: int, seed: int, grad_accum: int = 1, rank: int = 0,
                  world_size: int = 1, device=None, pin_memory=None, source: str = "data"):

@@ -53,8 +53,8 @@ def _is_namedtuple(x) -> bool:
 
 class Deferred:
     """A leaf whose tensor is made when the writer reaches it (``fn()``): a sharded leaf gathered from its ranks
-    (``core.parallel.shard``), so a save holds one whole leaf at a time. Every rank must make the same leaves in the same
-    order: the writer on one, :func:`make_deferred` on the others."""
+    (``core.parallel.shard``), so a save holds one whole leaf at a time. Every rank must make the same leaves in the
+    same order: the writer on one, :func:`make_deferred` on the others."""
 
     def __init__(self, fn):
         self.fn = fn

@@ -1,12 +1,12 @@
-"""Per-block gathering for the sharded step (``parallel=fsdp``, ``core.parallel.shard``): each layer of the stacked leaves is
-all-gathered just before its block runs and is not kept for backward, so a rank holds about one full layer at a
-time rather than the whole model: FSDP2's per-block ``unshard`` with ``reshard_after_forward=True`` (PyTorch FSDP,
+"""Per-block gathering for the sharded step (``parallel=fsdp``, ``core.parallel.shard``): each layer of the stacked
+leaves is all-gathered just before its block runs and is not kept for backward, so a rank holds about one full layer at
+a time rather than the whole model: FSDP2's per-block ``unshard`` with ``reshard_after_forward=True`` (PyTorch FSDP,
 Zhao et al. 2023, arXiv 2304.11277; torchtitan applies ``fully_shard`` to every ``TransformerBlock``), written for a
 model that is a plain function of a params pytree.
 
 - **Stand-ins.** The model gets the leaves that are not stacked gathered whole, once per step (embedding, final
-  norm, head: :meth:`core.parallel.shard.Layout.gather_leaves`), and for every leaf stacked along the layer axis a stand-in
-  on the meta device (its full shape and dtype, no data: arithmetic on it raises). The step hands the model
+  norm, head: :meth:`core.parallel.shard.Layout.gather_leaves`), and for every leaf stacked along the layer axis a
+  stand-in on the meta device (its full shape and dtype, no data: arithmetic on it raises). The step hands the model
   :meth:`Blocks.unstack` (``core.layers.Layers``), which for a tree of stand-ins returns :class:`_Layers`:
   iterating it gathers layer ``i`` (one all-gather per dtype of layer ``i``'s slice of every stacked leaf, in
   ``gather_dtype``) when the loop reaches it.
@@ -171,8 +171,8 @@ class Blocks:
         if all(j is None for j in idx):
             return None
         if any(j is None for j in idx):
-            raise ValueError("core.parallel.shard_blocks: a tree mixing the stacked params of a sharded step (parallel=fsdp, "
-                             "gathered per block) with other tensors")
+            raise ValueError("core.parallel.shard_blocks: a tree mixing the stacked params of a sharded step "
+                             "(parallel=fsdp, gathered per block) with other tensors")
         return _Layers(self, idx, spec)
 
     def model_leaves(self, layer: _Layer) -> list:

@@ -38,7 +38,7 @@ from core.config import ConfigError, UserError, option, same_as, to_dict
 from core.data.documents import prepare_text
 from core.device import resolve_device
 from core.parallel.distributed import Dist
-from core.io.logging import Logger, progress
+from core.io.logging import progress
 from core.cli.runs import claim
 from core.spike import SpikeConfig
 from core.state import init_state
@@ -46,9 +46,9 @@ from models import compressor
 from recipes.compress import states
 from recipes.distill.teacher import teacher_dtype_option
 from recipes.train.config import TrainConfig, train_config
-from recipes.train.loop import LoopIO, LoopState, Measures, Validation, build_steps, fit
-from recipes.train.optimizer import make_optimizer, optimizer_spec
-from recipes.train.setup import run_folder, sharded_layout
+from recipes.train.loop import LoopIO, Measures, Validation, build_steps, fit
+from recipes.train import setup
+from recipes.train.setup import run_folder
 
 DESCRIPTION = "compress a teacher's hidden states with a weight-tied linear map, against PCA (stages 1a/1b, sweeps)"
 
@@ -195,19 +195,11 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
     ccfg = compressor.CompressorConfig(teacher.d_model, d, cfg.center, cfg.weight_init)
     start, init_from = _start(cfg, data, ccfg, sub, sig, device)
     params, frozen = compressor.split(start, ccfg)
-    # the loop's settings: this recipe's keys, the rest fixed
+    # the loop's settings: this recipe's keys, the rest fixed; the run wiring every training recipe shares
     tcfg = train_config(cfg, clipping="none", health=False, save_every=0, keep_last=1, spike=SpikeConfig(enabled=False))
-    layout = sharded_layout(dist, params, make_optimizer(optimizer_spec(tcfg)).init, "fp32")
-    optimizer = make_optimizer(optimizer_spec(tcfg), psum=layout.psum if layout else None)
-    template, loop = init_state(params, optimizer, cfg.seed), LoopState()
-    state = layout.shard(template) if layout else template
-    if (stopped := ckpt.stopped_run(folder)) is not None:   # it diverged before: say so, do not resume it
-        raise stopped
-    latest = ckpt.latest(folder)
-    if latest is not None:
-        top = ckpt.load(latest, template=template, device=device)
-        _check_signature(latest, top, sig)
-        state, loop = layout.shard(top["state"]) if layout else top["state"], LoopState.from_dict(top.get("loop"))
+    run = setup.start(tcfg, folder, params, device=device, dist=dist,
+                      check=lambda path, top: _check_signature(path, top, sig))
+    template = init_state(params, run.optimizer, cfg.seed)   # what the best checkpoint (full leaves) loads into
 
     def loss_fn(params, batch, frozen):
         return compressor.loss({**params, **frozen}, batch["x"], data.scale)
@@ -216,27 +208,26 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
         return compressor.evaluate({**params, **frozen}, states.chunks(data.val), data.scale)
 
     batches = states.Batches(data.train, cfg.batch_size, cfg.seed, rank=dist.rank, world_size=dist.world_size)
-    steps = build_steps(tcfg, loss_fn, optimizer, params, batches, device, vocab_size=0, dist=dist, layout=layout)
-    checkpoints = ckpt.CheckpointManager(folder, keep_last=1, save_every=0) if dist.is_main else None
+    steps = build_steps(tcfg, loss_fn, run.optimizer, params, batches, device, vocab_size=0, dist=dist,
+                        layout=run.layout)
     extra = {"config": to_dict(cfg), "recipe": "compress", "stage": data.name, "compressor": dataclasses.asdict(ccfg),
              "frozen": frozen, "signature": sig, "teacher": teacher.identity(), "init": init_from}
     pca = compressor.evaluate(data.pca.params(d, device=device), states.chunks(data.val), data.scale)
     before = held_out(params)
-    with Logger(folder, enabled=dist.is_main) as logger:
-        logger.hparams(to_dict(cfg), {"val/loss": None})
+    with run.writing(to_dict(cfg)) as (checkpoints, logger):
         logger.print(f"compress stage {data.name}: D'={d} of D={teacher.d_model} ({ccfg.ratio:.2f}x), "
                      f"{compressor.count_params(ccfg):,} params, center {cfg.center}; teacher {teacher.source} "
                      f"layer {teacher.layer}; {data.train.n * cfg.block_size:,} train / "
                      f"{data.val.n * cfg.block_size:,} held-out states of {data.source}; start: {init_from} "
                      f"(cosine {before['cosine']:.4f}); PCA: cosine {pca['cosine']:.4f}, keeps "
                      f"{data.pca.explained(d):.1%} of the training variance; run folder {folder}")
-        if latest is not None:
-            logger.print(f"resuming from {latest} at step {int(state.step)}")
+        if run.resume is not None:
+            logger.print(f"resuming from {run.resume} at step {int(run.state.step)}")
         io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra,
-                    validation=Validation(lambda p: held_out(layout.gather(p) if layout else p)["unexplained"],
+                    validation=Validation(lambda p: held_out(run.layout.gather(p) if run.layout else p)["unexplained"],
                                           perplexity=False),
                     measures=Measures(tokens_per_step=cfg.batch_size * cfg.block_size * dist.world_size))
-        result = fit(tcfg, state, steps, io, loop=loop, frozen=frozen, dist=dist)
+        result = fit(tcfg, run.state, steps, io, loop=run.loop, frozen=frozen, dist=dist)
         best = ckpt.load(folder / ckpt.BEST, template=template, device=device)   # every rank: the file rank 0 kept
         dist.barrier()   # read by all before rank 0 replaces it (_keep_only)
         ours = held_out(best["state"].params)

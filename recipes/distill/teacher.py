@@ -118,7 +118,8 @@ def teacher_data(teacher, tokenizer_spec: str, data: str, cfg=None):
 
 def shard_teacher(shard: bool, dist: Dist, teacher: LoadedModel):
     """``({"teacher": params}, layout)``: the frozen inputs of the train step, this rank's shards of the teacher
-    when ``shard`` (``teacher_shard=true``: ``core.parallel.shard``, no optimizer state), else the whole teacher and None."""
+    when ``shard`` (``teacher_shard=true``: ``core.parallel.shard``, no optimizer state), else the whole teacher and
+    None."""
     if not shard:
         return {"teacher": teacher.params}, None
     if not dist.sharded:

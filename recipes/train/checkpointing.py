@@ -34,8 +34,8 @@ class Checkpointing(Hook):
     of wall time (``clock``, seconds) have passed since the last save, and when the run stops. ``manager``
     is None on data-parallel ranks other than 0 (rank 0 alone writes); with several ranks (``dist``) the
     wall-time decision is agreed at log steps (``log_every``), so every rank saves at the same step. ``export``
-    (``core.parallel.shard.Layout.deferred`` under parallel=fsdp) turns the state into what is written, its sharded leaves
-    gathered one at a time as the writer reaches them; the ranks that do not write make the same gathers."""
+    (``core.parallel.shard.Layout.deferred`` under parallel=fsdp) turns the state into what is written, its sharded
+    leaves gathered one at a time as the writer reaches them; the ranks that do not write make the same gathers."""
     clock: Callable[[], float] = staticmethod(time.monotonic)     # seconds; a test puts a fake clock here
 
     def __init__(self, manager: Optional[ckpt.CheckpointManager], extra: Callable[[], dict], logger: Logger,

@@ -100,7 +100,8 @@ def build_optimizer(cfg: TrainConfig, psum: Optional[Callable] = None, resumed: 
 
 
 def sum_over_ranks(dist: Dist) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """Under parallel=fsdp, ``x -> x`` summed over every rank (what the layout's ``core.parallel.shard.Layout.psum`` sums
+    """Under parallel=fsdp, ``x -> x`` summed over every rank (what the layout's ``core.parallel.shard.Layout.psum``
+    sums
     over: :func:`sharded_layout` lays the state over the WORLD group), which an optimizer's norms over sharded
     gradients need; else None."""
     if not dist.sharded:
@@ -110,7 +111,8 @@ def sum_over_ranks(dist: Dist) -> Optional[Callable[[torch.Tensor], torch.Tensor
 
 
 def sharded_layout(dist: Dist, params, init, dtype: str) -> Optional[Layout]:
-    """``core.parallel.shard.Layout`` of ``params`` over ``dist``'s ranks when ``dist.sharded`` (parallel=fsdp), else None:
+    """``core.parallel.shard.Layout`` of ``params`` over ``dist``'s ranks when ``dist.sharded`` (parallel=fsdp), else
+    None:
     leaves stacked under ``layers.`` split on their first non-layer dim, others on dim 0; params gathered in bf16
     under dtype=bf16 (FSDP2's ``param_dtype``); ``init`` makes the optimizer state whose leaves follow them. A
     leaf it cannot split is a ConfigError naming it."""
@@ -125,14 +127,17 @@ def sharded_layout(dist: Dist, params, init, dtype: str) -> Optional[Layout]:
 
 
 def start(cfg: TrainConfig, folder: Optional[Path], params, *, device, dist: Dist = Dist(),
-          tokenizer=None) -> RunSetup:
+          tokenizer=None, check: Optional[Callable[[Path, dict], None]] = None) -> RunSetup:
     """The run of ``cfg`` in ``folder`` starting from ``params``, or resumed from the checkpoint ``cfg.resume``
-    names there (its tokenizer must be ``tokenizer``'s when given). ``folder`` None: a fresh state for a
+    names there (its tokenizer must be ``tokenizer``'s when given; ``check(path, top level)`` raises when it
+    holds another run's settings, before anything is loaded). ``folder`` None: a fresh state for a
     benchmark, no run folder at all. The optimizer is built once (:func:`build_optimizer`): its ``init`` also
     lays out a sharded state."""
     backend.configure(cfg, device)        # tf32 on CUDA; a warning for what this device ignores
     resume = resolve_run_folder(cfg, folder) if folder is not None else None
     meta = ckpt.read_meta(resume) if resume is not None else {}
+    if resume is not None and check is not None:
+        check(resume, meta)
     diff = _changes(cfg, meta) if resume is not None else {}   # refused keys stop the run before anything is built
     optimizer = build_optimizer(cfg, sum_over_ranks(dist), meta)
     layout = sharded_layout(dist, params, optimizer.init, cfg.dtype)

@@ -289,7 +289,7 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
 
 
 def blockwise_layout(ctx: Context, student: dict, optimizer):
-    """Under parallel=fsdp, the blockwise phase's layout (``core.parallel.shard``): the whole student sharded as the global
-    phase shards it, the optimizer state of the trainable part following it; None otherwise."""
+    """Under parallel=fsdp, the blockwise phase's layout (``core.parallel.shard``): the whole student sharded as the
+    global phase shards it, the optimizer state of the trainable part following it; None otherwise."""
     train = ctx.cfg.blockwise.train
     return sharded_layout(ctx.dist, student, lambda p: optimizer.init(bw_loop.split(p, train)[0]), ctx.cfg.dtype)
