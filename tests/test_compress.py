@@ -259,7 +259,8 @@ def test_a_stage_resumes_through_the_shared_run_setup(teacher, texts, tmp_path, 
     capsys.readouterr()
     assert compress(teacher, tmp_path / "resumed", f"data={texts['1a']}", "d_compressed=8", "steps=9",
                     "eval_every=3") == 0
-    assert "at step 6" in capsys.readouterr().out and int(read_rows(tmp_path / "resumed")[0]["steps"]) == 9
+    printed = capsys.readouterr()
+    assert "at step 6" in printed.out + printed.err and int(read_rows(tmp_path / "resumed")[0]["steps"]) == 9
     assert compress(teacher, tmp_path / "wider", f"data={texts['1a']}", "d_compressed=16", "steps=9") == 2
     assert "holds a run with other settings" in capsys.readouterr().err
 
