@@ -1,7 +1,8 @@
 """core: model- and recipe-agnostic building blocks. The research kernel sits here at the top; the rest in packages.
 
 The kernel (what a training step is made of, and what research code imports): ``tree`` (pytrees of named
-tensors), ``rng`` (counter-based keys in the state), ``state`` (the ``TrainState`` pytree), ``update``
+tensors), ``rng`` (counter-based keys in the state), ``state`` (the ``TrainState`` pytree), ``gradients`` (the
+gradient engines: ``torch.func``, autograd, sharded per block; data-parallel averaging), ``update``
 (``apply_gradients`` and its pieces: loss scale, the non-finite select, health and spike metrics), ``step``
 (``make_train_step``: the convenience composition), ``donate``, ``compile``, ``remat``, ``layers`` and
 ``row_grads`` (wrappers and engines applied from outside the model), ``loss_scale``, ``spike``, ``module`` (the

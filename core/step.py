@@ -8,7 +8,7 @@
 of tensors that are inputs but not trained (a teacher, frozen layers): ``train_step(state, batch, frozen)``
 passes it through as a graph input rather than a baked-in constant.
 
-Two gradient paths give the same numbers (tested):
+Two gradient engines (``core.gradients``, public pieces of their own) give the same numbers (tested):
 
 - ``Gradients(mode="func")``: ``torch.func.grad_and_value`` inside one function, so forward, backward,
   clipping, the optimizer and the skip logic compile into a single ``fullgraph`` graph (the default of a
@@ -34,9 +34,7 @@ pulls them when it logs, never per step.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -47,134 +45,14 @@ from core import rng
 from core.compile import BlockCompiler, cpp_wrapper, maybe_compile
 from core.donate import owned
 from core.layers import check_takes_layers, layers_of
-from core.row_grads import RowGradients
 from core.state import TrainState
-from core.tree import leaves_of, map_flat, tree_flatten, tree_map, tree_unflatten
+from core.tree import leaves_of
+from core.gradients import (autocast, autograd_gradients, averaged, func_gradients, loss_caller,
+                            make_objective, sharded_block_gradients)
 from core.update import Monitors, apply_gradients
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 GRAD_MODES = ("func", "autograd")
 COMPILE_SCOPES = ("step", "block")
-
-
-def autocast(precision: str, device_type: str):
-    """The autocast context for ``precision`` (a no-op for fp32)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown dtype {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    dtype = PRECISIONS[precision]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
-
-
-def loss_caller(loss_fn: Callable) -> Callable:
-    """Normalize ``loss_fn`` to ``(params, batch, key, frozen, layers=None) -> (loss, aux)`` (``layers``: a
-    ``core.layers.Layers`` for the model, passed when the loss takes it)."""
-    sig = inspect.signature(loss_fn).parameters
-    takes_key, takes_frozen, takes_layers = "key" in sig, "frozen" in sig, "layers" in sig
-
-    def call(params, batch, key, frozen, layers=None):
-        kwargs = {}
-        if takes_key:
-            kwargs["key"] = key
-        if takes_frozen:
-            kwargs["frozen"] = frozen
-        if takes_layers:
-            kwargs["layers"] = layers
-        out = loss_fn(params, batch, **kwargs)
-        return out if isinstance(out, tuple) else (out, {})
-
-    return call
-
-
-def _micro_batches(batch, grad_accum: int):
-    if grad_accum == 1:
-        return [batch]
-    leaves, spec = tree_flatten(batch)
-    columns = [leaf.unbind(0) for leaf in leaves]
-    if any(len(c) != grad_accum for c in columns):
-        raise ValueError(f"grad_accum={grad_accum} needs every batch leaf to have a leading axis of that size")
-    return [tree_unflatten(spec, [c[i] for c in columns]) for i in range(grad_accum)]
-
-
-def _mean(values: list[torch.Tensor]) -> torch.Tensor:
-    return values[0] if len(values) == 1 else torch.stack(values).mean()
-
-
-def _mean_aux(auxes: list[dict]) -> dict:
-    return {k: _mean([a[k] for a in auxes]) for k in auxes[0]} if auxes and auxes[0] else {}
-
-
-def _make_objective(call: Callable, grad_accum: int, precision: str, device_type: str,
-                    blocks: Optional[Callable] = None) -> Callable:
-    """``objective(params, batch, key, frozen, scale, unstack=None) -> (scaled loss / grad_accum, (loss, aux))``; the
-    model gets ``core.layers.Layers`` of ``blocks`` (a ``core.compile.BlockCompiler``: its block compiled) and
-    ``unstack`` (its layers from the step's row gradients or gathered shards) where either is given."""
-    def objective(params, batch, key, frozen, scale, unstack=None):
-        with autocast(precision, device_type):
-            loss, aux = call(params, batch, key, frozen, layers_of(unstack, blocks))
-        loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
-        return loss * scale / grad_accum, (loss.detach(), aux)
-
-    return objective
-
-
-def _func_gradients(objective: Callable, grad_accum: int) -> Callable:
-    """Summed gradients, mean loss and aux over the micro-batches through ``torch.func.grad_and_value``."""
-    grad_fn = torch.func.grad_and_value(objective, has_aux=True)
-
-    def gradients(params, batch, key, frozen, scale):
-        total, losses, auxes = None, [], []
-        for i, micro in enumerate(_micro_batches(batch, grad_accum)):
-            grads, (_, (loss, aux)) = grad_fn(params, micro, rng.fold_in(key, i), frozen, scale)
-            total = grads if total is None else tree_map(torch.add, total, grads)
-            losses.append(loss)
-            auxes.append(aux)
-        return total, _mean(losses), _mean_aux(auxes)
-
-    return gradients
-
-
-def _autograd_gradients(objective: Callable, grad_accum: int, by_row: bool = True) -> Callable:
-    """The same through ``torch.autograd`` on leaves that require grad (activation checkpointing works); with
-    ``by_row`` (the objective is not one compiled graph) the stacked leaves' gradients are written layer by layer
-    (``core.row_grads``)."""
-    def gradients(params, batch, key, frozen, scale):
-        leaves, spec = tree_flatten(params)
-        rows = RowGradients([p.detach().requires_grad_() for p in leaves])
-        live_params = tree_unflatten(spec, rows.live)
-        losses, auxes = [], []
-        for i, micro in enumerate(_micro_batches(batch, grad_accum)):
-            obj, (loss, aux) = objective(live_params, micro, rng.fold_in(key, i), frozen, scale,
-                                         rows.unstack if by_row else None)
-            rows.backward(obj)
-            losses.append(loss.detach())
-            auxes.append({k: v.detach() for k, v in aux.items()})
-        return tree_unflatten(spec, rows.gradients()), _mean(losses), _mean_aux(auxes)
-
-    return gradients
-
-
-def _block_gradients(objective: Callable, grad_accum: int, shard) -> Callable:
-    """The autograd path over this rank's shards, the stacked layers gathered one block at a time
-    (``core.parallel.shard_blocks``): this rank's gradient shards (reduce-scattered once per optimizer step), the loss
-    and aux averaged over ranks."""
-    def gradients(shards, batch, key, frozen, scale):
-        blocks = shard.blocks(shards)
-        micros = _micro_batches(batch, grad_accum)
-        total, losses, auxes = None, [], []
-        for i, micro in enumerate(micros):
-            with blocks.running(last=i == len(micros) - 1) as params:
-                obj, (loss, aux) = objective(params, micro, rng.fold_in(key, i), frozen, scale, blocks.unstack)
-            inputs = blocks.inputs()
-            grads = torch.autograd.grad(obj, inputs, allow_unused=True)[:-1]     # the anchor's is None
-            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, inputs)]
-            total = grads if total is None else [a + b for a, b in zip(total, grads)]
-            losses.append(loss.detach())
-            auxes.append({k: v.detach() for k, v in aux.items()})
-        return blocks.finish(total, _mean(losses), _mean_aux(auxes))
-
-    return gradients
 
 
 def per_block(shard, compile: bool, compile_scope: str = "step", grad_mode: Optional[str] = None) -> bool:
@@ -217,16 +95,6 @@ class HostDue:
 
     def returned(self, step: torch.Tensor) -> None:
         self.ref, self.version, self.value = weakref.ref(step), step._version, self.next
-
-
-def _make_reduce(reduce: Optional[Callable]) -> Callable:
-    """``reduced(grads, loss, aux)``: averaged across data-parallel ranks by ``reduce``, or as they are."""
-    def reduced(grads, loss, aux):
-        if reduce is None:
-            return grads, loss, aux
-        return map_flat(reduce, (grads, loss, aux))
-
-    return reduced
 
 
 def _loss_scale(state: TrainState) -> torch.Tensor:
@@ -323,18 +191,18 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
     cpp = cpp_wrapper(device_type, collectives=shard is not None or parallel.reduce is not None)
     compiled = functools.partial(maybe_compile, mode=compile.mode, cpp=cpp, device_type=device_type)
     by_layer = per_block(shard, compile.enabled, compile.scope, grad_mode)
-    objective = _make_objective(loss_caller(loss_fn), accum, precision, device_type,
+    objective = make_objective(loss_caller(loss_fn), accum, precision, device_type,
                                 BlockCompiler(compile.mode, cpp, device_type) if by_block else None)
     apply = _make_apply_gradients(optimizer, monitors, donate, None if shard is None else shard.psum)
-    reduced = _make_reduce(parallel.reduce) if shard is None else shard.reduce
+    reduced = averaged(parallel.reduce) if shard is None else shard.reduce
     if grad_mode == "func":      # one graph: forward, backward, the update
-        engine = _func_gradients(objective, accum)
+        engine = func_gradients(objective, accum)
     elif by_layer:               # sharded: each block's params gathered when it runs, its gradients reduce-scattered
-        engine = _block_gradients(objective, accum, shard)
+        engine = sharded_block_gradients(objective, accum, shard)
         apply = compiled(apply, compile.enabled)
     else:                        # the loss and the update compiled apart, autograd between them
         one_graph = compile.enabled and not by_block
-        engine = _autograd_gradients(compiled(objective, one_graph, fullgraph=False), accum, by_row=not one_graph)
+        engine = autograd_gradients(compiled(objective, one_graph, fullgraph=False), accum, by_row=not one_graph)
         apply = compiled(apply, compile.enabled)
     extra = monitors.extra_metrics
     host_due = HostDue(extra.due) if getattr(extra, "due", None) and grad_mode != "func" else None

@@ -19,7 +19,7 @@ from core.data.chat import check_messages, render, template_of
 from core.config import UserError, option
 from core.device import DEVICES, resolve_device
 from core.io.logging import progress
-from core.step import autocast
+from core.gradients import autocast
 from models.loading import load_model
 from models.sampling import generate
 

@@ -5,7 +5,7 @@ import torch
 
 from core.layers import Layers
 from core.row_grads import RowGradients
-from core.step import _autograd_gradients, _make_objective, loss_caller
+from core.gradients import autograd_gradients, loss_caller, make_objective
 from core import rng
 from core.tree import leaves_of, named_leaves, tree_flatten, tree_map, tree_unflatten
 from models import llama
@@ -22,10 +22,10 @@ def batches(grad_accum):
 def test_row_gradients_equal_unbind_bitwise(grad_accum, remat):
     params = llama.init(CFG, seed=1)
     batch = batches(grad_accum) if grad_accum > 1 else tree_map(lambda t: t[0], batches(1))
-    objective = _make_objective(loss_caller(lambda p, b, layers: llama.loss(p, b, CFG, remat=remat, layers=layers)),
+    objective = make_objective(loss_caller(lambda p, b, layers: llama.loss(p, b, CFG, remat=remat, layers=layers)),
                                 grad_accum, "fp32", "cpu")
     scale = torch.ones(())
-    got = [_autograd_gradients(objective, grad_accum, by_row=by_row)(params, batch, rng.key(0), None,
+    got = [autograd_gradients(objective, grad_accum, by_row=by_row)(params, batch, rng.key(0), None,
                                                                      scale)
            for by_row in (True, False)]
     assert all(torch.equal(a, b) for a, b in zip(leaves_of(got[0][0]), leaves_of(got[1][0])))

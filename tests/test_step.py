@@ -185,3 +185,24 @@ def test_make_train_step_takes_at_most_eight_parameters():
     """The composition stays small: the rest is grouped (Gradients, Compile, Monitors, Parallel)."""
     import inspect
     assert len(inspect.signature(make_train_step).parameters) <= 8
+
+
+def test_the_public_pieces_compose_into_make_train_steps_step():
+    """A step composed by hand from the public pieces (``core.gradients``' objective and engine, ``averaged``,
+    ``core.update.apply_gradients``) equals ``make_train_step``'s bitwise, on both engines."""
+    from core import rng
+    from core.gradients import autograd_gradients, averaged, func_gradients, loss_caller, make_objective
+    from core.update import apply_gradients
+    batch = batch_of(TINY, 4, 16)
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-2))
+    loss = lambda p, b: llama.loss(p, b, TINY)   # noqa: E731
+    objective = make_objective(loss_caller(loss), 1, "fp32", "cpu")
+    for mode, engine in (("func", func_gradients(objective, 1)), ("autograd", autograd_gradients(objective, 1))):
+        state = init_state(llama.init(TINY, seed=0), opt)
+        key, scale = rng.fold_in(state.key, state.step), torch.ones(())
+        grads, value, aux = averaged(None)(*engine(state.params, batch, key, None, scale))
+        by_hand, mine = apply_gradients(state, grads, opt, loss=value, aux=aux)
+        composed, theirs = make_train_step(loss, opt, gradients=Gradients(mode=mode))(state, batch)
+        assert max_abs_diff(by_hand.params, composed.params) == 0 and max_abs_diff(by_hand.opt_state,
+                                                                                  composed.opt_state) == 0
+        assert {k: v.item() for k, v in mine.items()} == {k: v.item() for k, v in theirs.items()}

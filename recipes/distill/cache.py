@@ -32,7 +32,7 @@ import torch
 from core.io import cache
 from core.config import UserError, option, same_as
 from core.device import resolve_device
-from core.step import autocast
+from core.gradients import autocast
 from core.io.logging import progress
 from models import llama, losses
 from recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, teacher_data,

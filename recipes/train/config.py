@@ -17,7 +17,7 @@ from core.device import DEVICES
 from core.parallel.distributed import PARALLEL
 from core.host_memory import MODES as HOST_MEMORY
 from core.spike import SpikeConfig
-from core.step import PRECISIONS
+from core.gradients import PRECISIONS
 from optim.schedules import KINDS
 from recipes.train.backend import SCOPES
 from recipes.train.faults import FaultConfig

@@ -13,7 +13,7 @@ import torch
 
 from core.config import option
 from core.layers import takes_layers
-from core.step import loss_caller
+from core.gradients import loss_caller
 
 
 @dataclass

@@ -41,7 +41,7 @@ from core.data.text import cache_root
 from core.parallel.distributed import Dist
 from core.io.logging import Logger, format_duration
 from core.spike import SpikeConfig
-from core.step import autocast
+from core.gradients import autocast
 from core.state import TrainState
 from core.tree import map_flat, tree_map
 from core.update import Monitors, apply_gradients, if_finite
