@@ -21,6 +21,7 @@ from models import blockwise, dba, llama, surgery
 from models.loading import load_model
 from recipes.train.optimizer import make_optimizer
 from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw
+from recipes.upcycle.teacher_io import BlockIOCache, TeacherSource
 
 REPO = Path(__file__).resolve().parent.parent
 DIMS = ["sem_dim=2", "geo_dim=6", "v_dim=8"]       # head_dim 16: 2 * (2 + 6 + 8) = half of 2 * 2 * 16
@@ -70,7 +71,7 @@ def setup_blockwise(teacher, corpus, **step_kw):
     opt = make_optimizer(bw.optimizer_spec(1e-4, 5, 100))
     step = bw.make_step(scfg, opt, **kw)
     state = bw.init_state(student, opt, kw["train"], scfg.n_layers)
-    source = bw.TeacherSource(t.params, t.config, data.batches(8, 32, 0))
+    source = TeacherSource(t.params, t.config, data.batches(8, 32, 0))
     held = list(data.eval_batches(4, 32, 2))
     return t, data, scfg, step, state, source, held
 
@@ -217,12 +218,12 @@ def test_teacher_cache_is_keyed_by_cursor_built_once_and_matches_recomputation(t
     t, _, _, _, _, source, _ = setup_blockwise(teacher, corpus)
     said = []
     identity = {"teacher": fingerprint(t.params), "data": "x", "seed": 0}
-    cache = bw.BlockIOCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
+    cache = BlockIOCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
     assert "building 3 batches" in said[0] and not list(tmp_path.glob(".*tmp*"))
     assert cache.nbytes == 2 * 3 * 2 * 8 * 32 * 64 * 2
-    again = bw.BlockIOCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
+    again = BlockIOCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
     assert "reusing" in said[-1] and again.folder == cache.folder
-    cached = bw.TeacherSource(t.params, t.config, source.batches, cache)
+    cached = TeacherSource(t.params, t.config, source.batches, cache)
     for cursor in (1, 4):                                    # cursor 4 is entry 1 again
         got, want = cached.get(cursor), source.get(cursor % 3)
         assert torch.equal(got["x"], want["x"])

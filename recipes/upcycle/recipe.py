@@ -38,6 +38,7 @@ from recipes.train.optimizer import make_optimizer
 from recipes.train.setup import sharded_layout
 from optim.health import GradientHealth
 from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop, gates, report
+from recipes.upcycle.teacher_io import BlockIOCache, TeacherSource
 from recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
 from recipes.upcycle.phases import (FINAL, Context, finished, load_student, phase_summary, run_global, run_surgery,
                                     run_verify, surgery_settings, write_json)
@@ -263,12 +264,12 @@ def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
         state = state if layout is None else layout.shard(state)
     batches = ctx.corpus.batches(bw.batch_size, cfg.block_size, cfg.seed, device=ctx.device, rank=dist.rank,
                                  world_size=dist.world_size)
-    source = bw_loop.TeacherSource(t.params, t.config, batches, match=bw.match)
+    source = TeacherSource(t.params, t.config, batches, match=bw.match)
     if bw.cache_teacher:
         n = bw.cache_batches or bw.steps
         identity = {"teacher": fingerprint(t.params), "data": ctx.corpus.path, "seed": cfg.seed,
                     "batch_size": bw.batch_size, "block_size": cfg.block_size}
-        source.cache = bw_loop.BlockIOCache.open_or_build(source, n, identity, say=progress)
+        source.cache = BlockIOCache.open_or_build(source, n, identity, say=progress)
     health = GradientHealth(bw_loop.split(state.params, bw.train)[0], psum=layout.psum if layout else None,
                             every=bw.log_every) if bw.health else None
     step_fn = bw_loop.make_step(scfg, optimizer, loss=bw.loss, mode=bw.mode, train=bw.train, ema=bw.ema,
