@@ -3,7 +3,8 @@
 ``TrainState`` is a NamedTuple (a pytree node for optree without registration, like Flax's
 ``TrainState`` struct): the step counter, params, optimizer state, the RNG key, the data cursor (index
 of the next batch; the step advances it, the loop reads its host mirror), the fp16 loss-scale state
-(empty unless fp16) and the spike detector's statistics (empty unless enabled; ``core.spike``).
+(empty unless fp16) and the per-run monitor state: the spike detector's statistics (empty unless enabled;
+``core.spike``), or what a recipe's own loop watches, under a key of its own (a per-block convergence state).
 Training is ``state -> state``: a checkpoint of this tuple is a complete resume point.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ class TrainState(NamedTuple):
     key: torch.Tensor         # RNG key (core.rng); dropout uses fold_in(key, step)
     cursor: torch.Tensor      # int64, index of the next batch in the data iterator
     loss_scale: dict          # {} or {"scale", "growth_tracker"} for fp16
-    monitor: dict = {}        # {} or the spike detector's state (core.spike.init_monitor)
+    monitor: dict = {}        # {}, the spike detector's state (core.spike.init_monitor) or a loop's own
 
 
 def init_state(params, optimizer, seed: int = 0, precision: str = "fp32", spike: bool = False) -> TrainState:

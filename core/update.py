@@ -3,8 +3,9 @@
 Flax's ``TrainState.apply_gradients`` with the bookkeeping a training step does around the optimizer, each a piece
 of its own that a step composes:
 
-- :func:`unscale`: fp16's gradients divided by the dynamic loss scale (``core.loss_scale``, as
-  ``torch.amp.GradScaler``) before anything reads them; :func:`next_loss_scale` grows or backs the scale off;
+- :func:`scale_loss` and :func:`unscale`: fp16's loss multiplied by the dynamic loss scale (``core.loss_scale``, as
+  ``torch.amp.GradScaler``) before the backward, its gradients divided by it before anything reads them;
+  :func:`next_loss_scale` grows or backs the scale off;
 - the global gradient norm and the finite check of the loss and that norm;
 - ``optimizer.update`` (an optax-style ``GradientTransformation``, ``optim``) and ``core.tree.apply_updates``;
 - :func:`if_finite`: optax's ``apply_if_finite`` as a select: a non-finite step leaves the params and the optimizer
@@ -40,6 +41,13 @@ class Monitors:
     extra_metrics: Optional[Callable] = None
     spike: Optional[SpikeConfig] = None
     skip: bool = True
+
+
+def scale_loss(loss: torch.Tensor, loss_scale: dict) -> torch.Tensor:
+    """``loss`` multiplied by the dynamic loss scale of ``loss_scale`` before the backward (fp16; unchanged, the same
+    tensor, without one): its gradients are then ``scale`` times too large until :func:`unscale`."""
+    scale = loss_scale.get("scale") if loss_scale else None
+    return loss if scale is None else loss * scale.to(loss.dtype)
 
 
 def unscale(grads, loss_scale: dict):

@@ -21,6 +21,7 @@ from models import blockwise, dba, llama, surgery
 from models.loading import load_model
 from recipes.train.optimizer import make_optimizer
 from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw
+from recipes.upcycle.teacher_io import BlockIOCache, TeacherSource
 
 REPO = Path(__file__).resolve().parent.parent
 DIMS = ["sem_dim=2", "geo_dim=6", "v_dim=8"]       # head_dim 16: 2 * (2 + 6 + 8) = half of 2 * 2 * 16
@@ -60,17 +61,18 @@ def upcycle(teacher, corpus, out, *extra):
 # ----------------------------------------------------------------------------------------------------------
 # blockwise: numbers
 
-def setup_blockwise(teacher, corpus, **step_kw):
+def setup_blockwise(teacher, corpus, health=None, **blocks_kw):
     t = load_model(str(teacher))
     data = prepare(str(corpus), t.tokenizer)
     calib = data.batches(16, 32, 5).get(0)["x"]
     student, scfg, _ = surgery.surgery(t.params, t.config, calib, sem_dim=2, geo_dim=6, v_dim=8)
-    kw = dict(loss="l1", mode="teacher_forced", train="attn", ema=0.5, target=0.0, patience=0, min_delta=1e-3)
-    kw.update(step_kw)
+    kw = dict(loss="l1", mode="teacher_forced", match="block", train="attn", ema=0.5, target=0.0, patience=0,
+              min_delta=1e-3)
+    kw.update(blocks_kw)
     opt = make_optimizer(bw.optimizer_spec(1e-4, 5, 100))
-    step = bw.make_step(scfg, opt, **kw)
+    step = bw.make_step(scfg, opt, bw.Blocks(**kw), health=health)
     state = bw.init_state(student, opt, kw["train"], scfg.n_layers)
-    source = bw.TeacherSource(t.params, t.config, data.batches(8, 32, 0))
+    source = TeacherSource(t.params, t.config, data.batches(8, 32, 0))
     held = list(data.eval_batches(4, 32, 2))
     return t, data, scfg, step, state, source, held
 
@@ -92,7 +94,7 @@ def test_blockwise_step_skips_a_non_finite_step_and_reports_health(teacher, corp
     after, metrics = step(before, bad)
     assert float(metrics["skipped"]) == 1.0
     assert int(after.step) == int(before.step) + 1 and int(after.cursor) == int(before.cursor) + 1
-    for name, new, old in ((n, getattr(after, n), getattr(before, n)) for n in ("params", "opt_state", "conv")):
+    for name, new, old in ((n, getattr(after, n), getattr(before, n)) for n in ("params", "opt_state", "monitor")):
         pairs = zip(tree_leaves(new), tree_leaves(old))
         assert all(torch.equal(a, b) for a, b in pairs if isinstance(a, torch.Tensor)), name
 
@@ -150,7 +152,7 @@ def test_a_stopped_block_stops_changing_params_and_optimizer_state(teacher, corp
     _, _, scfg, step, state, source, _ = setup_blockwise(teacher, corpus)
     for cursor in range(3):
         state, _ = step(state, source.get(cursor))
-    state = state._replace(conv={**state.conv, "active": torch.tensor([False, True])})
+    state = state._replace(monitor={"blocks": {**bw.convergence(state), "active": torch.tensor([False, True])}})
     params0, opt0 = state.params, state.opt_state
     for cursor in range(3, 6):
         state, metrics = step(state, source.get(cursor))
@@ -166,9 +168,9 @@ def test_blocks_reaching_the_target_freeze_for_good(teacher, corpus):
     here), and from then on nothing changes."""
     _, _, _, step, state, source, _ = setup_blockwise(teacher, corpus, target=1e9)
     state, _ = step(state, source.get(0))
-    assert state.conv["active"].all()                         # one step is not enough to judge the EMA
+    assert bw.convergence(state)["active"].all()              # one step is not enough to judge the EMA
     state, _ = step(state, source.get(1))
-    assert not state.conv["active"].any()
+    assert not bw.convergence(state)["active"].any()
     frozen = [t.clone() for t in tree_leaves((state.params, state.opt_state))]
     for cursor in range(2, 5):
         state, _ = step(state, source.get(cursor))
@@ -217,12 +219,12 @@ def test_teacher_cache_is_keyed_by_cursor_built_once_and_matches_recomputation(t
     t, _, _, _, _, source, _ = setup_blockwise(teacher, corpus)
     said = []
     identity = {"teacher": fingerprint(t.params), "data": "x", "seed": 0}
-    cache = bw.BlockIOCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
+    cache = BlockIOCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
     assert "building 3 batches" in said[0] and not list(tmp_path.glob(".*tmp*"))
     assert cache.nbytes == 2 * 3 * 2 * 8 * 32 * 64 * 2
-    again = bw.BlockIOCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
+    again = BlockIOCache.open_or_build(source, 3, identity, root=tmp_path, say=said.append)
     assert "reusing" in said[-1] and again.folder == cache.folder
-    cached = bw.TeacherSource(t.params, t.config, source.batches, cache)
+    cached = TeacherSource(t.params, t.config, source.batches, cache)
     for cursor in (1, 4):                                    # cursor 4 is entry 1 again
         got, want = cached.get(cursor), source.get(cursor % 3)
         assert torch.equal(got["x"], want["x"])

@@ -101,6 +101,12 @@ class Steps:
     per_block: bool = False           # and the steps gather them one block at a time (core.parallel.shard_blocks)
 
 
+def donates(cfg: TrainConfig) -> bool:
+    """Whether the train step of a run of ``cfg`` donates its input state (``core.donate``): the loop never reads a
+    state after stepping it, unless a run hook's branches do (one state, many steps: ``RunHook.keeps_states``)."""
+    return not any(hook.keeps_states for hook in cfg.run_hooks())
+
+
 def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches, device: torch.device,
                 vocab_size: int, dist: Dist = Dist(), layout: Optional[Layout] = None, skip: bool = True) -> Steps:
     """The train and eval steps every training recipe uses, configured from the common keys.
@@ -118,10 +124,8 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     if cfg.fault.active:
         train_loss = with_faults(loss_fn)
         batches = FaultyBatches(batches, cfg.fault, vocab_size, cfg.seed)
-    # donate: the loop never reads a state after stepping it, unless a run hook's branches do (one state, many steps)
-    donate = not any(hook.keeps_states for hook in cfg.run_hooks())
     train = make_train_step(train_loss, optimizer, precision=cfg.dtype,
-                            compile=Compile(cfg.compile, scope, mode), donate=donate,
+                            compile=Compile(cfg.compile, scope, mode), donate=donates(cfg),
                             gradients=Gradients(accum=cfg.grad_accum, remat=cfg.remat),
                             monitors=Monitors(health, cfg.spike if cfg.spike.enabled else None, skip),
                             parallel=Parallel(dist.all_reduce_mean if dist.enabled and layout is None else None,

@@ -72,10 +72,8 @@ class RunSetup:
                 yield self.checkpoints(), logger
 
     def checkpoints(self) -> Optional[ckpt.CheckpointManager]:
-        """The run's checkpoint manager (None on data-parallel ranks other than 0: rank 0 alone writes)."""
-        if not self.dist.is_main:
-            return None
-        return ckpt.CheckpointManager(self.folder, keep_last=self.cfg.keep_last, save_every=self.cfg.save_every)
+        """The run's checkpoint manager (:func:`checkpoint_manager`)."""
+        return checkpoint_manager(self.cfg, self.folder, self.dist)
 
     def logger(self, hparams: dict) -> Logger:
         """The run's Logger (silent on ranks other than 0), the resolved config ``hparams`` logged."""
@@ -85,6 +83,14 @@ class RunSetup:
             logger.print(f"resumed from {self.resume} with changed keys: {self.changed}")
             logger.event(int(self.state.step), "resume_changes", changes=self.changed)
         return logger
+
+
+def checkpoint_manager(cfg: TrainConfig, folder: Path, dist: Dist = Dist()) -> Optional[ckpt.CheckpointManager]:
+    """The checkpoint manager of a run of ``cfg`` in ``folder`` (``keep_last``, ``save_every``; the loop adds the
+    final and best checkpoints), or None on data-parallel ranks other than 0: rank 0 alone writes."""
+    if not dist.is_main:
+        return None
+    return ckpt.CheckpointManager(folder, keep_last=cfg.keep_last, save_every=cfg.save_every)
 
 
 def build_optimizer(cfg: TrainConfig, psum: Optional[Callable] = None, resumed: Optional[dict] = None) \

@@ -13,54 +13,51 @@ math (teacher block I/O, student blocks, per-block losses) is ``models/blockwise
   zero (its moments decay but stay non-zero), so the update **and** the optimizer's moments are masked per layer
   slice with ``torch.where``; no host branch, no per-parameter ``.item()``. The phase ends when every block has
   stopped or at ``blockwise.steps``.
-- **Teacher I/O** is recomputed per batch under ``no_grad``, or cached once on disk (``cache_teacher=true``):
-  a bf16 memmap of ``cache_batches`` entries where entry i is the teacher's I/O on training batch number i (the
-  data cursor, not ``id(x)``), built atomically by ``core.io.cache.build_folder``, shared by every
-  run with the same teacher, data, seed and shapes, and cycled by ``cursor % cache_batches``.
+- **Teacher I/O** is recomputed per batch under ``no_grad``, or cached once on disk by data cursor
+  (``cache_teacher=true``): ``recipes/upcycle/teacher_io.py``.
+- **The shared state and step pieces**: the state is ``core.state.TrainState`` (``params`` the full student, so
+  ``models.loading`` reads a checkpoint as a model; ``opt_state`` of the trainable part; the convergence state
+  as ``monitor["blocks"]``; the fp16 loss scale under ``dtype=fp16``), and the update is
+  ``core.update.apply_gradients`` with the fp16 loss scale (``core.update.scale_loss``/``unscale``), the
+  non-finite skip and gradient health; the step is donated (``core.donate.donate``) and compiled from outside,
+  as every recipe's step.
 - The steps run through the shared training loop (``recipes.train.loop.fit``): the per-block log and the end of
   the phase are its hook :class:`BlockConvergence`; checkpoints (``blockwise/step_*.msgpack``, ``final.msgpack``)
-  are the loop's and hold the full student, the optimizer state of the trainable part, the convergence state and
-  the data cursor; a killed run continues from the newest one.
+  are the loop's, written by the manager every run gets (``recipes.train.setup.checkpoint_manager``); a killed
+  run continues from the newest one (:func:`restore`).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, Optional
 
-import numpy as np
 import torch
 
-from core.io import cache
-from core.io import checkpoint as ckpt
+from core import state as core_state
 from core.compile import cpp_wrapper, maybe_compile
-from core.data.text import cache_root
+from core.donate import donate as core_donate, owned as core_owned
+from core.io import checkpoint as ckpt
+from core.io.logging import Logger
 from core.parallel.distributed import Dist
-from core.io.logging import Logger, format_duration
 from core.spike import SpikeConfig
 from core.gradients import autocast
 from core.state import TrainState
+from core.step import Parallel
 from core.tree import map_flat, tree_map
-from core.update import Monitors, apply_gradients, if_finite
+from core.update import Monitors, apply_gradients, if_finite, scale_loss
 from models import blockwise, dba
 from optim.common import current_lr
-from recipes.train.config import TrainConfig
 from optim.health import computed
+from recipes.train.config import TrainConfig
 from recipes.train.hooks import Hook, StepContext, Stop
 from recipes.train.loop import LoopIO, LoopState, Steps, fit
 from recipes.train.metrics import write_health
 from recipes.train.optimizer import OptimizerSpec
-
-
-class BlockwiseState(NamedTuple):
-    step: torch.Tensor      # int64
-    params: dict            # the full student (``params`` so models.loading reads the checkpoint as a model)
-    opt_state: object       # of the trainable part only
-    cursor: torch.Tensor    # int64, the next training batch
-    conv: dict              # per-block convergence state, [L] tensors (see ``init_convergence``)
+from recipes.train.setup import checkpoint_manager
+from recipes.upcycle.teacher_io import TeacherSource
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -81,6 +78,14 @@ def split(params: dict, train: str) -> tuple[dict, dict]:
 
 def merge(trainable: dict, rest: dict) -> dict:
     return {**rest, "layers": {**rest["layers"], **trainable["layers"]}}
+
+
+def in_order(tree, like):
+    """``tree`` (nested dicts) with ``like``'s key order: :func:`merge` puts the layers last and the trainable part
+    after the rest, and a compiled step pairs leaves in dict order (``core.tree.leaves_of``)."""
+    if not isinstance(like, dict):
+        return tree
+    return {k: in_order(tree[k], like[k]) for k in like}
 
 
 def optimizer_spec(lr: float, warmup: int, steps: int) -> OptimizerSpec:
@@ -136,153 +141,136 @@ def masked(active: torch.Tensor, new, old, n_layers: int):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the step
+# the state and the step
 
-def make_step(scfg: dba.DBAConfig, optimizer, *, loss: str, mode: str, train: str, ema: float, target: float,
-              patience: int, min_delta: float, match: str = "block", precision: str = "fp32",
-              device_type: str = "cpu", compile: bool = False, layout=None, average=None, health=None):
-    """``step(state, batch) -> (state, metrics)``; ``batch`` = {"x": tokens, "inputs", "targets": [L, B, T, d]}
-    (``match``: what the targets are, ``models.blockwise.TARGETS``). Each rank of a run under torchrun trains on
-    its rows of the batch: with ``layout`` (``core.parallel.shard``, parallel=fsdp) the state's student and optimizer
-    state are this rank's shards, gathered for the step and the gradients reduce-scattered; with ``average``
-    (``core.parallel.distributed.Dist.all_reduce_mean``, parallel=ddp) the gradients are averaged. Either way the
-    per-block losses are averaged over ranks, so every rank takes the same convergence decisions.
+@dataclass(frozen=True)
+class Blocks:
+    """What the blockwise step trains and when a block stops (``Blocks.of``: the phase's ``blockwise.*`` keys).
+    ``loss`` (``models.blockwise.LOSSES``) between the student's and the teacher's ``match`` outputs
+    (``models.blockwise.TARGETS``), block inputs by ``mode`` (``models.blockwise.MODES``), ``train`` the new
+    attention (``attn``) or whole blocks (``block``); a block stops on a bias-corrected loss EMA of decay ``ema``
+    that reaches ``target`` (0: off) or has not improved by ``min_delta`` (relative) for ``patience`` steps (0: off)."""
+    loss: str
+    mode: str
+    match: str
+    train: str
+    ema: float
+    target: float
+    patience: int
+    min_delta: float
 
-    The update is the shared one (``core.update.apply_gradients``, as every training step's): a step whose loss or
-    gradient norm is not finite leaves the student, the optimizer state and the convergence state as they were
-    (``metrics["skipped"]``), and ``health`` (``optim.health.GradientHealth`` of the trainable part) adds gradient
-    health statistics on its due steps. Stopped blocks are then masked back, update and moments alike."""
-    L = scfg.n_layers
+    @classmethod
+    def of(cls, bw) -> "Blocks":
+        """The keys of ``recipes.upcycle.config.BlockwiseConfig`` ``bw``."""
+        return cls(bw.loss, bw.mode, bw.match, bw.train, bw.ema, bw.convergence_target, bw.patience, bw.min_delta)
 
-    def objective(trainable, rest, batch):
+    def converge(self, conv: dict, losses: torch.Tensor) -> dict:
+        return update_convergence(conv, losses, decay=self.ema, target=self.target, patience=self.patience,
+                                  min_delta=self.min_delta)
+
+
+def init_state(params: dict, optimizer, train: str, n_layers: int, seed: int = 0,
+               precision: str = "fp32") -> TrainState:
+    """The phase's ``core.state.TrainState``: ``params`` the full student (so ``models.loading`` reads a checkpoint
+    as a model), the optimizer state of its ``train`` part, the fp16 loss scale under ``precision="fp16"``
+    (``core.state.init_state`` makes both) and the per-block convergence state as ``monitor["blocks"]``."""
+    state = core_state.init_state(split(params, train)[0], optimizer, seed, precision)
+    return TrainState(state.step, params, state.opt_state, state.key, state.cursor, state.loss_scale,
+                      {"blocks": init_convergence(n_layers, state.step.device)})
+
+
+def convergence(state: TrainState) -> dict:
+    """The per-block convergence state ([L] tensors, :func:`init_convergence`) that ``state`` carries."""
+    return state.monitor["blocks"]
+
+
+def owned(state: TrainState, train: str, teacher=None) -> TrainState:
+    """``state`` safe to donate (``core.donate.owned``): a trained leaf or moment that shares storage with another,
+    with the student's frozen part or with ``teacher`` is cloned (the same objects when nothing is shared)."""
+    trainable, rest = split(state.params, train)
+    mine = core_owned(state._replace(params=trainable), frozen=(teacher, rest))
+    return mine._replace(params=in_order(merge(mine.params, rest), state.params))
+
+
+def make_step(scfg: dba.DBAConfig, optimizer, blocks: Blocks, *, precision: str = "fp32", compile: bool = False,
+              donate: bool = False, health: Optional[Callable] = None, parallel: Parallel = Parallel()):
+    """``step(state, batch) -> (state, metrics)`` over the phase's ``core.state.TrainState`` (:func:`init_state`);
+    ``batch`` = {"x": tokens, "inputs", "targets": [L, B, T, d]} (what the targets are: ``blocks.match``). Built
+    from the shared pieces, as ``core.step.make_train_step`` builds the standard step, where the state lives (its
+    ``step`` tensor's device type, on first use):
+
+    - the gradients of the summed per-block losses by ``torch.func.grad``; under ``precision="fp16"`` the loss is
+      multiplied by the state's dynamic loss scale (``core.update.scale_loss``) and the gradients divided by it;
+    - the update is ``core.update.apply_gradients``: the fp16 unscale and the scale's growth or back-off, a step
+      whose loss or gradient norm is not finite leaves the student, the optimizer state and the convergence state
+      as they were (``metrics["skipped"]``), and ``health`` (``optim.health.GradientHealth`` of the trainable part)
+      adds gradient health statistics on its due steps. Stopped blocks are then masked back, update and moments;
+    - ``parallel`` (``core.step.Parallel``): each rank of a run under torchrun trains on its rows of the batch; with
+      ``shard`` (``core.parallel.shard``, parallel=fsdp) the state's student and optimizer state are this rank's
+      shards, gathered for the step and the gradients reduce-scattered; with ``reduce``
+      (``core.parallel.distributed.Dist.all_reduce_mean``, parallel=ddp) the gradients are averaged. Either way the
+      per-block losses are averaged over ranks, so every rank takes the same convergence decisions;
+    - ``donate`` (``core.donate.donate``, applied from outside the step, before ``compile``): the new student and
+      optimizer state are written into the buffers of the state it is given, which the caller gives up (the same
+      numbers; :func:`owned` makes a state safe to donate). ``compile``: one graph (``core.compile``)."""
+    built = {}   # device type -> the step built for it
+
+    def step(state: TrainState, batch: dict):
+        kind = state.step.device.type
+        if kind not in built:
+            pure = _step(scfg, optimizer, blocks, precision, kind, health, parallel)
+            collectives = parallel.shard is not None or parallel.reduce is not None
+            built[kind] = maybe_compile(core_donate(pure) if donate else pure, compile,
+                                        cpp=cpp_wrapper(kind, collectives), device_type=kind)
+        return built[kind](state, batch)
+
+    return step
+
+
+def _step(scfg: dba.DBAConfig, optimizer, blocks: Blocks, precision: str, device_type: str,
+          health: Optional[Callable], parallel: Parallel) -> Callable:
+    """:func:`make_step`'s pure step on ``device_type``."""
+    L, train, shard = scfg.n_layers, blocks.train, parallel.shard
+
+    def objective(trainable, rest, batch, loss_scale):
         params = merge(trainable, rest)
         with autocast(precision, device_type):
-            if mode == "teacher_forced":
+            if blocks.mode == "teacher_forced":
                 inputs = batch["inputs"]
-                outputs = blockwise.student_outputs(params, scfg, inputs, match)
+                outputs = blockwise.student_outputs(params, scfg, inputs, blocks.match)
             else:
-                inputs, outputs = blockwise.student_stream(params, scfg, batch["x"], match)
-        per = blockwise.block_losses(inputs, outputs, batch["inputs"], batch["targets"], loss, match)
-        return per.sum(), per.detach()
+                inputs, outputs = blockwise.student_stream(params, scfg, batch["x"], blocks.match)
+        per = blockwise.block_losses(inputs, outputs, batch["inputs"], batch["targets"], blocks.loss, blocks.match)
+        per = per.to(torch.promote_types(per.dtype, torch.float32))
+        return scale_loss(per.sum(), loss_scale), per.detach()
 
     grad_fn = torch.func.grad(objective, has_aux=True)
     monitors = Monitors(extra_metrics=health)
 
-    def step(state: BlockwiseState, batch: dict):
-        grads, per = grad_fn(*split(state.params if layout is None else layout.gather(state.params), train), batch)
-        if layout is not None:
-            grads, per, _ = layout.reduce(grads, per, {}, specs=split(layout.params, train)[0])
-        elif average is not None:
-            grads, per = map_flat(average, (grads, per))
+    def step(state: TrainState, batch: dict):
+        full = state.params if shard is None else shard.gather(state.params)
+        grads, per = grad_fn(*split(full, train), batch, state.loss_scale)
+        if shard is not None:
+            grads, per, _ = shard.reduce(grads, per, {}, specs=split(shard.params, train)[0])
+        elif parallel.reduce is not None:
+            grads, per = map_flat(parallel.reduce, (grads, per))
         trainable, rest = split(state.params, train)
-        shared = TrainState(step=state.step, params=trainable, opt_state=state.opt_state, key=None,
-                            cursor=state.cursor, loss_scale={}, monitor={})
-        new, metrics = apply_gradients(shared, grads, optimizer, loss=per.sum(), monitors=monitors,
-                                       psum=None if layout is None else layout.psum)
-        active = state.conv["active"]
+        conv = convergence(state)
+        ours = TrainState(state.step, trainable, state.opt_state, state.key, state.cursor, state.loss_scale,
+                          state.monitor)
+        new, metrics = apply_gradients(ours, grads, optimizer, loss=per.sum(), monitors=monitors,
+                                       psum=None if shard is None else shard.psum)
+        active = conv["active"]
         params = masked(active, new.params, trainable, L)
         opt_state = masked(active, new.opt_state, state.opt_state, L)
-        finite = metrics["skipped"] == 0
-        conv = if_finite(finite, update_convergence(state.conv, per, decay=ema, target=target, patience=patience,
-                                                    min_delta=min_delta), state.conv)
+        conv = if_finite(metrics["skipped"] == 0, blocks.converge(conv, per), conv)
         metrics.update({"loss": (per * active).sum() / active.sum().clamp_min(1), "block_loss": per,
                         "ema": conv["ema"], "active": conv["active"].float(), "lr": current_lr(opt_state).float()})
-        return BlockwiseState(new.step, merge(params, rest), opt_state, new.cursor, conv), metrics
+        # the input's key order: a compiled donated step pairs its input's leaves with its output's by it
+        return TrainState(new.step, in_order(merge(params, rest), state.params), opt_state, new.key, new.cursor,
+                          new.loss_scale, {**state.monitor, "blocks": conv}), metrics
 
-    collectives = layout is not None or average is not None
-    return maybe_compile(step, compile, cpp=cpp_wrapper(device_type, collectives), device_type=device_type)
-
-
-def init_state(params: dict, optimizer, train: str, n_layers: int) -> BlockwiseState:
-    device = params["embed"].device
-    zero = torch.zeros((), dtype=torch.int64, device=device)
-    return BlockwiseState(zero.clone(), params, optimizer.init(split(params, train)[0]), zero.clone(),
-                          init_convergence(n_layers, device))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# teacher block I/O: recomputed, or cached on disk by data cursor
-
-class TeacherSource:
-    """Training batch number ``cursor`` with the teacher's block inputs and targets (``match``)."""
-
-    def __init__(self, teacher_params, tcfg, batches, cache: Optional["BlockIOCache"] = None, match: str = "block"):
-        self.teacher_params, self.tcfg, self.batches, self.cache = teacher_params, tcfg, batches, cache
-        self.match = match
-
-    def get(self, cursor: int) -> dict:
-        if self.cache is None:
-            x = self.batches.get(cursor)["x"]
-            inputs, targets = blockwise.teacher_io(self.teacher_params, self.tcfg, x, self.match)
-            return {"x": x, "inputs": inputs, "targets": targets}
-        i = cursor % self.cache.n
-        inputs, targets = self.cache.get(i, self.batches.device)
-        return {"x": self.batches.get(i)["x"], "inputs": inputs, "targets": targets}
-
-
-class BlockIOCache:
-    """A bf16 memmap of the teacher's block inputs and targets for training batches 0..n-1.
-
-    ``<root>/<key>/`` holds ``inputs.bin``, ``targets.bin`` ([n, L, B, T, d] bf16 stored as int16) and
-    ``meta.json``; the key hashes everything the contents depend on. Written by ``core.io.cache.build_folder``
-    (a temporary folder renamed into place), so a killed build never leaves a cache that is later trusted.
-    """
-    VERSION = 1
-
-    def __init__(self, folder: Path, meta: dict, arrays: dict):
-        self.folder, self.meta, self.n = folder, meta, meta["n"]
-        self.inputs, self.targets = arrays["inputs"], arrays["targets"]
-
-    @staticmethod
-    def layout(meta: dict) -> dict:
-        if meta["version"] != BlockIOCache.VERSION:
-            raise ValueError(f"version {meta['version']}")
-        return {name: ("int16", meta["shape"]) for name in ("inputs", "targets")}
-
-    @property
-    def nbytes(self) -> int:
-        return self.inputs.nbytes + self.targets.nbytes
-
-    def get(self, i: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        def load(a):
-            return torch.from_numpy(np.array(a[i])).view(torch.bfloat16).to(device=device, dtype=torch.float32)
-        return load(self.inputs), load(self.targets)
-
-    @classmethod
-    def open_or_build(cls, source: TeacherSource, n: int, identity: dict, root: Optional[Path] = None,
-                      say=print) -> "BlockIOCache":
-        root = Path(root or cache_root("teacher"))
-        identity = {**identity, "target": source.match}
-        key = hashlib.sha256(json.dumps({**identity, "n": n, "version": cls.VERSION}, sort_keys=True)
-                             .encode()).hexdigest()[:20]
-        folder = root / key
-        found = cache.open_folder(folder, cls.layout)
-        if found is not None:
-            opened = cls(folder, *found)
-            say(f"teacher cache: reusing {folder} ({opened.nbytes / 2**30:.2f} GiB, {n} batches)")
-            return opened
-        cache.build_folder(folder, lambda builder: _build_block_io(builder, source, n, identity, folder, say),
-                           keep=lambda f: cache.open_folder(f, cls.layout) is not None)
-        return cls(folder, *cache.read_folder(folder, cls.layout))
-
-
-def _build_block_io(builder, source: TeacherSource, n: int, identity: dict, folder: Path, say) -> dict:
-    """Teacher block I/O of batches 0..n-1 into ``inputs.bin`` / ``targets.bin``; returns the meta."""
-    start, last = time.perf_counter(), 0.0
-    first = source.get(0)
-    shape = (n, *first["inputs"].shape)
-    nbytes = 2 * math.prod(shape) * 2
-    say(f"teacher cache: building {n} batches x 2 x {list(shape[1:])} bf16 = {nbytes / 2**30:.2f} GiB in {folder}")
-    files = {name: builder.array(name, np.int16, shape) for name in ("inputs", "targets")}
-    for i in range(n):
-        batch = first if i == 0 else source.get(i)
-        for name, arr in files.items():
-            arr[i] = batch[name].to("cpu", torch.bfloat16).view(torch.int16).numpy()
-        now = time.perf_counter()
-        if now - last > 10 or i == n - 1:
-            last = now
-            say(f"teacher cache: {i + 1}/{n} batches, {format_duration(now - start)}")
-    return {**identity, "n": n, "shape": list(shape), "dtype": "bfloat16", "version": BlockIOCache.VERSION}
+    return step
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -295,19 +283,35 @@ def loop_config(bw) -> TrainConfig:
                        spike=SpikeConfig(enabled=False), save_every=bw.save_every, keep_last=bw.keep_last)
 
 
-def run(bw, state: BlockwiseState, step_fn, source: TeacherSource, folder: Path, extra, logger: Logger,
+def run(bw, state: TrainState, step_fn, source: TeacherSource, folder: Path, extra, logger: Logger,
         resume_folder: Optional[Path] = None, dist: Dist = Dist(), layout=None, health=None):
     """Train through the shared loop (``recipes.train.loop.fit``) until every block has stopped or ``bw.steps``,
     checkpointing in ``folder`` (rank 0 writes; under ``layout`` every rank gathers); returns (state, stop reason
     or "")."""
-    manager = ckpt.CheckpointManager(folder, keep_last=bw.keep_last, save_every=bw.save_every) \
-        if dist.is_main else None
+    cfg = loop_config(bw)
     steps = Steps(train=lambda s, batch, frozen=None: step_fn(s, batch), eval=None, health=None, batches=source,
                   layout=layout)
-    io = LoopIO(logger, manager, checkpoint_extra=extra, resume_folder=resume_folder,
+    io = LoopIO(logger, checkpoint_manager(cfg, folder, dist), checkpoint_extra=extra, resume_folder=resume_folder,
                 log=BlockConvergence(state, bw.steps, bw.log_every, logger, health))
-    result = fit(loop_config(bw), state, steps, io, loop=resumed_loop(folder, int(state.step)), dist=dist)
+    result = fit(cfg, state, steps, io, loop=resumed_loop(folder, int(state.step)), dist=dist)
     return result.state, f"blockwise: {result.stop_reason}" if result.stop_reason else ""
+
+
+def restore(path: Path, template: TrainState, fresh: TrainState, device=None) -> TrainState:
+    """The state of the phase's checkpoint ``path``, in ``template``'s structure (``core.io.checkpoint.load``). A
+    checkpoint written before the phase's state was ``core.state.TrainState`` (fields step, params, opt_state,
+    cursor, conv) is read too: its ``conv`` becomes ``monitor["blocks"]``, the RNG key and loss scale are ``fresh``'s
+    (it trained in fp32 or bf16, which keep no loss scale)."""
+    top = ckpt.load(path, device=device)
+    saved = top["state"]
+    if isinstance(saved, dict) and set(saved) == {"step", "params", "opt_state", "cursor", "conv"}:
+        saved = {"step": saved["step"], "params": saved["params"], "opt_state": saved["opt_state"],
+                 "key": fresh.key, "cursor": saved["cursor"], "loss_scale": ckpt.to_state_dict(fresh.loss_scale),
+                 "monitor": {"blocks": saved["conv"]}}
+    try:
+        return ckpt.from_state_dict(template, saved, device=device)
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(f"{path}: not a blockwise checkpoint of this run: {e}") from None
 
 
 def resumed_loop(folder: Path, step: int) -> Optional[LoopState]:
@@ -322,9 +326,9 @@ class BlockConvergence(Hook):
     transfer), a ``block_stopped`` event for every block that froze since the last log, and the end of the phase
     (a final checkpoint) once every block has stopped or at the step cap."""
 
-    def __init__(self, state: BlockwiseState, total: int, log_every: int, logger: Logger, health=None):
+    def __init__(self, state: TrainState, total: int, log_every: int, logger: Logger, health=None):
         self.total, self.log_every, self.logger, self.health = total, log_every, logger, health
-        self.active = state.conv["active"].cpu()
+        self.active = convergence(state)["active"].cpu()
         self.t_log, self.steps_at_log = time.perf_counter(), int(state.step)
 
     def after_step(self, ctx: StepContext) -> Optional[Stop]:

@@ -30,14 +30,17 @@ from core.data.documents import prepare_text
 from core.parallel import distributed
 from core.device import resolve_device
 from core.io.logging import Logger, format_duration, progress
+from core.step import Parallel
 from core.cli.runs import claim, run_folder
 from core.tree import cast, fingerprint, size
 from models import dba, llama
 from recipes.distill.teacher import load_teacher
+from recipes.train.loop import donates
 from recipes.train.optimizer import make_optimizer
 from recipes.train.setup import sharded_layout
 from optim.health import GradientHealth
 from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop, gates, report
+from recipes.upcycle.teacher_io import BlockIOCache, TeacherSource
 from recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
 from recipes.upcycle.phases import (FINAL, Context, finished, load_student, phase_summary, run_global, run_surgery,
                                     run_verify, surgery_settings, write_json)
@@ -247,35 +250,41 @@ def _judge_gates(ctx: Context, results: dict, stages: dict, scfg) -> None:
 
 
 def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
-    """Set up and run the blockwise phase (resuming from its newest checkpoint). Returns (params, stop reason)."""
+    """Set up and run the blockwise phase (resuming from its newest checkpoint). Returns (params, stop reason). The
+    step donates its state as every run's does (``recipes.train.loop.donates``): ``student``'s trained tensors become
+    the state's and are written in place."""
     cfg, bw, t = ctx.cfg, ctx.cfg.blockwise, ctx.teacher
     folder = ctx.folder / "blockwise"
     if finished(ctx, "blockwise", bw.steps):
         return load_student(folder / FINAL, ctx.device)[0], ""
     optimizer = make_optimizer(bw_loop.optimizer_spec(bw.lr, bw.warmup_steps, bw.steps))
     dist, layout = ctx.dist, blockwise_layout(ctx, student, optimizer)
-    state = bw_loop.init_state(layout.shard_params(student) if layout else student, optimizer, bw.train, scfg.n_layers)
+
+    def start(params):
+        return bw_loop.init_state(params, optimizer, bw.train, scfg.n_layers, cfg.seed, cfg.dtype)
+
+    state = start(layout.shard_params(student) if layout else student)
     resume = ckpt.latest(folder)
     if resume is not None:   # fsdp: the file holds full leaves; this rank keeps its cut
-        template = state if layout is None else \
-            bw_loop.init_state(cast(student, device="meta"), optimizer, bw.train, scfg.n_layers)
-        state = ckpt.load(resume, template=template, device=ctx.device)["state"]
+        state = bw_loop.restore(resume, state if layout is None else start(cast(student, device="meta")), state,
+                                ctx.device)
         state = state if layout is None else layout.shard(state)
     batches = ctx.corpus.batches(bw.batch_size, cfg.block_size, cfg.seed, device=ctx.device, rank=dist.rank,
                                  world_size=dist.world_size)
-    source = bw_loop.TeacherSource(t.params, t.config, batches, match=bw.match)
+    source = TeacherSource(t.params, t.config, batches, match=bw.match)
     if bw.cache_teacher:
         n = bw.cache_batches or bw.steps
         identity = {"teacher": fingerprint(t.params), "data": ctx.corpus.path, "seed": cfg.seed,
                     "batch_size": bw.batch_size, "block_size": cfg.block_size}
-        source.cache = bw_loop.BlockIOCache.open_or_build(source, n, identity, say=progress)
+        source.cache = BlockIOCache.open_or_build(source, n, identity, say=progress)
     health = GradientHealth(bw_loop.split(state.params, bw.train)[0], psum=layout.psum if layout else None,
                             every=bw.log_every) if bw.health else None
-    step_fn = bw_loop.make_step(scfg, optimizer, loss=bw.loss, mode=bw.mode, train=bw.train, ema=bw.ema,
-                                target=bw.convergence_target, patience=bw.patience, min_delta=bw.min_delta,
-                                match=bw.match, precision=cfg.dtype, device_type=ctx.device.type, compile=cfg.compile,
-                                layout=layout, average=dist.all_reduce_mean if dist.enabled and not layout else None,
-                                health=health)
+    donate = donates(bw_loop.loop_config(bw))   # as every run of the shared loop: the loop gives each state up
+    step_fn = bw_loop.make_step(scfg, optimizer, bw_loop.Blocks.of(bw), precision=cfg.dtype, compile=cfg.compile,
+                                donate=donate, health=health,
+                                parallel=Parallel(dist.all_reduce_mean if dist.enabled and not layout else None,
+                                                  shard=layout))
+    state = bw_loop.owned(state, bw.train, t.params) if donate else state
     trainable = size(bw_loop.split(student, bw.train)[0])
     ctx.say(f"blockwise: {bw.mode}, {bw.loss} on {bw.match} outputs, training {bw.train} "
         f"({trainable / 1e6:.2f}M params) of all {scfg.n_layers} blocks at once, up to {bw.steps} steps of {bw.batch_size} x {cfg.block_size} tokens"
