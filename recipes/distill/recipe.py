@@ -1,7 +1,8 @@
 """Knowledge distillation: ``bin/run recipe=distill teacher=PATH``: a frozen teacher teaches a smaller student.
 
 The objective is Hinton's ``alpha * T**2 * KL_T(teacher || student) + (1 - alpha) * CE`` (Hinton, Vinyals &
-Dean 2015) with forward, reverse or DistiLLM's symmetric KL (``models.losses``). The teacher is anything
+Dean 2015) with forward, reverse or DistiLLM's symmetric KL, or GKD's generalized JSD (``kl=jsd beta=``, Agarwal
+et al. 2024; ``models.losses``). The teacher is anything
 ``models.loading.load_model`` reads (a purestep checkpoint or run folder, a Hugging Face folder, a GGUF
 file, the name ``smollm2``); its params are an input of the train step (``frozen``), not a trained leaf
 and not a baked-in constant, and its forward runs under ``torch.no_grad`` (never ``inference_mode``: the
@@ -114,9 +115,11 @@ class Config(OrchestratedConfig):
     temperature_max: float = option(21.0, "learnable: upper bound of T (CTKD: 1 + 20)", above=0)
     temperature_ramp_steps: int = option(200, "learnable: steps of the cosine ramp of the gradient reversal (0: none)",
                                          min=0)
-    kl: str = option("forward", "KL direction: forward KL(p||q), reverse KL(q||p), symmetric (DistiLLM)",
-                     choices=losses.DIRECTIONS)
+    kl: str = option("forward", "KL direction: forward KL(p||q), reverse KL(q||p), symmetric (DistiLLM), jsd (GKD's "
+                     "generalized Jensen-Shannon, with beta)", choices=losses.DIRECTIONS)
     symmetric_lambda: float = option(0.9, "kl=symmetric: weight of the reverse KL", min=0, max=1)
+    beta: float = option(0.5, "kl=jsd: beta*KL(p||m) + (1-beta)*KL(q||m), m = beta*p + (1-beta)*q (GKD, TRL); "
+                         "0: forward KL, 1: reverse KL", min=0, max=1)
     cache: str = option("", "train from this offline teacher cache (recipe=distill_cache); empty: online teacher")
     sample_tokens: int = same_as(standard.Config, "sample_tokens")
     sample_prompt: str = same_as(standard.Config, "sample_prompt")
@@ -228,10 +231,10 @@ def make_loss(cfg: Config, student_cfg: llama.LlamaConfig, teacher_cfg: llama.Ll
             with torch.no_grad():   # the step's layers: its compiled block; the student's layers alone are its own
                 teacher_logits = llama.apply(frozen["teacher"], batch["x"], teacher_cfg, doc=doc, layers=layers)
             return losses.distill_objective(logits, y, teacher_logits, alpha=cfg.alpha, temperature=t,
-                                            direction=cfg.kl, symmetric_lambda=cfg.symmetric_lambda)
-        if cache_mode == "topk":
+                                            direction=cfg.kl, symmetric_lambda=cfg.symmetric_lambda, beta=cfg.beta)
+        if cache_mode == "topk":   # forward or jsd (TeacherCache.check_run refuses the others)
             kl = losses.topk_kd_loss(logits, batch["topk_ids"], batch["topk_logprobs"], batch["topk_missing"],
-                                     t, mask=y >= 0)
+                                     t, mask=y >= 0, direction=cfg.kl, beta=cfg.beta)
         else:
             counts = batch["sample_counts"].float()
             kl = losses.sampled_kd_loss(logits, batch["sample_ids"], counts / counts.sum(-1, keepdim=True), t,
@@ -401,7 +404,8 @@ def run(cfg: Config):
                      f"vocab {tcfg.vocab_size} ({tok.name}); data {describe(p.corpus)}; device {device}, {cfg.dtype}, "
                      f"compile={cfg.compile}; "
                      f"run folder {folder}")
-        logger.print(f"objective: {cfg.alpha:g} * T^2 * {cfg.kl} KL + {1 - cfg.alpha:g} * CE, temperature "
+        divergence = f"generalized JSD (beta={cfg.beta:g})" if cfg.kl == "jsd" else f"{cfg.kl} KL"
+        logger.print(f"objective: {cfg.alpha:g} * T^2 * {divergence} + {1 - cfg.alpha:g} * CE, temperature "
                      f"{_describe_temperature(cfg)}; teacher "
                      + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online (frozen, no_grad)")
                      + (f"; teacher sharded across {dist.world_size} ranks, gathered for every step"
