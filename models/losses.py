@@ -162,13 +162,15 @@ def blend(kl: torch.Tensor, ce: torch.Tensor, *, alpha: float, temperature) -> t
 
 def distill_objective(student_logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor, *,
                       alpha: float, temperature=1.0, direction: str = "forward",
-                      symmetric_lambda: float = 0.9, beta: float = 0.5) -> tuple[torch.Tensor, dict]:
+                      symmetric_lambda: float = 0.9, beta: float = 0.5, kd_mask=None) -> tuple[torch.Tensor, dict]:
     """``alpha * T**2 * KL_T(teacher, student) + (1 - alpha) * CE(student, targets)``, aux {kl, ce, temperature}.
 
-    Positions whose target is negative are left out of both terms.
+    Positions whose target is negative are left out of both terms; ``kd_mask`` (``[...]`` bool), when given, says
+    instead which positions the KL counts (on-policy distillation: the student's own tokens have a teacher
+    distribution but no CE target).
     """
     kl = kd_loss(student_logits, teacher_logits, temperature=temperature, direction=direction,
-                 symmetric_lambda=symmetric_lambda, beta=beta, mask=targets >= 0)
+                 symmetric_lambda=symmetric_lambda, beta=beta, mask=targets >= 0 if kd_mask is None else kd_mask)
     return blend(kl, cross_entropy(student_logits, targets), alpha=alpha, temperature=temperature)
 
 

@@ -1,9 +1,9 @@
 """GKD's generalized Jensen-Shannon divergence (Agarwal et al. 2024; TRL's ``GKDTrainer.generalized_jsd_loss``):
 ``kl=jsd`` with ``beta`` against a float64 hand formula, its ends equal to the forward and reverse KL, masked
 positions and vocabularies, the top-k cache's k + 1 outcomes, and recipe=distill kl=jsd compiled (the users'
-default path) on a tiny teacher, with the caches that cannot give it refused (exit 2)."""
+default path, with on_policy=0.5 in the same compile) on a tiny teacher, with the caches that cannot give it refused
+(exit 2)."""
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -134,54 +134,44 @@ def test_topk_cache_jsd_over_the_k_ids_and_the_other_bucket():
 # ------------------------------------------------------------------------------------------- the recipe
 
 TINY = ["block_size=16", "batch_size=4", "sample_tokens=0", "save_every=0", "eval_batches=1", "eval_every=0",
-        "warmup_steps=1", "log_every=1"]
+        "warmup_steps=1", "log_every=1", "model.d_model=16", "model.n_layers=1", "model.n_heads=2"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A char-level teacher of one layer (d=32), two eager steps on the corpus: ``(work folder, teacher, data)``."""
-    import inspect
-    import textwrap
-    work = tmp_path_factory.mktemp("jsd")
-    data = work / "text.txt"
-    data.write_text(Path(textwrap.__file__).read_text() + Path(inspect.__file__).read_text())
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PURESTEP_CACHE", str(work / "cache"))
-    teacher = work / "teacher"
-    assert main(["recipe=standard", f"data={data}", "tokenizer=char", f"out={teacher}", *TINY, "steps=2",
-                 "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "compile=false", "health=false"]) == 0
-    yield work, teacher, data
-    mp.undo()
-
-
-def test_distill_kl_jsd_compiled(tiny, capsys):
-    """The users' default path: compiled, kl=jsd beta=0.5, an online teacher; the KD term it logs is the JSD (at
-    most log 2 at beta = 0.5), and it trains."""
+def test_distill_kl_jsd_on_policy_compiled(tiny_teacher, token_cache, tmp_path, capsys):
+    """The users' default path, compiled: kl=jsd beta=0.5 against an online teacher, half the sequences continued by
+    the student (on_policy=0.5, tests/test_on_policy.py: one compile covers both). The KD term it logs is the JSD (at
+    most log 2 at beta = 0.5), and some of its positions score the student's own tokens."""
     import json
-    work, teacher, data = tiny
-    out = work / "distill"
-    assert main(["recipe=distill", f"teacher={teacher}", f"data={data}", f"out={out}", *TINY, "steps=3",
-                 "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "kl=jsd", "beta=0.5"]) == 0
-    assert "generalized JSD (beta=0.5)" in capsys.readouterr().err
+    teacher, data = tiny_teacher
+    out = tmp_path / "distill"
+    assert main(["recipe=distill", f"teacher={teacher}", f"data={data}", f"out={out}", *TINY, "steps=3", "kl=jsd",
+                 "beta=0.5", "on_policy=0.5"]) == 0
+    log = capsys.readouterr().err
+    assert "generalized JSD (beta=0.5)" in log and "on-policy (GKD)" in log
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     kls = [r["kl"] for r in rows if "kl" in r]
     assert len(kls) == 3 and all(0 < v < math.log(2) for v in kls)
+    assert any(r["on_policy"] > 0 for r in rows if "on_policy" in r)
 
 
-def test_caches_that_cannot_give_the_jsd_are_refused(tiny, capsys):
+def test_caches_that_cannot_give_the_jsd_are_refused(tiny_teacher, token_cache, tmp_path, capsys):
     """A sampled cache holds counts, not probabilities: kl=jsd is refused naming kl= and the cache (exit 2); a top-k
     cache gives it short of beta = 1 (its reverse KL is infinite where the missing mass rounded to 0)."""
-    work, teacher, data = tiny
-    common = [f"teacher={teacher}", f"data={data}", "block_size=16", "batch_size=4", "steps=2"]
+    teacher, data = tiny_teacher
+    work = tmp_path
+    common = [f"teacher={teacher}", f"data={data}", "steps=2"]
     for mode in ("sample", "topk"):
-        assert main(["recipe=distill_cache", *common, f"out={work / mode}", f"mode={mode}", "k=4", "samples=4"]) == 0
+        assert main(["recipe=distill_cache", *common, "block_size=16", "batch_size=4", f"out={work / mode}",
+                     f"mode={mode}", "k=4", "samples=4"]) == 0
     capsys.readouterr()
-    run = ["recipe=distill", *common, *TINY, "model.d_model=16", "model.n_layers=1", "model.n_heads=2",
-           "compile=false"]
+    run = ["recipe=distill", *common, *TINY, "compile=false"]
     assert main([*run, f"cache={work / 'sample'}", "kl=jsd", f"out={work / 'a'}"]) == 2
     err = capsys.readouterr().err
     assert "kl=jsd beta=0.5" in err and f"cache={work / 'sample'}" in err
     assert main([*run, f"cache={work / 'topk'}", "kl=jsd", "beta=1", f"out={work / 'b'}"]) == 2
     assert "kl=jsd beta=1" in capsys.readouterr().err
+    # on-policy rows need the teacher on the student's own tokens, which no cache holds
+    assert main([*run, f"cache={work / 'topk'}", "on_policy=0.5", f"out={work / 'd'}"]) == 2
+    assert "on_policy=0.5 with cache=" in capsys.readouterr().err
     assert main([*run, f"cache={work / 'topk'}", "kl=jsd", "beta=0.7", f"out={work / 'c'}"]) == 0
-    assert not (work / "a").exists() and not (work / "b").exists()
+    assert not any((work / name).exists() for name in "abd")
