@@ -20,7 +20,7 @@ first EOS), and the CE on the prompt's positions only (a CE target on the studen
 own output). Off-policy rows are unchanged.
 
 Generation runs outside the compiled train step, between the batch and the step (:func:`on_policy_step` wraps
-it): a decode is a loop of T - P forwards over a growing cache with sampling from per-row ``torch.Generator``\\ s
+it): a decode is a loop of T - P forwards over a growing cache with sampling from per-row ``torch.Generator`` objects
 and a stop at EOS, host decisions a graph cannot hold; and its tokens are data of the loss, not something to
 differentiate. As batch values (``x``, ``y``, and ``kd_mask``: the positions the KL counts) they keep the compiled
 step one graph of the same shapes with or without on-policy rows, and ``torch.func.grad_and_value`` traces no
