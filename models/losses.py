@@ -10,7 +10,12 @@ logits or cached targets hold (inf, NaN) neither its value nor its gradient reac
   "Distilling the Knowledge in a Neural Network"), forward KL(p||q) (mode-covering, = CE with soft targets
   up to the teacher's entropy), reverse KL(q||p) (mode-seeking; MiniLLM, Gu et al. ICLR 2024), or
   DistiLLM's symmetric mix (1 - lambda) * FKL + lambda * RKL with lambda = 0.9 (Ko et al. ICML 2024,
-  ``jongwooko/distillm distillm/losses.py``).
+  ``jongwooko/distillm distillm/losses.py``), or GKD's generalized Jensen-Shannon divergence ``jsd``
+  (Agarwal et al. ICLR 2024, "On-Policy Distillation of Language Models", eq. 1; TRL's
+  ``GKDTrainer.generalized_jsd_loss``): with the mixture m = beta * p + (1 - beta) * q (TRL's convention:
+  ``log m = logsumexp(log q + log(1 - beta), log p + log beta)``), JSD_beta = beta * KL(p||m) + (1 - beta) *
+  KL(q||m), p the teacher, q the student. At beta = 0 and 1 the mixture degenerates (JSD -> 0), so there,
+  as TRL does, it is the forward KL(p||q) and the reverse KL(q||p) exactly.
 - :func:`distill_objective` / :func:`blend`: Hinton's ``alpha * T**2 * KL + (1 - alpha) * CE``; the T**2
   keeps the soft-target gradient scale independent of T.
 - :func:`topk_kd_loss`: forward KL against a cached top-k teacher distribution. The missing mass
@@ -18,6 +23,7 @@ logits or cached targets hold (inf, NaN) neither its value nor its gradient reac
   ``distillkit/lossfuncs/kl.py`` and the MaxText-KD notes): teacher and student are compared as
   distributions over k + 1 outcomes, the k ids plus "everything else", where the student's bucket is
   the log-sum-exp of its log-probs outside the k ids. With k = V the bucket is empty and this is exact KL.
+  The generalized JSD over the same k + 1 outcomes too (``direction="jsd"``).
 - :func:`sample_teacher` / :func:`sampled_kd_loss`: Random-Sampling KD (Anshumann et al., "Sparse Logit
   Sampling: Accelerating Knowledge Distillation in LLMs", ACL 2025): n ids drawn from the teacher with
   replacement, stored as unique ids and counts; ``weights = counts / n`` is an unbiased estimate of p,
@@ -38,7 +44,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-DIRECTIONS = ("forward", "reverse", "symmetric")
+DIRECTIONS = ("forward", "reverse", "symmetric", "jsd")
 IGNORE_INDEX = -100
 """The target id of a masked position (Hugging Face's and ``F.cross_entropy``'s convention); every negative
 target is treated the same, so data that marks masked positions with -1 works too."""
@@ -84,11 +90,40 @@ def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return (p * (torch.where(support, log_p, zero) - torch.where(support, log_q, zero))).sum(-1)
 
 
+def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    """``log(beta * p + (1 - beta) * q)`` for 0 < beta < 1, a two-term log-sum-exp written with ``where`` so that
+    an outcome neither puts mass on (both logs ``-inf``: a masked vocabulary) gives ``-inf`` with a zero, not NaN,
+    gradient (``torch.logsumexp``'s backward is ``exp(-inf - -inf)`` = NaN there)."""
+    a, b = log_p + math.log(beta), log_q + math.log1p(-beta)
+    top = torch.maximum(a, b)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    total = (a - top).exp() + (b - top).exp()
+    some = total > 0
+    return torch.where(some, top + torch.where(some, total, torch.ones_like(total)).log(),
+                       torch.full_like(total, float("-inf")))
+
+
+def jsd(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    """GKD's generalized JSD per position (summed over the last axis): ``beta * KL(p||m) + (1 - beta) * KL(q||m)``,
+    ``m = beta * p + (1 - beta) * q``; ``p`` the teacher, ``q`` the student (Agarwal et al. 2024, eq. 1, with
+    TRL's ``generalized_jsd_loss`` conventions). ``beta`` 0 is the forward KL(p||q), 1 the reverse KL(q||p), as
+    TRL has them (the mixture degenerates there)."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"the generalized JSD's beta must be in [0, 1], not {beta}")
+    if beta == 0.0:
+        return _kl(log_p, log_q)
+    if beta == 1.0:
+        return _kl(log_q, log_p)
+    log_m = _log_mixture(log_p, log_q, beta)
+    return beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
+
+
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, temperature=1.0,
-            direction: str = "forward", symmetric_lambda: float = 0.9, mask=None) -> torch.Tensor:
+            direction: str = "forward", symmetric_lambda: float = 0.9, beta: float = 0.5, mask=None) -> torch.Tensor:
     """KL between teacher p = softmax(z_t / T) and student q = softmax(z_s / T), at temperature T.
 
-    ``direction``: ``forward`` KL(p||q), ``reverse`` KL(q||p), ``symmetric`` (1 - lambda) * FKL + lambda * RKL.
+    ``direction``: ``forward`` KL(p||q), ``reverse`` KL(q||p), ``symmetric`` (1 - lambda) * FKL + lambda * RKL,
+    ``jsd`` the generalized JSD with ``beta`` (:func:`jsd`: 0 forward, 1 reverse KL).
     Summed over the vocabulary, averaged over the positions where ``mask`` (``[...]`` bool) is true.
     The caller multiplies by T**2 (see :func:`blend`).
     """
@@ -100,6 +135,8 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, tempe
         per_token = _kl(log_p, log_q)
     elif direction == "reverse":
         per_token = _kl(log_q, log_p)
+    elif direction == "jsd":
+        per_token = jsd(log_p, log_q, beta)
     else:
         per_token = (1 - symmetric_lambda) * _kl(log_p, log_q) + symmetric_lambda * _kl(log_q, log_p)
     return _masked_mean(per_token, mask)
@@ -125,13 +162,15 @@ def blend(kl: torch.Tensor, ce: torch.Tensor, *, alpha: float, temperature) -> t
 
 def distill_objective(student_logits: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor, *,
                       alpha: float, temperature=1.0, direction: str = "forward",
-                      symmetric_lambda: float = 0.9) -> tuple[torch.Tensor, dict]:
+                      symmetric_lambda: float = 0.9, beta: float = 0.5, kd_mask=None) -> tuple[torch.Tensor, dict]:
     """``alpha * T**2 * KL_T(teacher, student) + (1 - alpha) * CE(student, targets)``, aux {kl, ce, temperature}.
 
-    Positions whose target is negative are left out of both terms.
+    Positions whose target is negative are left out of both terms; ``kd_mask`` (``[...]`` bool), when given, says
+    instead which positions the KL counts (on-policy distillation: the student's own tokens have a teacher
+    distribution but no CE target).
     """
     kl = kd_loss(student_logits, teacher_logits, temperature=temperature, direction=direction,
-                 symmetric_lambda=symmetric_lambda, mask=targets >= 0)
+                 symmetric_lambda=symmetric_lambda, beta=beta, mask=targets >= 0 if kd_mask is None else kd_mask)
     return blend(kl, cross_entropy(student_logits, targets), alpha=alpha, temperature=temperature)
 
 
@@ -146,8 +185,10 @@ def teacher_topk(teacher_logits: torch.Tensor, k: int, temperature=1.0):
 
 
 def topk_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor,
-                 missing_mass: torch.Tensor, temperature=1.0, mask=None) -> torch.Tensor:
-    """Forward KL against a cached top-k teacher, the missing mass as an "other" bucket.
+                 missing_mass: torch.Tensor, temperature=1.0, mask=None, *, direction: str = "forward",
+                 beta: float = 0.5) -> torch.Tensor:
+    """Forward KL (or ``direction="jsd"``: the generalized JSD with ``beta``) against a cached top-k teacher, the
+    missing mass as an "other" bucket.
 
     ``ids``/``logprobs`` ``[.., k]`` are the teacher's top-k at the temperature the cache was captured at
     (which must be ``temperature``); ``missing_mass`` ``[..]`` is 1 - sum(top-k p). Per position::
@@ -156,8 +197,12 @@ def topk_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, logprobs: torc
 
     i.e. KL over k + 1 outcomes. With k = V the bucket is empty and this equals :func:`kd_loss` (forward):
     the float32 rounding that leaves a tiny M_t > 0 is then ignored (it would multiply an empty bucket's
-    log-mass, about -3.4e38).
+    log-mass, about -3.4e38). ``jsd`` is :func:`jsd` over the same k + 1 outcomes (the bucket counts even where
+    M_t = 0: the student's mass there is in the mixture); its ``beta = 1`` end, the reverse KL, is infinite
+    where M_t = 0 and the student has mass outside the k ids.
     """
+    if direction not in ("forward", "jsd"):
+        raise ValueError(f"a top-k cache gives direction forward or jsd, not {direction!r}")
     log_q = _log_probs(_keep(student_logits, mask), temperature)
     ids = _keep(ids.long(), mask)
     log_q_k = log_q.gather(-1, ids)
@@ -166,7 +211,15 @@ def topk_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, logprobs: torc
     outside = log_q.scatter(-1, ids, torch.finfo(log_q.dtype).min)
     log_m_s = torch.logsumexp(outside, dim=-1)
     m_t = _keep(missing_mass.float(), mask)
-    has_rest = m_t > 0 if ids.shape[-1] < log_q.shape[-1] else torch.zeros_like(m_t, dtype=torch.bool)
+    bucket = ids.shape[-1] < log_q.shape[-1]
+    if direction == "jsd":
+        if bucket:   # k + 1 outcomes: the k ids and "everything else"
+            log_m_t = torch.where(m_t > 0, torch.where(m_t > 0, m_t, torch.ones_like(m_t)).log(),
+                                  torch.full_like(m_t, float("-inf")))
+            log_p_k = torch.cat([log_p_k, log_m_t[..., None]], -1)
+            log_q_k = torch.cat([log_q_k, log_m_s[..., None]], -1)
+        return _masked_mean(jsd(log_p_k, log_q_k, beta), mask)
+    has_rest = m_t > 0 if bucket else torch.zeros_like(m_t, dtype=torch.bool)
     safe_m_t = torch.where(has_rest, m_t, torch.ones_like(m_t))
     rest = torch.where(has_rest, m_t * (safe_m_t.log() - log_m_s), torch.zeros_like(m_t))
     return _masked_mean(_kl(log_p_k, log_q_k) + rest, mask)

@@ -3,13 +3,17 @@
 ``generate(forward, prompt, ...)`` is model-agnostic: ``forward(tokens, past_len) -> logits`` owns its KV
 cache, so the prompt is processed once (prefill) and every new token costs one position (decode). Any
 model that offers such a decoder (``models.llama.decoder``, the DBA student) generates through it.
-Randomness comes from an explicit ``torch.Generator``: the same seed, the same text.
+Randomness comes from an explicit ``torch.Generator``: the same seed, the same text; or one generator per row,
+so that a row of a batch draws what it would draw alone (on-policy distillation's rollouts,
+``recipes.distill.on_policy``, each row with its own seed).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
+
+Generators = Union[torch.Generator, Sequence[torch.Generator], None]
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -35,21 +39,32 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def sample_rows(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                generator: Generators = None) -> torch.Tensor:
+    """:func:`sample` with ``generator`` one ``torch.Generator`` for the batch, or a sequence of them, one per row:
+    row ``i`` then draws from ``generator[i]`` exactly as a batch of that row alone would."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return sample(logits, temperature, top_k, top_p, generator)
+    if len(generator) != logits.shape[0]:
+        raise ValueError(f"{len(generator)} generators for {logits.shape[0]} rows")
+    return torch.cat([sample(logits[i:i + 1], temperature, top_k, top_p, g) for i, g in enumerate(generator)])
+
+
 @torch.no_grad()
 def generate(forward: Callable[[torch.Tensor, int], torch.Tensor], prompt: torch.Tensor, max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             generator: Optional[torch.Generator] = None, eos_id: Optional[int] = None,
+             generator: Generators = None, eos_id: Optional[int] = None,
              on_token: Optional[Callable[[int], None]] = None) -> torch.Tensor:
     """Continue ``prompt`` [B, T]; returns the new tokens [B, <= max_new_tokens].
 
-    ``on_token(id)`` streams batch row 0 as it is produced; generation stops early when every row has
-    produced ``eos_id``.
+    ``generator``: one for the batch or one per row (:func:`sample_rows`). ``on_token(id)`` streams batch row 0 as
+    it is produced; generation stops early when every row has produced ``eos_id``.
     """
     logits = forward(prompt, 0)[:, -1]
     past, out = prompt.shape[1], []
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     for _ in range(max_new_tokens):
-        token = sample(logits, temperature, top_k, top_p, generator)
+        token = sample_rows(logits, temperature, top_k, top_p, generator)
         out.append(token)
         if on_token is not None:
             on_token(int(token[0]))

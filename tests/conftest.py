@@ -69,3 +69,23 @@ def pytest_runtest_logreport(report):
 
 def pytest_collectreport(report):
     _record_skip(report)
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory):
+    """``(teacher run folder, data file)``: a char-level Llama of one layer (d=32) after two eager steps on ~130k
+    characters of stdlib text, in seconds: a teacher for the distillation recipe's own paths (tests/test_kd_jsd.py,
+    tests/test_on_policy.py). Tests that use it take ``token_cache`` too (the data's tokens land there)."""
+    import inspect
+    import textwrap
+    from recipes import main
+    work = tmp_path_factory.mktemp("tiny_teacher")
+    data = work / "text.txt"
+    data.write_text(Path(textwrap.__file__).read_text() + Path(inspect.__file__).read_text())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PURESTEP_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        assert main(["recipe=standard", f"data={data}", "tokenizer=char", f"out={work / 'teacher'}", "steps=2",
+                     "block_size=16", "batch_size=4", "warmup_steps=1", "eval_every=0", "eval_batches=1",
+                     "save_every=0", "sample_tokens=0", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
+                     "compile=false", "health=false"]) == 0
+    return work / "teacher", data

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from core.io import cache
-from core.config import UserError, option, same_as
+from core.config import ConfigError, UserError, option, same_as
 from core.device import resolve_device
 from core.gradients import autocast
 from core.io.logging import progress
@@ -130,9 +130,10 @@ class TeacherCache:
         if wrong:
             raise UserError(f"cache={self.path} does not match this run: {'; '.join(wrong)}; rebuild it with "
                             f"recipe=distill_cache and the run's settings")
-        if cfg.temperature_mode != "fixed" or cfg.kl != "forward":
-            raise UserError(f"cache={self.path}: cached targets fix the teacher at T={m['temperature']:g} and give "
-                            f"forward KL only; use temperature_mode=fixed kl=forward (or the online teacher)")
+        if cfg.temperature_mode != "fixed":
+            raise UserError(f"cache={self.path}: cached targets fix the teacher at T={m['temperature']:g}; use "
+                            f"temperature_mode=fixed (or the online teacher)")
+        check_divergence(cfg, self.mode, self.path)
 
     def targets(self, cursor: int, device=None) -> dict:
         def tensor(stem, dtype=None):
@@ -142,6 +143,23 @@ class TeacherCache:
             return {"topk_ids": tensor("ids", np.int64), "topk_logprobs": tensor("logprobs"),
                     "topk_missing": tensor("missing")}
         return {"sample_ids": tensor("ids", np.int64), "sample_counts": tensor("counts", np.int32)}
+
+
+def check_divergence(cfg, mode: str, path) -> None:
+    """A ConfigError naming ``kl=`` and the cache unless a ``mode`` cache gives ``cfg.kl``: top-k gives the forward KL
+    and the generalized JSD over its k ids and an "other" bucket (``models.losses.topk_kd_loss``), short of beta = 1
+    (the reverse KL, infinite wherever the cached missing mass rounded to 0); a sampled cache gives the forward KL's
+    gradient only (soft-target CE over the drawn ids: it holds no teacher probabilities for a mixture or a reverse
+    KL)."""
+    if cfg.kl == "forward" or (mode == "topk" and cfg.kl == "jsd" and cfg.beta < 1):
+        return
+    what = f"kl={cfg.kl}" + (f" beta={cfg.beta:g}" if cfg.kl == "jsd" else "")
+    if mode == "topk":
+        gives = "forward KL and kl=jsd with beta < 1 (over the k ids and the missing mass)"
+    else:
+        gives = "the forward KL only (counts of drawn ids, not the teacher's probabilities)"
+    raise ConfigError(f"{what} with cache={path}: a {mode} cache gives {gives}; choose one of those or distill "
+                      f"online (drop cache=)")
 
 
 # ---------------------------------------------------------------------------------------------- building

@@ -1,7 +1,8 @@
 """Knowledge distillation: ``bin/run recipe=distill teacher=PATH``: a frozen teacher teaches a smaller student.
 
 The objective is Hinton's ``alpha * T**2 * KL_T(teacher || student) + (1 - alpha) * CE`` (Hinton, Vinyals &
-Dean 2015) with forward, reverse or DistiLLM's symmetric KL (``models.losses``). The teacher is anything
+Dean 2015) with forward, reverse or DistiLLM's symmetric KL, or GKD's generalized JSD (``kl=jsd beta=``, Agarwal
+et al. 2024; ``models.losses``). The teacher is anything
 ``models.loading.load_model`` reads (a purestep checkpoint or run folder, a Hugging Face folder, a GGUF
 file, the name ``smollm2``); its params are an input of the train step (``frozen``), not a trained leaf
 and not a baked-in constant, and its forward runs under ``torch.no_grad`` (never ``inference_mode``: the
@@ -25,6 +26,10 @@ trains it, and as a 0-d leaf it is not weight-decayed). The step reaches the sch
 ``batch["step"]`` is the data cursor, which is the optimizer step (after a spike rollback, which skips
 batches, the schedules follow the data).
 
+``on_policy=`` (GKD's ``lmbda``, ``recipes/distill/on_policy.py``) lets the student continue that fraction of the
+sequences itself (its KV-cache decode, outside the compiled step) and the teacher score them: the KL on the states
+the student visits when it generates.
+
 ``cache=PATH`` trains from teacher outputs cached offline by ``recipe=distill_cache`` (top-k with an
 "other" bucket, or Random-Sampling KD) with no teacher forward at all. Validation reports the student's
 CE loss and perplexity (and the teacher's once, for reference). Checkpoints hold the student as a plain
@@ -43,9 +48,7 @@ batches, and its probe is the student's CE on held-out windows.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import typing
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -53,18 +56,20 @@ from typing import Callable, Optional
 import torch
 
 from core.parallel import distributed
-from core.config import UserError, option, same_as, to_dict
+from core.config import ConfigError, UserError, option, same_as, to_dict
 from core.device import resolve_device
 from core.parallel.distributed import Dist
 from core.step import Compile, make_eval_step
 from core.data.documents import DocCorpus
 from core.io.telemetry import flops_per_token
-from core.tree import cast, size, tree_map
+from core.tree import size
 from models import llama, losses
-from models.loading import LoadedModel, load_model, model_entry
+from models.loading import LoadedModel, model_entry
 from recipes import standard
 from recipes.distill.cache import TeacherCache
-from recipes.distill.teacher import (compute_view, data_identity, held_dtype_hint, load_teacher, shard_teacher,
+from recipes.distill.on_policy import OnPolicy, on_policy_step
+from recipes.distill.student import STUDENTS, THETA, StudentModel, build_student
+from recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, shard_teacher,
                                      teacher_data, teacher_dtype_option, teacher_identity, teacher_option)
 from recipes.orchestrator.config import OrchestratedConfig
 from recipes.orchestrator.driver import orchestrate
@@ -76,24 +81,7 @@ from recipes.train.setup import RunSetup, run_folder
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
 GRID = True                 # seed=1,2 and grid.KEY=A,B run it per cell (core.cli.grid)
 
-STUDENTS = ("config", "drop_layers", "shrink")
 TEMPERATURE_MODES = ("fixed", "scheduled", "learnable")
-THETA = "kd_temperature"          # the learnable temperature's logit in the params pytree
-
-
-def _optional_fields(cls, name: str, help_: str):
-    """A copy of dataclass ``cls`` whose every field is ``X | None = None`` ("unset"), in the field's range."""
-    hints = typing.get_type_hints(cls)
-
-    def unset(f):
-        bounds = f.metadata.get("range")
-        return option(None, help_, **(bounds.keywords() if bounds is not None else {}))
-    return dataclasses.make_dataclass(
-        name, [(f.name, Optional[hints[f.name]], unset(f)) for f in dataclasses.fields(cls)])
-
-
-StudentModel = _optional_fields(llama.LlamaConfig, "StudentModel",
-                                "student shape (student=config: unset = LlamaConfig default; shrink: the teacher's)")
 
 
 @dataclass
@@ -114,10 +102,17 @@ class Config(OrchestratedConfig):
     temperature_max: float = option(21.0, "learnable: upper bound of T (CTKD: 1 + 20)", above=0)
     temperature_ramp_steps: int = option(200, "learnable: steps of the cosine ramp of the gradient reversal (0: none)",
                                          min=0)
-    kl: str = option("forward", "KL direction: forward KL(p||q), reverse KL(q||p), symmetric (DistiLLM)",
-                     choices=losses.DIRECTIONS)
+    kl: str = option("forward", "KL direction: forward KL(p||q), reverse KL(q||p), symmetric (DistiLLM), jsd (GKD's "
+                     "generalized Jensen-Shannon, with beta)", choices=losses.DIRECTIONS)
     symmetric_lambda: float = option(0.9, "kl=symmetric: weight of the reverse KL", min=0, max=1)
+    beta: float = option(0.5, "kl=jsd: beta*KL(p||m) + (1-beta)*KL(q||m), m = beta*p + (1-beta)*q (GKD, TRL); "
+                         "0: forward KL, 1: reverse KL", min=0, max=1)
     cache: str = option("", "train from this offline teacher cache (recipe=distill_cache); empty: online teacher")
+    on_policy: float = option(0.0, "GKD's lmbda: the fraction of sequences the student continues itself (its KV-cache "
+                              "decode) for the teacher to score, the KL on its tokens; 0: off-policy only", min=0, max=1)
+    on_policy_prompt: int = option(0, "on_policy: the window's first tokens kept as the prompt; the student generates "
+                                   "the other block_size - on_policy_prompt (0: half the window)", min=0)
+    on_policy_temperature: float = option(1.0, "on_policy: the student's sampling temperature (0: greedy)", min=0)
     sample_tokens: int = same_as(standard.Config, "sample_tokens")
     sample_prompt: str = same_as(standard.Config, "sample_prompt")
     sample_temperature: float = same_as(standard.Config, "sample_temperature")
@@ -131,64 +126,6 @@ PRESETS = {
                 "eval_every": 50, "eval_batches": 8, "save_every": 0, "log_every": 5, "sample_tokens": 48,
                 "compile": False},
 }
-
-
-# ---------------------------------------------------------------------------------------------- student
-
-WIDTH_DEPENDENTS = {"head_dim": ("d_model", "n_heads"), "ffn_dim": ("d_model",)}
-
-
-def build_student(cfg: Config, teacher: LoadedModel, device) -> tuple[llama.LlamaConfig, dict, str]:
-    """``(config, params, description)`` of the student (without the temperature parameter)."""
-    vocab = teacher.config.vocab_size
-    overrides = {k: v for k, v in dataclasses.asdict(cfg.model).items() if v is not None}
-    if overrides.pop("vocab_size", vocab) != vocab:
-        raise UserError(f"model.vocab_size={cfg.model.vocab_size}: the student shares the teacher's "
-                        f"vocabulary ({vocab}); leave it unset")
-    if cfg.init:
-        if cfg.student != "config" or overrides:
-            raise UserError("init=PATH starts the student from that checkpoint: leave student= and model.* unset")
-        start = load_model(cfg.init, device=device)
-        if start.config.vocab_size != vocab:
-            raise UserError(f"init={cfg.init}: its vocabulary ({start.config.vocab_size}) differs from the "
-                            f"teacher's ({vocab})")
-        return start.config, {k: v for k, v in start.params.items() if k != THETA}, \
-            f"from {start.source} ({start.format})"
-    if cfg.student == "drop_layers":
-        if overrides:
-            raise UserError(f"student=drop_layers copies the teacher's shape; model.* keys "
-                            f"({', '.join(sorted(overrides))}) apply to student=config or shrink")
-        return _drop_layers(teacher, device)
-    try:
-        if cfg.student == "config":
-            scfg, how = llama.LlamaConfig(**{**overrides, "vocab_size": vocab}), "fresh, model.* shape"
-        else:
-            scfg, how = _shrink(teacher.config, overrides), "fresh, the teacher's architecture with model.* widths"
-    except ValueError as e:
-        raise UserError(f"student={cfg.student}: {e}") from None
-    return scfg, llama.init(scfg, cfg.seed, device=device), how
-
-
-def _drop_layers(teacher: LoadedModel, device):
-    """Every other teacher layer (0, 2, 4, ...) with the teacher's embeddings and norms (DistilBERT's init)."""
-    n = teacher.config.n_layers
-    keep = list(range(0, n, 2))
-    weights = compute_view(teacher.params)   # a bf16 teacher still gives an fp32 student
-    layers = tree_map(lambda w: w[keep].clone(), weights["layers"])
-    params = {**{k: v.clone() for k, v in weights.items() if k != "layers"}, "layers": layers}
-    return (replace(teacher.config, n_layers=len(keep)), cast(params, device=device),
-            f"teacher layers 0, 2, ..., {keep[-1]} ({len(keep)} of {n}), initialized from their weights")
-
-
-def _shrink(tcfg: llama.LlamaConfig, overrides: dict) -> llama.LlamaConfig:
-    """The teacher's config with ``overrides``; head/MLP widths and KV heads follow new widths unless set."""
-    base = dataclasses.asdict(tcfg)
-    for derived, inputs in WIDTH_DEPENDENTS.items():
-        if derived not in overrides and any(k in overrides for k in inputs):
-            base[derived] = 0                          # recomputed from the new widths by LlamaConfig
-    if "n_heads" in overrides and "n_kv_heads" not in overrides:
-        base["n_kv_heads"] = max(1, overrides["n_heads"] // (tcfg.n_heads // tcfg.n_kv_heads))   # same grouping
-    return llama.LlamaConfig(**{**base, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------- the step
@@ -227,11 +164,16 @@ def make_loss(cfg: Config, student_cfg: llama.LlamaConfig, teacher_cfg: llama.Ll
         if not cache_mode:
             with torch.no_grad():   # the step's layers: its compiled block; the student's layers alone are its own
                 teacher_logits = llama.apply(frozen["teacher"], batch["x"], teacher_cfg, doc=doc, layers=layers)
-            return losses.distill_objective(logits, y, teacher_logits, alpha=cfg.alpha, temperature=t,
-                                            direction=cfg.kl, symmetric_lambda=cfg.symmetric_lambda)
-        if cache_mode == "topk":
+            kd_mask = batch.get("kd_mask")     # on_policy: the KL's positions include the student's own tokens
+            loss, aux = losses.distill_objective(logits, y, teacher_logits, alpha=cfg.alpha, temperature=t,
+                                                 direction=cfg.kl, symmetric_lambda=cfg.symmetric_lambda, beta=cfg.beta,
+                                                 kd_mask=kd_mask)
+            if kd_mask is not None:   # the share of the KL's positions that score the student's own tokens
+                aux["on_policy"] = (kd_mask & (y < 0)).sum() / kd_mask.sum().clamp(min=1)
+            return loss, aux
+        if cache_mode == "topk":   # forward or jsd (TeacherCache.check_run refuses the others)
             kl = losses.topk_kd_loss(logits, batch["topk_ids"], batch["topk_logprobs"], batch["topk_missing"],
-                                     t, mask=y >= 0)
+                                     t, mask=y >= 0, direction=cfg.kl, beta=cfg.beta)
         else:
             counts = batch["sample_counts"].float()
             kl = losses.sampled_kd_loss(logits, batch["sample_ids"], counts / counts.sum(-1, keepdim=True), t,
@@ -279,6 +221,7 @@ class Prepared:
     frozen: Optional[dict]
     cache: object
     teacher_layout: object = None   # teacher_shard=true: where the teacher's shards live (core.parallel.shard)
+    rollout: Optional[OnPolicy] = None   # on_policy > 0: the student's continuations (recipes.distill.on_policy)
 
     @property
     def state(self):
@@ -295,6 +238,19 @@ def check_keys(cfg: Config, world_size: int):
                         "drop one of them")
     if cfg.cache and world_size > 1:
         raise UserError("cache= is keyed by the single-process batch; run data-parallel distillation online")
+    if cfg.on_policy > 0:
+        if cfg.cache:
+            raise ConfigError(f"on_policy={cfg.on_policy:g} with cache={cfg.cache}: a cache holds the teacher's outputs "
+                              f"on the data's windows, not on the student's own continuations; distill on-policy "
+                              f"online (drop cache=) or set on_policy=0")
+        if not 0 < on_policy_prompt(cfg) < cfg.block_size:
+            raise ConfigError(f"bad value for 'on_policy_prompt': {cfg.on_policy_prompt}; the prompt must leave the "
+                              f"student tokens to write in block_size={cfg.block_size}: 1 to {cfg.block_size - 1}")
+
+
+def on_policy_prompt(cfg: Config) -> int:
+    """The prompt length of an on-policy row (``on_policy_prompt``, 0: half the window)."""
+    return cfg.on_policy_prompt or cfg.block_size // 2
 
 
 def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
@@ -315,6 +271,9 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
                             f"of JSONL data={cfg.data} (loss_on, pack); distill it online (drop cache=)")
         cache = TeacherCache.open(cfg.cache)
         cache.check_run(cfg, teacher_id, data_identity(corpus))
+    if cfg.on_policy > 0 and isinstance(corpus, DocCorpus):
+        raise UserError(f"on_policy={cfg.on_policy:g}: the student continues a text stream's windows, not the packed "
+                        f"documents of JSONL data={cfg.data}; distill it off-policy (on_policy=0)")
     if theta0 is not None:
         params[THETA] = torch.tensor(theta0, dtype=torch.float32, device=device)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device,
@@ -327,11 +286,17 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     params = layout.full_shapes() if layout else params    # fsdp: only the shards stay alive
     loss_fn = make_loss(cfg, student_cfg, teacher.config, cache.mode if cache else "")
 
-    def make_train(opt):
-        return build_steps(cfg, loss_fn, opt, params, batches, device, student_cfg.vocab_size, dist, layout).train
+    rollout = None if cfg.on_policy == 0 else OnPolicy(
+        cfg.on_policy, on_policy_prompt(cfg), cfg.on_policy_temperature, cfg.seed, dist.rank, student_cfg, tok.eos_id,
+        cfg.dtype, layout)
+
+    def make_train(opt):   # the orchestrator's strategies roll out with their own params too
+        return on_policy_step(build_steps(cfg, loss_fn, opt, params, batches, device, student_cfg.vocab_size, dist,
+                                          layout).train, rollout)
 
     steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist,
                         layout)
+    steps = replace(steps, train=on_policy_step(steps.train, rollout))
     eval_step = make_eval_step(lambda prm, b, layers=None: llama.loss(prm, b, student_cfg, layers=layers),
                                precision=cfg.dtype,
                                compile=Compile(cfg.compile, backend.compile_scope(cfg, params),
@@ -343,19 +308,21 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
         steps = replace(steps, train=gathering(steps.train, teacher_layout, frozen="teacher"))
         teacher = replace(teacher, params=teacher_layout.full_shapes())    # only the shards stay alive
     return Prepared(cfg, dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
-                    val_batches, frozen, cache, teacher_layout)
+                    val_batches, frozen, cache, teacher_layout, rollout)
 
 
 
 def train_flops_per_token(p: Prepared, cfg: Config) -> float:
-    """The student's training FLOPs per token plus, online, the teacher's forward (a third of its training)."""
+    """The student's training FLOPs per token plus, online, the teacher's forward (a third of its training), and
+    with ``on_policy`` that fraction of a student forward (the rollouts: the prompt's prefill, one per new token)."""
     s, t = p.student_cfg, p.teacher.config
     full = p.run.layout.full_shapes() if p.run.layout else p.state.params
     student = {k: v for k, v in full.items() if k != THETA}
     flops = flops_per_token(llama.matmul_params(student), s.n_layers, cfg.block_size, s.d_model)
     if p.cache is None:
         flops += flops_per_token(llama.matmul_params(p.teacher.params), t.n_layers, cfg.block_size, t.d_model) / 3
-    return flops
+    student_forward = flops_per_token(llama.matmul_params(student), s.n_layers, cfg.block_size, s.d_model) / 3
+    return flops + cfg.on_policy * student_forward
 
 
 def dry_run(cfg: Config) -> str:
@@ -401,11 +368,18 @@ def run(cfg: Config):
                      f"vocab {tcfg.vocab_size} ({tok.name}); data {describe(p.corpus)}; device {device}, {cfg.dtype}, "
                      f"compile={cfg.compile}; "
                      f"run folder {folder}")
-        logger.print(f"objective: {cfg.alpha:g} * T^2 * {cfg.kl} KL + {1 - cfg.alpha:g} * CE, temperature "
+        divergence = f"generalized JSD (beta={cfg.beta:g})" if cfg.kl == "jsd" else f"{cfg.kl} KL"
+        logger.print(f"objective: {cfg.alpha:g} * T^2 * {divergence} + {1 - cfg.alpha:g} * CE, temperature "
                      f"{_describe_temperature(cfg)}; teacher "
                      + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online (frozen, no_grad)")
                      + (f"; teacher sharded across {dist.world_size} ranks, gathered for every step"
                         if p.teacher_layout else ""))
+        if p.rollout is not None:
+            r = p.rollout
+            logger.print(f"on-policy (GKD): each sequence with probability {r.fraction:g} is the first {r.prompt} "
+                         f"tokens of its window continued by the student for {cfg.block_size - r.prompt} (KV-cache "
+                         f"decode at temperature {r.temperature:g}, outside the compiled step), the {divergence} on "
+                         f"its tokens")
         if resume is not None:
             logger.print(f"resuming from {resume} at step {int(state.step)}")
         else:
