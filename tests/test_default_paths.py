@@ -285,9 +285,10 @@ def standard_fsdp(run):
 
 @job
 def distill_ddp(run):
-    """The README's first distill command on 2 ranks (after ``distill_online``, with its rows per rank)."""
+    """The README's first distill command on 2 ranks (after ``distill_online``, with its rows per rank), half its
+    rows rolled out by the student (GKD's on-policy distillation: the same compiled step, other data)."""
     run.get("distill_online")
-    return run(*readme(DISTILL), *STUDENT, "parallel=ddp", "name=ddp", ranks=2)
+    return run(*readme(DISTILL), *STUDENT, "parallel=ddp", "name=ddp", "on_policy=0.5", ranks=2)
 
 
 @job
@@ -420,6 +421,9 @@ def test_distill_under_torchrun(parallel, run, work):
     out = output(run.get(f"distill_{parallel}"))
     assert "compile=True" in out and f"parallel: {parallel} over 2 ranks" in out
     assert (work / "runs" / f"distill-{parallel}" / "final.msgpack").exists()
+    if parallel == "ddp":   # on_policy=0.5: each rank rolled out rows of its own
+        rows = [json.loads(line) for line in (work / "runs" / "distill-ddp" / "metrics.jsonl").read_text().splitlines()]
+        assert any(r.get("on_policy", 0) > 0 for r in rows)
 
 
 @uses("upcycle_fsdp")

@@ -1,11 +1,9 @@
 """On-policy distillation (GKD's ``lmbda``: ``recipe=distill on_policy=``): the student's continuation of a row is
 its own KV-cache decode, token for token what ``recipe=generate`` prints for the same params, prompt, seed and
 temperature; the batch the step sees (prompt kept, CE only on real text, the KL on the student's tokens); the
-rollout a pure function of (seed, cursor, rank); and the compiled run on 2 torchrun ranks (parallel=ddp). The
-compiled single-process run is tests/test_kd_jsd.py's (kl=jsd on_policy=0.5, one compile for both)."""
-import json
-import os
-import subprocess
+rollout a pure function of (seed, cursor, rank). The compiled single-process run is tests/test_kd_jsd.py's (kl=jsd
+on_policy=0.5, one compile for both); the compiled run on 2 torchrun ranks is the default path's distill under
+parallel=ddp with on_policy=0.5 (tests/test_default_paths.py, whose compile it shares)."""
 from pathlib import Path
 
 import torch
@@ -104,18 +102,3 @@ def test_bad_on_policy_keys_are_refused(tiny_teacher, token_cache, tmp_path, cap
     assert main([*base, "on_policy=1.5"]) == 2
     assert "on_policy" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
-
-
-def test_on_policy_under_torchrun_ddp_compiled(tiny_teacher, token_cache, tmp_path):
-    """Two gloo ranks, parallel=ddp, the compiled step: each rank rolls out its own rows (its rank in the rollouts'
-    key) and the run trains."""
-    teacher, data = tiny_teacher
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"),
-                           "recipe=distill", f"teacher={teacher}", f"data={data}", *TINY, "steps=3", "kl=jsd",
-                           "on_policy=0.5", "parallel=ddp", f"out={tmp_path / 'ddp'}"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ddp over 2 ranks" in proc.stderr + proc.stdout
-    rows = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("on_policy", 0) > 0 for r in rows) and (tmp_path / "ddp" / "final.msgpack").exists()
