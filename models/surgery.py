@@ -220,11 +220,8 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
     relative Frobenius errors (lists of L floats): ``score_err`` / ``score_err_act`` of the semantic factorization
     against the dropped pairs' no-RoPE score (weight metric / on the calibration activations), ``v_err`` /
     ``v_err_act`` of the value bottleneck (for a teacher with q/k/v biases: of the augmented [W | b] matrices,
-    on the augmented inputs [x; 1]); and the kept pairs (also in the config).
-
-    ``shared_pairs`` keeps one set of RoPE pairs for every layer and KV head (step 1's scores summed over them);
-    with ``sem_dim=0`` and ``v_dim=geo_dim`` the student is then a plain GQA Llama (``models.dba_llama``) that
-    standard formats hold.
+    on the augmented inputs [x; 1]); and the kept pairs (also in the config). ``shared_pairs``: one set of pairs for
+    all layers and KV heads; with sem_dim=0, v_dim=geo_dim the student is a plain Llama (``models.dba_llama``).
     """
     _check(cfg, sem_dim, geo_dim, v_dim, method)
     student_cfg = DBAConfig.from_teacher(cfg, sem_dim=sem_dim, geo_dim=geo_dim, v_dim=v_dim)
