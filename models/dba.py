@@ -99,18 +99,24 @@ class DBAConfig(LlamaConfig):
         return cls(**base, sem_dim=sem_dim, geo_dim=geo_dim, v_dim=v_dim, rope_pairs=rope_pairs or [])
 
 
-def dims_for_reduction(head_dim: int, kv_reduction: float = 2.0) -> tuple[int, int, int]:
+def dims_for_reduction(head_dim: int, kv_reduction: float = 2.0, plain: bool = False) -> tuple[int, int, int]:
     """``(sem_dim, geo_dim, v_dim)`` whose cache is ``kv_reduction`` times smaller than a teacher head's
     ``2 * head_dim`` (floored to whole values): half of the budget for values, half for keys, and the keys all
     RoPE (geo_dim even, at most head_dim; an odd or overflowing rest goes to the no-RoPE sem_dim). The comparison
     on SmolLM2 in docs/upcycle.md (head_dim 64, 2x) found more rotary pairs better than more semantic rank (0/32/32
-    beat 8/24/32, 4/20/40 and 16/16/32 after surgery)."""
+    beat 8/24/32, 4/20/40 and 16/16/32 after surgery). ``plain``: the dims of a student that is a plain Llama
+    (``models.dba_llama``): sem_dim 0 and v_dim = geo_dim = half the budget floored to even (the same dims
+    whenever the budget is a multiple of 4, e.g. head_dim 64 at 2x, 4x, 8x)."""
     if kv_reduction < 1:
         raise ValueError(f"kv_reduction={kv_reduction} must be >= 1")
     budget = int(2 * head_dim / kv_reduction + 1e-9)
-    if budget < 2:
+    if budget < (4 if plain else 2):
+        need = "4 (one rotary key pair, two values)" if plain else "2 (one key, one value)"
         raise ValueError(f"kv_reduction={kv_reduction} leaves {budget} cached values per KV head (head_dim "
-                         f"{head_dim}); need at least 2 (one key, one value)")
+                         f"{head_dim}); need at least {need}")
+    if plain:
+        half = budget // 2
+        return 0, half - half % 2, half - half % 2
     v_dim = budget // 2
     key = budget - v_dim
     geo_dim = min(key - key % 2, head_dim)

@@ -25,8 +25,10 @@ Follows llama.cpp's ``convert_hf_to_gguf.py`` and its ``gguf-py`` package (``ggu
   Without a tokenizer no ``tokenizer.*`` key is written (llama.cpp then needs one supplied). No metadata array
   is empty (gguf-py's writer, and so its ``gguf-new-metadata``, refuses one).
 
+A DBA student that is a plain Llama (``models.dba_llama``: shared RoPE pairs, no semantic keys) is written as
+that Llama, its kept pairs' frequencies as ``rope_freqs`` (``recipe=export`` converts it first).
 Refused with the reason: a sliding-window model (llama.cpp's llama has no window; format=hf writes it as
-Mistral), a DBA student (llama.cpp has no such attention; format=hf with remote code), q/k/v biases with rope
+Mistral), any other DBA student (llama.cpp has no such attention; format=hf with remote code), q/k/v biases with rope
 scaling (llama.cpp's qwen2 reads no ``rope_freqs``). The file is written to a temporary name in the target
 folder and renamed into place, so an error leaves nothing behind.
 """
@@ -43,6 +45,7 @@ from core.io.cache import publish_file
 from core.config import UserError
 from models import hf
 from models.dba import DBAConfig
+from models.dba_llama import why_not_llama
 from models.gguf import BLOCK_TENSORS, TOP_TENSORS, _require_gguf
 from models.llama import LlamaConfig
 from models.tokenizer_export import adds_bos_eos, as_bpe, gguf_vocab, llama_cpp_pre
@@ -83,8 +86,13 @@ def llama3_rope_factors(cfg: LlamaConfig) -> np.ndarray:
 def gguf_arch(cfg: LlamaConfig) -> str:
     """``llama`` or ``qwen2`` (q/k/v biases); a model llama.cpp would not compute the same is refused."""
     if isinstance(cfg, DBAConfig):
-        raise UserError("a DBA student (decoupled bottleneck attention) has no GGUF form: llama.cpp has no such "
-                        "attention. Export with format=hf (remote code) instead")
+        reason = why_not_llama(cfg)
+        if not reason:
+            raise UserError("this DBA student is a plain Llama: convert it with models.dba_llama.as_llama first "
+                            "(recipe=export does)")
+        raise UserError(f"a DBA student (decoupled bottleneck attention) with {reason} has no GGUF form: llama.cpp "
+                        f"has no such attention. Export with format=hf (remote code) instead, or upcycle with "
+                        f"rope_pairs_shared=true for a student that is a plain Llama")
     if cfg.sliding_window:
         raise UserError(f"a sliding-window model (sliding_window={cfg.sliding_window}) has no GGUF form here: "
                         f"llama.cpp's llama architecture has no sliding window. Export with format=hf "

@@ -13,8 +13,11 @@ projections (``LlamaConfig.qkv_bias``); a model with those biases is written bac
 ``attention_bias`` would add an ``o_proj`` bias too. Mistral (``models/mistral``) is the same decoder with
 a sliding attention window on every layer (``LlamaConfig.sliding_window``); a windowed model is written
 back as Mistral. Anything ``models.llama`` does not compute (another architecture, Llama's attention or MLP
-biases, a Qwen2 window on some layers only, an activation other than SiLU, RoPE scaling other than llama3)
-is refused with a ``UserError`` naming the field.
+biases, a Qwen2 window on some layers only, an activation other than SiLU, RoPE scaling other than llama3 or
+per-pair factors) is refused with a ``UserError`` naming the field. Per-pair RoPE factors (``rope_scaling`` type
+``factors``: a GGUF's ``rope_freqs``, the standard-format DBA student's kept pairs, ``models.dba_llama``) are
+written as, and read back from, transformers' ``longrope`` with equal short and long factors and attention
+factor 1 (:func:`rope_scaling_to_hf`).
 Needs the optional ``safetensors`` (and, for ``tokenizer.json``, ``tokenizers``) package.
 """
 from __future__ import annotations
@@ -46,7 +49,7 @@ BIAS_NAMES = {"attn.q_bias": "self_attn.q_proj.bias", "attn.k_bias": "self_attn.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 TOP_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 INDEX_FILE, SINGLE_FILE = "model.safetensors.index.json", "model.safetensors"
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "longrope")   # longrope: per-pair factors only
 DEFAULT_CONTEXT = 2048   # what an export states for a model whose config records no maximum context
 
 
@@ -104,16 +107,18 @@ def config_from_hf(hf: dict, source="config.json") -> LlamaConfig:
     try:
         n_heads = int(hf["num_attention_heads"])
         d_model = int(hf["hidden_size"])
+        head_dim = int(hf.get("head_dim") or d_model // n_heads)
         return LlamaConfig(
             vocab_size=int(hf["vocab_size"]),
             d_model=d_model,
             n_layers=int(hf["num_hidden_layers"]),
             n_heads=n_heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=int(hf.get("head_dim") or d_model // n_heads),
+            head_dim=head_dim,
             ffn_dim=int(hf["intermediate_size"]),
             rope_theta=float(theta),
-            rope_scaling=llama3_scaling(scaling) if kind == "llama3" else {},
+            rope_scaling=llama3_scaling(scaling) if kind == "llama3" else
+            factors_scaling(scaling, head_dim, source) if kind == "longrope" else {},
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",
@@ -154,6 +159,32 @@ def llama3_scaling(scaling: dict) -> dict:
             "original_max_position_embeddings": int(scaling.get("original_max_position_embeddings", 8192))}
 
 
+def factors_scaling(scaling: dict, head_dim: int, source="config.json") -> dict:
+    """transformers' ``longrope`` read back as the per-pair ``factors`` it is when its short and long factors are
+    equal and its attention factor is 1 (what :func:`rope_scaling_to_hf` writes); any other longrope is refused."""
+    short, long = scaling.get("short_factor"), scaling.get("long_factor")
+    attention = scaling.get("attention_factor", 1.0 if scaling.get("factor", 1.0) <= 1.0 else None)
+    if not isinstance(short, list) or short != long or attention != 1.0 or len(short) != head_dim // 2:
+        raise UserError(f"{source}: rope_type 'longrope' is supported only as per-pair factors (short_factor equal "
+                        f"to long_factor, head_dim/2 = {head_dim // 2} of them, attention_factor 1)")
+    return {"rope_type": "factors", "factors": [float(f) for f in short]}
+
+
+def rope_scaling_to_hf(scaling: dict, max_position_embeddings: int) -> dict | None:
+    """``config.json``'s ``rope_scaling``: None, llama3's, or per-pair ``factors`` as transformers' ``longrope``
+    with short_factor = long_factor = the factors, factor 1, attention_factor 1 and original_max_position_embeddings
+    = max_position_embeddings (``_compute_longrope_parameters``: inv_freq_j = 1 / (factor_j * theta^(2j/dim)),
+    models.llama's rule; the same factors past any length, no attention scaling)."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind == "llama3":
+        return llama3_scaling(scaling)
+    if kind == "factors":
+        factors = [float(f) for f in scaling["factors"]]
+        return {"rope_type": "longrope", "short_factor": factors, "long_factor": list(factors), "factor": 1.0,
+                "attention_factor": 1.0, "original_max_position_embeddings": max_position_embeddings}
+    return None
+
+
 def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype, max_position_embeddings: int,
                  bos_id: int | None = None, eos_id: int | None = None) -> dict:
     """A ``config.json`` transformers 4 and 5 both read as ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with
@@ -179,10 +210,6 @@ def decoder_fields(cfg: LlamaConfig, dtype: torch.dtype, max_position_embeddings
                    bos_id: int | None = None, eos_id: int | None = None) -> dict:
     """The ``config.json`` fields every Llama-family decoder shares (transformers' ``LlamaConfig`` names), for
     this module's families and the DBA student's remote-code config (``models.dba_hf``)."""
-    scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type") == "factors":
-        raise UserError("rope scaling given as per-pair factors (a GGUF file's rope_freqs) has no Hugging Face "
-                        "config.json form: export to GGUF instead")
     return {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -195,7 +222,7 @@ def decoder_fields(cfg: LlamaConfig, dtype: torch.dtype, max_position_embeddings
         "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": llama3_scaling(scaling) if scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
+        "rope_scaling": rope_scaling_to_hf(cfg.rope_scaling, max_position_embeddings),
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "bos_token_id": bos_id,

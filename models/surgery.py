@@ -8,6 +8,8 @@ Steps (per layer l and KV head g; query heads h of g's group, n = n_heads / n_kv
    RMSNorm): score_f = sum_h mean_t ||q_h[f]|| * mean_t ||k_g[f]||, with q[f] the 2-vector of rotary pair f
    (dims f, f + head_dim/2; its norm does not depend on the rotation); keep the top geo_dim/2 pairs. They are
    copied exactly into W_qg, W_kg (query rows carry 1/sqrt(head_dim)) and rotate at their own frequencies.
+   ``shared_pairs``: one set for every layer and KV head, the top pairs of score_f summed over layers and KV
+   heads (what a standard-format student needs: ``models.dba_llama``).
 
 2. **The rest of the score, jointly and GQA-aware** (``factorize_scores``). On the dropped pairs' m = head_dim -
    geo_dim dims let Q_h = W_q,h[D] / sqrt(head_dim) and K = W_k,g[D] (m x d each). With RoPE removed there, head
@@ -96,8 +98,11 @@ def pair_scores(params: dict, cfg: LlamaConfig, x: torch.Tensor) -> torch.Tensor
     return (q_score * k_score).double()
 
 
-def select_pairs(scores: torch.Tensor, n_keep: int) -> torch.Tensor:
-    """Indices [L, G, n_keep] of the top-scoring pairs per layer and KV head, in ascending pair order."""
+def select_pairs(scores: torch.Tensor, n_keep: int, shared: bool = False) -> torch.Tensor:
+    """Indices [L, G, n_keep] of the top-scoring pairs per layer and KV head, in ascending pair order; ``shared``:
+    one set for every layer and KV head, the top pairs of the scores summed over them."""
+    if shared:
+        return select_pairs(scores.sum((0, 1)), n_keep).expand(*scores.shape[:2], n_keep)
     return scores.topk(n_keep, dim=-1).indices.sort(dim=-1).values
 
 
@@ -206,7 +211,7 @@ def student_attention(parts: dict, wo: torch.Tensor, d: int, like: torch.Tensor)
 
 @torch.no_grad()
 def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_dim: int, geo_dim: int,
-            v_dim: int, method: Literal["svd", "asvd"] = "asvd"):
+            v_dim: int, method: Literal["svd", "asvd"] = "asvd", shared_pairs: bool = False):
     """Teacher Llama ``params``/``cfg`` -> (student params, ``DBAConfig``, report).
 
     ``calib_tokens`` [B, T] feed the pair selection (and the whitening for ``asvd``, the default: on SmolLM2-135M
@@ -215,7 +220,8 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
     relative Frobenius errors (lists of L floats): ``score_err`` / ``score_err_act`` of the semantic factorization
     against the dropped pairs' no-RoPE score (weight metric / on the calibration activations), ``v_err`` /
     ``v_err_act`` of the value bottleneck (for a teacher with q/k/v biases: of the augmented [W | b] matrices,
-    on the augmented inputs [x; 1]); and the kept pairs (also in the config).
+    on the augmented inputs [x; 1]); and the kept pairs (also in the config). ``shared_pairs``: one set of pairs for
+    all layers and KV heads; with sem_dim=0, v_dim=geo_dim the student is a plain Llama (``models.dba_llama``).
     """
     _check(cfg, sem_dim, geo_dim, v_dim, method)
     student_cfg = DBAConfig.from_teacher(cfg, sem_dim=sem_dim, geo_dim=geo_dim, v_dim=v_dim)
@@ -223,7 +229,7 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
     n = H // G
     attn = params["layers"]["attn"]
     x = calibration_inputs(params, cfg, calib_tokens)
-    keep = select_pairs(pair_scores(params, cfg, x), geo_dim // 2)           # [L, G, geo/2]
+    keep = select_pairs(pair_scores(params, cfg, x), geo_dim // 2, shared_pairs)   # [L, G, geo/2]
     work = torch.device("cpu") if x.device.type == "mps" else x.device       # float64 linear algebra (not on MPS)
     x, keep = x.to(work), keep.to(work)
     student_cfg = dataclasses.replace(student_cfg, rope_pairs=keep.tolist())
@@ -258,7 +264,7 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
         {"q_s": A.reshape(L, H * sem_dim, d1), "q_g": rows_q(keep_dims).reshape(L, H * geo_dim, d1),
          "k_s": B.reshape(L, G * sem_dim, d1), "k_g": rows_k(keep_dims).reshape(L, G * geo_dim, d1),
          "v": (U.mT @ Wv).reshape(L, G * v_dim, d1)}, Wo.reshape(L, d, H * v_dim), d, attn["wq"])
-    report = {"method": method, "score_err": score_error(Q, K, A, B).tolist(),
+    report = {"method": method, "shared_pairs": shared_pairs, "score_err": score_error(Q, K, A, B).tolist(),
               "score_err_act": score_error(Q, K, A, B, gram).tolist(), "v_err": value_error(Wv, U).tolist(),
               "v_err_act": value_error(Wv, U, gram).tolist(), "rope_pairs": student_cfg.rope_pairs}
     return student, student_cfg, report

@@ -6,8 +6,11 @@ Hugging Face folder, a GGUF file, ``smollm2``). What is written:
 - ``format=hf``: a Hugging Face folder (``config.json`` of the family that computes the model: Llama, Qwen2 for
   q/k/v biases, Mistral for a sliding window; ``model.safetensors``; ``generation_config.json``; tokenizer files
   with the special tokens and chat template) that ``transformers.AutoModelForCausalLM.from_pretrained`` opens
-  (``models.hf.export_hf``). The upcycle recipe's DBA student is written with its own self-contained modeling
-  file, opened with ``trust_remote_code=True`` the way DeepSeek ships its MLA models (``models.dba_hf``).
+  (``models.hf.export_hf``). The upcycle recipe's DBA student, when it is a plain Llama (``rope_pairs_shared=true``:
+  no semantic keys, one set of RoPE pairs; ``models.dba_llama``), is written as that Llama (``head_dim`` = geo_dim,
+  the kept pairs' frequencies as per-pair factors: transformers' ``longrope``, GGUF's ``rope_freqs``); any other
+  DBA student with its own self-contained modeling file, opened with ``trust_remote_code=True`` the way DeepSeek
+  ships its MLA models (``models.dba_hf``), and refused by ``format=gguf`` with the reason.
 - ``format=gguf``: one llama.cpp file ``model-<DTYPE>.gguf`` written with the ``gguf`` package's writer
   (``models.gguf_export``); ``dtype=q8_0`` quantizes the matrices.
 
@@ -54,7 +57,8 @@ def run(cfg: Config) -> dict:
     out = _check(cfg)
     model = load_model(cfg.init, device="cpu", dtype=None)
     progress(f"[{model.format}: {model.source}]")
-    write = _writer(model, cfg)
+    params, config = exported_form(model)
+    write = _writer(model, params, config, cfg)
     progress(f"writing {cfg.format} ({cfg.dtype}) to {out} ...")
     build_folder(out, lambda builder: write(builder.path) and None)   # None: no meta.json in the export
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
@@ -62,7 +66,7 @@ def run(cfg: Config) -> dict:
         progress(f"  {name}  {size / 2**20:,.1f} MiB")
     result = {"out": str(out), "files": files}
     if cfg.verify:
-        result["max_logit_diff"] = _verify(model, out, cfg)
+        result["max_logit_diff"] = _verify(model, _remote(config), out, cfg)
     return result
 
 
@@ -81,25 +85,43 @@ def _check(cfg: Config) -> Path:
     return out
 
 
-def _writer(model: LoadedModel, cfg: Config):
-    """``write(folder)`` for this model, format and dtype; what cannot be exported is refused here, first."""
+def exported_form(model: LoadedModel) -> tuple[dict, object]:
+    """``(params, config)`` as written: a DBA student that is a plain Llama (``models.dba_llama``) as that Llama,
+    anything else as loaded."""
+    if model.arch != "dba":
+        return model.params, model.config
+    from models.dba_llama import as_llama, why_not_llama
+    if why_not_llama(model.config):
+        return model.params, model.config
+    progress("the DBA student is a plain Llama (shared RoPE pairs, no semantic keys): written as one")
+    return as_llama(model.params, model.config)
+
+
+def _writer(model: LoadedModel, params: dict, config, cfg: Config):
+    """``write(folder)`` for this model (``params``, ``config``: its exported form), format and dtype; what
+    cannot be exported is refused here, first."""
     tok = model.tokenizer
     if cfg.format == "gguf":
         from models.gguf_export import export_gguf, gguf_arch
-        gguf_arch(model.config)       # refuses a model llama.cpp cannot run before the weights are converted
+        gguf_arch(config)             # refuses a model llama.cpp cannot run before the weights are converted
         name = f"model-{cfg.dtype.upper().replace('FP32', 'F32')}.gguf"
-        return lambda folder: export_gguf(model.params, model.config, folder / name, tokenizer=tok,
-                                          dtype=_gguf_dtype(cfg.dtype))
+        return lambda folder: export_gguf(params, config, folder / name, tokenizer=tok, dtype=_gguf_dtype(cfg.dtype))
     from models.tokenizer_export import as_bpe
     bpe = as_bpe(tok) if tok is not None else None
     if tok is None:
         progress(f"note: {model.source} has no tokenizer; the folder gets none")
     dtype = DTYPES[cfg.dtype]
-    if model.arch == "dba":
+    if _remote(config):
         from models.dba_hf import export_dba_hf
-        return lambda folder: export_dba_hf(model.params, model.config, folder, tokenizer=bpe, dtype=dtype)
+        return lambda folder: export_dba_hf(params, config, folder, tokenizer=bpe, dtype=dtype)
     from models.hf import export_hf
-    return lambda folder: export_hf(model.params, model.config, folder, tokenizer=bpe, dtype=dtype)
+    return lambda folder: export_hf(params, config, folder, tokenizer=bpe, dtype=dtype)
+
+
+def _remote(config) -> bool:
+    """Whether this (exported-form) config is written with remote code: a DBA student no format holds."""
+    from models.dba import DBAConfig
+    return isinstance(config, DBAConfig)
 
 
 def _gguf_dtype(dtype: str) -> str:
@@ -107,11 +129,11 @@ def _gguf_dtype(dtype: str) -> str:
 
 
 @torch.no_grad()
-def _verify(model: LoadedModel, out: Path, cfg: Config) -> float | None:
+def _verify(model: LoadedModel, remote: bool, out: Path, cfg: Config) -> float | None:
     """Largest |logit difference| between the exported model and ``model`` (in fp32) on one fixed random
     sequence, or None when nothing here can read the export."""
     tokens = torch.randint(0, model.config.vocab_size, (1, CHECK_TOKENS), generator=torch.Generator().manual_seed(0))
-    read = _read_back(model, out, cfg)
+    read = _read_back(remote, out, cfg)
     if read is None:
         progress("note: not verified (the DBA folder's remote code needs transformers: pip install transformers)")
         return None
@@ -122,15 +144,15 @@ def _verify(model: LoadedModel, out: Path, cfg: Config) -> float | None:
     return diff
 
 
-def _read_back(model: LoadedModel, out: Path, cfg: Config):
+def _read_back(remote: bool, out: Path, cfg: Config):
     """``(reader name, tokens -> logits)`` of the export: transformers for an HF folder when installed (remote
-    code for the DBA student), else purestep's loader; None for a DBA folder without transformers."""
+    code for a DBA student written as one), else purestep's loader; None for a remote-code folder without
+    transformers."""
     if cfg.format == "hf" and importlib.util.find_spec("transformers") is not None:
         import transformers
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            out, trust_remote_code=model.arch == "dba").float().eval()
-        return "transformers", lambda tokens: hf_model(tokens).logits
-    if model.arch == "dba":
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=remote).float().eval()
+        return "transformers" + (" (remote code)" if remote else ""), lambda tokens: hf_model(tokens).logits
+    if remote:
         return None
     back = load_model(str(out if cfg.format == "hf" else next(out.glob("*.gguf"))))
     return "purestep's loader", lambda tokens: back.module.apply(back.params, tokens, back.config)

@@ -362,8 +362,11 @@ def test_llama3_gguf_with_rope_freqs_loads_with_the_same_frequencies_and_logits(
     assert ((ours - theirs).abs() / theirs).max() < 1e-6   # float32 factors
     tokens = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(9))
     assert (llama.apply(loaded.params, tokens, loaded.config) - llama.apply(params, tokens, cfg)).abs().max() < 1e-5
-    with pytest.raises(UserError, match="no Hugging Face config.json form"):
-        hf.export_hf(loaded.params, loaded.config, tmp_path / "hf")
+    # the per-pair factors go out to a Hugging Face folder as transformers' longrope and come back as factors
+    hf.export_hf(loaded.params, loaded.config, tmp_path / "hf")
+    again = load_model(str(tmp_path / "hf"))
+    assert again.config.rope_scaling == loaded.config.rope_scaling
+    assert torch.equal(llama.apply(again.params, tokens, again.config), llama.apply(loaded.params, tokens, loaded.config))
 
 
 def test_unsupported_gguf_is_refused_by_name(tmp_path):

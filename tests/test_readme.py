@@ -113,6 +113,8 @@ NOT_RUN = {
     "bin/run recipe=upcycle teacher=smollm2": "SmolLM2-135M for ~11 minutes and more (the pipeline at test size: "
                                              "tests/test_default_paths.py::test_upcycle_every_phase)",
     "OMP_NUM_THREADS=1 bin/run recipe=upcycle teacher=smollm2": "SmolLM2-135M for ~11 minutes and more",
+    "bin/run recipe=export init=runs/smol-up/global": "exports the SmolLM2 student of the upcycle command before it "
+                                                      "(the same exports of a tiny student: tests/test_dba_llama.py)",
     "bin/run recipe=distill preset=smollm2": "SmolLM2-135M as the teacher for ~4 minutes (the recipe at test size: "
                                              "tests/test_default_paths.py::test_distill_online_and_from_a_cache)",
     "torchrun --nnodes=2": "two nodes",

@@ -360,6 +360,7 @@ def test_bad_input_is_one_line_and_loses_nothing(teacher, corpus, tmp_path, caps
     assert main(["recipe=upcycle", f"data={corpus}", f"out={out}"]) == 2
     assert main(["recipe=upcycle", f"teacher={tmp_path / 'nope'}", f"data={corpus}", f"out={out}"]) == 2
     assert upcycle(teacher, corpus, out, "sem_dim=12") == 2                   # > head_dim - geo_dim
+    assert upcycle(teacher, corpus, out, "rope_pairs_shared=true") == 2       # sem_dim=2: not a plain Llama
     assert upcycle(teacher, corpus, out, "phases=global,blockwise,global") == 2
     assert upcycle(teacher, corpus, out, "global.orchestrator.enabled=true", "global.spike.enabled=false") == 2
     assert not out.exists()
@@ -372,6 +373,25 @@ def test_bad_input_is_one_line_and_loses_nothing(teacher, corpus, tmp_path, caps
     assert "v_dim=8 -> 4" in lines[-2] and "resume=never" in lines[-1]
     assert all(line.startswith("error: ") for line in lines[-2:])
     assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def test_shared_pairs_student_exports_as_a_plain_llama(teacher, corpus, tmp_path, capsys):
+    """rope_pairs_shared=true: kv_reduction=2 gives sem 0 / geo 8 / v 8, one set of pairs, and recipe=export
+    writes the surgery's student as a Llama GGUF with its logits (the formats themselves: tests/test_dba_llama.py)."""
+    pytest.importorskip("gguf", reason="needs the 'hf' extra: pip install purestep[hf]")
+    out = tmp_path / "up"
+    assert main(["recipe=upcycle", "preset=ci", f"teacher={teacher}", f"data={corpus}", f"out={out}",
+                 "rope_pairs_shared=true", "phases=verify"]) == 0
+    student = load_model(str(out / "surgery" / "final.msgpack"))
+    assert (student.config.sem_dim, student.config.geo_dim, student.config.v_dim) == (0, 8, 8)
+    assert len({tuple(p) for layer in student.config.rope_pairs for p in layer}) == 1
+    assert main(["recipe=export", f"init={out / 'surgery' / 'final.msgpack'}", "format=gguf",
+                 f"out={tmp_path / 'g'}"]) == 0
+    assert "written as one" in capsys.readouterr().err
+    back = load_model(str(tmp_path / "g" / "model-F32.gguf"))
+    tokens = torch.randint(0, student.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    diff = back.module.apply(back.params, tokens, back.config) - dba.apply(student.params, tokens, student.config)
+    assert back.arch == "llama" and diff.abs().max() < 1e-4
 
 
 def test_a_config_file_lists_phases_with_their_own_steps_and_lr(tmp_path):

@@ -194,6 +194,9 @@ class Config:
     geo_dim: Optional[int] = option(None, "per head: geometric (RoPE) query/key width, geo_dim/2 of the teacher's "
                                     "pairs (none: from kv_reduction)", min=0)
     v_dim: Optional[int] = option(None, "per KV head: value width (none: from kv_reduction)", min=1)
+    rope_pairs_shared: bool = option(False, "one set of RoPE pairs for every layer and KV head (2-norm summed over "
+                                     "them) with sem_dim 0 and v_dim = geo_dim: the student is a plain GQA Llama "
+                                     "that recipe=export writes as a standard HF folder and GGUF")
     surgery_method: str = option("asvd", "activation-aware SVD (SVD-LLM whitening) or plain weight SVD",
                                  choices=METHODS)
     calib_tokens: int = option(4096, "training-split tokens for pair selection and asvd whitening", min=1)

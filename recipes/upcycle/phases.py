@@ -110,8 +110,8 @@ def load_student(path: Path, device) -> tuple[dict, dba.DBAConfig]:
 def surgery_settings(cfg: Config) -> dict:
     """The keys that define the student; a rerun into the same folder must not change them."""
     return {"teacher": cfg.teacher, "data": cfg.data, "sem_dim": cfg.sem_dim, "geo_dim": cfg.geo_dim,
-            "v_dim": cfg.v_dim, "surgery_method": cfg.surgery_method, "calib_tokens": cfg.calib_tokens,
-            "block_size": cfg.block_size, "seed": cfg.seed}
+            "v_dim": cfg.v_dim, "surgery_method": cfg.surgery_method, "rope_pairs_shared": cfg.rope_pairs_shared,
+            "calib_tokens": cfg.calib_tokens, "block_size": cfg.block_size, "seed": cfg.seed}
 
 
 def calibration_tokens(ctx: Context) -> torch.Tensor:
@@ -130,10 +130,12 @@ def run_surgery(ctx: Context) -> tuple[dict, dba.DBAConfig]:
     start = time.perf_counter()
     calib = calibration_tokens(ctx)
     ctx.say(f"surgery: {cfg.surgery_method} on {calib.numel():,} calibration tokens (training split), sem_dim "
-            f"{cfg.sem_dim}, geo_dim {cfg.geo_dim}, v_dim {cfg.v_dim} per head")
+            f"{cfg.sem_dim}, geo_dim {cfg.geo_dim}, v_dim {cfg.v_dim} per head"
+            + (", one set of RoPE pairs for every layer and KV head (a plain Llama)" if cfg.rope_pairs_shared else ""))
     # the factorizations need the teacher's weights in at least fp32 (a bf16-held teacher is widened here)
     student, scfg, report = surgery.surgery(compute_view(t.params), t.config, calib, sem_dim=cfg.sem_dim,
-                                            geo_dim=cfg.geo_dim, v_dim=cfg.v_dim, method=cfg.surgery_method)
+                                            geo_dim=cfg.geo_dim, v_dim=cfg.v_dim, method=cfg.surgery_method,
+                                            shared_pairs=cfg.rope_pairs_shared)
     ctx.say("surgery: evaluating the teacher on the held-out windows")
     teacher_loss = heldout_loss(llama, t.params, t.config, ctx.heldout)
     kv_t, kv_s = llama.kv_bytes_per_token(t.config), dba.kv_bytes_per_token(scfg)

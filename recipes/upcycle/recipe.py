@@ -62,9 +62,9 @@ PRESETS = {
 
 def resolve_dims(cfg: Config, tcfg) -> None:
     """Fill the unset ``sem_dim geo_dim v_dim`` from ``kv_reduction`` and the teacher's head_dim (explicit dims
-    win), in place."""
+    win; ``rope_pairs_shared``: a plain Llama's, sem_dim 0 and v_dim = geo_dim), in place."""
     try:
-        derived = dba.dims_for_reduction(tcfg.head_dim, cfg.kv_reduction)
+        derived = dba.dims_for_reduction(tcfg.head_dim, cfg.kv_reduction, plain=cfg.rope_pairs_shared)
     except ValueError as e:
         raise UserError(f"kv_reduction={cfg.kv_reduction:g} for this teacher: {e}") from None
     for key, value in zip(("sem_dim", "geo_dim", "v_dim"), derived):
@@ -100,6 +100,10 @@ def _validate(cfg: Config, teacher, corpus) -> tuple:
                         f"score has no more rank than that")
     if cfg.v_dim > tcfg.head_dim:
         raise UserError(f"v_dim={cfg.v_dim} > the teacher's head_dim={tcfg.head_dim}")
+    if cfg.rope_pairs_shared and (cfg.sem_dim or cfg.v_dim != cfg.geo_dim):
+        raise UserError(f"rope_pairs_shared=true builds a plain Llama student: it needs sem_dim=0 and v_dim=geo_dim "
+                        f"(got sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim}, v_dim={cfg.v_dim}); leave them unset to "
+                        f"derive them from kv_reduction")
     half = len(corpus.val) // 2
     dev, test = corpus.val[:half], corpus.val[half:]
     need = cfg.block_size + 1
@@ -117,7 +121,7 @@ def _check_existing(cfg: Config, folder) -> None:
                         f"choose another out= (or name=), or delete that folder")
     path = folder / "surgery" / FINAL
     if path.exists():
-        old = ckpt.read_meta(path).get("settings", {})
+        old = {"rope_pairs_shared": False, **ckpt.read_meta(path).get("settings", {})}   # runs from before the key
         new = surgery_settings(cfg)
         changed = [f"{k}={old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
         if changed:
