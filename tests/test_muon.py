@@ -4,6 +4,7 @@ and refused under ``parallel=fsdp`` on 2 torchrun ranks."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +14,12 @@ import torch
 
 import optim
 from core.io import checkpoint as ckpt
-from core.tree import tree_map
+from core.tree import named_leaves, tree_map
 from models import llama
+from models.llama_module import LlamaModule, load_params
 from optim.muon import orthogonalize
 from recipes import main
 from test_optim import CFG, batches, load_params_back, run_functional
-from models.llama_module import LlamaModule, load_params
 
 REPO = Path(__file__).resolve().parent.parent
 HIDDEN = {"attn": ("wq", "wk", "wv", "wo"), "mlp": ("w_gate", "w_up", "w_down")}
@@ -134,7 +135,6 @@ def test_the_mask_sends_embeddings_head_and_gains_to_adamw():
 
 
 def _named(tree):
-    from core.tree import named_leaves
     pairs = named_leaves(tree)
     return [n for n, _ in pairs], [v for _, v in pairs]
 
@@ -173,8 +173,10 @@ def test_parallel_fsdp_refuses_muon_on_every_rank_and_the_orchestrator_too(corpu
                           text=True, timeout=300)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "optimizer=muon with parallel=fsdp" in line]
-    assert len(lines) == 2 and all(line.startswith("error:") for line in lines), proc.stderr[-3000:]
-    assert proc.stderr.count("exitcode  : 2") == 2 or "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    assert lines and all(line.startswith("error: ") for line in lines), proc.stderr[-3000:]
+    # each worker exits 2; torchrun stops a worker still running once the first has failed (SIGTERM, -15)
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, proc.stderr[-3000:]
     assert not (tmp_path / "x").exists()
     assert main(["recipe=standard", "preset=tiny", "optimizer=muon", "orchestrator.enabled=true",
                  f"data={corpus}", f"out={tmp_path / 'y'}"]) == 2
