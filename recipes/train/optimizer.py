@@ -4,8 +4,9 @@ with a learning-rate schedule, from an :class:`OptimizerSpec`.
 Every recipe's optimizer is built here: the training loop's (``optimizer_spec`` of its ``TrainConfig``), the
 upcycle blockwise phase's and the learning-rate range test's; a layer that builds its own optimizers (a
 ``recipes.train.hooks.RunHook``) builds them from the same spec and the pieces below. AdamW is Loshchilov &
-Hutter 2019 (``optim.adamw``), Muon is Keller Jordan's as ``torch.optim.Muon`` computes it (``optim.muon``), AdaGC is Wang et al. 2025 (``optim.adagc``), AGC is Brock et al. 2021's
-unit-wise clipping (``optim.agc``); schedules are ``optim.schedules``.
+Hutter 2019 (``optim.adamw``), Muon is Keller Jordan's as ``torch.optim.Muon`` computes it (``optim.muon``), AdaGC
+is Wang et al. 2025 (``optim.adagc``), AGC is Brock et al. 2021's unit-wise clipping (``optim.agc``); schedules are
+``optim.schedules``.
 """
 from __future__ import annotations
 
@@ -120,8 +121,9 @@ def make_optimizer(spec: OptimizerSpec, psum=None) -> GradientTransformation:
                              "matrices)")
         m = spec.muon
         # the schedule's floor is min_lr / lr: a ratio, so Muon's rate decays by the same factor as AdamW's
-        body = optim.muon(lr=m.lr if spec.lr > 0 else 0.0, momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
-                          weight_decay=m.weight_decay, adjust_lr=m.adjust_lr, schedule=schedule, aux=body)
+        body = optim.muon(lr=m.lr if spec.lr > 0 else 0.0, momentum=m.momentum, nesterov=m.nesterov,
+                          ns_steps=m.ns_steps, weight_decay=m.weight_decay, adjust_lr=m.adjust_lr, schedule=schedule,
+                          aux=body)
     elif spec.optimizer != "adamw":
         raise ValueError(f"optimizer={spec.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     clip = clip_transform(spec, psum)
