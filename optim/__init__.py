@@ -3,18 +3,20 @@ from optim.adagc import AdaGCState, adagc, adagc_metrics
 from optim.adamw import adamw, scale_by_adam
 from optim.agc import agc
 from optim.base import (EmptyState, GradientTransformation, apply_updates, chain, find_state, identity,
-                        replace_states)
+                        partition, replace_states)
 from optim.clip import clip_by_global_norm
 from optim.health import GradientHealth
 from optim.common import (add_decayed_weights, base_lr, current_lr, decay_mask, scale_by_learning_rate,
                           scale_lr)
 from optim.lion import lion, scale_by_lion
+from optim.muon import muon, muon_mask, orthogonalize, scale_by_muon
 from optim.sgd import sgd, trace
 from optim import schedules
 
 __all__ = [
-    "GradientTransformation", "EmptyState", "identity", "chain", "apply_updates", "find_state",
-    "replace_states", "adamw", "scale_by_adam", "sgd", "trace", "lion", "scale_by_lion",
+    "GradientTransformation", "EmptyState", "identity", "chain", "partition", "apply_updates", "find_state",
+    "replace_states", "adamw", "scale_by_adam", "sgd", "trace", "lion", "scale_by_lion", "muon",
+    "scale_by_muon", "muon_mask", "orthogonalize",
     "clip_by_global_norm", "add_decayed_weights", "scale_by_learning_rate", "current_lr", "base_lr",
     "scale_lr", "decay_mask", "schedules",
 ]

@@ -1,7 +1,8 @@
 """The optax interface in PyTorch: gradient transformations as ``(init, update)`` pairs.
 
 ``init(params) -> state`` and ``update(updates, state, params) -> (updates, state)``, both out of place,
-composed with :func:`chain` (optax ``base.py`` / ``combine.py``). An ``update`` may take extra keywords, as
+composed with :func:`chain` (optax ``base.py`` / ``combine.py``), or given disjoint parts of the params by
+:func:`partition` (optax ``partition``, formerly ``multi_transform``). An ``update`` may take extra keywords, as
 optax's transforms take extra arguments (``core.donate``): ``donated``, the ids of the tensors an eager donated
 step gave up, which it may overwrite, and ``grad_norm``, the global norm of the updates it is given.
 A transform may also say what it wants logged: ``metrics(state) -> dict`` of 0-d tensors (the learning rate,
@@ -66,6 +67,75 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return out
 
     return GradientTransformation(init, update, metrics)
+
+
+def partition(transforms: dict, labels: Callable[[Tree], Tree]) -> GradientTransformation:
+    """Each transform of ``transforms`` (label -> transform) on the leaves ``labels(params)`` (a pytree of labels
+    shaped like the params) gives its label, as optax's ``partition`` (``multi_transform``). A transform sees the
+    params, updates and state of its own leaves only: the nested dicts pruned to them, with their names kept
+    (masks by name, such as ``optim.common.decay_mask``, work inside). The state is a dict label -> state, in the
+    order of ``transforms`` (so ``find_state`` meets the first transform's states first); a label with no leaves
+    keeps an :class:`EmptyState`. ``donated`` (``core.donate``) is handed on to each transform whose ``update``
+    takes it. ``metrics``: the first transform's under their own names (the run's ``lr``), every other's with its
+    label and ``_`` in front (``muon_lr``)."""
+    donating = {k: takes(t.update, "donated") for k, t in transforms.items()}
+    first = next(iter(transforms), None)
+
+    def parts(params):
+        keys = labels(params)
+        unknown = set(_labels(keys)) - set(transforms)
+        if unknown:
+            raise ValueError(f"partition: labels {sorted(unknown)} have no transform (have {sorted(transforms)})")
+        return keys
+
+    def init(params):
+        keys = parts(params)
+        return {k: (t.init(_select(params, keys, k)) if _has(keys, k) else EmptyState())
+                for k, t in transforms.items()}
+
+    def update(updates, state, params=None, donated: Optional[frozenset] = None):
+        keys = parts(params if params is not None else updates)
+        out, new_state = {}, {}
+        for k, t in transforms.items():
+            if not _has(keys, k):
+                new_state[k] = state[k]
+                continue
+            extra = {"donated": donated} if donating[k] and donated is not None else {}
+            sub_params = None if params is None else _select(params, keys, k)
+            sub, new_state[k] = t.update(_select(updates, keys, k), state[k], sub_params, **extra)
+            out.update(tree.flatten_dict(sub))
+        return tree.tree_map_with_name(lambda name, _: out[name], updates), new_state
+
+    def metrics(state):
+        found = {}
+        for k, t in transforms.items():
+            if t.metrics is not None and not isinstance(state[k], EmptyState):
+                found.update({(m if k == first else f"{k}_{m}"): v for m, v in t.metrics(state[k]).items()})
+        return found
+
+    return GradientTransformation(init, update, metrics)
+
+
+def _labels(keys: dict) -> list:
+    """The labels of a nested dict of labels (a walk in plain Python, which dynamo traces)."""
+    return [x for v in keys.values() for x in (_labels(v) if isinstance(v, dict) else [v])]
+
+
+def _has(keys: dict, label: str) -> bool:
+    return label in _labels(keys)
+
+
+def _select(node: dict, keys: dict, label: str) -> dict:
+    """The nested dict ``node`` pruned to the leaves whose label in ``keys`` is ``label`` (no empty dicts)."""
+    out = {}
+    for name, value in node.items():
+        if isinstance(value, dict):
+            sub = _select(value, keys[name], label)
+            if sub:
+                out[name] = sub
+        elif keys[name] == label:
+            out[name] = value
+    return out
 
 
 apply_updates = tree.apply_updates

@@ -93,6 +93,10 @@ class OrchestratedConfig(TrainConfig):
         if self.parallel == "fsdp" and self.orchestrator.enabled:
             raise ConfigError("orchestrator.enabled=true with parallel=fsdp: the orchestrator's strategies are not "
                               "built on sharded state; use parallel=ddp")
+        if self.orchestrator.enabled and self.optimizer != "adamw":
+            raise ConfigError(f"orchestrator.enabled=true with optimizer={self.optimizer}: the orchestrator's "
+                              f"strategies are built on AdamW (its adamw strategy is the run's own); use "
+                              f"optimizer=adamw")
         if self.orchestrator.enabled and not self.spike.enabled:
             raise ConfigError("orchestrator.enabled=true needs spike.enabled=true: its safety rollback is the "
                               "spike machinery's (snapshot ring, rollback_back, max_rollbacks)")

@@ -18,7 +18,7 @@ from core.config import ConfigError, flatten_keys, show_value, to_dict
 from core.tree import tree_leaves, tree_map
 
 FIXED = ("model", "student", "teacher", "tokenizer", "data", "seed", "init", "fim_rate", "dtype", "clipping",
-         "health", "spike.enabled", "cache",
+         "optimizer", "health", "spike.enabled", "cache",
          "text_field", "loss_on", "pack", "val_fraction", "val_data")
 """Keys (or dotted prefixes) a resumed run cannot change: what is trained, on what, and the state's layout (a
 config's run hooks add their own, ``recipes.train.hooks.RunHook.fixed_keys``).

@@ -21,7 +21,7 @@ from core.gradients import PRECISIONS
 from optim.schedules import KINDS
 from recipes.train.backend import SCOPES
 from recipes.train.faults import FaultConfig
-from recipes.train.optimizer import AdaGCConfig   # the adagc.* keys, declared with the optimizer factory
+from recipes.train.optimizer import OPTIMIZERS, AdaGCConfig, MuonConfig   # declared with the optimizer factory
 
 CLIPPING = ("global", "adagc", "agc", "none")
 
@@ -40,6 +40,9 @@ class TrainConfig:
     batch_size: int = option(16, "sequences per micro-batch", min=1)
     block_size: int = option(128, "tokens per sequence (context length)", min=1)
     grad_accum: int = option(1, "micro-batches averaged per optimizer step", min=1)
+    optimizer: str = option("adamw", "adamw, or muon: Muon (Newton-Schulz orthogonalised momentum) for the hidden "
+                            "matrices, AdamW (lr, beta1, beta2, weight_decay) for embeddings, head, norms; not with "
+                            "parallel=fsdp", choices=OPTIMIZERS)
     lr: float = option(1e-3, "peak learning rate (0 holds the weights: an evaluation-only run)", min=0)
     warmup_steps: int = option(100, "linear warmup steps", min=0)
     lr_schedule: str = option("cosine", "decay after warmup", choices=KINDS)
@@ -48,6 +51,7 @@ class TrainConfig:
     weight_decay: float = option(0.1, "AdamW decoupled weight decay (not on norms, biases, embeddings)", min=0)
     beta1: float = option(0.9, "AdamW beta1", min=0, below=1)
     beta2: float = option(0.99, "AdamW beta2", min=0, below=1)
+    muon: MuonConfig = option(MuonConfig, "Muon settings (optimizer=muon; Keller Jordan's Muon, torch.optim.Muon)")
     clipping: str = option("global", "gradient clipping: global norm, AdaGC (per tensor and layer), AGC "
                            "(unit-wise), none", choices=CLIPPING)
     grad_clip: float = option(1.0, "global-norm clip threshold (clipping=global; AdaGC's warm-up lambda_abs)", min=0)
@@ -108,6 +112,9 @@ class TrainConfig:
         if self.parallel == "fsdp" and self.clipping == "agc":
             raise ConfigError("clipping=agc with parallel=fsdp: AGC's unit norms are not wired for sharded "
                               "gradients; use clipping=global or clipping=adagc")
+        if self.parallel == "fsdp" and self.optimizer == "muon":
+            raise ConfigError("optimizer=muon with parallel=fsdp: Newton-Schulz orthogonalises whole matrices and "
+                              "fsdp shards them; use parallel=ddp or optimizer=adamw")
 
     def run_hooks(self) -> tuple:
         """The layers this config's own sections add to a run (``recipes.train.hooks.RunHook``): none here; a

@@ -20,7 +20,7 @@ from core.io.telemetry import peak_flops
 from optim.health import COLUMNS, GLOBAL, GradientHealth, computed
 from recipes.train.hooks import Hook, StepContext, Stop
 
-LAST_VALUE = ("lr", "loss_scale", "spike", "z_loss", "z_grad")
+LAST_VALUE = ("lr", "muon_lr", "loss_scale", "spike", "z_loss", "z_grad")
 
 
 def pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor], int]:

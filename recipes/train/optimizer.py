@@ -1,11 +1,12 @@
-"""The one optimizer factory: gradient clipping, then AdamW with a learning-rate schedule, from an
-:class:`OptimizerSpec`.
+"""The one optimizer factory: gradient clipping, then AdamW (or Muon for the hidden matrices and AdamW for the rest)
+with a learning-rate schedule, from an :class:`OptimizerSpec`.
 
 Every recipe's optimizer is built here: the training loop's (``optimizer_spec`` of its ``TrainConfig``), the
 upcycle blockwise phase's and the learning-rate range test's; a layer that builds its own optimizers (a
 ``recipes.train.hooks.RunHook``) builds them from the same spec and the pieces below. AdamW is Loshchilov &
-Hutter 2019 (``optim.adamw``), AdaGC is Wang et al. 2025 (``optim.adagc``), AGC is Brock et al. 2021's
-unit-wise clipping (``optim.agc``); schedules are ``optim.schedules``.
+Hutter 2019 (``optim.adamw``), Muon is Keller Jordan's as ``torch.optim.Muon`` computes it (``optim.muon``), AdaGC
+is Wang et al. 2025 (``optim.adagc``), AGC is Brock et al. 2021's unit-wise clipping (``optim.agc``); schedules are
+``optim.schedules``.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import optim
 from core.config import option
 from optim import schedules
 from optim.base import GradientTransformation
+from optim.muon import ADJUST_LR
 from optim.schedules import Schedule
 
 
@@ -25,6 +27,25 @@ class AdaGCConfig:
     lambda_rel: float = option(1.04, "clip each tensor (each layer slice) at lambda_rel x its gamma", above=0)
     beta: float = option(0.99, "EMA decay of gamma, the clipped-norm history", min=0, below=1)
     warmup: int = option(100, "warm-up steps of global clipping at grad_clip while gamma is a running min", min=0)
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclass
+class MuonConfig:
+    """The ``muon.*`` keys of a run (``TrainConfig.muon``; used with optimizer=muon). Defaults are Keller Jordan's
+    (``optim.muon``); the run's ``lr_schedule``, warmup and decay scale ``muon.lr`` as they scale ``lr``."""
+    lr: float = option(0.02, "Muon's peak learning rate for the hidden matrices (lr: AdamW's, for the rest; lr=0 "
+                       "holds these too)", min=0)
+    momentum: float = option(0.95, "Muon's momentum", min=0, below=1)
+    nesterov: bool = option(True, "Nesterov momentum")
+    ns_steps: int = option(5, "quintic Newton-Schulz steps per update", min=1, max=99)
+    weight_decay: float = option(0.0, "decoupled weight decay of the hidden matrices (w *= 1 - muon.lr x this, as "
+                                 "torch.optim.Muon)", min=0)
+    adjust_lr: str = option("original", "lr per matrix shape (out, in): original sqrt(max(1, out/in)), "
+                            "match_rms_adamw 0.2 sqrt(max(out, in)) (AdamW's update RMS), spectral_unclamped "
+                            "sqrt(out/in)", choices=ADJUST_LR)
 
 
 @dataclass(frozen=True)
@@ -43,6 +64,8 @@ class OptimizerSpec:
     grad_clip: float = 1.0               # global-norm threshold; AdaGC's absolute cap
     adagc: AdaGCConfig = field(default_factory=AdaGCConfig)
     agc_clip: float = 0.01
+    optimizer: str = "adamw"             # OPTIMIZERS: muon takes the hidden matrices, AdamW the rest
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 def optimizer_spec(cfg) -> OptimizerSpec:
@@ -50,7 +73,7 @@ def optimizer_spec(cfg) -> OptimizerSpec:
     return OptimizerSpec(lr=cfg.lr, min_lr=cfg.min_lr, lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                          decay_steps=cfg.decay_steps or cfg.steps, beta1=cfg.beta1, beta2=cfg.beta2,
                          weight_decay=cfg.weight_decay, clipping=cfg.clipping, grad_clip=cfg.grad_clip,
-                         adagc=cfg.adagc, agc_clip=cfg.agc_clip)
+                         adagc=cfg.adagc, agc_clip=cfg.agc_clip, optimizer=cfg.optimizer, muon=cfg.muon)
 
 
 def make_schedule(spec: OptimizerSpec) -> Schedule:
@@ -86,9 +109,22 @@ def clip_transform(spec: OptimizerSpec, psum=None) -> Optional[GradientTransform
 
 
 def make_optimizer(spec: OptimizerSpec, psum=None) -> GradientTransformation:
-    """Clipping (``spec.clipping``), then AdamW with the spec's schedule (no decay on norms/embeddings); ``psum``
-    as in :func:`clip_transform` (parallel=fsdp)."""
-    adamw = optim.adamw(lr=spec.lr, b1=spec.beta1, b2=spec.beta2, weight_decay=spec.weight_decay,
-                        schedule=make_schedule(spec))
+    """Clipping (``spec.clipping``), then AdamW with the spec's schedule (no decay on norms/embeddings), or with
+    ``optimizer=muon`` Muon for the hidden matrices (``optim.muon.muon_mask``) and that AdamW for the rest, both
+    on the schedule; ``psum`` as in :func:`clip_transform` (parallel=fsdp). Muon needs whole matrices, so it is
+    refused on sharded gradients (``TrainConfig`` refuses optimizer=muon with parallel=fsdp first)."""
+    schedule = make_schedule(spec)
+    body = optim.adamw(lr=spec.lr, b1=spec.beta1, b2=spec.beta2, weight_decay=spec.weight_decay, schedule=schedule)
+    if spec.optimizer == "muon":
+        if psum is not None:
+            raise ValueError("optimizer=muon is not supported on sharded gradients (Newton-Schulz needs whole "
+                             "matrices)")
+        m = spec.muon
+        # the schedule's floor is min_lr / lr: a ratio, so Muon's rate decays by the same factor as AdamW's
+        body = optim.muon(lr=m.lr if spec.lr > 0 else 0.0, momentum=m.momentum, nesterov=m.nesterov,
+                          ns_steps=m.ns_steps, weight_decay=m.weight_decay, adjust_lr=m.adjust_lr, schedule=schedule,
+                          aux=body)
+    elif spec.optimizer != "adamw":
+        raise ValueError(f"optimizer={spec.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     clip = clip_transform(spec, psum)
-    return adamw if clip is None else optim.chain(clip, adamw)
+    return body if clip is None else optim.chain(clip, body)
