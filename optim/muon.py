@@ -2,7 +2,7 @@
 
 Keller Jordan's Muon (https://kellerjordan.github.io/posts/muon/, github.com/KellerJordan/Muon; the optimizer of
 the modded-nanogpt speedrun, github.com/KellerJordan/modded-nanogpt), computed as ``torch.optim.Muon`` computes it
-(``torch/optim/_muon.py``, torch 2.9 and later), per matrix ``W`` of shape ``(A, B) = (out, in)``::
+(``torch/optim/_muon.py``; torch 2.14.1 here), per matrix ``W`` of shape ``(A, B) = (out, in)``::
 
     M <- lerp(M, G, 1 - momentum)                     M <- momentum M + (1 - momentum) G
     U <- lerp(G, M, momentum) if nesterov else M      Nesterov: G + momentum (M - G)

@@ -26,7 +26,7 @@ HIDDEN = {"attn": ("wq", "wk", "wv", "wo"), "mlp": ("w_gate", "w_up", "w_down")}
 TORCH_NAMES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
                "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
 needs_torch_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"),
-                                      reason=f"torch {torch.__version__} has no torch.optim.Muon (torch 2.9 added it)")
+                                      reason=f"torch {torch.__version__} has no torch.optim.Muon (newer torch has it)")
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 
