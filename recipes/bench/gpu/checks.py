@@ -32,6 +32,7 @@ TINY = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)   # 
 BATCH, BLOCK, STEPS, LR = 4, 64, 5, 1e-5
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-4          # fp32 on two devices (the issue's tolerances)
 HALF_TOL = {"bf16": 3e-2, "fp16": 1e-2}  # |loss - fp32 loss| / fp32 loss, each step
+MUON_TOL = 5e-2                          # |delta_dev - delta_cpu| / |delta_cpu| of Muon's bf16 orthogonalised steps
 
 
 def run_checks(report: Report, device: torch.device, compile: bool, tiny: bool = False) -> None:
@@ -50,6 +51,8 @@ def run_checks(report: Report, device: torch.device, compile: bool, tiny: bool =
                 item.update(_half_vs_fp32(cfg, device, precision, compile))
         with report.item("checks", "donation") as item:
             item.update(_donation(cfg if tiny else llama.LlamaConfig(**STATE_HEAVY), device, compile))
+        with report.item("checks", "muon_compiled_device_vs_eager_cpu") as item:
+            item.update(_muon(cfg, device, compile))
         with report.item("checks", "checkpoint_roundtrip") as item:
             item.update(_checkpoint_roundtrip(cfg, device))
         with report.item("checks", "kv_cache_generation") as item:
@@ -89,10 +92,12 @@ def batches(cfg: llama.LlamaConfig, n: int = STEPS, seed: int = 0) -> list[dict]
 
 
 def train(cfg: llama.LlamaConfig, device: torch.device, *, precision: str = "fp32", compile: bool = False,
-          donate: bool = False, steps: int = STEPS, peaks: dict | None = None) -> tuple[list[float], object]:
+          donate: bool = False, steps: int = STEPS, peaks: dict | None = None,
+          opt=None) -> tuple[list[float], object]:
     """``steps`` steps from the seeded init on ``device``: the losses and the final state. ``peaks`` (CUDA) gets
-    ``"mib"``: the peak allocated over the steps after the first (the compile's own allocations left out)."""
-    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=LR, weight_decay=0.1))
+    ``"mib"``: the peak allocated over the steps after the first (the compile's own allocations left out).
+    ``opt``: the transform (default: clipped AdamW at ``LR``)."""
+    opt = opt or optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=LR, weight_decay=0.1))
     step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt, precision=precision,
                            compile=compile, donate=donate)
     state = init_state(llama.init(cfg, seed=0, device=device), opt, precision=precision)
@@ -142,6 +147,25 @@ def _compiled_vs_eager(cfg, device, compile) -> dict:
     eager_losses, eager_state = train(cfg, device)
     comp_losses, comp_state = train(cfg, device, compile=True)
     return _compare("compiled vs eager", comp_losses, eager_losses, comp_state.params, eager_state.params)
+
+
+def _muon(cfg, device, compile) -> dict:
+    """``optim.muon`` (Newton-Schulz in bf16, as torch.optim.Muon) compiled on the device against eager on the CPU
+    (which tests/test_muon.py holds equal to torch.optim.Muon): the weights' movement agrees to ``MUON_TOL`` of its
+    size (bf16 matmuls round differently on the two devices)."""
+    opt = optim.muon(lr=1e-3, aux=optim.adamw(lr=1e-3))
+    start = llama.init(cfg, seed=0)
+    cpu_losses, cpu_state = train(cfg, torch.device("cpu"), opt=opt)
+    dev_losses, dev_state = train(cfg, device, compile=compile, opt=opt)
+    moved = max_diff(cpu_state.params, start)
+    rel = max_diff(dev_state.params, cpu_state.params) / moved
+    loss_diff = max(abs(a - b) for a, b in zip(dev_losses, cpu_losses))
+    out = {"max_rel_update_diff": rel, "moved": moved, "max_loss_diff": loss_diff, "losses": dev_losses,
+           "summary": f"update diff {rel:.2e} of its size (tol {MUON_TOL:g}; moved {moved:.2e}), "
+                      f"loss diff {loss_diff:.2e}"}
+    assert all(map(_finite, dev_losses)), f"muon: non-finite loss {dev_losses}"
+    assert rel <= MUON_TOL, out["summary"]
+    return out
 
 
 def _half_vs_fp32(cfg, device, precision, compile) -> dict:

@@ -2,10 +2,11 @@
 the time it is given: the jobs ``recipes.bench.gpu.jobs.run_jobs`` runs.
 
 ``recipe=standard`` trains first (the teacher and init of the rest); then, side by side: distillation online and
-from an offline cache, the upcycle through its benchmark, compression, HF and GGUF export, generation, the LR range
-test, fp16 training, and ``torchrun`` with ``parallel=ddp`` and ``parallel=fsdp`` (NCCL on CUDA, one rank: this
-machine has one GPU). The tiny mode keeps the same shape with fewer commands and steps, uncompiled (it runs in the
-test suite on a CPU).
+from an offline cache, the upcycle through its benchmark, compression, HF and GGUF export, generation, the LR
+range test, fp16 training, Muon, on-policy distillation with the generalised JSD, the shared-RoPE-pairs upcycle and
+its HF and GGUF export as a plain Llama, and ``torchrun`` with ``parallel=ddp`` and ``parallel=fsdp`` (NCCL on
+CUDA, one rank: this machine has one GPU). The tiny mode keeps the same shape with fewer commands and steps,
+uncompiled (it runs in the test suite on a CPU).
 """
 from __future__ import annotations
 
@@ -59,6 +60,17 @@ def user_jobs(device: str, tiny: bool, data: str) -> list[Job]:
                                    f"steps={few}")),
         Job("fsdp", torchrun(1, "recipe=standard", "parallel=fsdp", f"data={data}", *size, *evals,
                              f"steps={few}", "dtype=bf16", "out=fsdp", dev)),
+        Job("standard_muon", train("standard-muon", "recipe=standard", "preset=small", "optimizer=muon",
+                                   f"steps={few}")),
+        Job("distill_on_policy", train("distill-on-policy", "recipe=distill", "teacher=standard", "on_policy=0.5",
+                                       "kl=jsd", "beta=0.5", f"steps={few}"), ("standard",)),
+        Job("upcycle_shared_pairs", bin_run("recipe=upcycle", "teacher=standard", f"data={data}", "out=upcycle-shared",
+                                            dev, "rope_pairs_shared=true", "blockwise.steps=30", "global.steps=30",
+                                            "benchmark.prompt_tokens=64", "benchmark.batches=1"), ("standard",)),
+        Job("export_shared_hf", bin_run("recipe=export", "init=upcycle-shared/global", "format=hf",
+                                        "out=export-shared-hf"), ("upcycle_shared_pairs",), requires=("safetensors",)),
+        Job("export_shared_gguf", bin_run("recipe=export", "init=upcycle-shared/global", "format=gguf",
+                                          "out=export-shared-gguf"), ("upcycle_shared_pairs",), requires=("gguf",)),
     ]
     return jobs
 
