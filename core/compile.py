@@ -44,22 +44,34 @@ def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
     return device_type == "cpu" and not collectives
 
 
-def inductor_options(device_type: str, cpp: bool = False) -> dict:
+def inductor_options(device_type: str, cpp: bool = False, cuda: tuple = ()) -> dict:
     """Inductor settings a graph on ``device_type`` compiles with (beyond its mode's): the C++ wrapper with ``cpp``
     (:func:`cpp_wrapper`); on CUDA no loop reordering after fusion, whose scheduler fails an assertion on the one-graph
     train step (torch 2.11, H100: ``reorder_loops_by_dep_pair`` met a fused node inside a fused node; bench.gpu's
-    report, docs/gpu.md)."""
+    report, docs/gpu.md), and the ``(name, value)`` pairs ``cuda`` asks for (an optimizer's
+    ``GradientTransformation.cuda_inductor``), those this torch has."""
     options = {"cpp_wrapper": True} if cpp else {}
     if device_type == "cuda":
         options["loop_ordering_after_fusion"] = False
+        options.update((name, value) for name, value in cuda if _has_setting(name))
     return options
 
 
-def _compile_kwargs(mode: str | None, cpp: bool, device_type: str = "cpu") -> dict:
+def _has_setting(name: str) -> bool:
+    """Whether this torch's inductor config has ``name`` (dotted: ``triton.mix_order_reduction``)."""
+    import torch._inductor.config as inductor_config
+    *parents, leaf = name.split(".")
+    node = inductor_config
+    for part in parents:
+        node = getattr(node, part, None)
+    return node is not None and hasattr(node, leaf)
+
+
+def _compile_kwargs(mode: str | None, cpp: bool, device_type: str = "cpu", cuda: tuple = ()) -> dict:
     """``torch.compile``'s keywords for ``mode`` (``COMPILE_MODES``) with :func:`inductor_options`."""
     if mode not in (None, *COMPILE_MODES):
         raise ValueError(f"unknown compile mode {mode!r}; choose one of {', '.join(COMPILE_MODES)}")
-    options = inductor_options(device_type, cpp)
+    options = inductor_options(device_type, cpp, cuda)
     if options:   # torch.compile takes a mode or options, not both: the mode's own options, plus these
         from torch._inductor import list_mode_options
         return {"options": {**list_mode_options(mode or "default"), **options}}
@@ -67,14 +79,15 @@ def _compile_kwargs(mode: str | None, cpp: bool, device_type: str = "cpu") -> di
 
 
 def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True, mode: str | None = None,
-                  cpp: bool = False, device_type: str = "cpu") -> Callable:
+                  cpp: bool = False, device_type: str = "cpu", cuda: tuple = ()) -> Callable:
     """``torch.compile(fn, fullgraph=fullgraph, dynamic=False)`` for ``mode`` when enabled, else ``fn`` unchanged.
     ``mode`` is one of ``COMPILE_MODES`` (``reduce-overhead``: CUDA graphs; ``max-autotune``: kernel autotuning);
-    ``cpp``: through inductor's C++ wrapper (:func:`cpp_wrapper` says where)."""
+    ``cpp``: through inductor's C++ wrapper (:func:`cpp_wrapper` says where); ``cuda``: further inductor settings
+    on CUDA (:func:`inductor_options`)."""
     if not enabled:
         return fn
     enable_caches()
-    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp, device_type))
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp, device_type, cuda))
 
 
 def compile_count() -> int:

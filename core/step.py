@@ -189,7 +189,8 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
     shard, accum = parallel.shard, gradients.accum
     by_block = compile.enabled and compile.scope == "block"
     cpp = cpp_wrapper(device_type, collectives=shard is not None or parallel.reduce is not None)
-    compiled = functools.partial(maybe_compile, mode=compile.mode, cpp=cpp, device_type=device_type)
+    compiled = functools.partial(maybe_compile, mode=compile.mode, cpp=cpp, device_type=device_type,
+                                 cuda=getattr(optimizer, "cuda_inductor", ()))
     by_layer = per_block(shard, compile.enabled, compile.scope, grad_mode)
     objective = make_objective(loss_caller(loss_fn), accum, precision, device_type,
                                 BlockCompiler(compile.mode, cpp, device_type) if by_block else None)

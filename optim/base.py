@@ -24,9 +24,18 @@ from core.tree import Tree, tree_leaves
 
 
 class GradientTransformation(NamedTuple):
+    """optax's pair (``init``, ``update``), with ``metrics`` (state -> scalars the run logs) and ``cuda_inductor``:
+    inductor settings a compiled step that runs this transform on CUDA needs (``(name, value)`` pairs,
+    ``core.compile.inductor_options``; chain and partition pass their parts' on)."""
     init: Callable[[Tree], Any]
     update: Callable[..., tuple[Tree, Any]]
     metrics: Optional[Callable[[Any], dict]] = None
+    cuda_inductor: tuple = ()
+
+
+def cuda_inductor(transforms) -> tuple:
+    """The ``cuda_inductor`` settings of ``transforms``, each once, in order."""
+    return tuple(dict.fromkeys(s for t in transforms for s in t.cuda_inductor))
 
 
 class EmptyState(NamedTuple):
@@ -66,7 +75,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 out.update(t.metrics(s))
         return out
 
-    return GradientTransformation(init, update, metrics)
+    return GradientTransformation(init, update, metrics, cuda_inductor(transforms))
 
 
 def partition(transforms: dict, labels: Callable[[Tree], Tree]) -> GradientTransformation:
@@ -113,7 +122,7 @@ def partition(transforms: dict, labels: Callable[[Tree], Tree]) -> GradientTrans
                 found.update({(m if k == first else f"{k}_{m}"): v for m, v in t.metrics(state[k]).items()})
         return found
 
-    return GradientTransformation(init, update, metrics)
+    return GradientTransformation(init, update, metrics, cuda_inductor(transforms.values()))
 
 
 def _labels(keys: dict) -> list:

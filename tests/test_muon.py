@@ -182,3 +182,18 @@ def test_parallel_fsdp_refuses_muon_on_every_rank_and_the_orchestrator_too(corpu
                  f"data={corpus}", f"out={tmp_path / 'y'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "orchestrator.enabled=true with optimizer=muon" in err[0], err
+
+
+def test_muon_steps_compile_on_cuda_without_mixed_order_reduction():
+    """Inductor's mixed-order reduction failed a compiled Muon step on an H100 (torch 2.11): Muon asks for it off
+    through chain and partition, on CUDA only; AdamW's steps keep it (it saves memory there)."""
+    from core.compile import _compile_kwargs
+    from optim.muon import NO_MIXED_ORDER_REDUCTION
+    muon = optim.chain(optim.clip_by_global_norm(1.0), optim.muon())
+    assert muon.cuda_inductor == NO_MIXED_ORDER_REDUCTION
+    assert optim.chain(optim.clip_by_global_norm(1.0), optim.adamw()).cuda_inductor == ()
+    cuda = _compile_kwargs(None, False, "cuda", muon.cuda_inductor)["options"]
+    assert cuda["loop_ordering_after_fusion"] is False
+    assert cuda.get("triton.mix_order_reduction", False) is False
+    assert "triton.mix_order_reduction" not in _compile_kwargs(None, False, "cuda", ())["options"]
+    assert _compile_kwargs(None, True, "cpu", muon.cuda_inductor) == _compile_kwargs(None, True, "cpu")
