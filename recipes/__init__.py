@@ -19,6 +19,7 @@ RECIPES = {
     "compress": "recipes.compress.recipe",
     "bench.step": "recipes.bench.step",
     "bench.speed": "recipes.bench.speed",
+    "bench.wall": "recipes.bench.wall",
     "bench.health": "recipes.bench.health",
     "bench.checkpoint": "recipes.bench.checkpoint",
     "bench.orchestrator": "recipes.bench.orchestrator",

@@ -34,9 +34,12 @@ PRIVATE = {
     "torch._foreach_norm": "core/tree.py: global norms, one kernel per dtype",
     "torch._foreach_sign_": "optim/lion.py",
     "torch._foreach_sqrt": "optim/foreach.py",
-    "torch._inductor.config": "core/compile.py (fx_graph_cache), recipes/bench/speed.py (cpp.enable_kernel_profile)",
+    "torch._inductor.config": "core/compile.py (fx_graph_cache, unsafe_marked_cacheable_functions, "
+                              "triton.mix_order_reduction), recipes/bench/speed.py (cpp.enable_kernel_profile)",
     "torch._inductor.list_mode_options": "core/compile.py: a mode's options plus cpp_wrapper",
     "torch._dynamo.utils.counters": "core/compile.py compile_count(): graphs compiled in this process",
+    "torch._dynamo.utils.compilation_time_metrics": "core/compile.py compile_seconds(): seconds spent compiling "
+                                                    "(the run's closing line)",
     "torch.distributed._functional_collectives": "core/parallel/distributed.py only: the collectives dynamo traces",
     "Tensor._version": "core/step.py HostDue, core/tree.py: has a tensor changed in place since it was read",
 }
@@ -163,6 +166,41 @@ def test_compile_count_reads_dynamos_counter():
     assert compile_count() - before == 1
     f(torch.ones(4))                                  # a new shape: one more graph
     assert compile_count() - before == 2
+
+
+def test_compile_seconds_reads_dynamos_timers():
+    from core.compile import COMPILE_TIMERS, compile_seconds
+    from torch._dynamo.utils import compilation_time_metrics
+    before = compile_seconds()
+    f = torch.compile(lambda x: x * 3 - 1, fullgraph=True, dynamic=False, backend="eager")
+    f(torch.ones(5))
+    assert compile_seconds() > before
+    assert COMPILE_TIMERS[0] in compilation_time_metrics
+
+
+COND_TWICE = """
+import torch
+from torch._dynamo.utils import counters
+from core.compile import enable_caches
+enable_caches()
+def f(x, flag):
+    return torch.cond(flag, lambda x: x.sin() * 2, lambda x: x.cos() + 1, (x,))
+for _ in range(2):
+    torch._dynamo.reset()
+    torch.compile(f, fullgraph=True, dynamic=False)(torch.ones(8), torch.tensor(True))
+print(dict(counters["inductor"]))
+"""
+
+
+def test_graphs_with_torch_cond_hit_inductors_cache(tmp_path):
+    """``torch.cond`` (gradient health's gate in the one-graph train step) is a higher-order op inductor bypasses
+    its caches for unless marked cacheable (``core.compile.enable_caches`` marks it): compiled twice, the second
+    compile reads the FX graph cache."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", COND_TWICE], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = eval(out.stdout.strip().splitlines()[-1])
+    assert counts.get("fxgraph_cache_bypass", 0) == 0 and counts.get("fxgraph_cache_hit", 0) >= 1, counts
 
 
 def test_functional_collectives_on_one_rank(tmp_path):

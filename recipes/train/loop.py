@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from core.compile import compile_seconds
 from core.io import checkpoint as ckpt
 from core.config import UserError, to_dict
 from core.parallel.distributed import Dist
@@ -204,6 +205,7 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
     _check_wired(cfg, hooks)
     loop = loop or LoopState()
     setup_peak = _announce_parallel(io.logger, state, steps, dist)
+    compiled_before = compile_seconds()
     ctx = StepContext(state, int(state.step), int(state.cursor), frozen=frozen, total=cfg.steps, loop=loop,
                       result=FitResult(state, loop), tokens_per_step=io.measures.tokens_per_step,
                       wall_before=loop.wall_seconds)
@@ -228,8 +230,9 @@ def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: 
             raise lost from None
         finally:
             batches.close()
-    io.logger.print(f"wall time {ctx.wall():.1f}s (this session {ctx.wall() - ctx.wall_before:.1f}s, compile "
-                    f"included)")
+    compiling = None if compiled_before is None else compile_seconds() - compiled_before
+    io.logger.print(f"wall time {ctx.wall():.1f}s (this session {ctx.wall() - ctx.wall_before:.1f}s"
+                    + (f", of which compiling {compiling:.1f}s)" if compiling else ", compile included)"))
     io.logger.flush()
     ctx.result.state = ctx.state
     if setup_peak is not None:

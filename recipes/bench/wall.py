@@ -1,0 +1,164 @@
+"""Benchmark: a whole run, compile included: ``bin/run recipe=standard`` against the plain PyTorch loop's whole run.
+
+``bin/run recipe=bench.wall data=tinyshakespeare.txt`` (``--help`` lists the keys). The defaults are nanoGPT's CPU
+shakespeare-char configuration, the command in ``recipes/standard.py``'s docstring (4 layers, 4 heads, d=128,
+block 64, batch 12, 2000 steps, lr 1e-3 with 100 warmup steps and cosine to 1e-4, beta2 0.99, an evaluation of 20
+batches every 250 steps), with ``optimizer=`` as given.
+
+Every run is a child process, timed from its start to its exit (interpreter start-up, imports, the data, every
+compile, the steps, the evaluations, the checkpoints):
+
+- ``standard``: ``bin/run recipe=standard`` with those keys, every other key at its default (samples at each
+  evaluation, gradient health, spike detection, checkpoints every 500 steps and the best): what users run.
+- ``plain``: ``python -m recipes.bench.plain_run`` (``recipes/bench/plain_run.py``): nanoGPT's ``train.py`` loop over
+  the same Llama as an ``nn.Module``: ``torch.compile(module)``, fused AdamW, the same evaluations (the same windows,
+  under ``no_grad``), a ``torch.save`` when the validation loss improves.
+
+``caches``: ``cold`` runs compile into a new, empty inductor cache (``TORCHINDUCTOR_CACHE_DIR``), one per run;
+``warm`` runs read the cache their own side's cold run filled (a cold run first if none ran). The order is
+standard, plain for each cache state, ``repeats`` times; the ratio standard / plain is the median of each pair's.
+Each run also gives what it spent compiling (dynamo's timers, ``core.compile.compile_seconds``) and its final
+validation loss. This machine is shared and noisy: ratios taken back to back are the result, not bare times.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from core.config import UserError, option
+from core.io.logging import progress
+from core.cli.runs import make_folder, run_folder
+from recipes.bench.plain_run import MARK, PlainRun
+from recipes.train.optimizer import OPTIMIZERS
+
+REPO = Path(__file__).resolve().parents[2]
+CACHES = ("cold", "warm")
+DESCRIPTION = ("wall time of a whole bin/run recipe=standard run (compile, steps, evaluations, checkpoints) against "
+               "nanoGPT's plain loop's whole run, cold and warm inductor cache")
+
+
+@dataclass
+class Config:
+    data: str = option("stdlib", "the corpus, as recipe=standard's data= (nanoGPT's: tinyshakespeare.txt)")
+    tokenizer: str = option("char", "as recipe=standard's tokenizer=")
+    n_layers: int = option(4, "transformer blocks", min=1)
+    n_heads: int = option(4, "query heads", min=1)
+    d_model: int = option(128, "model width", min=1)
+    batch_size: int = option(12, "sequences per step", min=1)
+    block_size: int = option(64, "tokens per sequence", min=1)
+    steps: int = option(2000, "steps of each run", min=1)
+    eval_every: int = option(250, "steps between evaluations (both sides)", min=0)
+    eval_batches: int = option(20, "validation batches per evaluation (both sides)", min=1)
+    optimizer: str = option("adamw", "recipe=standard's optimizer= (the plain loop's is AdamW)", choices=OPTIMIZERS)
+    caches: tuple[str, ...] = option(CACHES, "the inductor cache states to time, among cold, warm")
+    repeats: int = option(1, "pairs of runs per cache state", min=1)
+    compile: bool = option(True, "compile both sides (false: eager, for a quick look)")
+    out: str = option("", "folder for every run's folder and results.json (default runs/bench-wall-<time>)")
+
+    def __post_init__(self):
+        unknown = [c for c in self.caches if c not in CACHES]
+        if unknown or not self.caches:
+            raise UserError(f"bad value for 'caches': {','.join(self.caches)}; give cold, warm or both")
+
+
+def standard_args(cfg: Config, folder: Path) -> list[str]:
+    """``bin/run recipe=standard``'s keys for this configuration (``recipes/standard.py``'s docstring)."""
+    return ["recipe=standard", f"data={cfg.data}", f"tokenizer={cfg.tokenizer}", f"model.n_layers={cfg.n_layers}",
+            f"model.n_heads={cfg.n_heads}", f"model.d_model={cfg.d_model}", f"block_size={cfg.block_size}",
+            f"batch_size={cfg.batch_size}", "lr=1e-3", "beta2=0.99", "warmup_steps=100", f"steps={cfg.steps}",
+            "min_lr=1e-4", f"eval_every={cfg.eval_every}", f"eval_batches={cfg.eval_batches}",
+            f"optimizer={cfg.optimizer}", f"compile={str(cfg.compile).lower()}", f"out={folder}"]
+
+
+def plain_config(cfg: Config, folder: Path) -> PlainRun:
+    return PlainRun(data=cfg.data, tokenizer=cfg.tokenizer, out=str(folder), n_layers=cfg.n_layers,
+                    n_heads=cfg.n_heads, d_model=cfg.d_model, batch_size=cfg.batch_size, block_size=cfg.block_size,
+                    steps=cfg.steps, eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, compile=cfg.compile)
+
+
+def timed(argv: list[str], cache: Path, log: Path) -> tuple[float, str]:
+    """Run ``argv`` in the repository with inductor's cache at ``cache``: its wall seconds and its output (written to
+    ``log``); a failure is an error naming the log."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise UserError(f"{' '.join(argv[:4])} ... exited {done.returncode}; its output is in {log}")
+    return seconds, done.stdout + done.stderr
+
+
+def run_standard(cfg: Config, folder: Path, cache: Path) -> dict:
+    seconds, text = timed([sys.executable, str(REPO / "bin" / "run"), *standard_args(cfg, folder)], cache,
+                          folder.with_suffix(".log"))
+    val = re.search(r"done: step \d+, val loss ([\d.]+)", text)
+    compiling = re.search(r"of which compiling ([\d.]+)s", text)
+    return {"wall_s": seconds, "val_loss": float(val.group(1)) if val else None,
+            "compile_s": float(compiling.group(1)) if compiling else None}
+
+
+def run_plain(cfg: Config, folder: Path, cache: Path) -> dict:
+    argv = [sys.executable, "-m", "recipes.bench.plain_run", json.dumps(asdict(plain_config(cfg, folder)))]
+    seconds, text = timed(argv, cache, folder.with_suffix(".log"))
+    result = json.loads(next(line[len(MARK):] for line in text.splitlines() if line.startswith(MARK)))
+    return {"wall_s": seconds, "val_loss": result["val_loss"], "compile_s": result["compile_s"],
+            "steps_s": result["steps_s"], "evals_s": result["evals_s"]}
+
+
+def run(cfg: Config) -> dict:
+    folder = make_folder(run_folder(cfg.out, "", "bench-wall"))
+    sides = {"standard": run_standard, "plain": run_plain}
+    runs: dict[str, dict[str, list]] = {c: {s: [] for s in sides} for c in cfg.caches}
+    with tempfile.TemporaryDirectory(prefix="bench-wall-") as tmp:
+        warm_caches: dict[str, Path] = {}
+        for repeat in range(cfg.repeats):
+            for cache_state in cfg.caches:
+                for side, fn in sides.items():
+                    if cache_state == "warm" and side not in warm_caches:   # fill it: a cold run, not timed
+                        warm_caches[side] = Path(tmp) / f"{side}-filled"
+                        fn(cfg, folder / f"{side}-fill", warm_caches[side])
+                    cache = Path(tmp) / f"{side}-cold-{repeat}" if cache_state == "cold" else warm_caches[side]
+                    r = fn(cfg, folder / f"{side}-{cache_state}-{repeat}", cache)
+                    if cache_state == "cold" and side not in warm_caches:
+                        warm_caches[side] = cache
+                    runs[cache_state][side].append(r)
+                    progress(f"  {side}, {cache_state} cache ({repeat + 1}/{cfg.repeats}): {r['wall_s']:.1f}s, "
+                             f"compiling {_s(r['compile_s'])}, val loss {_loss(r['val_loss'])}")
+    return _table(cfg, runs, folder)
+
+
+def _loss(value) -> str:
+    return "?" if value is None else f"{value:.4f}"
+
+
+def _s(seconds) -> str:
+    return "?" if seconds is None else f"{seconds:.1f}s"
+
+
+def _table(cfg: Config, runs: dict, folder: Path) -> dict:
+    rows, summary = [], {}
+    for cache_state, sides in runs.items():
+        ratios = [s["wall_s"] / p["wall_s"] for s, p in zip(sides["standard"], sides["plain"])]
+        summary[cache_state] = {"standard_over_plain": statistics.median(ratios), "runs": sides}
+        for side, rs in sides.items():
+            compiling = [r["compile_s"] for r in rs if r["compile_s"] is not None]
+            rows.append(f"| {cache_state} | {side} | {statistics.median(r['wall_s'] for r in rs):.1f} | "
+                        f"{_s(statistics.median(compiling) if compiling else None)} | {_loss(rs[-1]['val_loss'])} |")
+        rows.append(f"| {cache_state} | standard / plain | {summary[cache_state]['standard_over_plain']:.3f}x | | |")
+    print(f"whole runs of {cfg.steps} steps (standard with optimizer={cfg.optimizer}), {cfg.repeats} pair(s) per "
+          f"cache state, medians:")
+    print("| cache | run | wall s | compiling | val loss |\n|---|---|---|---|---|")
+    print("\n".join(rows))
+    result = {"config": asdict(cfg), **summary}
+    (folder / "results.json").write_text(json.dumps(result, indent=1))
+    print(f"results in {folder / 'results.json'}")
+    return result
