@@ -56,3 +56,25 @@ def test_step_bench_interleaved_refuses_repeats_and_leaves_the_inductor_cache_se
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/kept")
     assert set(step.run(step.Config(**small))) == {"plain eager", "functional eager"}
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/kept"
+
+
+def test_wall_bench_times_both_whole_runs_per_cache_state(tmp_path, capsys):
+    """``bench.wall`` at test size (uncompiled, 6 steps): recipe=standard's run and the plain loop's run, each a
+    child process of its own, per cache state; the plain loop evaluates the windows recipe=standard evaluates, so
+    at step 0 both would agree, and both end with a finite validation loss and their seconds."""
+    from recipes.bench import wall
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    cfg = wall.Config(data=str(corpus), n_layers=1, d_model=32, steps=6, eval_every=3, eval_batches=2,
+                      compile=False, out=str(tmp_path / "wall"))
+    result = wall.run(cfg)
+    for cache in ("cold", "warm"):
+        for side in ("standard", "plain"):
+            (r,) = result[cache]["runs"][side]
+            assert r["wall_s"] > 0 and 0 < r["val_loss"] < 10, (cache, side, r)
+        assert result[cache]["standard_over_plain"] > 0
+    assert (tmp_path / "wall" / "standard-cold-0" / "final.msgpack").exists()
+    assert (tmp_path / "wall" / "plain-cold-0" / "ckpt.pt").exists()
+    assert "| warm | standard / plain |" in capsys.readouterr().out
+    with pytest.raises(Exception, match="caches"):
+        wall.Config(caches=("hot",))

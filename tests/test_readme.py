@@ -135,6 +135,8 @@ NOT_RUN = {
     "bin/run recipe=bench.step": "compiles every variant cold in processes of its own, for many minutes at 100M (the "
                                  "bench at test size: tests/test_bench.py)",
     "bin/run recipe=bench.speed": "interleaved timed rounds for minutes (the bench at test size: tests/test_speed.py)",
+    "bin/run recipe=bench.wall": "eight whole 2000-step runs, two of them compiling cold (the bench at test size: "
+                                 "tests/test_bench.py::test_wall_bench_times_both_whole_runs_per_cache_state)",
     "bin/run recipe=bench.health": "a timing (what it times: tests/test_health.py, tests/test_adagc.py; its keys: "
                                    "tests/test_bench.py)",
     "bin/run recipe=bench.checkpoint": "writes and reads a 398 MB state a dozen times (checkpoints: "
