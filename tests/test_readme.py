@@ -123,8 +123,8 @@ NOT_RUN = {
     "bin/run recipe=standard data=tinyshakespeare.txt tokenizer=char model.vocab_size=32000":
         "a memory measurement at 100M parameters",
     "bin/run recipe=standard data=/work/shared/data/tinyshakespeare.txt tokenizer=char model.n_layers=4":
-        "nanoGPT's configuration, 2000 compiled steps timed (Muon at test size: tests/test_muon.py; the AdamW run: "
-        "tests/test_shakespeare.py)",
+        "nanoGPT's configuration, 2000 compiled steps timed (Muon at test size: tests/test_muon.py; the AdamW run's "
+        "first 800 steps: tests/test_shakespeare.py)",
     "bin/run recipe=bench.llamacpp": "llama-cpp-python, built from its sdist for many minutes, is not a dependency "
                                      "(the benchmark's own logic without it: tests/test_bench_llamacpp.py)",
     "bin/run recipe=standard data=tinyshakespeare.txt tokenizer=byte preset=tiny steps=500 out=runs/byte-tiny":
