@@ -16,8 +16,8 @@ it kept the train step out of inductor's caches and only the eval graph and the 
 orchestrated run waits for ``shakes`` and the data-parallel runs for their one-process twins, at the same rows
 per rank (a measured 14 s of 48 s, and 12 s of each rank's 52 s, before the cond mark). One compile keeps one
 core busy, so the runs are jobs (``JOBS``) started together when the module starts (those of the selected tests),
-as many at a time as there are cores (a 2-rank torchrun takes two); a test waits for its own. Each job's time is printed when the module ends (a
-test's own duration is mostly waiting).
+as many at a time as there are cores (a 2-rank torchrun takes two); a test waits for its own. Each job's time is
+printed when the module ends (a test's own duration is mostly waiting).
 
 Written for issue 31: compiled distillation (two RoPE tables in one graph) and compiled data parallel and FSDP
 (``torch.cond`` over aliased gradients) crashed on the default command while every test ran ``compile=false``.
