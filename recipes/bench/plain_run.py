@@ -56,12 +56,12 @@ class PlainRun:
     seed: int = 1337
 
 
-def learning_rate(step: int, cfg: PlainRun) -> float:
-    """nanoGPT's ``get_lr``: linear warmup to ``lr``, cosine to ``min_lr`` at ``steps``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
-    ratio = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - cfg.min_lr)
+def nanogpt_lr(step: int, total: int, warmup: int = 100, peak: float = 1e-3, floor: float = 1e-4) -> float:
+    """nanoGPT's ``get_lr``: linear warmup to ``peak``, cosine to ``floor`` at ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / (warmup + 1)
+    ratio = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - floor)
 
 
 def run(cfg: PlainRun) -> dict:
@@ -99,7 +99,7 @@ def run(cfg: PlainRun) -> dict:
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
         for group in opt.param_groups:
-            group["lr"] = learning_rate(step - 1, cfg)
+            group["lr"] = nanogpt_lr(step - 1, cfg.steps, cfg.warmup_steps, cfg.lr, cfg.min_lr)
         x, y = get_batch()
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()

@@ -58,6 +58,7 @@ from optim.health import computed
 from models import llama
 from models.llama_module import LlamaModule, load_params
 from recipes import standard
+from recipes.bench.plain_run import nanogpt_lr
 from recipes.train import backend
 from recipes.train.backend import SCOPES
 from recipes.train.hooks import Hook
@@ -201,14 +202,6 @@ class _Clock(Hook):
         return [took[n] - statistics.median(rest) for n in due] if rest else []
 
 
-def _lr(step: int, total: int, warmup: int = 100, peak: float = 1e-3, floor: float = 1e-4) -> float:
-    """nanoGPT's ``get_lr``: linear warmup, cosine to ``floor`` at ``total``."""
-    if step < warmup:
-        return peak * (step + 1) / (warmup + 1)
-    ratio = min(1.0, (step - warmup) / max(1, total - warmup))
-    return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - floor)
-
-
 class Plain:
     """nanoGPT's ``train.py`` loop (CPU: no GradScaler, no autocast) over the same Llama as an ``nn.Module``."""
 
@@ -228,7 +221,7 @@ class Plain:
         times = []
         for _ in range(n):
             for group in self.opt.param_groups:
-                group["lr"] = _lr(self.it, self.total)
+                group["lr"] = nanogpt_lr(self.it, self.total)
             batch = self.batches.get(self.it)
             loss = F.cross_entropy(self.forward(batch["x"]).flatten(0, 1), batch["y"].flatten())
             loss.backward()
