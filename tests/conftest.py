@@ -89,3 +89,23 @@ def tiny_teacher(tmp_path_factory):
                      "save_every=0", "sample_tokens=0", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
                      "compile=false", "health=false"]) == 0
     return work / "teacher", data
+
+
+DEFAULT_PATHS = "test_default_paths.py"
+
+
+def pytest_collection_modifyitems(items):
+    """tests/test_default_paths.py's tests last: its runs start with the session and go on beside the other tests
+    (``default_paths_in_the_background``), so they are mostly done when its tests ask."""
+    items.sort(key=lambda item: item.path.name == DEFAULT_PATHS)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_paths_in_the_background(request, tmp_path_factory):
+    """With a test of tests/test_default_paths.py selected, its compiled runs (minutes each, one core busy) start
+    now, one core fewer at a time than the machine has (its ``start``), while the other tests keep the rest busy."""
+    module = next((item.module for item in request.session.items if item.path.name == DEFAULT_PATHS), None)
+    runs = module.start(request.session, tmp_path_factory, request.getfixturevalue("corpus")) if module else None
+    yield
+    if runs:
+        runs.pool.shutdown(wait=True, cancel_futures=True)

@@ -11,13 +11,14 @@ not.
 Cost. The children share one inductor cache (``$TORCHINDUCTOR_CACHE_DIR`` as set, else inductor's own folder
 for this user) and one token cache, and one char teacher, trained by the README's standard command, serves
 every test that needs a teacher. A compiled train step comes from the cache when a run of the same shapes and keys
-compiled it before (gradient health's ``torch.cond`` is marked cacheable, ``core.compile.enable_caches``; before,
-it kept the train step out of inductor's caches and only the eval graph and the compiled C++ came back): the
-orchestrated run waits for ``shakes`` and the data-parallel runs for their one-process twins, at the same rows
-per rank (a measured 14 s of 48 s, and 12 s of each rank's 52 s, before the cond mark). One compile keeps one
-core busy, so the runs are jobs (``JOBS``) started together when the module starts (those of the selected tests),
-as many at a time as there are cores (a 2-rank torchrun takes two); a test waits for its own. Each job's time is
-printed when the module ends (a test's own duration is mostly waiting).
+compiled it before (gradient health's ``torch.cond`` is marked cacheable, ``core.compile.enable_caches``): the
+orchestrated run waits for ``shakes`` and the data-parallel runs for their one-process twins, at the same rows per
+rank. One compile keeps one core busy, so the runs are jobs (``JOBS``, those of the selected tests) started together
+when the session starts (``start``, called by ``tests/conftest.py``, which also puts this module's tests last):
+while the other tests run (on one intra-op thread, mostly one core busy), one core fewer than the machine has runs
+them (a 2-rank torchrun counts as one there), and once this module's tests begin, one per core (a 2-rank torchrun
+takes two), so the jobs are mostly done when the tests ask. A test waits for its own. Each job's time is printed
+when the module ends (a test's own duration is mostly waiting).
 
 Written for issue 31: compiled distillation (two RoPE tables in one graph) and compiled data parallel and FSDP
 (``torch.cond`` over aliased gradients) crashed on the default command while every test ran ``compile=false``.
@@ -107,13 +108,13 @@ def output(proc: subprocess.CompletedProcess) -> str:
 
 class Runs:
     """``bin/run`` in the work folder (``runs/`` lands there, as in the README), one token cache for all, at most
-    ``CORES`` processes at a time in the order asked; and the module's jobs (``JOBS``), each run once, in threads
-    of their own."""
+    ``slots`` processes at a time in the order asked (``widen`` raises it); and the module's jobs (``JOBS``), each
+    run once, in threads of their own."""
 
-    def __init__(self, work: Path):
+    def __init__(self, work: Path, slots: int):
         self.work = work
         self.env = {**os.environ, "PURESTEP_CACHE": str(work / ".cache")}
-        self.free, self.cores, self.queue = CORES, threading.Condition(), []
+        self.slots, self.free, self.cores, self.queue = slots, slots, threading.Condition(), []
         self.pool = ThreadPoolExecutor(max_workers=4 * len(JOBS))   # waiting on a job holds a thread, not a core
         self.futures: dict = {}
         self.lock = threading.Lock()
@@ -121,11 +122,12 @@ class Runs:
 
     def __call__(self, *args: str, ranks: int = 1, expect: int = 0) -> subprocess.CompletedProcess:
         launcher = [sys.executable] if ranks == 1 else [*torchrun(), "--standalone", f"--nproc_per_node={ranks}"]
-        need, ticket = min(ranks, CORES), object()
+        ticket = object()
         with self.cores:                                # first come, first served: a torchrun is not starved
             self.queue.append(ticket)
-            self.cores.wait_for(lambda: self.queue[0] is ticket and self.free >= need)
+            self.cores.wait_for(lambda: self.queue[0] is ticket and self.free >= min(ranks, self.slots))
             self.queue.pop(0)
+            need = min(ranks, self.slots)
             self.free -= need
             self.cores.notify_all()
         started = time.monotonic()
@@ -141,6 +143,12 @@ class Runs:
         assert proc.returncode == expect, (f"bin/run {' '.join(args)}{f' on {ranks} ranks' if ranks > 1 else ''}: "
                                            f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
         return proc
+
+    def widen(self, slots: int) -> None:
+        with self.cores:
+            self.free += max(0, slots - self.slots)
+            self.slots = max(slots, self.slots)
+            self.cores.notify_all()
 
     def start(self, name: str):
         with self.lock:
@@ -315,34 +323,45 @@ def uses(*names: str):
     return mark
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory, corpus) -> Path:
-    """The work folder: ``shakespeare.txt`` there is ~200 KB of this Python's standard library source with the
-    digits removed, so the char teacher, like tiny shakespeare's, cannot spell a number."""
+RUNS = pytest.StashKey[Runs]()
+
+
+def start(session: pytest.Session, tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Runs:
+    """The runner, with the jobs of this module's selected tests started in file order, ``CORES - 1`` at a time
+    (``tests/conftest.py`` calls it when the session starts). The work folder's ``shakespeare.txt`` is ``corpus``
+    (~200 KB of this Python's standard library source, ``tests/conftest.py``) with the digits removed, so the char
+    teacher, like tiny shakespeare's, cannot spell a number."""
     folder = tmp_path_factory.mktemp("users")
-    text = corpus.read_text().translate(str.maketrans("", "", "0123456789"))
-    (folder / "shakespeare.txt").write_text(text)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def run(work, request):
-    """The module's runner, with the jobs of every selected test of this module started, in file order."""
-    runs = Runs(work)
-    for item in request.session.items:
-        if item.module is request.module:
+    (folder / "shakespeare.txt").write_text(corpus.read_text().translate(str.maketrans("", "", "0123456789")))
+    runs = session.config.stash[RUNS] = Runs(folder, slots=max(1, CORES - 1))
+    for item in session.items:
+        if item.path == Path(__file__):
             params = getattr(getattr(item, "callspec", None), "params", {})
             for name in getattr(item.function, "jobs", ()):
                 runs.start(name.format(**params))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def run(request, tmp_path_factory):
+    """The session's runner (started now if conftest did not), one job per core from here on."""
+    runs = request.config.stash.get(RUNS, None) or start(request.session, tmp_path_factory,
+                                                         request.getfixturevalue("corpus"))
+    runs.widen(CORES)
     yield runs
     runs.pool.shutdown(wait=True, cancel_futures=True)
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     if reporter and capture and runs.times:
         with capture.global_and_fixture_disabled():          # a fixture's teardown output is captured otherwise
-            reporter.write_line(f"\n{request.module.__name__}: each bin/run's time ({CORES} at a time)")
+            reporter.write_line(f"\n{request.module.__name__}: each bin/run's time (started with the session)")
             for line in runs.times:
                 reporter.write_line(line)
+
+
+@pytest.fixture(scope="module")
+def work(run) -> Path:
+    return run.work
 
 
 @uses("shakes")
