@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -39,6 +40,7 @@ from pathlib import Path
 import pytest
 
 import documentation
+from core.io import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "bin" / "run"
@@ -60,6 +62,7 @@ UPCYCLE = ["preset=ci", "calib_tokens=256", "blockwise.steps=4", "blockwise.log_
 STANDARD = "bin/run recipe=standard data=shakespeare.txt tokenizer=char name=shakes preset=small"
 DISTILL = "bin/run recipe=distill teacher=runs/standard-shakes data=shakespeare.txt"
 DISTILL_DROP = "bin/run recipe=distill teacher=smollm2 student=drop_layers"
+DISTILL_GKD = "bin/run recipe=distill teacher=runs/standard-shakes data=shakespeare.txt kl=jsd beta=0.5 on_policy=0.5"
 DDP = "torchrun --standalone --nproc_per_node=2 bin/run recipe=standard name=ddp"
 FSDP = "torchrun --standalone --nproc_per_node=8 bin/run recipe=standard parallel=fsdp"
 EXPORTS = {"bin/run recipe=export init=runs/standard-shakes format=hf": "config.json",
@@ -73,6 +76,7 @@ README_RUNS = {
     "bin/run recipe=lr_find data=shakespeare.txt tokenizer=char": "test_lr_find",
     DISTILL: "test_distill_online_and_from_a_cache",
     DISTILL_DROP: "test_distill_under_torchrun",
+    DISTILL_GKD: "test_distill_on_policy_jsd",
     "bin/run recipe=compress teacher=smollm2": "test_compress",
     **{words: "test_export" for words in EXPORTS},
     DDP: "test_standard_under_torchrun",
@@ -177,6 +181,22 @@ def shakes(run):
 
 
 @job
+def standard_muon(run):
+    """The standard command with ``optimizer=muon`` (issue 35), compiled; then a resume of its folder that asks for
+    AdamW, refused by name (the optimizer state's layout differs)."""
+    words = [*readme(STANDARD), *SMALL, "optimizer=muon", "out=runs/standard-muon"]
+    return run(*words), run(*words, "optimizer=adamw", "steps=8", expect=2)
+
+
+@job
+def standard_diverging(run):
+    """The standard command at ``lr=1e30``, compiled: every step's loss blows up, the spike monitor rolls back to the
+    newest checkpoint until its cap, and the run stops (``core.exits``: exit 4)."""
+    return run(*readme(STANDARD), *SMALL, "steps=20", "save_every=10", "warmup_steps=0", "log_every=1", "lr=1e30",
+               "out=runs/diverging", expect=4)
+
+
+@job
 def byte_teacher(run):
     """A byte-level teacher of two layers (eager: a teacher is an input here, not the path under test)."""
     run("recipe=standard", "data=shakespeare.txt", "tokenizer=byte", *SMALL, "model.n_layers=2", "compile=false",
@@ -217,6 +237,14 @@ def lr_find(run):
 def distill_online(run):
     run.get("shakes")
     return run(*readme(DISTILL), *STUDENT, "name=online")
+
+
+@job
+def distill_gkd(run):
+    """GKD's generalized JSD on half-student-written rows (docs/distill.md's command), compiled: the on-policy rows
+    are data of the one compiled step (``recipes.distill.on_policy``)."""
+    run.get("shakes")
+    return run(*readme(DISTILL_GKD), *STUDENT, "name=gkd")
 
 
 @job
@@ -293,10 +321,10 @@ def standard_fsdp(run):
 
 @job
 def distill_ddp(run):
-    """The README's first distill command on 2 ranks (after ``distill_online``, with its rows per rank), half its
-    rows rolled out by the student (GKD's on-policy distillation: the same compiled step, other data)."""
-    run.get("distill_online")
-    return run(*readme(DISTILL), *STUDENT, "parallel=ddp", "name=ddp", "on_policy=0.5", ranks=2)
+    """docs/distill.md's GKD command on 2 ranks (after ``distill_gkd``, with its rows per rank: its graphs come from
+    the cache), each rank rolling out rows of its own."""
+    run.get("distill_gkd")
+    return run(*readme(DISTILL_GKD), *STUDENT, "parallel=ddp", "name=ddp", ranks=2)
 
 
 @job
@@ -371,6 +399,30 @@ def test_standard(run, work):
     assert (work / "runs" / "standard-shakes" / "final.msgpack").exists()
 
 
+@uses("standard_muon")
+def test_standard_with_muon(run, work):
+    """Muon's learning rate (its shape-based adjustment on top) is logged apart from AdamW's, and is larger."""
+    first, again = run.get("standard_muon")
+    assert "compile=True" in output(first)
+    folder = work / "runs" / "standard-muon"
+    top = ckpt.load(folder / "final.msgpack")
+    assert math.isfinite(top["val_loss"]) and top["val_loss"] < math.log(256), top["val_loss"]
+    lrs = [r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "muon_lr" in r]
+    assert lrs and lrs[-1]["muon_lr"] > 10 * lrs[-1]["lr"]
+    assert "optimizer (muon -> adamw)" in again.stderr, again.stderr[-2000:]
+
+
+@uses("standard_diverging")
+def test_standard_at_its_rollback_cap_exits_4(run, work):
+    """A diverging run stops after its rollbacks with its last state as ``stopped.msgpack``, never ``final``, and
+    says why in its last line (tests/test_exits.py has the eager cases)."""
+    err = run.get("standard_diverging").stderr
+    assert err.strip().splitlines()[-1].startswith("stopped: 3 rollbacks within 1000 steps"), err[-3000:]
+    assert "Traceback" not in err
+    folder = work / "runs" / "diverging"
+    assert (folder / ckpt.STOPPED).exists() and not (folder / ckpt.FINAL).exists()
+
+
 @uses("generate")
 def test_generate(run):
     out = run.get("generate").stdout
@@ -389,6 +441,18 @@ def test_distill_online_and_from_a_cache(run, work):
     for name, folder in (("distill_online", "online"), ("distill_cached", "smol")):
         assert "compile=True" in output(run.get(name))
         assert (work / "runs" / f"distill-{folder}" / "final.msgpack").exists()
+
+
+@uses("distill_gkd")
+def test_distill_on_policy_jsd(run, work):
+    """The KD term is the JSD (at most log 2 at beta = 0.5) and some of its positions score the student's own
+    tokens (issue 36: on_policy=0.5 trains compiled in one process; the 2-rank run is distill_ddp's)."""
+    out = output(run.get("distill_gkd"))
+    assert "compile=True" in out and "generalized JSD (beta=0.5)" in out and "on-policy (GKD)" in out
+    rows = [json.loads(line) for line in (work / "runs" / "distill-gkd" / "metrics.jsonl").read_text().splitlines()]
+    kls = [r["kl"] for r in rows if "kl" in r]
+    assert kls and all(0 < v < math.log(2) for v in kls)
+    assert any(r["on_policy"] > 0 for r in rows if "on_policy" in r)
 
 
 @pytest.mark.parametrize("kind", ["char", "byte", "bpe"])

@@ -1,15 +1,12 @@
 """Exit codes (``core.exits``): the table of docs/configuration.md is the code's, and a run that stops without
 finishing (too many rollbacks, a non-finite validation loss) exits 4 with its last state as ``stopped.msgpack``,
 never ``final``; a rerun on its folder says so instead of repeating it, and a grid marks the cell failed and goes
-on."""
+on. The compiled run at its rollback cap, as a process, is tests/test_default_paths.py's."""
 from __future__ import annotations
 
 import csv
 import json
 import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -165,16 +162,3 @@ def test_parallel_grid_cells_that_stop_are_marked_failed_and_the_grid_goes_on(tm
     err = capsys.readouterr().err
     assert "grid cell 1/2: diverge=true failed: stopped without finishing" in err and "grid cell 2/2: diverge=false done" in err
     assert {n: c["status"] for n, c in read_cells(root).items()} == {"diverge=true": "failed", "diverge=false": "finished"}
-
-
-@pytest.mark.slow
-def test_compiled_bin_run_at_its_rollback_cap_exits_4(corpus, tmp_path):
-    """The users' default (compile=true) as a real process: the same exit code and files."""
-    out = tmp_path / "run"
-    args = [a for a in TINY if a != "compile=false"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "bin/run", *args, f"data={corpus}", "lr=1e30", f"out={out}"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == exits.STOPPED, proc.stderr[-3000:]
-    assert last_line(proc.stderr).startswith("stopped: 3 rollbacks within 1000 steps") and "Traceback" not in proc.stderr
-    assert (out / ckpt.STOPPED).exists() and not (out / ckpt.FINAL).exists()

@@ -1,8 +1,7 @@
 """GKD's generalized Jensen-Shannon divergence (Agarwal et al. 2024; TRL's ``GKDTrainer.generalized_jsd_loss``):
 ``kl=jsd`` with ``beta`` against a float64 hand formula, its ends equal to the forward and reverse KL, masked
-positions and vocabularies, the top-k cache's k + 1 outcomes, and recipe=distill kl=jsd compiled (the users'
-default path, with on_policy=0.5 in the same compile) on a tiny teacher, with the caches that cannot give it refused
-(exit 2)."""
+positions and vocabularies, the top-k cache's k + 1 outcomes, and the caches that cannot give it refused (exit 2).
+``kl=jsd beta=0.5 on_policy=0.5`` compiled, in one process and on 2 ranks, is tests/test_default_paths.py's."""
 import math
 
 import pytest
@@ -135,23 +134,6 @@ def test_topk_cache_jsd_over_the_k_ids_and_the_other_bucket():
 
 TINY = ["block_size=16", "batch_size=4", "sample_tokens=0", "save_every=0", "eval_batches=1", "eval_every=0",
         "warmup_steps=1", "log_every=1", "model.d_model=16", "model.n_layers=1", "model.n_heads=2"]
-
-
-def test_distill_kl_jsd_on_policy_compiled(tiny_teacher, token_cache, tmp_path, capsys):
-    """The users' default path, compiled: kl=jsd beta=0.5 against an online teacher, half the sequences continued by
-    the student (on_policy=0.5, tests/test_on_policy.py: one compile covers both). The KD term it logs is the JSD (at
-    most log 2 at beta = 0.5), and some of its positions score the student's own tokens."""
-    import json
-    teacher, data = tiny_teacher
-    out = tmp_path / "distill"
-    assert main(["recipe=distill", f"teacher={teacher}", f"data={data}", f"out={out}", *TINY, "steps=3", "kl=jsd",
-                 "beta=0.5", "on_policy=0.5"]) == 0
-    log = capsys.readouterr().err
-    assert "generalized JSD (beta=0.5)" in log and "on-policy (GKD)" in log
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    kls = [r["kl"] for r in rows if "kl" in r]
-    assert len(kls) == 3 and all(0 < v < math.log(2) for v in kls)
-    assert any(r["on_policy"] > 0 for r in rows if "on_policy" in r)
 
 
 def test_caches_that_cannot_give_the_jsd_are_refused(tiny_teacher, token_cache, tmp_path, capsys):

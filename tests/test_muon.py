@@ -1,19 +1,16 @@
 """Muon (``optim.muon``) against ``torch.optim.Muon`` per layer, its batched Newton-Schulz against one matrix at a
-time, the mask that sends embeddings, head and gains to AdamW, and ``optimizer=muon`` as users run it: compiled,
-and refused under ``parallel=fsdp`` on 2 torchrun ranks."""
-import json
-import math
+time, the mask that sends embeddings, head and gains to AdamW, and ``optimizer=muon`` refused under ``parallel=fsdp`` on 2
+torchrun ranks. As users run it, compiled (and a resume that asks for AdamW refused), it is
+tests/test_default_paths.py's ``test_standard_with_muon``."""
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import optim
-from core.io import checkpoint as ckpt
 from core.tree import named_leaves, tree_map
 from models import llama
 from models.llama_module import LlamaModule, load_params
@@ -142,26 +139,6 @@ def _named(tree):
 def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-
-
-def test_compiled_standard_run_with_muon_finishes_and_resume_refuses_another_optimizer(corpus, tmp_path):
-    """The users' default path (compiled, health, spike monitor) with optimizer=muon, small; then a resume that
-    asks for AdamW is refused by name (the optimizer state's layout differs)."""
-    out = tmp_path / "muon"
-    args = [sys.executable, str(REPO / "bin" / "run"), "recipe=standard", "preset=tiny", "optimizer=muon",
-            f"data={corpus}", "steps=6", "warmup_steps=2", "block_size=32", "batch_size=4", "eval_every=0",
-            "eval_batches=2", "log_every=3", "save_every=0", "sample_tokens=0", f"out={out}"]
-    proc = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compile=True" in proc.stdout + proc.stderr
-    top = ckpt.load(out / "final.msgpack")
-    assert math.isfinite(top["val_loss"]) and top["val_loss"] < math.log(256), top["val_loss"]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    lrs = [r for r in rows if "muon_lr" in r]
-    assert lrs and lrs[-1]["muon_lr"] > 10 * lrs[-1]["lr"]
-    again = subprocess.run([*args[:-1], "optimizer=adamw", "steps=8", f"out={out}"], cwd=tmp_path, env=_env(),
-                           capture_output=True, text=True, timeout=300)
-    assert again.returncode == 2 and "optimizer (muon -> adamw)" in again.stderr, again.stderr[-2000:]
 
 
 def test_parallel_fsdp_refuses_muon_on_every_rank_and_the_orchestrator_too(corpus, tmp_path, capsys):

@@ -97,8 +97,6 @@ RUN_ELSEWHERE = {
         "tests/test_dry_run.py::test_dry_run_prints_the_plan_and_creates_no_run_folder",
     "bin/run recipe=standard data=shakespeare.txt name=lr preset=tiny seed=1,2 grid.lr=1e-3,3e-3 grid.parallel=2":
         "tests/test_grid.py::test_parallel_cells_run_as_subprocesses_and_a_failed_cell_resumes_after_the_fix",
-    "bin/run recipe=distill teacher=runs/standard-shakes data=shakespeare.txt kl=jsd beta=0.5 on_policy=0.5":
-        "tests/test_kd_jsd.py::test_distill_kl_jsd_on_policy_compiled",
     "bin/run recipe=upcycle teacher=runs/standard-shakes data=shakespeare.txt":
         "tests/test_default_paths.py::test_upcycle_every_phase",
     "bin/run recipe=bench.kv": "tests/test_upcycle_bench.py::"
@@ -123,7 +121,7 @@ NOT_RUN = {
     "bin/run recipe=standard data=tinyshakespeare.txt tokenizer=char model.vocab_size=32000":
         "a memory measurement at 100M parameters",
     "bin/run recipe=standard data=/work/shared/data/tinyshakespeare.txt tokenizer=char model.n_layers=4":
-        "nanoGPT's configuration, 2000 compiled steps timed (Muon at test size: tests/test_muon.py; the AdamW run's "
+        "nanoGPT's configuration, 2000 compiled steps timed (Muon at test size: tests/test_default_paths.py::test_standard_with_muon; the AdamW run's "
         "first 800 steps: tests/test_shakespeare.py)",
     "bin/run recipe=bench.llamacpp": "llama-cpp-python, built from its sdist for many minutes, is not a dependency "
                                      "(the benchmark's own logic without it: tests/test_bench_llamacpp.py)",
