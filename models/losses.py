@@ -184,6 +184,40 @@ def teacher_topk(teacher_logits: torch.Tensor, k: int, temperature=1.0):
     return ids, logprobs, missing
 
 
+def cache_kl(teacher_logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, missing_mass: torch.Tensor,
+             temperature=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rounding, truncation)`` per position ``[..]``, in nats: what a top-k cache loses of the teacher's full
+    distribution p at temperature T, in two parts that sum to ``KL(p || p_hat)``, where ``p_hat`` is the cache's
+    log-probs ``logprobs`` on ``ids`` [.., k] and its missing mass spread evenly over the other V - k ids::
+
+        rounding   = sum_{i in ids} p_i (log p_i - log p_hat_i) + M (log M - log M_hat) + (S_hat - 1)
+        truncation = sum_{j not in ids} p_j log p_j - M log(M / (V - k))
+
+    with ``M`` the teacher's mass outside ``ids``, ``M_hat`` the cached one and ``S_hat`` the sum of the cached
+    probabilities and ``M_hat``. ``rounding`` is the KL over the k + 1 outcomes :func:`topk_kd_loss` sees (the k ids
+    and the "other" bucket), exact targets against stored ones: what a storage format adds (0 for exact values). Where
+    rounded values do not sum to one it is the generalized KL (I-divergence, with ``S_hat - 1``), never negative. ``truncation`` is M times the KL of the teacher's tail from even: what
+    keeping k ids loses, whatever the format. Each sum is formed apart (no difference of two entropies), so float32
+    keeps a small KL's digits."""
+    log_p = _log_probs(teacher_logits, temperature)
+    p = log_p.exp()
+    ids = ids.long()
+    log_p_k = log_p.gather(-1, ids)
+    p_k = log_p_k.exp()
+    rounding = torch.where(p_k > 0, p_k * (log_p_k - logprobs.float()), torch.zeros_like(p_k)).sum(-1)
+    rest = log_p.shape[-1] - ids.shape[-1]
+    if rest == 0:
+        return rounding, torch.zeros_like(rounding)
+    m = p.scatter(-1, ids, 0.0).sum(-1)
+    tiny = torch.finfo(torch.float32).tiny
+    log_m, log_m_hat = m.clamp(min=tiny).log(), missing_mass.float().clamp(min=tiny).log()
+    rounding = rounding + torch.where(m > 0, m * (log_m - log_m_hat), torch.zeros_like(m))
+    rounding = rounding + (logprobs.float().exp().sum(-1) + missing_mass.float() - 1)
+    plogp = torch.where(p > 0, p * log_p, torch.zeros_like(p)).scatter(-1, ids, 0.0).sum(-1)
+    truncation = plogp - torch.where(m > 0, m * (log_m - math.log(rest)), torch.zeros_like(m))
+    return rounding, truncation
+
+
 def topk_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor,
                  missing_mass: torch.Tensor, temperature=1.0, mask=None, *, direction: str = "forward",
                  beta: float = 0.5) -> torch.Tensor:

@@ -370,6 +370,7 @@ def caches(corpus, teacher, tmp_path_factory):
     folder = tmp_path_factory.mktemp("caches")
     distill(corpus, teacher, folder / "topk", "mode=topk", "k=8", "steps=60", recipe="distill_cache")
     distill(corpus, teacher, folder / "sample", "mode=sample", "samples=16", "steps=60", recipe="distill_cache")
+    distill(corpus, teacher, folder / "topk_packed", "k=8", "steps=60", recipe="distill_cache")   # the default mode
     return folder
 
 
@@ -383,7 +384,9 @@ def test_cache_layout_and_atomic_build(corpus, teacher, caches, capsys):
     assert sizes == {"ids.bin": positions * 8 * 2, "logprobs.bin": positions * 8 * 2, "missing.bin": positions * 4}
     sizes = {f.name: f.stat().st_size for f in (caches / "sample").glob("*.bin")}
     assert sizes == {"ids.bin": positions * 16 * 2, "counts.bin": positions * 16 * 2}
-    assert sorted(p.name for p in caches.iterdir()) == ["sample", "topk"]   # no temporary folder left behind
+    sizes = {f.name: f.stat().st_size for f in (caches / "topk_packed").glob("*.bin")}
+    assert sizes == {"ids.bin": positions * 8, "codes.bin": positions * 8, "scale.bin": positions * 4}
+    assert sorted(p.name for p in caches.iterdir()) == ["sample", "topk", "topk_packed"]   # no temporary folder
     capsys.readouterr()
     distill(corpus, teacher, caches / "topk", "mode=topk", "k=8", "steps=60", recipe="distill_cache")
     assert "nothing to do" in capsys.readouterr().err       # progress goes to stderr
@@ -394,6 +397,15 @@ def test_cache_layout_and_atomic_build(corpus, teacher, caches, capsys):
     assert ((t["topk_logprobs"].float().exp().sum(-1) + t["topk_missing"] - 1).abs() < 5e-3).all()
     s = TeacherCache.open(caches / "sample").targets(0)
     assert (s["sample_counts"].sum(-1) == 16).all()
+    # the packed cache holds the same ids, and log-probs within its 8-bit step; it loses a little more KL
+    packed = TeacherCache.open(caches / "topk_packed")
+    p = packed.targets(3)
+    assert torch.equal(p["topk_ids"], t["topk_ids"])
+    assert (p["topk_logprobs"] - t["topk_logprobs"].float()).abs().max() < 0.05
+    assert (p["topk_missing"] - t["topk_missing"]).abs().max() < 5e-3
+    plain = json.loads((caches / "topk" / "meta.json").read_text())
+    assert 0 <= plain["kl_rounding"] < packed.meta["kl_rounding"] < 0.01
+    assert packed.meta["kl_truncation"] == pytest.approx(plain["kl_truncation"], rel=1e-6)
 
 
 def test_cache_with_grad_accum_and_bf16(corpus, teacher, tmp_path):
@@ -411,7 +423,7 @@ def test_cache_with_grad_accum_and_bf16(corpus, teacher, tmp_path):
 def test_training_from_a_cache_matches_online(corpus, teacher, caches, tmp_path, capsys):
     """Top-k (k=8 of 256, "other" bucket) and 16-sample caches reach the online run's val loss within 2%."""
     online = final_val(distill(corpus, teacher, tmp_path / "online", *CACHE_STEPS))
-    for mode in ("topk", "sample"):
+    for mode in ("topk", "topk_packed", "sample"):
         cached = final_val(distill(corpus, teacher, tmp_path / mode, *CACHE_STEPS, f"cache={caches / mode}"))
         print(f"{mode} cache: val {cached:.4f} against online {online:.4f}")
         assert abs(cached - online) <= 0.02 * online, (mode, cached, online)

@@ -8,13 +8,20 @@ vocab x 2 B = 256 TB):
 - ``mode=topk``: the teacher's k most likely ids, their log-probs (fp16) and the missing mass
   1 - sum(top-k p) (fp32), used as an "other" bucket by ``models.losses.topk_kd_loss``
   (DistillKit ``distillkit/lossfuncs/kl.py``; MaxText-KD);
+- ``mode=topk_packed`` (the default): the same targets, compact (``recipes.distill.packing``): ids bit-packed to
+  ceil(log2 V) bits, log-probs as ``value_bits``-bit codes on a per-position scale, two fp16 numbers per position
+  (100 bytes/token at k=32 over SmolLM2's vocabulary against 132), decoded to the top-k targets when read; at 8 bits
+  its rounding adds 1.3e-5 nats/token of KL against fp16's 8.1e-6 (SmolLM2, docs/distill.md);
 - ``mode=sample``: Random-Sampling KD (Anshumann et al., ACL 2025): ``samples`` ids drawn from the teacher
   with replacement, stored as distinct ids + uint16 counts (``models.losses.sample_teacher``); unbiased,
   unlike top-k.
 
 Ids are uint16 when the vocabulary fits (as ``core.data.text`` stores tokens), else int32. Targets are
 captured at ``temperature``, which the distill run must use (a softened top-k cannot be re-softened
-exactly). Layout: ``meta.json`` (format, mode, k/samples, dtypes and shapes, batch/block/seed/grad_accum/
+exactly). A top-k build measures what its cache loses of the full teacher distribution
+(``models.losses.cache_kl``): the mean KL that rounding the stored values adds over the k + 1 outcomes the loss sees
+(``kl_rounding``: what the format adds) and the mean KL of the teacher's tail from an even spread of the missing
+mass (``kl_truncation``: what keeping k ids loses); it prints both and keeps them in ``meta.json``. Layout: ``meta.json`` (format, mode, k/samples, dtypes and shapes, batch/block/seed/grad_accum/
 steps, temperature, teacher identity with a hash of its weights, data identity) and one raw numpy memmap
 per array (``ids.bin``, ``logprobs.bin``, ``missing.bin`` or ``ids.bin``, ``counts.bin``) of shape
 ``[steps, *batch_x_shape, width]``. It is written by ``core.io.cache.build_folder`` (a temporary folder next to
@@ -35,6 +42,7 @@ from core.device import resolve_device
 from core.gradients import autocast
 from core.io.logging import progress
 from models import llama, losses
+from recipes.distill import packing
 from recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, teacher_data,
                                      teacher_dtype_option, teacher_identity, teacher_option)
 from recipes.train.config import TrainConfig
@@ -42,7 +50,9 @@ from recipes.train.config import TrainConfig
 DESCRIPTION = "run a teacher once over a distill run's batches and cache top-k or sampled targets"
 
 FORMAT = "purestep-kd-cache-1"
-MODES = ("topk", "sample")
+MODES = ("topk", "topk_packed", "sample")
+TOPK = ("topk", "topk_packed")           # the modes whose targets are top-k ids, log-probs and missing mass
+MEASURED = ("kl_rounding", "kl_truncation")   # meta.json keys a build measures (not settings a run must match)
 RUN_KEYS = ("batch_size", "block_size", "seed", "grad_accum", "temperature")
 
 
@@ -51,9 +61,12 @@ class Config:
     teacher: str = teacher_option()
     teacher_dtype: str = teacher_dtype_option()
     out: str = option("", "cache folder to write (required; built in a temporary folder, then renamed)")
-    mode: str = option("topk", "topk (ids + log-probs + missing mass) or sample (Random-Sampling KD ids + counts)",
-                       choices=MODES)
-    k: int = option(32, "mode=topk: teacher ids kept per position", min=1)
+    mode: str = option("topk_packed", "topk_packed (top-k ids bit-packed, log-probs in value_bits-bit codes, the "
+                                      "missing mass), topk (the same in fp16/int, 1.3x the bytes) or sample "
+                                      "(Random-Sampling KD ids + counts)", choices=MODES)
+    k: int = option(32, "mode=topk|topk_packed: teacher ids kept per position", min=1)
+    value_bits: int = option(8, "mode=topk_packed: bits per log-prob code (a per-position linear scale)", min=2,
+                             max=16)
     samples: int = option(32, "mode=sample: draws from the teacher per position (kept as distinct ids + counts)", min=1)
     temperature: float = option(1.0, "teacher temperature the targets are captured at (the distill run uses it)",
                                 above=0)
@@ -75,6 +88,10 @@ def _id_dtype(vocab_size: int) -> str:
 def _layout(meta: dict) -> dict:
     """``{file stem: (dtype, shape)}`` of a cache described by ``meta``."""
     lead, width = [meta["steps"], *meta["x_shape"]], meta["width"]
+    if meta["mode"] == "topk_packed":
+        return {"ids": ("uint8", lead + [packing.packed_width(width, meta["id_bits"])]),
+                "codes": ("uint8", lead + [packing.packed_width(width, meta["value_bits"])]),
+                "scale": ("float16", lead + [2])}
     if meta["mode"] == "topk":
         return {"ids": (meta["id_dtype"], lead + [width]), "logprobs": ("float16", lead + [width]),
                 "missing": ("float32", lead)}
@@ -110,7 +127,8 @@ class TeacherCache:
         return cls(path, meta, arrays)
 
     def describe(self) -> str:
-        what = f"top-{self.meta['width']}" if self.mode == "topk" else f"{self.meta['width']}-sample"
+        what = (f"{self.meta['width']}-sample" if self.mode == "sample" else f"top-{self.meta['width']}"
+                + (f" packed ({self.meta['value_bits']}-bit values)" if self.mode == "topk_packed" else ""))
         return f"{what} cache {self.path} (T={self.meta['temperature']:g}, {self.meta['steps']} steps)"
 
     def check_run(self, cfg, teacher_id: dict, data_id: dict):
@@ -139,6 +157,12 @@ class TeacherCache:
         def tensor(stem, dtype=None):
             a = np.asarray(self.arrays[stem][cursor])
             return torch.from_numpy(a.astype(dtype) if dtype else a.copy()).to(device)
+        if self.mode == "topk_packed":
+            m, row = self.meta, (lambda stem: np.asarray(self.arrays[stem][cursor]))
+            ids = torch.from_numpy(packing.unpack_bits(row("ids"), m["id_bits"], m["width"])).to(device)
+            codes = torch.from_numpy(packing.unpack_bits(row("codes"), m["value_bits"], m["width"])).to(device)
+            logprobs, missing = packing.dequantize(codes, tensor("scale"))
+            return {"topk_ids": ids, "topk_logprobs": logprobs, "topk_missing": missing}
         if self.mode == "topk":
             return {"topk_ids": tensor("ids", np.int64), "topk_logprobs": tensor("logprobs"),
                     "topk_missing": tensor("missing")}
@@ -151,10 +175,10 @@ def check_divergence(cfg, mode: str, path) -> None:
     (the reverse KL, infinite wherever the cached missing mass rounded to 0); a sampled cache gives the forward KL's
     gradient only (soft-target CE over the drawn ids: it holds no teacher probabilities for a mixture or a reverse
     KL)."""
-    if cfg.kl == "forward" or (mode == "topk" and cfg.kl == "jsd" and cfg.beta < 1):
+    if cfg.kl == "forward" or (mode in TOPK and cfg.kl == "jsd" and cfg.beta < 1):
         return
     what = f"kl={cfg.kl}" + (f" beta={cfg.beta:g}" if cfg.kl == "jsd" else "")
-    if mode == "topk":
+    if mode in TOPK:
         gives = "forward KL and kl=jsd with beta < 1 (over the k ids and the missing mass)"
     else:
         gives = "the forward KL only (counts of drawn ids, not the teacher's probabilities)"
@@ -169,7 +193,7 @@ def _check(cfg: Config, vocab_size: int):
         raise UserError("recipe=distill_cache needs out=PATH (the cache folder to write)")
     if cfg.temperature <= 0:
         raise UserError("temperature must be > 0")
-    if cfg.mode == "topk" and not 1 <= cfg.k <= vocab_size:
+    if cfg.mode in TOPK and not 1 <= cfg.k <= vocab_size:
         raise UserError(f"bad value for 'k': {cfg.k}; it must be in [1, {vocab_size}] (the teacher's vocabulary)")
     if cfg.mode == "sample" and not 1 <= cfg.samples < 2 ** 16:
         raise UserError(f"bad value for 'samples': {cfg.samples}; it must be in [1, 65535]")
@@ -183,19 +207,22 @@ def run(cfg: Config) -> TeacherCache:
     corpus, tok = teacher_data(teacher, cfg.tokenizer, cfg.data)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device)
     x_shape = list(batches.get(0)["x"].shape)
-    meta = {"format": FORMAT, "mode": cfg.mode, "width": cfg.k if cfg.mode == "topk" else cfg.samples,
+    meta = {"format": FORMAT, "mode": cfg.mode, "width": cfg.k if cfg.mode in TOPK else cfg.samples,
             "id_dtype": _id_dtype(tcfg.vocab_size), "x_shape": x_shape, "steps": cfg.steps,
             "batch_size": cfg.batch_size, "block_size": cfg.block_size, "seed": cfg.seed,
             "grad_accum": cfg.grad_accum, "temperature": cfg.temperature, "dtype": cfg.dtype,
             "teacher": teacher_identity(teacher), "data": data_identity(corpus),
             "vocab_size": tcfg.vocab_size, "tokenizer": tok.name}   # its identity is in the data's token cache key
+    if cfg.mode == "topk_packed":
+        meta.update(id_bits=packing.id_bits(tcfg.vocab_size), value_bits=cfg.value_bits)
     out = Path(cfg.out).expanduser()
     if out.exists():
         try:
             existing = TeacherCache.open(out)
         except UserError:
             existing = None
-        if existing is not None and existing.meta == meta:
+        settings = existing and {k: v for k, v in existing.meta.items() if k not in MEASURED}
+        if settings == meta:
             progress(f"distill_cache: {out} already holds this cache; nothing to do")
             return existing
         raise UserError(f"out={out} already exists (and is not this cache); remove it or choose another out=")
@@ -204,40 +231,68 @@ def run(cfg: Config) -> TeacherCache:
     tokens = cfg.steps * int(np.prod(x_shape))
     per_token = bytes_per_position(meta)
     progress(f"distill_cache: teacher {teacher.format}: {teacher.source}; {cfg.mode} "
-          f"({'k' if cfg.mode == 'topk' else 'samples'}={meta['width']}, T={cfg.temperature:g}) over {cfg.steps} "
+          f"({'samples' if cfg.mode == 'sample' else 'k'}={meta['width']}, T={cfg.temperature:g}) over {cfg.steps} "
           f"batches of {x_shape} = {tokens:,} tokens; {per_token} B/token, {per_token * tokens / 1e6:.1f} MB")
     def build(builder: cache.FolderBuilder) -> dict:
-        _fill(cfg, teacher, batches, {stem: builder.array(stem, dt, shape) for stem, (dt, shape) in layout.items()},
-              device)
-        return meta
+        lost = _fill(cfg, teacher, batches, {stem: builder.array(stem, dt, shape) for stem, (dt, shape)
+                                             in layout.items()}, device)
+        return {**meta, **lost}
 
     cache.build_folder(out, build)
+    built = TeacherCache.open(out)
     size = sum(f.stat().st_size for f in out.iterdir())
-    progress(f"distill_cache: wrote {out}: {size / 1e6:.2f} MB for {tokens:,} tokens = {per_token} bytes/token")
-    return TeacherCache.open(out)
+    lost = (f"; against the full teacher it adds a mean KL of {built.meta['kl_rounding']:.3g} nats/token by rounding "
+            f"(over the k ids and the rest), and its tail spread evenly {built.meta['kl_truncation']:.3g}"
+            if "kl_rounding" in built.meta else "")
+    progress(f"distill_cache: wrote {out}: {size / 1e6:.2f} MB for {tokens:,} tokens = {per_token} bytes/token"
+             f"{lost}")
+    return built
 
 
-def _fill(cfg: Config, teacher, batches, arrays: dict, device):
-    """Teacher forward per cursor, sparse targets into the memmaps; progress every few seconds."""
+def _fill(cfg: Config, teacher, batches, arrays: dict, device) -> dict:
+    """Teacher forward per cursor, sparse targets into the memmaps; progress every few seconds. Returns a top-k
+    cache's mean ``kl_rounding`` and ``kl_truncation`` over its positions (module docstring; none for a sampled
+    one)."""
     t0 = last = time.monotonic()
-    tcfg = teacher.config
+    tcfg, sums, positions = teacher.config, torch.zeros(2, dtype=torch.float64), 0
     for cursor in range(cfg.steps):
         x = batches.get(cursor)["x"]
         with torch.no_grad(), autocast(cfg.dtype, device.type):
             logits = llama.apply(teacher.params, x.reshape(-1, x.shape[-1]), tcfg)
         logits = logits.reshape(*x.shape, -1)
-        if cfg.mode == "topk":
+        if cfg.mode in TOPK:
             ids, logprobs, missing = losses.teacher_topk(logits, cfg.k, cfg.temperature)
-            arrays["logprobs"][cursor] = logprobs.to(torch.float16).cpu().numpy()
-            arrays["missing"][cursor] = missing.float().cpu().numpy()
+            stored = _store_topk(cfg, arrays, cursor, tcfg.vocab_size, ids, logprobs, missing)
+            rounding, truncation = losses.cache_kl(logits, ids, *stored, temperature=cfg.temperature)
+            sums += torch.stack([rounding.double().sum(), truncation.double().sum()]).cpu()
+            positions += rounding.numel()
         else:
             gen = torch.Generator(device).manual_seed(cfg.seed * 1_000_003 + cursor)
             ids, counts = losses.sample_teacher(logits, cfg.samples, cfg.temperature, generator=gen)
             arrays["counts"][cursor] = counts.cpu().numpy().astype(np.uint16)
-        arrays["ids"][cursor] = ids.cpu().numpy().astype(arrays["ids"].dtype)
+            arrays["ids"][cursor] = ids.cpu().numpy().astype(arrays["ids"].dtype)
         now = time.monotonic()
         if now - last >= 5.0 or cursor + 1 == cfg.steps:
             last = now
             rate = (cursor + 1) / max(now - t0, 1e-9)
             progress(f"distill_cache: {cursor + 1}/{cfg.steps} batches, {now - t0:.0f}s, "
                      f"eta {(cfg.steps - cursor - 1) / rate:.0f}s")
+    if not positions:
+        return {}
+    rounding, truncation = (sums / positions).tolist()
+    return {"kl_rounding": rounding, "kl_truncation": truncation}
+
+
+def _store_topk(cfg: Config, arrays: dict, cursor: int, vocab_size: int, ids, logprobs, missing) -> tuple:
+    """Writes one batch's top-k targets in ``cfg.mode``'s layout; returns ``(logprobs, missing)`` as a run will
+    read them back (rounded as stored)."""
+    if cfg.mode == "topk_packed":
+        codes, scale = packing.quantize(logprobs, cfg.value_bits)
+        arrays["ids"][cursor] = packing.pack_bits(ids.cpu().numpy(), packing.id_bits(vocab_size))
+        arrays["codes"][cursor] = packing.pack_bits(codes.cpu().numpy(), cfg.value_bits)
+        arrays["scale"][cursor] = scale.cpu().numpy()
+        return packing.dequantize(codes, scale)
+    arrays["ids"][cursor] = ids.cpu().numpy().astype(arrays["ids"].dtype)
+    arrays["logprobs"][cursor] = logprobs.to(torch.float16).cpu().numpy()
+    arrays["missing"][cursor] = missing.float().cpu().numpy()
+    return logprobs.to(torch.float16).float(), missing.float()

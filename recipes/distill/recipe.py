@@ -66,7 +66,7 @@ from core.tree import size
 from models import llama, losses
 from models.loading import LoadedModel, model_entry
 from recipes import standard
-from recipes.distill.cache import TeacherCache
+from recipes.distill.cache import TOPK, TeacherCache
 from recipes.distill.on_policy import OnPolicy, on_policy_step
 from recipes.distill.student import STUDENTS, THETA, StudentModel, build_student
 from recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, shard_teacher,
@@ -171,7 +171,7 @@ def make_loss(cfg: Config, student_cfg: llama.LlamaConfig, teacher_cfg: llama.Ll
             if kd_mask is not None:   # the share of the KL's positions that score the student's own tokens
                 aux["on_policy"] = (kd_mask & (y < 0)).sum() / kd_mask.sum().clamp(min=1)
             return loss, aux
-        if cache_mode == "topk":   # forward or jsd (TeacherCache.check_run refuses the others)
+        if cache_mode in TOPK:   # forward or jsd (TeacherCache.check_run refuses the others)
             kl = losses.topk_kd_loss(logits, batch["topk_ids"], batch["topk_logprobs"], batch["topk_missing"],
                                      t, mask=y >= 0, direction=cfg.kl, beta=cfg.beta)
         else:
