@@ -24,6 +24,7 @@ RECIPES = {
     "bench.checkpoint": "recipes.bench.checkpoint",
     "bench.orchestrator": "recipes.bench.orchestrator",
     "bench.distill": "recipes.bench.distill",
+    "bench.policy": "recipes.bench.policy",
     "bench.export": "recipes.bench.export",
     "bench.kv": "recipes.bench.kv",
     "bench.gpu": "recipes.bench.gpu",

@@ -1,9 +1,9 @@
 """On-policy distillation (GKD's ``lmbda``: ``recipe=distill on_policy=``): the student's continuation of a row is
 its own KV-cache decode, token for token what ``recipe=generate`` prints for the same params, prompt, seed and
 temperature; the batch the step sees (prompt kept, CE only on real text, the KL on the student's tokens); the
-rollout a pure function of (seed, cursor, rank). The compiled single-process run is tests/test_kd_jsd.py's (kl=jsd
-on_policy=0.5, one compile for both); the compiled run on 2 torchrun ranks is the default path's distill under
-parallel=ddp with on_policy=0.5 (tests/test_default_paths.py, whose compile it shares)."""
+rollout a pure function of (seed, cursor, rank). The compiled runs, one process and 2 torchrun ranks, are the default
+path's (tests/test_default_paths.py: docs/distill.md's ``kl=jsd beta=0.5 on_policy=0.5`` command, and the same on 2
+ranks, whose compile it shares)."""
 from pathlib import Path
 
 import torch
@@ -102,3 +102,23 @@ def test_bad_on_policy_keys_are_refused(tiny_teacher, token_cache, tmp_path, cap
     assert main([*base, "on_policy=1.5"]) == 2
     assert "on_policy" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_the_policy_bench_scores_a_student_on_its_own_samples_and_on_the_data(tiny_teacher, token_cache, tmp_path,
+                                                                               capsys):
+    """``recipe=bench.policy`` (the on/off-policy table): the teacher as its own student has KL 0 on both its samples
+    and the data, the teacher's NLL of its samples is its own, and its CE on the data is its val loss there; a
+    distilled student of another shape has KL > 0."""
+    import math
+    import re
+    from recipes.bench import policy
+    teacher, data = tiny_teacher
+    assert main(["recipe=distill", f"teacher={teacher}", f"data={data}", f"out={tmp_path / 'student'}", *TINY,
+                 "steps=2", "compile=false"]) == 0
+    table = policy.run(policy.Config(teacher=str(teacher), students=f"{teacher},{tmp_path / 'student'}",
+                                     data=str(data), windows=4, prompt=6, new_tokens=8, out=str(tmp_path / "t.md")))
+    rows = [[float(v) for v in re.findall(r"\| ([\d.]+)", line)] for line in table.splitlines()[2:]]
+    (kl_own, nll_own, kl_data, ce_data), other = rows
+    assert abs(kl_own) < 1e-5 and abs(kl_data) < 1e-5 and 0 < nll_own < math.log(256) and 0 < ce_data
+    assert other[0] > 1e-3 and other[2] > 1e-3
+    assert (tmp_path / "t.md").read_text() == table + "\n"
