@@ -63,6 +63,8 @@ STANDARD = "bin/run recipe=standard data=shakespeare.txt tokenizer=char name=sha
 DISTILL = "bin/run recipe=distill teacher=runs/standard-shakes data=shakespeare.txt"
 DISTILL_DROP = "bin/run recipe=distill teacher=smollm2 student=drop_layers"
 DISTILL_GKD = "bin/run recipe=distill teacher=runs/standard-shakes data=shakespeare.txt kl=jsd beta=0.5 on_policy=0.5"
+DISTILL_HIDDEN = ("bin/run recipe=distill teacher=runs/standard-shakes data=shakespeare.txt model.d_model=64 "
+                  "model.n_layers=2 hidden=")
 DDP = "torchrun --standalone --nproc_per_node=2 bin/run recipe=standard name=ddp"
 FSDP = "torchrun --standalone --nproc_per_node=8 bin/run recipe=standard parallel=fsdp"
 EXPORTS = {"bin/run recipe=export init=runs/standard-shakes format=hf": "config.json",
@@ -77,6 +79,7 @@ README_RUNS = {
     DISTILL: "test_distill_online_and_from_a_cache",
     DISTILL_DROP: "test_distill_under_torchrun",
     DISTILL_GKD: "test_distill_on_policy_jsd",
+    DISTILL_HIDDEN: "test_distill_hidden_targets",
     "bin/run recipe=compress teacher=smollm2": "test_compress",
     **{words: "test_export" for words in EXPORTS},
     DDP: "test_standard_under_torchrun",
@@ -245,6 +248,14 @@ def distill_gkd(run):
     are data of the one compiled step (``recipes.distill.on_policy``)."""
     run.get("shakes")
     return run(*readme(DISTILL_GKD), *STUDENT, "name=gkd")
+
+
+@job
+def distill_hidden(run):
+    """docs/distill.md's hidden-state targets, compiled: the student (d=32) through a learned projection onto the
+    teacher's states (d=64)."""
+    run.get("shakes")
+    return run(*readme(DISTILL_HIDDEN), *STUDENT, "hidden=1:1", "name=hidden")
 
 
 @job
@@ -453,6 +464,14 @@ def test_distill_on_policy_jsd(run, work):
     kls = [r["kl"] for r in rows if "kl" in r]
     assert kls and all(0 < v < math.log(2) for v in kls)
     assert any(r["on_policy"] > 0 for r in rows if "on_policy" in r)
+
+
+@uses("distill_hidden")
+def test_distill_hidden_targets(run, work):
+    out = output(run.get("distill_hidden"))
+    assert "compile=True" in out and "hidden-state targets" in out and "32x64 projections" in out
+    rows = [json.loads(line) for line in (work / "runs" / "distill-hidden" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["hidden"] for r in rows if "hidden" in r] and (work / "runs" / "distill-hidden" / "final.msgpack").exists()
 
 
 @pytest.mark.parametrize("kind", ["char", "byte", "bpe"])

@@ -68,7 +68,8 @@ from models.loading import LoadedModel, model_entry
 from recipes import standard
 from recipes.distill.cache import TOPK, TeacherCache
 from recipes.distill.on_policy import OnPolicy, on_policy_step
-from recipes.distill.student import STUDENTS, THETA, StudentModel, build_student
+from recipes.distill import hidden as hidden_targets
+from recipes.distill.student import NOT_STUDENT, STUDENTS, THETA, StudentModel, build_student
 from recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, shard_teacher,
                                      teacher_data, teacher_dtype_option, teacher_identity, teacher_option)
 from recipes.orchestrator.config import OrchestratedConfig
@@ -113,6 +114,11 @@ class Config(OrchestratedConfig):
     on_policy_prompt: int = option(0, "on_policy: the window's first tokens kept as the prompt; the student generates "
                                    "the other block_size - on_policy_prompt (0: half the window)", min=0)
     on_policy_temperature: float = option(1.0, "on_policy: the student's sampling temperature (0: greedy)", min=0)
+    hidden: str = option("", "hidden-state targets: student:teacher pairs of residual streams after that many blocks "
+                         "(0: the embeddings), e.g. 2:4,4:8; projected when the widths differ")
+    hidden_weight: float = option(1.0, "hidden: weight of the hidden-state term added to the KD objective", min=0)
+    hidden_loss: str = option("mse", "hidden: the distance, mse or cosine (1 - cosine similarity per position)",
+                              choices=hidden_targets.LOSSES)
     sample_tokens: int = same_as(standard.Config, "sample_tokens")
     sample_prompt: str = same_as(standard.Config, "sample_prompt")
     sample_temperature: float = same_as(standard.Config, "sample_temperature")
@@ -145,8 +151,10 @@ def check_temperature(cfg: Config):
     return None
 
 
-def make_loss(cfg: Config, student_cfg: llama.LlamaConfig, teacher_cfg: llama.LlamaConfig, cache_mode: str = ""):
-    """``loss_fn(params, batch, key, frozen)``: the KD objective, online (``frozen["teacher"]``) or cached."""
+def make_loss(cfg: Config, student_cfg: llama.LlamaConfig, teacher_cfg: llama.LlamaConfig, cache_mode: str = "",
+              layer_pairs=()):
+    """``loss_fn(params, batch, key, frozen)``: the KD objective, online (``frozen["teacher"]``) or cached, plus
+    the hidden-state term of ``layer_pairs`` (``recipes.distill.hidden``; online only)."""
 
     def temperature(params, step):
         if cfg.temperature_mode == "learnable":
@@ -158,18 +166,26 @@ def make_loss(cfg: Config, student_cfg: llama.LlamaConfig, teacher_cfg: llama.Ll
 
     def loss_fn(params, batch, key, frozen=None, layers=None):
         doc = batch.get("doc")   # packed JSONL documents (core.data.documents): attention and positions per document
-        logits = llama.apply(params, batch["x"], student_cfg, key=key if student_cfg.dropout > 0 else None,
-                             remat=cfg.remat, doc=doc, layers=layers)
+        hidden = bool(layer_pairs)
+        out = llama.apply(params, batch["x"], student_cfg, key=key if student_cfg.dropout > 0 else None,
+                          remat=cfg.remat, doc=doc, layers=layers, return_hidden=hidden)
+        logits, states = out if hidden else (out, None)
         t, y = temperature(params, batch["step"]), batch["y"]
         if not cache_mode:
             with torch.no_grad():   # the step's layers: its compiled block; the student's layers alone are its own
-                teacher_logits = llama.apply(frozen["teacher"], batch["x"], teacher_cfg, doc=doc, layers=layers)
+                out = llama.apply(frozen["teacher"], batch["x"], teacher_cfg, doc=doc, layers=layers,
+                                  return_hidden=hidden)
+            teacher_logits, teacher_states = out if hidden else (out, None)
             kd_mask = batch.get("kd_mask")     # on_policy: the KL's positions include the student's own tokens
             loss, aux = losses.distill_objective(logits, y, teacher_logits, alpha=cfg.alpha, temperature=t,
                                                  direction=cfg.kl, symmetric_lambda=cfg.symmetric_lambda, beta=cfg.beta,
                                                  kd_mask=kd_mask)
             if kd_mask is not None:   # the share of the KL's positions that score the student's own tokens
                 aux["on_policy"] = (kd_mask & (y < 0)).sum() / kd_mask.sum().clamp(min=1)
+            if hidden:
+                term = hidden_targets.hidden_term(params, states, teacher_states, layer_pairs, cfg.hidden_loss,
+                                                  y >= 0 if kd_mask is None else kd_mask)
+                loss, aux["hidden"] = loss + cfg.hidden_weight * term, term.detach()
             return loss, aux
         if cache_mode in TOPK:   # forward or jsd (TeacherCache.check_run refuses the others)
             kl = losses.topk_kd_loss(logits, batch["topk_ids"], batch["topk_logprobs"], batch["topk_missing"],
@@ -238,6 +254,9 @@ def check_keys(cfg: Config, world_size: int):
                         "drop one of them")
     if cfg.cache and world_size > 1:
         raise UserError("cache= is keyed by the single-process batch; run data-parallel distillation online")
+    if cfg.hidden and cfg.cache:
+        raise ConfigError(f"hidden={cfg.hidden} with cache={cfg.cache}: a cache holds the teacher's output "
+                          f"distributions, not its hidden states; distill online (drop cache=) or drop hidden=")
     if cfg.on_policy > 0:
         if cfg.cache:
             raise ConfigError(f"on_policy={cfg.on_policy:g} with cache={cfg.cache}: a cache holds the teacher's outputs "
@@ -276,6 +295,10 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
                         f"documents of JSONL data={cfg.data}; distill it off-policy (on_policy=0)")
     if theta0 is not None:
         params[THETA] = torch.tensor(theta0, dtype=torch.float32, device=device)
+    layer_pairs = hidden_targets.pairs(cfg.hidden, student_cfg, teacher.config)
+    projections = hidden_targets.init_projections(layer_pairs, student_cfg, teacher.config, cfg.seed, device)
+    if projections:
+        params[hidden_targets.PROJ] = projections
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device,
                              rank=dist.rank, world_size=dist.world_size)
     val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
@@ -284,7 +307,7 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
     layout = run_setup.layout
     params = layout.full_shapes() if layout else params    # fsdp: only the shards stay alive
-    loss_fn = make_loss(cfg, student_cfg, teacher.config, cache.mode if cache else "")
+    loss_fn = make_loss(cfg, student_cfg, teacher.config, cache.mode if cache else "", layer_pairs)
 
     rollout = None if cfg.on_policy == 0 else OnPolicy(
         cfg.on_policy, on_policy_prompt(cfg), cfg.on_policy_temperature, cfg.seed, dist.rank, student_cfg, tok.eos_id,
@@ -317,7 +340,7 @@ def train_flops_per_token(p: Prepared, cfg: Config) -> float:
     with ``on_policy`` that fraction of a student forward (the rollouts: the prompt's prefill, one per new token)."""
     s, t = p.student_cfg, p.teacher.config
     full = p.run.layout.full_shapes() if p.run.layout else p.state.params
-    student = {k: v for k, v in full.items() if k != THETA}
+    student = {k: v for k, v in full.items() if k not in NOT_STUDENT}
     flops = flops_per_token(llama.matmul_params(student), s.n_layers, cfg.block_size, s.d_model)
     if p.cache is None:
         flops += flops_per_token(llama.matmul_params(p.teacher.params), t.n_layers, cfg.block_size, t.d_model) / 3
@@ -358,7 +381,7 @@ def run(cfg: Config):
     extra = {"config": to_dict(cfg), "model": model_entry(scfg), "tokenizer": tok.to_dict(), "recipe": "distill",
              "teacher": p.teacher_id}
     student_params = {k: v for k, v in (p.run.layout.full_shapes() if p.run.layout else state.params).items()
-                      if k != THETA}
+                      if k not in NOT_STUDENT}
     tcfg = p.teacher.config
     with p.run.writing(to_dict(cfg)) as (checkpoints, logger):
         logger.print(f"distill: teacher {p.teacher.format}: {p.teacher.source} ({size(p.teacher.params) / 1e6:.2f}M "
@@ -374,6 +397,11 @@ def run(cfg: Config):
                      + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online (frozen, no_grad)")
                      + (f"; teacher sharded across {dist.world_size} ranks, gathered for every step"
                         if p.teacher_layout else ""))
+        if cfg.hidden:
+            proj = hidden_targets.PROJ in (p.run.layout.full_shapes() if p.run.layout else state.params)
+            logger.print(f"hidden-state targets: + {cfg.hidden_weight:g} * {cfg.hidden_loss} of student:teacher "
+                         f"states {cfg.hidden}" + (f" (through learned {scfg.d_model}x{tcfg.d_model} projections)"
+                                                   if proj else ""))
         if p.rollout is not None:
             r = p.rollout
             logger.print(f"on-policy (GKD): each sequence with probability {r.fraction:g} is the first {r.prompt} "

@@ -13,10 +13,12 @@ from core.config import UserError, option
 from core.tree import cast, tree_map
 from models import llama
 from models.loading import LoadedModel, load_model
+from recipes.distill.hidden import PROJ
 from recipes.distill.teacher import compute_view
 
 STUDENTS = ("config", "drop_layers", "shrink")
 THETA = "kd_temperature"          # the learnable temperature's logit in the params pytree (never the student's)
+NOT_STUDENT = (THETA, PROJ)       # trained with the student, no part of it
 
 
 def _optional_fields(cls, name: str, help_: str):
@@ -51,7 +53,7 @@ def build_student(cfg, teacher: LoadedModel, device) -> tuple[llama.LlamaConfig,
         if start.config.vocab_size != vocab:
             raise UserError(f"init={cfg.init}: its vocabulary ({start.config.vocab_size}) differs from the "
                             f"teacher's ({vocab})")
-        return start.config, {k: v for k, v in start.params.items() if k != THETA}, \
+        return start.config, {k: v for k, v in start.params.items() if k not in NOT_STUDENT}, \
             f"from {start.source} ({start.format})"
     if cfg.student == "drop_layers":
         if overrides:
