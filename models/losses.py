@@ -196,8 +196,8 @@ def cache_kl(teacher_logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Te
     with ``M`` the teacher's mass outside ``ids``, ``M_hat`` the cached one and ``S_hat`` the sum of the cached
     probabilities and ``M_hat``. ``rounding`` is the KL over the k + 1 outcomes :func:`topk_kd_loss` sees (the k ids
     and the "other" bucket), exact targets against stored ones: what a storage format adds (0 for exact values). Where
-    rounded values do not sum to one it is the generalized KL (I-divergence, with ``S_hat - 1``), never negative. ``truncation`` is M times the KL of the teacher's tail from even: what
-    keeping k ids loses, whatever the format. Each sum is formed apart (no difference of two entropies), so float32
+    rounded values do not sum to one it is the generalized KL (I-divergence, with ``S_hat - 1``), never negative.
+    ``truncation`` is M times the KL of the teacher's tail from even: what keeping k ids loses, whatever the format. Each sum is formed apart (no difference of two entropies), so float32
     keeps a small KL's digits."""
     log_p = _log_probs(teacher_logits, temperature)
     p = log_p.exp()

@@ -470,8 +470,9 @@ def test_distill_on_policy_jsd(run, work):
 def test_distill_hidden_targets(run, work):
     out = output(run.get("distill_hidden"))
     assert "compile=True" in out and "hidden-state targets" in out and "32x64 projections" in out
-    rows = [json.loads(line) for line in (work / "runs" / "distill-hidden" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["hidden"] for r in rows if "hidden" in r] and (work / "runs" / "distill-hidden" / "final.msgpack").exists()
+    folder = work / "runs" / "distill-hidden"
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["hidden"] for r in rows if "hidden" in r] and (folder / "final.msgpack").exists()
 
 
 @pytest.mark.parametrize("kind", ["char", "byte", "bpe"])

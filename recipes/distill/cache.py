@@ -21,9 +21,12 @@ captured at ``temperature``, which the distill run must use (a softened top-k ca
 exactly). A top-k build measures what its cache loses of the full teacher distribution
 (``models.losses.cache_kl``): the mean KL that rounding the stored values adds over the k + 1 outcomes the loss sees
 (``kl_rounding``: what the format adds) and the mean KL of the teacher's tail from an even spread of the missing
-mass (``kl_truncation``: what keeping k ids loses); it prints both and keeps them in ``meta.json``. Layout: ``meta.json`` (format, mode, k/samples, dtypes and shapes, batch/block/seed/grad_accum/
-steps, temperature, teacher identity with a hash of its weights, data identity) and one raw numpy memmap
-per array (``ids.bin``, ``logprobs.bin``, ``missing.bin`` or ``ids.bin``, ``counts.bin``) of shape
+mass (``kl_truncation``: what keeping k ids loses); it prints both and keeps them in ``meta.json``.
+
+Layout: ``meta.json`` (format, mode, k/samples, dtypes and shapes, batch/block/seed/grad_accum/steps, temperature,
+teacher identity with a hash of its weights, data identity) and one raw numpy memmap per array (``ids.bin``,
+``logprobs.bin``, ``missing.bin``; ``ids.bin``, ``codes.bin``, ``scale.bin`` packed; or ``ids.bin``,
+``counts.bin``) of shape
 ``[steps, *batch_x_shape, width]``. It is written by ``core.io.cache.build_folder`` (a temporary folder next to
 ``out``, renamed into place), so an interrupted build never leaves a cache that a run would trust.
 """
