@@ -68,7 +68,7 @@ def _masked_mean(per_token: torch.Tensor, mask) -> torch.Tensor:
     return _keep(per_token, mask).sum() / mask.sum().clamp(min=1).to(per_token.dtype)
 
 
-def _log_probs(logits: torch.Tensor, temperature) -> torch.Tensor:
+def tempered_log_probs(logits: torch.Tensor, temperature) -> torch.Tensor:
     """``log_softmax(logits / T)`` in float32; ``-inf`` logits (a masked vocabulary) stay ``-inf`` without
     sending ``-inf / T`` through the graph (its gradient into a learnable T would be NaN)."""
     z = logits.float()
@@ -129,8 +129,8 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, tempe
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown KL direction {direction!r}; choose one of {', '.join(DIRECTIONS)}")
-    log_q = _log_probs(_keep(student_logits, mask), temperature)
-    log_p = _log_probs(_keep(teacher_logits, mask), temperature)
+    log_q = tempered_log_probs(_keep(student_logits, mask), temperature)
+    log_p = tempered_log_probs(_keep(teacher_logits, mask), temperature)
     if direction == "forward":
         per_token = _kl(log_p, log_q)
     elif direction == "reverse":
@@ -178,17 +178,22 @@ def distill_objective(student_logits: torch.Tensor, targets: torch.Tensor, teach
 
 def teacher_topk(teacher_logits: torch.Tensor, k: int, temperature=1.0):
     """``(ids [.., k], log-probs [.., k], missing mass [..])`` of the teacher at temperature T (for a cache)."""
-    log_p = _log_probs(teacher_logits, temperature)
+    return topk_targets(tempered_log_probs(teacher_logits, temperature), k)
+
+
+def topk_targets(log_p: torch.Tensor, k: int):
+    """:func:`teacher_topk` of log-probs ``log_p`` [.., V] already at their temperature."""
     logprobs, ids = log_p.topk(k, dim=-1)
     missing = (1.0 - logprobs.exp().sum(-1)).clamp(min=0.0)
     return ids, logprobs, missing
 
 
-def cache_kl(teacher_logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, missing_mass: torch.Tensor,
-             temperature=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def cache_kl(log_p: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor,
+             missing_mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rounding, truncation)`` per position ``[..]``, in nats: what a top-k cache loses of the teacher's full
-    distribution p at temperature T, in two parts that sum to ``KL(p || p_hat)``, where ``p_hat`` is the cache's
-    log-probs ``logprobs`` on ``ids`` [.., k] and its missing mass spread evenly over the other V - k ids::
+    distribution p (its log-probs ``log_p`` [.., V] at the cache's temperature), in two parts that sum to
+    ``KL(p || p_hat)``, where ``p_hat`` is the cache's log-probs ``logprobs`` on ``ids`` [.., k] and its missing mass
+    spread evenly over the other V - k ids::
 
         rounding   = sum_{i in ids} p_i (log p_i - log p_hat_i) + M (log M - log M_hat) + (S_hat - 1)
         truncation = sum_{j not in ids} p_j log p_j - M log(M / (V - k))
@@ -197,9 +202,8 @@ def cache_kl(teacher_logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Te
     probabilities and ``M_hat``. ``rounding`` is the KL over the k + 1 outcomes :func:`topk_kd_loss` sees (the k ids
     and the "other" bucket), exact targets against stored ones: what a storage format adds (0 for exact values). Where
     rounded values do not sum to one it is the generalized KL (I-divergence, with ``S_hat - 1``), never negative.
-    ``truncation`` is M times the KL of the teacher's tail from even: what keeping k ids loses, whatever the format. Each sum is formed apart (no difference of two entropies), so float32
-    keeps a small KL's digits."""
-    log_p = _log_probs(teacher_logits, temperature)
+    ``truncation`` is M times the KL of the teacher's tail from even: what keeping k ids loses, whatever the format.
+    Each sum is formed apart (no difference of two entropies), so float32 keeps a small KL's digits."""
     p = log_p.exp()
     ids = ids.long()
     log_p_k = log_p.gather(-1, ids)
@@ -237,7 +241,7 @@ def topk_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, logprobs: torc
     """
     if direction not in ("forward", "jsd"):
         raise ValueError(f"a top-k cache gives direction forward or jsd, not {direction!r}")
-    log_q = _log_probs(_keep(student_logits, mask), temperature)
+    log_q = tempered_log_probs(_keep(student_logits, mask), temperature)
     ids = _keep(ids.long(), mask)
     log_q_k = log_q.gather(-1, ids)
     log_p_k = _keep(logprobs.float(), mask)
@@ -265,7 +269,7 @@ def sample_teacher(teacher_logits: torch.Tensor, n: int, temperature=1.0, genera
     Draws are with replacement; each row holds its distinct ids first (sorted) with their counts, then
     padding with count 0. ``counts / n`` is an unbiased estimate of the teacher's distribution.
     """
-    probs = _log_probs(teacher_logits, temperature).exp()
+    probs = tempered_log_probs(teacher_logits, temperature).exp()
     flat = probs.reshape(-1, probs.shape[-1])
     draws, _ = torch.multinomial(flat, n, replacement=True, generator=generator).sort(-1)
     new = torch.ones_like(draws, dtype=torch.bool)
@@ -285,7 +289,7 @@ def sampled_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, weights: to
     so its gradient is the forward-KL gradient in expectation (the value is the soft-target CE, not the KL).
     Zero-weight slots are padding.
     """
-    log_q = _log_probs(_keep(student_logits, mask), temperature)
+    log_q = tempered_log_probs(_keep(student_logits, mask), temperature)
     per_token = -(_keep(weights.float(), mask) * log_q.gather(-1, _keep(ids.long(), mask))).sum(-1)
     return _masked_mean(per_token, mask)
 

@@ -58,19 +58,20 @@ def hand_kl(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, mis
 def test_cache_kl_equals_the_hand_formulas_and_is_zero_for_an_exact_full_cache():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(5, 12, generator=g) * 2
+    log_p = torch.log_softmax(logits, -1)
     ids, logprobs, missing = losses.teacher_topk(logits, 4)
     codes, scale = packing.quantize(logprobs, 4)
     stores = {"plain": (logprobs.half().float(), missing), "packed": packing.dequantize(codes, scale)}
     found = {}
     for name, (stored, stored_missing) in stores.items():
-        rounding, truncation = found[name] = losses.cache_kl(logits, ids, stored, stored_missing)
+        rounding, truncation = found[name] = losses.cache_kl(log_p, ids, stored, stored_missing)
         for i in range(5):
             whole, outcomes = hand_kl(logits[i], ids[i], stored[i], stored_missing[i])
             assert rounding[i].item() == pytest.approx(outcomes, abs=1e-6)
             assert (rounding[i] + truncation[i]).item() == pytest.approx(whole, abs=1e-6)
     assert torch.equal(found["plain"][1], found["packed"][1])            # the same ids: the same truncation
     assert (found["packed"][0] > found["plain"][0]).all()                 # 4-bit codes round more than float16
-    exact = losses.cache_kl(logits, ids, logprobs, missing)[0]
+    exact = losses.cache_kl(log_p, ids, logprobs, missing)[0]
     assert exact.abs().max() < 1e-6
     ids, logprobs, missing = losses.teacher_topk(logits, 12)
-    assert all(part.abs().max() < 1e-6 for part in losses.cache_kl(logits, ids, logprobs, missing))
+    assert all(part.abs().max() < 1e-6 for part in losses.cache_kl(log_p, ids, logprobs, missing))

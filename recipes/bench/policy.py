@@ -68,7 +68,7 @@ def scores(teacher, student, windows: torch.Tensor, prompt: int, seed: int, eos_
     decode = OnPolicy(1.0, prompt, 1.0, seed, 0, student.config, eos_id, "fp32")
     sampled = decode.continue_rows(student.params, windows[:, :prompt], [seed + i for i in range(len(windows))], new)
     own = torch.cat([windows[:, :prompt], sampled], 1)
-    counted = decode._until_eos(sampled)[:, :new]             # positions that predict a generated token
+    counted = decode.kl_positions(sampled)[:, :new]           # positions that predict a generated token
     p, q = _log_probs(teacher, own), _log_probs(student, own)
     at = slice(prompt - 1, prompt - 1 + new)
     kl_own = (p[:, at].exp() * (p[:, at] - q[:, at])).sum(-1)

@@ -160,10 +160,12 @@ class TeacherCache:
         def tensor(stem, dtype=None):
             a = np.asarray(self.arrays[stem][cursor])
             return torch.from_numpy(a.astype(dtype) if dtype else a.copy()).to(device)
+
+        def unpacked(stem, bits):
+            a = packing.unpack_bits(np.asarray(self.arrays[stem][cursor]), bits, self.meta["width"])
+            return torch.from_numpy(a).to(device)
         if self.mode == "topk_packed":
-            m, row = self.meta, (lambda stem: np.asarray(self.arrays[stem][cursor]))
-            ids = torch.from_numpy(packing.unpack_bits(row("ids"), m["id_bits"], m["width"])).to(device)
-            codes = torch.from_numpy(packing.unpack_bits(row("codes"), m["value_bits"], m["width"])).to(device)
+            ids, codes = unpacked("ids", self.meta["id_bits"]), unpacked("codes", self.meta["value_bits"])
             logprobs, missing = packing.dequantize(codes, tensor("scale"))
             return {"topk_ids": ids, "topk_logprobs": logprobs, "topk_missing": missing}
         if self.mode == "topk":
@@ -264,9 +266,10 @@ def _fill(cfg: Config, teacher, batches, arrays: dict, device) -> dict:
             logits = llama.apply(teacher.params, x.reshape(-1, x.shape[-1]), tcfg)
         logits = logits.reshape(*x.shape, -1)
         if cfg.mode in TOPK:
-            ids, logprobs, missing = losses.teacher_topk(logits, cfg.k, cfg.temperature)
+            log_p = losses.tempered_log_probs(logits, cfg.temperature)     # once: the targets and what they lose
+            ids, logprobs, missing = losses.topk_targets(log_p, cfg.k)
             stored = _store_topk(cfg, arrays, cursor, tcfg.vocab_size, ids, logprobs, missing)
-            rounding, truncation = losses.cache_kl(logits, ids, *stored, temperature=cfg.temperature)
+            rounding, truncation = losses.cache_kl(log_p, ids, *stored)
             sums += torch.stack([rounding.double().sum(), truncation.double().sum()]).cpu()
             positions += rounding.numel()
         else:

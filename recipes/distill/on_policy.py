@@ -83,7 +83,7 @@ class OnPolicy:
             idx = torch.tensor(rows, device=x.device)
             xs[idx, self.prompt:] = new
             ys[idx, self.prompt - 1:] = losses.IGNORE_INDEX
-            kd[idx, self.prompt - 1:] = self._until_eos(new)
+            kd[idx, self.prompt - 1:] = self.kl_positions(new)
         return {**batch, "x": xs.view(x.shape), "y": ys.view(y.shape), "kd_mask": kd.view(x.shape)}
 
     def continue_rows(self, params: dict, prompts: torch.Tensor, seeds: list, new_tokens: int) -> torch.Tensor:
@@ -99,7 +99,7 @@ class OnPolicy:
             out = torch.cat([out, out.new_full((n, new_tokens - out.shape[1]), self.eos_id)], 1)
         return out
 
-    def _until_eos(self, new: torch.Tensor) -> torch.Tensor:
+    def kl_positions(self, new: torch.Tensor) -> torch.Tensor:
         """``[n, G + 1]`` bool: the KL positions of rows continued with ``new`` ``[n, G]``: the prompt's last token
         and every generated one, up to the position that predicts the first EOS."""
         n, g = new.shape

@@ -398,10 +398,9 @@ def run(cfg: Config):
                      + (f"; teacher sharded across {dist.world_size} ranks, gathered for every step"
                         if p.teacher_layout else ""))
         if cfg.hidden:
-            proj = hidden_targets.PROJ in (p.run.layout.full_shapes() if p.run.layout else state.params)
             logger.print(f"hidden-state targets: + {cfg.hidden_weight:g} * {cfg.hidden_loss} of student:teacher "
                          f"states {cfg.hidden}" + (f" (through learned {scfg.d_model}x{tcfg.d_model} projections)"
-                                                   if proj else ""))
+                                                   if scfg.d_model != tcfg.d_model else ""))
         if p.rollout is not None:
             r = p.rollout
             logger.print(f"on-policy (GKD): each sequence with probability {r.fraction:g} is the first {r.prompt} "
