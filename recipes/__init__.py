@@ -27,6 +27,7 @@ RECIPES = {
     "bench.policy": "recipes.bench.policy",
     "bench.export": "recipes.bench.export",
     "bench.kv": "recipes.bench.kv",
+    "bench.upcycle": "recipes.bench.upcycle",
     "bench.gpu": "recipes.bench.gpu",
     "bench.llamacpp": "recipes.bench.llamacpp",
 }

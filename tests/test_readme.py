@@ -101,6 +101,8 @@ RUN_ELSEWHERE = {
         "tests/test_default_paths.py::test_upcycle_every_phase",
     "bin/run recipe=bench.kv": "tests/test_upcycle_bench.py::"
                                "test_bench_kv_compares_two_checkpoints_and_records_cells_that_do_not_fit",
+    "bin/run recipe=bench.upcycle": "tests/test_bench_upcycle.py::"
+                                    "test_every_arm_starts_from_one_surgery_and_trains_its_budget",
     "bin/run recipe=bench.policy": "tests/test_on_policy.py::"
                                    "test_the_policy_bench_scores_a_student_on_its_own_samples_and_on_the_data",
     "bin/run recipe=bench.gpu device=cpu": "tests/test_bench_gpu.py::test_the_gpu_bench_runs_every_section_on_the_cpu",

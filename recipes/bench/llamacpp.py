@@ -126,7 +126,9 @@ def _llama_cpp(llama_cpp, path: Path, window: torch.Tensor, text: str, cfg: Conf
     kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[cfg.kv_cache]
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
                           n_threads=threads, n_threads_batch=threads, type_k=kv, type_v=kv, verbose=False)
-    ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+    # special=True: the window may hold the document separator, which purestep's tokenizer (as HF's) reads back as
+    # the special token; llama.cpp would spell it out as text otherwise
+    ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
     llm.eval(window.tolist())
     logits = np.array(llm.scores[:llm.n_tokens], dtype=np.float32)
     llm.reset()

@@ -1,0 +1,268 @@
+"""Benchmark: quality per training token of the upcycle recipe against end-to-end fine-tuning, from one surgery.
+
+``bin/run recipe=bench.upcycle teacher=PATH [data=TEXT] [kv_reduction=4] [budgets=100000,300000,1000000]``
+runs the surgery of ``recipe=upcycle`` once, then, for every token budget, trains the same surgery-made student
+by each arm and scores it on the same held-out windows (the test half of the validation split):
+
+- ``ours``: blockwise distillation (LoLCATs' attention transfer, ``recipes/upcycle/blockwise.py``) on
+  ``blockwise_share`` of the budget, then the global phase (CE + KD at ``global.kd_alpha``) on the rest;
+- ``e2e``: the global phase alone on the whole budget with next-token CE only: MHA2MLA's recipe (Ji et al.
+  2025, arXiv 2502.14837: partial RoPE and SVD, then plain fine-tuning);
+- ``kd``: the global phase alone on the whole budget with ours' KD: what blockwise adds, at equal tokens.
+
+A budget counts the training tokens each arm's steps see (steps x batch x ``block_size``; a blockwise step counts
+its batch once, though every block trains on it); steps are rounded, and the tokens actually trained are
+reported. Each arm is a ``recipe=upcycle`` run of its own in ``out/<arm>-<budget>/``, its ``surgery/`` a hard link of
+``out/surgery/surgery/``, so a rerun of the same command skips what finished. Reported per arm: held-out
+perplexity and its ratio to the teacher's, passkey retrieval (greedy, ``recipes/upcycle/passkey.py``) at
+``passkey_contexts``, KV bytes per token, and the wall seconds of its training phases; ``results.{json,md}`` and
+``quality_per_token.png`` (when matplotlib is importable) go to ``out``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from core.config import ConfigError, UserError, option, resolve, same_as
+from core.cli.runs import run_folder
+from core.device import resolve_device
+from core.io.logging import progress
+from models import dba, llama
+from recipes.distill.teacher import load_teacher
+from recipes.upcycle import passkey, recipe as upcycle
+from recipes.upcycle.config import BlockwiseConfig, Config as UpcycleConfig, GlobalConfig
+from recipes.upcycle.phases import FINAL, load_student, ppl
+from recipes.upcycle.sweep import Model
+
+DESCRIPTION = "upcycle quality per training token: blockwise + global against end-to-end, equal budgets, one surgery"
+ARMS = ("ours", "e2e", "kd")
+ARM_LABELS = {"ours": "blockwise + global (ours)", "e2e": "global, CE only (end-to-end, MHA2MLA's)",
+              "kd": "global, CE + KD"}
+
+
+@dataclass
+class BlockwiseKeys:
+    batch_size: int = same_as(BlockwiseConfig, "batch_size")
+    lr: float = same_as(BlockwiseConfig, "lr")
+    match: str = same_as(BlockwiseConfig, "match")
+    loss: str = same_as(BlockwiseConfig, "loss")
+
+
+@dataclass
+class GlobalKeys:
+    batch_size: int = same_as(GlobalConfig, "batch_size")
+    lr: float = same_as(GlobalConfig, "lr")
+    min_lr: float = same_as(GlobalConfig, "min_lr")
+    kd_alpha: float = option(0.5, "KD weight of the arms that distill in the global phase (ours, kd); e2e has 0",
+                             min=0, max=1)
+
+
+@dataclass
+class Config:
+    teacher: str = same_as(UpcycleConfig, "teacher")
+    data: str = same_as(UpcycleConfig, "data")
+    kv_reduction: float = same_as(UpcycleConfig, "kv_reduction")
+    rope_pairs_shared: bool = same_as(UpcycleConfig, "rope_pairs_shared")
+    surgery_method: str = same_as(UpcycleConfig, "surgery_method")
+    calib_tokens: int = same_as(UpcycleConfig, "calib_tokens")
+    block_size: int = same_as(UpcycleConfig, "block_size")
+    eval_windows: int = same_as(UpcycleConfig, "eval_windows")
+    seed: int = same_as(UpcycleConfig, "seed")
+    device: str = same_as(UpcycleConfig, "device")
+    dtype: str = same_as(UpcycleConfig, "dtype")
+    compile: bool = same_as(UpcycleConfig, "compile")
+    budgets: tuple[int, ...] = option((100_000, 300_000, 1_000_000), "training tokens per arm, one run each",
+                                      min=1)
+    arms: tuple[str, ...] = option(ARMS, "what trains on each budget (ours: blockwise + global; e2e: global with "
+                                   "CE only; kd: global with CE + KD)")
+    blockwise_share: float = option(0.9, "ours: the share of the budget the blockwise phase trains on (the global "
+                                    "phase the rest)", above=0, below=1)
+    warmup_share: float = option(0.05, "linear warmup of each trained phase, as a share of its steps", min=0,
+                                 below=1)
+    blockwise: BlockwiseKeys = option(BlockwiseKeys, "ours' blockwise phase")
+    fine_tune: GlobalKeys = option(GlobalKeys, "the global phase of every arm (recipe=upcycle's global.*)")
+    passkey_contexts: tuple[int, ...] = option((256, 512), "passkey retrieval context lengths (tokens)", min=16)
+    passkey_trials: int = option(5, "passkey trials per context (seeded by seed=; 0: no passkey)", min=0)
+    out: str = option("", "result folder, one subfolder per run (empty: runs/bench-upcycle-NAME)")
+    name: str = option("", "run name under runs/ (empty: a timestamp)")
+
+    def __post_init__(self):
+        if not self.arms or set(self.arms) - set(ARMS) or len(set(self.arms)) != len(self.arms):
+            raise ConfigError(f"bad value for 'arms': {','.join(self.arms)}; a list without repeats of "
+                              f"{', '.join(ARMS)}")
+
+
+def arm_keys(cfg: Config, arm: str, budget: int) -> dict:
+    """``recipe=upcycle`` keys of one arm at one budget (strings, as bin/run gives them)."""
+    g, bw, block = cfg.fine_tune, cfg.blockwise, cfg.block_size
+    share = cfg.blockwise_share if arm == "ours" else 0.0
+    keys = {"global.kd_alpha": str(0.0 if arm == "e2e" else g.kd_alpha), "global.batch_size": str(g.batch_size),
+            "global.lr": str(g.lr), "global.min_lr": str(g.min_lr), "global.eval_every": "0",
+            "global.eval_batches": "1", "global.save_every": "0"}
+    keys.update(_phase_steps("global", round(budget * (1 - share)), g.batch_size * block, cfg.warmup_share))
+    if arm != "ours":
+        return {**keys, "phases": "global"}
+    keys.update({"phases": "blockwise,global", "blockwise.batch_size": str(bw.batch_size),
+                 "blockwise.lr": str(bw.lr), "blockwise.match": bw.match, "blockwise.loss": bw.loss,
+                 "blockwise.save_every": "0"})
+    keys.update(_phase_steps("blockwise", round(budget * share), bw.batch_size * block, cfg.warmup_share))
+    return keys
+
+
+def _phase_steps(phase: str, tokens: int, per_step: int, warmup_share: float) -> dict:
+    steps = max(1, round(tokens / per_step))
+    return {f"{phase}.steps": str(steps), f"{phase}.warmup_steps": str(int(warmup_share * steps)),
+            f"{phase}.log_every": str(max(1, steps // 10))}
+
+
+def tokens_trained(keys: dict, block_size: int) -> dict:
+    """Tokens each phase of an arm trains on, from its keys."""
+    return {p: int(keys[f"{p}.steps"]) * int(keys[f"{p}.batch_size"]) * block_size
+            for p in ("blockwise", "global") if f"{p}.steps" in keys}
+
+
+def upcycle_config(cfg: Config, folder: Path, extra: dict) -> UpcycleConfig:
+    shared = {k: str(v) for k, v in asdict(cfg).items() if k in (
+        "teacher", "data", "kv_reduction", "rope_pairs_shared", "surgery_method", "calib_tokens", "block_size",
+        "eval_windows", "seed", "device", "dtype", "compile")}
+    return resolve(UpcycleConfig, overrides={**shared, "out": str(folder), **extra})
+
+
+def link_surgery(source: Path, folder: Path) -> None:
+    """``folder/surgery`` as hard links of the one surgery's files (the arm then starts from that student)."""
+    if not (folder / "surgery").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(source, folder / "surgery", copy_function=os.link)
+
+
+def run(cfg: Config) -> dict:
+    if not cfg.teacher:
+        raise UserError("recipe=bench.upcycle needs teacher=PATH (as recipe=upcycle's teacher=)")
+    folder = run_folder(cfg.out, cfg.name, "bench-upcycle")
+    progress(f"bench.upcycle: the surgery in {folder / 'surgery'}")
+    upcycle.run(upcycle_config(cfg, folder / "surgery", {"phases": ""}))
+    surgery = folder / "surgery" / "surgery"
+    report = json.loads((surgery / "report.json").read_text())
+    rows = [{"arm": "surgery", "budget": 0, "tokens": {},
+             "loss": json.loads((surgery / "heldout.json").read_text())["loss"], "seconds": 0.0}]
+    for budget in sorted(set(cfg.budgets)):
+        for arm in cfg.arms:
+            keys = arm_keys(cfg, arm, budget)
+            arm_folder = folder / f"{arm}-{budget}"
+            progress(f"bench.upcycle: {arm} ({ARM_LABELS[arm]}) at {budget:,} tokens in {arm_folder}")
+            link_surgery(surgery, arm_folder)
+            t0 = time.perf_counter()
+            result = upcycle.run(upcycle_config(cfg, arm_folder, keys))
+            if result is None:
+                raise UserError(f"bench.upcycle: the {arm} run in {arm_folder} stopped early; rerun the same "
+                                f"command to continue it")
+            timings = json.loads((arm_folder / "timings.json").read_text())
+            rows.append({"arm": arm, "budget": budget, "tokens": tokens_trained(keys, cfg.block_size),
+                         "loss": result["stages"]["global"],
+                         "seconds": sum(timings.get(p, 0.0) for p in ("blockwise", "global")),
+                         "wall_this_session": time.perf_counter() - t0})
+    results = {"teacher": {"loss": report["teacher_loss"], "perplexity": ppl(report["teacher_loss"])},
+               "kv_bytes_per_token": report["kv_bytes_per_token"], "rows": rows,
+               "config": json.loads(json.dumps(asdict(cfg)))}
+    for row in rows:
+        row["perplexity"] = ppl(row["loss"])
+        row["ratio"] = row["perplexity"] / results["teacher"]["perplexity"]
+    results["passkey"] = score_passkey(cfg, folder, rows)
+    write(folder, results)
+    return results
+
+
+def score_passkey(cfg: Config, folder: Path, rows: list) -> dict:
+    """Passkey accuracy by context of the teacher and of every student (the surgery's and each arm's), one
+    model in memory at a time: {model: [accuracy per context]}."""
+    if not cfg.passkey_trials:
+        return {}
+    device = resolve_device(cfg.device)
+    teacher = load_teacher(cfg.teacher, device, "fp32", recipe="bench.upcycle")
+    students = {_name(r): folder / "surgery" / "surgery" / FINAL if r["arm"] == "surgery" else
+                folder / _name(r) / "global" / FINAL for r in rows}
+    out = {}
+    for name in ("teacher", *students):
+        if name == "teacher":
+            m = Model("teacher", llama, teacher.params, teacher.config)
+        else:
+            params, scfg = load_student(students[name], device)
+            m = Model("student", dba, params, scfg)
+        found, why = passkey.run_passkey([m], teacher.tokenizer, cfg.passkey_contexts, cfg.passkey_trials,
+                                         cfg.seed, device, 512, cfg.block_size, lambda s, n=name: progress(f"{n}: {s}"))
+        if why:
+            return {}
+        out[name] = [r["accuracy"] for r in found]
+    return out
+
+
+def _name(row: dict) -> str:
+    return "surgery" if row["arm"] == "surgery" else f"{row['arm']}-{row['budget']}"
+
+
+def markdown(results: dict) -> str:
+    """The table: one row per (budget, arm), the teacher and the surgery-only student first."""
+    cfg, kv, keys = results["config"], results["kv_bytes_per_token"], results["passkey"]
+    contexts = cfg["passkey_contexts"] if keys else []
+    trials = cfg["passkey_trials"]
+    head = ["budget (tokens)", "arm", "tokens trained (blockwise + global)", "held-out perplexity",
+            "ratio to teacher", *[f"passkey @{c}" for c in contexts], "training s"]
+    t = results["teacher"]
+    lines = [f"teacher held-out perplexity {t['perplexity']:.3f}; KV cache per token (bf16) teacher "
+             f"{kv['teacher']:,} B, student {kv['student']:,} B ({kv['ratio']:.2f}x smaller)", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def passkeys(name):
+        return [f"{round(a * trials)}/{trials}" if a is not None else "-" for a in keys.get(name, [])] or \
+            ["-"] * len(contexts)
+
+    lines.append("| - | teacher | - | " + f"{t['perplexity']:.3f} | 1.000 | " + " | ".join(passkeys("teacher"))
+                 + (" | " if contexts else "") + "- |")
+    for r in results["rows"]:
+        tok = r["tokens"]
+        trained = " + ".join(f"{tok.get(p, 0):,}" for p in ("blockwise", "global")) if tok else "0"
+        cells = [f"{r['budget']:,}" if r["budget"] else "-", ARM_LABELS.get(r["arm"], "surgery only"), trained,
+                 f"{r['perplexity']:.3f}", f"{r['ratio']:.3f}", *passkeys(_name(r)), f"{r['seconds']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(folder: Path, results: dict) -> None:
+    """``results.json``, ``results.md`` (printed too) and ``quality_per_token.png``."""
+    (folder / "results.json").write_text(json.dumps(results, indent=1))
+    table = markdown(results)
+    (folder / "results.md").write_text(table)
+    print(table)
+    if importlib.util.find_spec("matplotlib") is not None:
+        plot(results).savefig(folder / "quality_per_token.png", dpi=100)
+    progress(f"bench.upcycle: {folder / 'results.md'}")
+
+
+def plot(results: dict):
+    """Held-out perplexity ratio against tokens trained, one line per arm (log x), the surgery-only student as a
+    dashed line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    rows = results["rows"]
+    for i, arm in enumerate(a for a in ARMS if any(r["arm"] == a for r in rows)):
+        pts = sorted((sum(r["tokens"].values()), r["ratio"]) for r in rows if r["arm"] == arm)
+        ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=ARM_LABELS[arm])
+    ax.axhline(rows[0]["ratio"], color="grey", ls="--", lw=1, label="surgery only")
+    ax.axhline(1.0, color="black", lw=0.8, label="teacher")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("held-out perplexity / teacher's")
+    kv = results["kv_bytes_per_token"]
+    ax.set_title(f"{results['config']['teacher']}, KV {kv['ratio']:.2f}x smaller", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,53 @@
+"""``recipe=bench.upcycle``: every arm starts from the one surgery, trains on its token budget, and a rerun of the
+same command trains nothing again (on the session's tiny char teacher: seconds)."""
+import json
+
+import pytest
+
+from recipes import main
+from recipes.bench import upcycle as bench
+from recipes.upcycle.phases import FINAL
+
+pytestmark = pytest.mark.usefixtures("token_cache")   # tests/conftest.py
+
+
+def args(tiny_teacher, out, *extra):
+    teacher, data = tiny_teacher
+    return ["recipe=bench.upcycle", f"teacher={teacher}", f"data={data}", f"out={out}", "block_size=16",
+            "eval_windows=2", "calib_tokens=64", "budgets=640,1280", "blockwise.batch_size=4",
+            "fine_tune.batch_size=4", "passkey_trials=0", *extra]
+
+
+def test_every_arm_starts_from_one_surgery_and_trains_its_budget(tiny_teacher, tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(args(tiny_teacher, out)) == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["arm"], r["budget"]): r for r in results["rows"]}
+    assert set(rows) == {("surgery", 0)} | {(a, b) for a in bench.ARMS for b in (640, 1280)}
+    surgery = (out / "surgery" / "surgery" / FINAL).stat()
+    for (arm, budget), row in rows.items():
+        if arm == "surgery":
+            continue
+        assert (out / f"{arm}-{budget}" / "surgery" / FINAL).stat().st_ino == surgery.st_ino   # the one surgery
+        assert sum(row["tokens"].values()) == pytest.approx(budget, abs=4 * 16)     # whole steps of 4 x 16
+        assert ("blockwise" in row["tokens"]) == (arm == "ours")
+        assert row["ratio"] == pytest.approx(row["perplexity"] / results["teacher"]["perplexity"])
+        config = json.loads((out / f"{arm}-{budget}" / "global" / "heldout.json").read_text())
+        assert config["loss"] == row["loss"]
+    assert rows[("ours", 1280)]["tokens"] == {"blockwise": 1152, "global": 128}      # 0.9 of the budget blockwise
+    table = capsys.readouterr().out
+    assert "| 1,280 | global, CE only (end-to-end, MHA2MLA's) | 0 + 1,280 |" in table
+    assert (out / "results.md").read_text() in table
+
+    assert main(args(tiny_teacher, out)) == 0                 # the same command again: nothing trains
+    again = capsys.readouterr().err
+    assert "blockwise: done" in again and "global: done" in again and "step 1/" not in again
+    rerun = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["loss"], r["tokens"]) for r in rerun] == \
+        [(r["loss"], r["tokens"]) for r in results["rows"]]
+
+
+def test_bad_arms_are_one_line_and_exit_2(capsys):
+    assert main(["recipe=bench.upcycle", "teacher=x", "arms=ours,sgd"]) == 2
+    assert capsys.readouterr().err == ("error: bad value for 'arms': ours,sgd; a list without repeats of ours, e2e, "
+                                       "kd\n")
