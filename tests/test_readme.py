@@ -149,6 +149,8 @@ NOT_RUN = {
                                     "tests/test_distill.py::test_the_cache_benchmark_command)",
     "bin/run recipe=bench.gpu out=gpu-report": "a CUDA machine for about 8 minutes (its CPU mode: "
                                                "tests/test_bench_gpu.py)",
+    "bin/run recipe=standard data=tinyshakespeare.txt tokenizer=char out=runs/tiny-teacher":
+        "600 steps of the quality-per-token table's teacher (char runs at test size: tests/test_shakespeare.py)",
     "pip download --no-deps": "downloads wheels for the GPU machine",
     "python3 -m pip install -q --no-index": "installs those wheels on the GPU machine",
     "export PYTHONPATH=/tmp/site": "the GPU machine's environment",

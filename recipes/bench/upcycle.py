@@ -247,6 +247,7 @@ def plot(results: dict):
     """Held-out perplexity ratio against tokens trained, one line per arm (log x), the surgery-only student as a
     dashed line."""
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -258,10 +259,13 @@ def plot(results: dict):
     ax.axhline(1.0, color="black", lw=0.8, label="teacher")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("training tokens")
     ax.set_ylabel("held-out perplexity / teacher's")
     kv = results["kv_bytes_per_token"]
-    ax.set_title(f"{results['config']['teacher']}, KV {kv['ratio']:.2f}x smaller", fontsize=10)
+    ax.set_title(f"teacher {Path(results['config']['teacher']).name}, KV cache {kv['ratio']:.2f}x smaller",
+                 fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
