@@ -31,6 +31,7 @@ from pathlib import Path
 from core.config import ConfigError, UserError, option, resolve, same_as
 from core.cli.runs import run_folder
 from core.device import resolve_device
+from core.spike import SpikeConfig
 from core.io.logging import progress
 from models import dba, llama
 from recipes.distill.teacher import load_teacher
@@ -60,6 +61,7 @@ class GlobalKeys:
     min_lr: float = same_as(GlobalConfig, "min_lr")
     kd_alpha: float = option(0.5, "KD weight of the arms that distill in the global phase (ours, kd); e2e has 0",
                              min=0, max=1)
+    spike: SpikeConfig = same_as(GlobalConfig, "spike")
 
 
 @dataclass
@@ -104,6 +106,7 @@ def arm_keys(cfg: Config, arm: str, budget: int) -> dict:
     keys = {"global.kd_alpha": str(0.0 if arm == "e2e" else g.kd_alpha), "global.batch_size": str(g.batch_size),
             "global.lr": str(g.lr), "global.min_lr": str(g.min_lr), "global.eval_every": "0",
             "global.eval_batches": "1", "global.save_every": "0"}
+    keys.update({f"global.spike.{k}": str(v) for k, v in asdict(g.spike).items()})
     keys.update(_phase_steps("global", round(budget * (1 - share)), g.batch_size * block, cfg.warmup_share))
     if arm != "ours":
         return {**keys, "phases": "global"}
