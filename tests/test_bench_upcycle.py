@@ -51,3 +51,11 @@ def test_bad_arms_are_one_line_and_exit_2(capsys):
     assert main(["recipe=bench.upcycle", "teacher=x", "arms=ours,sgd"]) == 2
     assert capsys.readouterr().err == ("error: bad value for 'arms': ours,sgd; a list without repeats of ours, e2e, "
                                        "kd\n")
+
+
+def test_an_arm_stopped_cleanly_stops_the_bench_with_exit_0_for_the_same_command(tiny_teacher, tmp_path, capsys,
+                                                                                 monkeypatch):
+    real = bench.upcycle.run
+    monkeypatch.setattr(bench.upcycle, "run", lambda cfg: real(cfg) if not cfg.phases else None)   # preempted
+    assert main(args(tiny_teacher, tmp_path / "bench")) == 0
+    assert "the ours run in" in capsys.readouterr().err and not (tmp_path / "bench" / "results.json").exists()

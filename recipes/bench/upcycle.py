@@ -161,9 +161,10 @@ def run(cfg: Config) -> dict:
             link_surgery(surgery, arm_folder)
             t0 = time.perf_counter()
             result = upcycle.run(upcycle_config(cfg, arm_folder, keys))
-            if result is None:
-                raise UserError(f"bench.upcycle: the {arm} run in {arm_folder} stopped early; rerun the same "
-                                f"command to continue it")
+            if result is None:            # stopped cleanly (preemption, budget): the same command resumes it
+                progress(f"bench.upcycle: the {arm} run in {arm_folder} stopped before its end; rerun the same "
+                         f"command to continue the bench")
+                return None
             timings = json.loads((arm_folder / "timings.json").read_text())
             rows.append({"arm": arm, "budget": budget, "tokens": tokens_trained(keys, cfg.block_size),
                          "loss": result["stages"]["global"],
