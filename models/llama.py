@@ -263,7 +263,21 @@ def causal_attention(q, k, v, past_len: int = 0, scale: Optional[float] = None, 
     gqa = q.shape[1] != k.shape[1]
     mask = attention_mask(T, S, past_len, window, q.device, doc)
     causal = mask is None and past_len == 0 and T == S
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return _fp32_attention(q, k, v, mask, causal, gqa, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa, scale=scale)
+
+
+def _fp32_attention(q, k, v, mask, causal: bool, gqa: bool, scale: Optional[float]) -> torch.Tensor:
+    """SDPA in fp32 under the CPU's bf16/fp16 autocast, the result in the queries' dtype. torch's CPU flash
+    kernel is slower in bf16 than in fp32 at short context: forward and backward at [12, 4, 64, 32] (nanoGPT's
+    shakespeare-char shape) took 3.9 ms in bf16 against 1.4 ms in fp32 (1.5 ms with these casts), at T=128 10.3
+    against 4.1 ms, level at T=512, and 1.2x faster in bf16 only from T=1024 (torch 2.14.1, 2 threads, this
+    machine's AMD EPYC with avx512_bf16; docs/benchmarks.md). fp32 scores are also the more exact."""
+    with torch.autocast("cpu", enabled=False):
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
+                                           enable_gqa=gqa, scale=scale)
+    return y.to(q.dtype)
 
 
 def attention(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, cache: Optional[dict] = None,
