@@ -322,7 +322,7 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     steps = replace(steps, train=on_policy_step(steps.train, rollout))
     eval_step = make_eval_step(lambda prm, b, layers=None: llama.loss(prm, b, student_cfg, layers=layers),
                                precision=cfg.dtype,
-                               compile=Compile(cfg.compile, backend.compile_scope(cfg, params),
+                               compile=Compile(backend.eval_compiled(cfg), backend.compile_scope(cfg, params),
                                                backend.compile_mode(cfg, device)),
                                shard=layout)
     steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))

@@ -19,7 +19,7 @@ from core.host_memory import MODES as HOST_MEMORY
 from core.spike import SpikeConfig
 from core.gradients import PRECISIONS
 from optim.schedules import KINDS
-from recipes.train.backend import SCOPES
+from recipes.train.backend import EVAL_COMPILES, SCOPES
 from recipes.train.faults import FaultConfig
 from recipes.train.optimizer import OPTIMIZERS, AdaGCConfig, MuonConfig   # declared with the optimizer factory
 
@@ -76,7 +76,10 @@ class TrainConfig:
     parallel: str = option("auto", "several ranks under torchrun: ddp (replicated state, gradients averaged), fsdp "
                            "(params, gradients and optimizer state sharded), auto (ddp under torchrun, else none), "
                            "none (one process)", choices=PARALLEL)
-    compile: bool = option(True, "compile the train and eval steps with torch.compile")
+    compile: bool = option(True, "compile the train step (and the eval step: eval_compile) with torch.compile")
+    eval_compile: str = option("auto", "compile the eval step too (auto: when the run evaluates at least "
+                               "1000 batches, eval_batches x evaluations; below that the compile costs more than it "
+                               "saves); ignored under compile=false", choices=EVAL_COMPILES)
     compile_scope: str = option("auto", "what one compiled graph covers: the whole step, or the model's block, "
                                 "compiled once for every layer (compile time flat in depth); auto: step up to 4 "
                                 "layers and on CUDA unless parallel=fsdp, block beyond", choices=SCOPES)

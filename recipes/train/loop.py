@@ -131,8 +131,8 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
                             monitors=Monitors(health, cfg.spike if cfg.spike.enabled else None, skip),
                             parallel=Parallel(dist.all_reduce_mean if dist.enabled and layout is None else None,
                                               shard=layout))
-    evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, compile=Compile(cfg.compile, scope, mode),
-                                   shard=layout)
+    evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, shard=layout,
+                                   compile=Compile(backend.eval_compiled(cfg), scope, mode))
     return Steps(train, evaluate_step, health, batches, layout, per_block(layout, cfg.compile, scope))
 
 
