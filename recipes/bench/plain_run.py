@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from core.compile import compile_seconds, enable_caches  # noqa: E402
+from core.gradients import autocast  # noqa: E402
 from core.data.documents import prepare_data  # noqa: E402
 from models import llama  # noqa: E402
 from models.llama_module import LlamaModule, load_params  # noqa: E402
@@ -53,6 +54,7 @@ class PlainRun:
     eval_batches: int = 20
     log_every: int = 10
     compile: bool = True
+    dtype: str = "fp32"   # nanoGPT's: fp32 on the CPU; bf16/fp16 autocast (its ``ctx`` on GPUs)
     seed: int = 1337
 
 
@@ -87,9 +89,11 @@ def run(cfg: PlainRun) -> dict:
         windows = train[span]
         return windows[:, :-1], windows[:, 1:]
 
+    ctx = autocast(cfg.dtype, "cpu")   # nanoGPT's ctx: nullcontext on the CPU, autocast on GPUs
+
     def evaluate() -> float:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), ctx:
             losses = [F.cross_entropy(model(b["x"]).flatten(0, 1), b["y"].flatten()).item() for b in val]
         model.train()
         return sum(losses) / len(losses)
@@ -101,7 +105,8 @@ def run(cfg: PlainRun) -> dict:
         for group in opt.param_groups:
             group["lr"] = nanogpt_lr(step - 1, cfg.steps, cfg.warmup_steps, cfg.lr, cfg.min_lr)
         x, y = get_batch()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with ctx:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from core.config import UserError, option
+from core.gradients import PRECISIONS
 from core.io.logging import progress
 from core.cli.runs import make_folder, run_folder
 from recipes.bench.plain_run import MARK, PlainRun
@@ -58,6 +59,10 @@ class Config:
     eval_every: int = option(250, "steps between evaluations (both sides)", min=0)
     eval_batches: int = option(20, "validation batches per evaluation (both sides)", min=1)
     optimizer: str = option("adamw", "recipe=standard's optimizer= (the plain loop's is AdamW)", choices=OPTIMIZERS)
+    dtype: str = option("bf16", "recipe=standard's dtype= (the configuration's command: bf16 autocast)",
+                        choices=tuple(PRECISIONS))
+    plain_dtype: str = option("fp32", "the plain loop's autocast dtype (nanoGPT's train.py on the CPU: fp32; "
+                              "bf16 for the same precision as dtype=bf16)", choices=tuple(PRECISIONS))
     caches: tuple[str, ...] = option(CACHES, "the inductor cache states to time, among cold, warm")
     repeats: int = option(1, "pairs of runs per cache state", min=1)
     compile: bool = option(True, "compile both sides (false: eager, for a quick look)")
@@ -75,13 +80,15 @@ def standard_args(cfg: Config, folder: Path) -> list[str]:
             f"model.n_heads={cfg.n_heads}", f"model.d_model={cfg.d_model}", f"block_size={cfg.block_size}",
             f"batch_size={cfg.batch_size}", "lr=1e-3", "beta2=0.99", "warmup_steps=100", f"steps={cfg.steps}",
             "min_lr=1e-4", f"eval_every={cfg.eval_every}", f"eval_batches={cfg.eval_batches}",
-            f"optimizer={cfg.optimizer}", f"compile={str(cfg.compile).lower()}", f"out={folder}"]
+            f"optimizer={cfg.optimizer}", f"dtype={cfg.dtype}", f"compile={str(cfg.compile).lower()}",
+            f"out={folder}"]
 
 
 def plain_config(cfg: Config, folder: Path) -> PlainRun:
     return PlainRun(data=cfg.data, tokenizer=cfg.tokenizer, out=str(folder), n_layers=cfg.n_layers,
                     n_heads=cfg.n_heads, d_model=cfg.d_model, batch_size=cfg.batch_size, block_size=cfg.block_size,
-                    steps=cfg.steps, eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, compile=cfg.compile)
+                    steps=cfg.steps, eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, compile=cfg.compile,
+                    dtype=cfg.plain_dtype)
 
 
 def timed(argv: list[str], cache: Path, log: Path) -> tuple[float, str]:
@@ -154,8 +161,8 @@ def _table(cfg: Config, runs: dict, folder: Path) -> dict:
             rows.append(f"| {cache_state} | {side} | {statistics.median(r['wall_s'] for r in rs):.1f} | "
                         f"{_s(statistics.median(compiling) if compiling else None)} | {_loss(rs[-1]['val_loss'])} |")
         rows.append(f"| {cache_state} | standard / plain | {summary[cache_state]['standard_over_plain']:.3f}x | | |")
-    print(f"whole runs of {cfg.steps} steps (standard with optimizer={cfg.optimizer}), {cfg.repeats} pair(s) per "
-          f"cache state, medians:")
+    print(f"whole runs of {cfg.steps} steps (standard with optimizer={cfg.optimizer} dtype={cfg.dtype}, plain with "
+          f"{cfg.plain_dtype}), {cfg.repeats} pair(s) per cache state, medians:")
     print("| cache | run | wall s | compiling | val loss |\n|---|---|---|---|---|")
     print("\n".join(rows))
     result = {"config": asdict(cfg), **summary}
