@@ -7,10 +7,14 @@ look. nanoGPT's char-level shakespeare CPU configuration is::
 
     bin/run recipe=standard data=shakespeare.txt tokenizer=char model.n_layers=4 model.n_heads=4 \\
         model.d_model=128 block_size=64 batch_size=12 lr=1e-3 beta2=0.99 warmup_steps=100 \\
-        steps=2000 min_lr=1e-4 optimizer=muon muon.lr=0.01 muon.momentum=0.9
+        steps=2000 min_lr=1e-4 optimizer=adamw dtype=bf16
 
-with Muon for the hidden matrices, which reaches nanoGPT's val loss 1.8857 first in wall time (step 400 against
-AdamW's 650-700, docs/benchmarks.md); nanoGPT's own optimizer is ``optimizer=adamw`` with the same keys.
+with nanoGPT's AdamW, which reaches nanoGPT's val loss 1.8857 first in wall time at bf16 with a cold inductor
+cache (step 650 in 61 s against Muon's step 400 in 68 s) and level with Muon warm (25.3 s against 25.2 s;
+docs/benchmarks.md), in bf16
+autocast (nanoGPT computes fp32 on the CPU; on a CPU with bf16 instructions the step runs 1.5x faster and ends at
+the same val loss, docs/training.md). ``optimizer=muon muon.lr=0.01 muon.momentum=0.9`` ends lower (1.54 against
+1.65) in fewer steps, but each of its steps costs 1.4-1.8x AdamW's here; ``dtype=fp32`` is nanoGPT's precision.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from models.loading import load_model, model_entry
 from models.sampling import generate
 from recipes.orchestrator.config import OrchestratedConfig
 from recipes.orchestrator.driver import orchestrate
-from recipes.train import plan, setup
+from recipes.train import backend, plan, setup
 from recipes.train.data import describe, open_data, with_epochs
 from recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps, evaluate, fit
 from recipes.train.setup import run_folder
@@ -153,7 +157,7 @@ def announce(logger, p: Prepared) -> None:
     cfg, m, state = p.cfg, p.model_cfg, p.run.state
     logger.print(f"standard: {size(p.params) / 1e6:.2f}M params, {m.n_layers} layers, d={m.d_model}, "
                  f"vocab {p.corpus.tokenizer.vocab_size} ({p.corpus.tokenizer.name}); data {describe(p.corpus)}; "
-                 f"device {p.device}, {cfg.dtype}, compile={cfg.compile}; run folder {p.folder}")
+                 f"device {p.device}, {cfg.dtype}, {backend.describe_compile(cfg)}; run folder {p.folder}")
     if p.start:
         logger.print(f"init from {p.start.source} ({p.start.format})")
     if p.run.resume is not None:

@@ -185,9 +185,10 @@ def shakes(run):
 
 @job
 def standard_muon(run):
-    """The standard command with ``optimizer=muon`` (issue 35), compiled; then a resume of its folder that asks for
-    AdamW, refused by name (the optimizer state's layout differs)."""
-    words = [*readme(STANDARD), *SMALL, "optimizer=muon", "out=runs/standard-muon"]
+    """The standard command with ``optimizer=muon`` (issue 35), compiled, its eval step too (``eval_compile=true``: the
+    one-process eval graph; a short run's ``auto`` leaves it eager); then a resume of its folder that asks for AdamW,
+    refused by name (the optimizer state's layout differs)."""
+    words = [*readme(STANDARD), *SMALL, "optimizer=muon", "eval_compile=true", "out=runs/standard-muon"]
     return run(*words), run(*words, "optimizer=adamw", "steps=8", expect=2)
 
 
@@ -319,15 +320,17 @@ def orchestrated(run):
 
 @job
 def standard_ddp(run):
-    """After ``shakes``, with its rows per rank (its eval graph is then a cache hit)."""
+    """After ``shakes``, with its rows per rank."""
     run.get("shakes")
     return run(*readme(DDP), "data=shakespeare.txt", "tokenizer=char", *SMALL, "name=ddp", ranks=2)
 
 
 @job
 def standard_fsdp(run):
+    """The README's FSDP command on 2 ranks, its eval step compiled too (``eval_compile=true``: a short run's
+    ``auto`` leaves it eager, and this is where the sharded eval graph is compiled)."""
     return run(*readme(FSDP), "data=shakespeare.txt", "tokenizer=char", *SMALL, "batch_size=2", "name=fsdp",
-               ranks=2)
+               "eval_compile=true", ranks=2)
 
 
 @job
@@ -406,7 +409,7 @@ def work(run) -> Path:
 @uses("shakes")
 def test_standard(run, work):
     out = output(run.get("shakes"))
-    assert "compile=True" in out and "val loss" in out
+    assert "compile=True (the eval step eager)" in out and "val loss" in out
     assert (work / "runs" / "standard-shakes" / "final.msgpack").exists()
 
 
@@ -414,7 +417,7 @@ def test_standard(run, work):
 def test_standard_with_muon(run, work):
     """Muon's learning rate (its shape-based adjustment on top) is logged apart from AdamW's, and is larger."""
     first, again = run.get("standard_muon")
-    assert "compile=True" in output(first)
+    assert "compile=True (the eval step too)" in output(first)
     folder = work / "runs" / "standard-muon"
     top = ckpt.load(folder / "final.msgpack")
     assert math.isfinite(top["val_loss"]) and top["val_loss"] < math.log(256), top["val_loss"]
@@ -515,6 +518,7 @@ def test_orchestrator_on(run, work):
 def test_standard_under_torchrun(parallel, run, work):
     out = output(run.get(f"standard_{parallel}"))
     assert "compile=True" in out and f"parallel: {parallel} over 2 ranks" in out
+    assert ("the eval step too" in out) == (parallel == "fsdp")
     assert (work / "runs" / f"standard-{parallel}" / "final.msgpack").exists()
 
 

@@ -140,3 +140,20 @@ def test_position_tables_are_the_rope_tables_and_one_op_of_the_compiled_graph():
     assert torch.allclose(grad, torch.func.grad(f)(x))
     assert sum("rope_tables" in op for op in ops) == 2, ops
     assert not any("cos" in op or "sin" in op for op in ops), ops
+
+
+def test_attention_runs_in_fp32_under_the_cpus_autocast():
+    """Under the CPU's bf16 autocast, causal attention is SDPA over the fp32 values of its bf16 inputs, back in bf16
+    (torch's CPU flash kernel is slower in bf16 at short context); outside autocast bf16 tensors take SDPA in
+    bf16 as given (a bf16 model's forward stays transformers' own, bit for bit), with and without GQA."""
+    g = torch.Generator().manual_seed(0)
+    for kv_heads in (4, 2):
+        q = torch.randn(2, 4, 16, 8, generator=g).bfloat16()
+        k, v = (torch.randn(2, kv_heads, 16, 8, generator=g).bfloat16() for _ in range(2))
+        gqa = kv_heads != 4
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = llama.causal_attention(q, k, v)
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=gqa)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, want.bfloat16())
+        plain = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        assert torch.equal(llama.causal_attention(q, k, v), plain)

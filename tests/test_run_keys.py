@@ -153,3 +153,32 @@ def test_cpu_ignores_tf32_and_reduce_overhead_with_a_warning(capsys):
     assert configure(TrainConfig(compile_mode="max-autotune"), torch.device("cpu")) == "max-autotune"
     assert configure(TrainConfig(compile=False, compile_mode="max-autotune"), torch.device("cpu")) == "default"
     assert "compile_mode=max-autotune is ignored with compile=false" in capsys.readouterr().err
+
+
+def test_eval_compile_auto_compiles_only_runs_that_evaluate_many_batches():
+    """``eval_compile=auto`` compiles the eval step when the run evaluates >= ``EVAL_COMPILE_BATCHES`` batches
+    (evaluations every ``eval_every`` steps and at the end, ``eval_batches`` each); true/false force it; nothing
+    compiles under compile=false."""
+    from recipes.train.backend import EVAL_COMPILE_BATCHES, eval_compiled
+    from recipes.train.config import TrainConfig
+    nanogpt = TrainConfig(steps=2000, eval_every=250, eval_batches=20)      # 9 evaluations, 180 batches
+    assert not eval_compiled(nanogpt)
+    assert eval_compiled(TrainConfig(steps=2000, eval_every=250, eval_batches=EVAL_COMPILE_BATCHES // 9 + 1))
+    assert not eval_compiled(TrainConfig(steps=10, eval_every=0, eval_batches=EVAL_COMPILE_BATCHES - 1))
+    assert eval_compiled(TrainConfig(steps=10, eval_every=0, eval_batches=EVAL_COMPILE_BATCHES))
+    assert eval_compiled(TrainConfig(eval_compile="true")) and not eval_compiled(TrainConfig(eval_compile="false",
+                                                                                           eval_batches=5000))
+    assert not eval_compiled(TrainConfig(compile=False, eval_compile="true"))
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns(capsys, monkeypatch):
+    """dtype=bf16 on a CPU that has neither avx512_bf16 nor AMX's bf16 (as torch reads the CPU) warns that fp32 is
+    likely faster; with either, or at fp32, no warning."""
+    from recipes.train import backend
+    from recipes.train.config import TrainConfig
+    for flags, warned in (({}, True), ({"avx512_bf16": True}, False), ({"amx_bf16": True}, False)):
+        monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", lambda: flags)
+        backend.configure(TrainConfig(dtype="bf16"), torch.device("cpu"))
+        backend.configure(TrainConfig(), torch.device("cpu"))
+        err = capsys.readouterr().err
+        assert ("dtype=bf16 on a CPU without avx512_bf16 or amx_bf16" in err) == warned, (flags, err)

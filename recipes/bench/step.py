@@ -17,7 +17,7 @@ pure step.
 With ``isolate=true`` (the default) each variant runs alone in a fresh Python process (``python -c`` of
 :func:`measure_variant`), so its peak memory is its own: the child's peak RSS (``getrusage(RUSAGE_SELF)
 .ru_maxrss``, read after its steps; the model, the batch and the imported torch included). The child times
-its first step (the compile, for the compiled variants; run even with ``warmup=0``), its ``warmup - 1``
+its first step (the compile, for the compiled variants, torch's compiler imported before the timer in every variant; run even with ``warmup=0``), its ``warmup - 1``
 further untimed steps, then ``rounds`` rounds of ``steps`` steps; the median round is the time per step. The
 variants run one after the other, so machine noise is not shared by them as with ``isolate=false``: there all four are built in this
 process, warmed up, then timed in interleaved rounds (A B C D A B C D ...), and the process-wide RSS gives no
@@ -153,6 +153,9 @@ def measure_variant(cfg: Config, name: str) -> dict:
     step = _build(cfg, name, model_cfg, params, batch)
     del params   # the variant holds its own copy (a module, or the train state)
     device = batch["x"].device
+    import torch._dynamo, torch._inductor  # noqa: F401,E401  torch.optim.AdamW imports the compiler as the plain
+    # variants are built, the functional step at its first call: imported here for every variant, the first step
+    # times compiling (a warm cache's load included), not the 1.1 s import
     start = time.perf_counter()
     step().item()
     first = time.perf_counter() - start

@@ -14,7 +14,9 @@ compile against 22 s (``recipe=bench.step``). ``compile_mode`` is ``torch.compil
 the default mode; any mode other than ``default`` is ignored with a warning under ``compile=false``.
 ``host_memory`` sets how the process's C library treats freed host memory (``core.host_memory``): ``keep``
 reuses it without page faults, at a higher resident peak; ``auto`` keeps it when the run trains on the CPU
-(docs/benchmarks.md: "Host memory" has the figures at 100M).
+(docs/benchmarks.md: "Host memory" has the figures at 100M). ``eval_compile`` says whether the eval step compiles
+beside the train step (:func:`eval_compiled`), and a run at ``dtype=bf16``/``fp16`` on a CPU without those
+instructions warns (:func:`native_cpu_matmul`).
 """
 from __future__ import annotations
 
@@ -69,6 +71,14 @@ def eval_compiled(cfg) -> bool:
     return evaluations * cfg.eval_batches >= EVAL_COMPILE_BATCHES
 
 
+def describe_compile(cfg) -> str:
+    """The run log's words for what compiles: ``compile=True (the eval step too)``, ``compile=True (the eval step
+    eager)`` or ``compile=False``."""
+    if not cfg.compile:
+        return "compile=False"
+    return f"compile=True (the eval step {'too' if eval_compiled(cfg) else 'eager'})"
+
+
 def compile_mode(cfg, device: torch.device) -> str:
     """The ``torch.compile`` mode the run's steps use (``default`` where ``cfg.compile_mode`` cannot apply)."""
     if not cfg.compile or (cfg.compile_mode == "reduce-overhead" and device.type != "cuda"):
@@ -93,6 +103,20 @@ def efficient_attention(compile: bool, dtype: str) -> bool:
     return not (compile and dtype == "fp32")
 
 
+CPU_NATIVE = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}   # the instructions
+
+
+def native_cpu_matmul(dtype: str) -> bool:
+    """Whether this CPU multiplies ``dtype`` (bf16/fp16) matrices in hardware (``CPU_NATIVE``'s instructions, as
+    torch reads them): here, with avx512_bf16, a bf16 matmul at nanoGPT's shakespeare-char shapes ran 2.1-2.3x an
+    fp32 one (docs/benchmarks.md). True where this torch cannot say."""
+    capability = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    if capability is None:
+        return True
+    flags = capability()
+    return any(flags.get(name, False) for name in CPU_NATIVE[dtype])
+
+
 def configure(cfg, device: torch.device) -> str:
     """Apply ``tf32`` on CUDA and ``host_memory``, warn (``core.io.logging.progress``) about settings this device or
     C library ignores, and return :func:`compile_mode`. Called once per run (``recipes.train.setup.start``)."""
@@ -105,6 +129,9 @@ def configure(cfg, device: torch.device) -> str:
     elif cfg.tf32:
         progress(f"warning: tf32=true is ignored on {device.type} (TensorFloat-32 is a CUDA matmul mode); "
                  f"matmuls stay full fp32")
+    if device.type == "cpu" and cfg.dtype != "fp32" and not native_cpu_matmul(cfg.dtype):
+        progress(f"warning: dtype={cfg.dtype} on a CPU without {' or '.join(CPU_NATIVE[cfg.dtype])}: its matmuls "
+                 f"convert to fp32 in software, so dtype=fp32 is likely faster")
     mode = compile_mode(cfg, device)
     if mode != cfg.compile_mode:
         why = "with compile=false" if not cfg.compile else f"on {device.type} (CUDA graphs are CUDA's)"
