@@ -153,9 +153,10 @@ def measure_variant(cfg: Config, name: str) -> dict:
     step = _build(cfg, name, model_cfg, params, batch)
     del params   # the variant holds its own copy (a module, or the train state)
     device = batch["x"].device
-    import torch._dynamo, torch._inductor  # noqa: F401,E401  torch.optim.AdamW imports the compiler as the plain
-    # variants are built, the functional step at its first call: imported here for every variant, the first step
-    # times compiling (a warm cache's load included), not the 1.1 s import
+    # torch.optim.AdamW imports torch's compiler (dynamo, inductor) as the plain variants are built, the functional
+    # step at its first call: one AdamW here imports it for every variant, so the first step times compiling (a warm
+    # cache's load included), not the 1.1 s import
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     start = time.perf_counter()
     step().item()
     first = time.perf_counter() - start

@@ -20,6 +20,9 @@ instructions warns (:func:`native_cpu_matmul`).
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import torch
 
 from core.host_memory import set_host_memory
@@ -107,14 +110,22 @@ CPU_NATIVE = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_
 
 
 def native_cpu_matmul(dtype: str) -> bool:
-    """Whether this CPU multiplies ``dtype`` (bf16/fp16) matrices in hardware (``CPU_NATIVE``'s instructions, as
-    torch reads them): here, with avx512_bf16, a bf16 matmul at nanoGPT's shakespeare-char shapes ran 2.1-2.3x an
-    fp32 one (docs/benchmarks.md). True where this torch cannot say."""
-    capability = getattr(torch._C._cpu, "_get_cpu_capability", None)
-    if capability is None:
-        return True
-    flags = capability()
-    return any(flags.get(name, False) for name in CPU_NATIVE[dtype])
+    """Whether this CPU multiplies ``dtype`` (bf16/fp16) matrices in hardware (``CPU_NATIVE``'s instructions among
+    :func:`cpu_flags`): here, with avx512_bf16, a bf16 matmul at nanoGPT's shakespeare-char shapes ran 2.1-2.3x an
+    fp32 one (docs/benchmarks.md). True where the flags cannot be read."""
+    flags = cpu_flags()
+    return flags is None or any(name in flags for name in CPU_NATIVE[dtype])
+
+
+def cpu_flags() -> Optional[set]:
+    """The CPU's instruction-set flags as Linux lists them (``/proc/cpuinfo``, what ``lscpu`` prints), or None
+    elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = next((line for line in text.splitlines() if line.startswith("flags")), None)
+    return None if line is None else set(line.split(":", 1)[1].split())
 
 
 def configure(cfg, device: torch.device) -> str:
