@@ -157,13 +157,16 @@ def test_cpu_ignores_tf32_and_reduce_overhead_with_a_warning(capsys):
 
 def test_eval_compile_auto_compiles_only_runs_that_evaluate_many_batches():
     """``eval_compile=auto`` compiles the eval step when the run evaluates >= ``EVAL_COMPILE_BATCHES`` batches
-    (evaluations every ``eval_every`` steps and at the end, ``eval_batches`` each); true/false force it; nothing
-    compiles under compile=false."""
+    (evaluations every ``eval_every`` steps and at the end, once where the two meet, ``eval_batches`` each);
+    true/false force it; nothing compiles under compile=false."""
     from recipes.train.backend import EVAL_COMPILE_BATCHES, eval_compiled
     from recipes.train.config import TrainConfig
-    nanogpt = TrainConfig(steps=2000, eval_every=250, eval_batches=20)      # 9 evaluations, 180 batches
+    nanogpt = TrainConfig(steps=2000, eval_every=250, eval_batches=20)      # 8 evaluations (step 2000 once), 160
     assert not eval_compiled(nanogpt)
-    assert eval_compiled(TrainConfig(steps=2000, eval_every=250, eval_batches=EVAL_COMPILE_BATCHES // 9 + 1))
+    per_eval = EVAL_COMPILE_BATCHES // 8
+    assert eval_compiled(TrainConfig(steps=2000, eval_every=250, eval_batches=per_eval))
+    assert not eval_compiled(TrainConfig(steps=2000, eval_every=250, eval_batches=per_eval - 1))
+    assert eval_compiled(TrainConfig(steps=2100, eval_every=250, eval_batches=per_eval - 1))    # 8 + the end's
     assert not eval_compiled(TrainConfig(steps=10, eval_every=0, eval_batches=EVAL_COMPILE_BATCHES - 1))
     assert eval_compiled(TrainConfig(steps=10, eval_every=0, eval_batches=EVAL_COMPILE_BATCHES))
     assert eval_compiled(TrainConfig(eval_compile="true")) and not eval_compiled(TrainConfig(eval_compile="false",
