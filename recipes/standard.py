@@ -11,10 +11,10 @@ look. nanoGPT's char-level shakespeare CPU configuration is::
 
 with nanoGPT's AdamW, which reaches nanoGPT's val loss 1.8857 first in wall time at bf16 with a cold inductor
 cache (step 650 in 61 s against Muon's step 400 in 68 s) and level with Muon warm (25.3 s against 25.2 s;
-docs/benchmarks.md), in bf16
-autocast (nanoGPT computes fp32 on the CPU; on a CPU with bf16 instructions the step runs 1.5x faster and ends at
-the same val loss, docs/training.md). ``optimizer=muon muon.lr=0.01 muon.momentum=0.9`` ends lower (1.54 against
-1.65) in fewer steps, but each of its steps costs 1.4-1.8x AdamW's here; ``dtype=fp32`` is nanoGPT's precision.
+docs/benchmarks.md), in bf16 autocast (nanoGPT computes fp32 on the CPU; on a CPU with bf16 instructions the step
+runs 1.5x faster and ends at the same val loss, docs/training.md). ``optimizer=muon muon.lr=0.01
+muon.momentum=0.9`` ends lower (1.54 against 1.65) in fewer steps, but each of its steps costs 1.4-1.8x AdamW's
+here; ``dtype=fp32`` is nanoGPT's precision.
 """
 from __future__ import annotations
 

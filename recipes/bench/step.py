@@ -4,7 +4,8 @@
 
 Four ways to take the same training step on the same Llama and the same batch:
 
-- ``plain eager``        ``nn.Module`` forward, ``.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW(foreach=True)``
+- ``plain eager``        ``nn.Module`` forward, ``.backward()``, ``clip_grad_norm_``,
+                          ``torch.optim.AdamW(foreach=True)``
 - ``plain compiled``     the same with ``torch.compile(module)`` (the optimizer stays eager, the usual way)
 - ``functional eager``   ``core.step.make_train_step`` (``torch.func.grad_and_value``), not compiled
 - ``functional compiled`` the same step compiled: with ``compile_scope=block`` (the default, as the recipes
@@ -17,11 +18,12 @@ pure step.
 With ``isolate=true`` (the default) each variant runs alone in a fresh Python process (``python -c`` of
 :func:`measure_variant`), so its peak memory is its own: the child's peak RSS (``getrusage(RUSAGE_SELF)
 .ru_maxrss``, read after its steps; the model, the batch and the imported torch included). The child times
-its first step (the compile, for the compiled variants, torch's compiler imported before the timer in every variant; run even with ``warmup=0``), its ``warmup - 1``
-further untimed steps, then ``rounds`` rounds of ``steps`` steps; the median round is the time per step. The
-variants run one after the other, so machine noise is not shared by them as with ``isolate=false``: there all four are built in this
-process, warmed up, then timed in interleaved rounds (A B C D A B C D ...), and the process-wide RSS gives no
-per-variant memory (its column is then empty).
+its first step (the compile, for the compiled variants; run even with ``warmup=0``), with torch's compiler
+imported before the timer in every variant, its ``warmup - 1`` further untimed steps, then ``rounds`` rounds of
+``steps`` steps; the median round is the time per step. The variants run one after the other, so machine noise is
+not shared by them as with ``isolate=false``: there all four are built in this process, warmed up, then timed in
+interleaved rounds (A B C D A B C D ...), and the process-wide RSS gives no per-variant memory (its column is then
+empty).
 
 The table gives ms/step, tokens/s, peak MB, and the ratios of time and memory to ``plain eager``. Ratios,
 not bare times, are the result: this machine is shared and noisy. ``preset=100m`` is the ~100M-parameter
@@ -83,18 +85,15 @@ PRESETS = {
 
 
 def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool):
-    """The plain step; ``torch.compile(module)`` is called in the first step, so that the first step's time holds
-    everything compiling costs (the wrapper's imports of dynamo and inductor included), as the functional step
-    builds its compiled graphs in its first call."""
+    """The plain step: ``nn.Module`` forward (``torch.compile(module)`` when compiled), ``.backward()``, clipping and
+    ``torch.optim.AdamW``. The compile itself happens in the first call, as the functional step's does."""
     module = load_params(LlamaModule(cfg).to(params["embed"].device), params)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
-    forward = {}
+    forward = torch.compile(module) if compiled else module
 
     def step():
-        if not forward:
-            forward["module"] = torch.compile(module) if compiled else module
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(forward["module"](batch["x"]).flatten(0, 1), batch["y"].flatten())
+        loss = F.cross_entropy(forward(batch["x"]).flatten(0, 1), batch["y"].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0, foreach=True)
         opt.step()
