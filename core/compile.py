@@ -53,13 +53,23 @@ def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
     return device_type == "cpu" and not collectives
 
 
+# The C++ wrapper's two compiles (PyTorch #148773): the wrapper, which only allocates buffers and calls kernels, at -O1
+# in a file of its own; the kernels at -O3 in another
+SEPARATE_WRAPPER_BUILD = (("cpp_wrapper_build_separate", True), ("aot_inductor.compile_wrapper_opt_level", "O1"))
+
+
 def inductor_options(device_type: str, cpp: bool = False, cuda: tuple = ()) -> dict:
     """Inductor settings a graph on ``device_type`` compiles with (beyond its mode's): the C++ wrapper with ``cpp``
-    (:func:`cpp_wrapper`); on CUDA no loop reordering after fusion, whose scheduler fails an assertion on the one-graph
-    train step (torch 2.11, H100: ``reorder_loops_by_dep_pair`` met a fused node inside a fused node; bench.gpu's
-    report, docs/gpu.md), and the ``(name, value)`` pairs ``cuda`` asks for (an optimizer's
-    ``GradientTransformation.cuda_inductor``), those this torch has."""
+    (:func:`cpp_wrapper`), built apart from the kernels and at -O1 (``SEPARATE_WRAPPER_BUILD``; in one file g++
+    compiles all at -O3, and the one-graph step's 2,300-line wrapper function is most of that: nanoGPT's
+    shakespeare-char step, bf16, took 23.4 s of g++ in one file, 8.3 + 6.1 s in two, and the same 42.2 ms a step,
+    A/B interleaved in one process; docs/benchmarks.md); on CUDA no loop reordering after fusion, whose scheduler
+    fails an assertion on the one-graph train step (torch 2.11, H100: ``reorder_loops_by_dep_pair`` met a fused node
+    inside a fused node; bench.gpu's report, docs/gpu.md), and the ``(name, value)`` pairs ``cuda`` asks for (an
+    optimizer's ``GradientTransformation.cuda_inductor``), those this torch has."""
     options = {"cpp_wrapper": True} if cpp else {}
+    if cpp:
+        options.update((name, value) for name, value in SEPARATE_WRAPPER_BUILD if _has_setting(name))
     if device_type == "cuda":
         options["loop_ordering_after_fusion"] = False
         options.update((name, value) for name, value in cuda if _has_setting(name))

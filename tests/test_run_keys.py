@@ -111,7 +111,8 @@ def test_two_ranks_save_by_wall_time_together_at_log_steps(corpus, tmp_path):
 
 def test_compile_mode_reaches_torch_compile(monkeypatch):
     """The mode arrives as ``mode=``, or with inductor options (the C++ wrapper on CPU steps without collectives,
-    no loop reordering after fusion on CUDA: ``core.compile.inductor_options``) as the mode's options plus those."""
+    built apart from the kernels at -O1; no loop reordering after fusion on CUDA: ``core.compile.inductor_options``)
+    as the mode's options plus those."""
     from torch._inductor import list_mode_options
     from core import compile as compile_module
     from core.step import Gradients, Parallel, _train_step
@@ -126,12 +127,13 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     compile_module.maybe_compile(lambda x: x, True, mode="max-autotune")
     compile_module.maybe_compile(lambda x: x, True)
     compile_module.maybe_compile(lambda x: x, True, cpp=True)
-    assert seen == [{"mode": "max-autotune"}, {}, {"options": {"cpp_wrapper": True}}]   # default: torch's own
+    cpp = {"cpp_wrapper": True, **dict(compile_module.SEPARATE_WRAPPER_BUILD)}
+    assert seen == [{"mode": "max-autotune"}, {}, {"options": cpp}]   # default: torch's own
     seen.clear()
 
     def loss(p, b, k):
         return (p["w"] * b).sum(), {}
-    cpu = {"options": {**list_mode_options("max-autotune"), "cpp_wrapper": True}}
+    cpu = {"options": {**list_mode_options("max-autotune"), **cpp}}
     cuda = {"options": {**list_mode_options("max-autotune"), "loop_ordering_after_fusion": False}}
     compile = Compile(scope="step", mode="max-autotune")
     for device_type, parallel, expected in (("cpu", Parallel(), cpu), ("cuda", Parallel(), cuda),

@@ -35,7 +35,9 @@ PRIVATE = {
     "torch._foreach_sign_": "optim/lion.py",
     "torch._foreach_sqrt": "optim/foreach.py",
     "torch._inductor.config": "core/compile.py (fx_graph_cache, unsafe_marked_cacheable_functions, "
-                              "triton.mix_order_reduction), recipes/bench/speed.py (cpp.enable_kernel_profile)",
+                              "triton.mix_order_reduction, cpp_wrapper_build_separate, "
+                              "aot_inductor.compile_wrapper_opt_level), recipes/bench/speed.py "
+                              "(cpp.enable_kernel_profile)",
     "torch._inductor.list_mode_options": "core/compile.py: a mode's options plus cpp_wrapper",
     "torch._dynamo.utils.counters": "core/compile.py compile_count(): graphs compiled in this process",
     "torch._dynamo.utils.compilation_time_metrics": "core/compile.py compile_seconds(): seconds spent compiling "
@@ -146,15 +148,17 @@ def test_tensor_version_counts_in_place_writes_only():
 def test_inductor_config_and_mode_options():
     import torch._inductor.config as inductor_config
     from torch._inductor import list_mode_options
-    for key in ("fx_graph_cache", "cpp_wrapper"):
+    for key in ("fx_graph_cache", "cpp_wrapper", "cpp_wrapper_build_separate"):
         assert hasattr(inductor_config, key), key
+    assert inductor_config.aot_inductor.compile_wrapper_opt_level in ("O0", "O1", "O2", "O3")
     import torch._functorch.config as functorch_config          # the AOT-autograd cache core.compile relies on
     assert functorch_config.enable_autograd_cache is True
     assert hasattr(inductor_config.cpp, "enable_kernel_profile")
     for mode in ("default", "reduce-overhead", "max-autotune"):
         assert isinstance(list_mode_options(mode), dict), mode
-    from core.compile import _compile_kwargs
-    assert _compile_kwargs("default", cpp=True) == {"options": {**list_mode_options("default"), "cpp_wrapper": True}}
+    from core.compile import SEPARATE_WRAPPER_BUILD, _compile_kwargs
+    assert _compile_kwargs("default", cpp=True) == {"options": {**list_mode_options("default"), "cpp_wrapper": True,
+                                                                **dict(SEPARATE_WRAPPER_BUILD)}}
 
 
 def test_compile_count_reads_dynamos_counter():
