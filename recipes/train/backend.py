@@ -62,9 +62,9 @@ def eval_compiled(cfg) -> bool:
     """Whether the run's eval step is compiled (``cfg.eval_compile``; never under ``compile=false``). ``auto``: when
     the run evaluates at least ``EVAL_COMPILE_BATCHES`` batches (``eval_batches`` at every ``eval_every`` steps and at
     the end, once where the two meet). Compiling the eval graph is a cost paid once, before the first evaluation; on
-    this 2-core CPU a cold compile took 18.8 s and saved 2.7 ms a batch at nanoGPT's shakespeare-char shape (bf16; 11.2 ms eager, 8.5
-    compiled), 27.3 s and 42 ms at 100M (213 against 171 ms): it paid only beyond about 7,000 and 650 batches.
-    nanoGPT's configuration evaluates 8 x 20 = 160 batches, where the compile was 15 s of a 141 s run
+    this 2-core CPU a cold compile took 18.8 s and saved 2.7 ms a batch at nanoGPT's shakespeare-char shape (bf16;
+    11.2 ms eager, 8.5 compiled), 27.3 s and 42 ms at 100M (213 against 171 ms): it paid only beyond about 7,000 and
+    650 batches. nanoGPT's configuration evaluates 8 x 20 = 160 batches, where the compile was 15 s of a 141 s run
     (docs/benchmarks.md, "Whole runs")."""
     if not cfg.compile or cfg.eval_compile == "false":
         return False
