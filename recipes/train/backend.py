@@ -70,8 +70,7 @@ def eval_compiled(cfg) -> bool:
         return False
     if cfg.eval_compile == "true":
         return True
-    periodic = cfg.steps // cfg.eval_every if cfg.eval_every else 0
-    evaluations = periodic + (not cfg.eval_every or cfg.steps % cfg.eval_every != 0)    # the end, unless periodic
+    evaluations = -(-cfg.steps // cfg.eval_every) if cfg.eval_every else 1     # ceil: the end's, unless periodic
     return evaluations * cfg.eval_batches >= EVAL_COMPILE_BATCHES
 
 
