@@ -15,6 +15,7 @@ Gradients flow through ``torch.autograd`` (each call's backward is the compiled 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -53,17 +54,18 @@ def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
     return device_type == "cpu" and not collectives
 
 
-# The C++ wrapper's two compiles (PyTorch #148773): the wrapper, which only allocates buffers and calls kernels, at -O1
-# in a file of its own; the kernels at -O3 in another
-SEPARATE_WRAPPER_BUILD = (("cpp_wrapper_build_separate", True), ("aot_inductor.compile_wrapper_opt_level", "O1"))
+# The C++ wrapper's two compiles (PyTorch #148773): the wrapper, which only allocates buffers and calls kernels, at -O0
+# in a file of its own (nanoGPT's shakespeare-char step: g++ 6 s against 9.5 at -O1, the same 39.5 ms a step, A/B
+# interleaved in one process); the kernels at -O3 in another
+SEPARATE_WRAPPER_BUILD = (("cpp_wrapper_build_separate", True), ("aot_inductor.compile_wrapper_opt_level", "O0"))
 
 
 def inductor_options(device_type: str, cpp: bool = False, cuda: tuple = ()) -> dict:
     """Inductor settings a graph on ``device_type`` compiles with (beyond its mode's): the C++ wrapper with ``cpp``
-    (:func:`cpp_wrapper`), built apart from the kernels and at -O1 (``SEPARATE_WRAPPER_BUILD``; in one file g++
+    (:func:`cpp_wrapper`), built apart from the kernels and at -O0 (``SEPARATE_WRAPPER_BUILD``; in one file g++
     compiles all at -O3, and the one-graph step's 2,300-line wrapper function is most of that: nanoGPT's
-    shakespeare-char step, bf16, took 23.4 s of g++ in one file, 8.3 + 6.1 s in two, and the same 42.2 ms a step,
-    A/B interleaved in one process; docs/benchmarks.md); on CUDA no loop reordering after fusion, whose scheduler
+    shakespeare-char step, bf16, took 23.4 s of g++ in one file, 8.3 + 6.1 s in two at -O1, and the same 42.2 ms a
+    step, A/B interleaved in one process; docs/benchmarks.md); on CUDA no loop reordering after fusion, whose scheduler
     fails an assertion on the one-graph train step (torch 2.11, H100: ``reorder_loops_by_dep_pair`` met a fused node
     inside a fused node; bench.gpu's report, docs/gpu.md), and the ``(name, value)`` pairs ``cuda`` asks for (an
     optimizer's ``GradientTransformation.cuda_inductor``), those this torch has."""
@@ -106,7 +108,75 @@ def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True, mo
     if not enabled:
         return fn
     enable_caches()
+    if device_type == "cpu":
+        probe_vector_isa()
+        if cpp:
+            build_objects_together()
     return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp, device_type, cuda))
+
+
+VECTOR_ISA_PROBE = "purestep-vector-isa-probe"   # the probing thread's name
+
+
+def probe_vector_isa() -> threading.Thread | None:
+    """Start inductor's CPU vector-ISA probes (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``) in a daemon
+    thread, so that they run on a second core while dynamo traces and AOT autograd partitions the graph, instead of
+    after it. Inductor asks which vector instructions the CPU can build and load before it generates its first C++
+    kernel: it compiles a small program per candidate (AVX-512 VNNI, AVX-512, AVX2) with g++ and loads each in a
+    child Python, one after another; with an empty inductor cache that took 10.9 s of a 2-core VM's cold compile
+    (docs/benchmarks.md). Inductor keeps the answer (``functools.cache``) and each build under a file lock, so when
+    the compile asks before the probes are done it waits for the build under way and reuses it. Returns the thread,
+    or None where this process already knows the answer, a probe is already running, or this torch lacks the
+    probe."""
+    try:
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    except ImportError:
+        return None
+    cached = getattr(valid_vec_isa_list, "cache_info", None)
+    if cached is not None and cached().currsize:
+        return None
+    if any(thread.name == VECTOR_ISA_PROBE for thread in threading.enumerate()):
+        return None
+    thread = threading.Thread(target=valid_vec_isa_list, name=VECTOR_ISA_PROBE, daemon=True)
+    thread.start()
+    return thread
+
+
+def build_objects_together() -> bool:
+    """Have inductor compile a C++-wrapper graph's two object files at once, then link them: the wrapper (-O0, a
+    file of its own: ``SEPARATE_WRAPPER_BUILD``) and the kernels (-O3) are independent until the link, but inductor
+    builds its list of compiles one after another (``torch._inductor.codecache._worker_compile_cpp``, torch 2.11 to
+    2.14), on one core while the others wait. Installed once per process in place of that function, the same
+    work under the same file lock, the files that exist skipped as before; a list of fewer than three (one object,
+    a precompiled header) goes to inductor's own. nanoGPT's shakespeare-char step: g++ 6.5 s for the kernels and
+    6 s for the wrapper, one after another (docs/benchmarks.md). Returns whether it is installed (False where this
+    torch has no such function)."""
+    from torch._inductor import codecache
+    original = getattr(codecache, "_worker_compile_cpp", None)
+    if original is None:
+        return False
+    if getattr(original, "builds_objects_together", False):
+        return True
+
+    def worker_compile_cpp(lock_path, cpp_builders):
+        *objects, linker = cpp_builders
+        if len(objects) < 2:
+            return original(lock_path, cpp_builders)
+        from concurrent.futures import ThreadPoolExecutor
+        from torch.utils._filelock import FileLock
+        with FileLock(lock_path, timeout=codecache.LOCK_TIMEOUT):
+            missing = [builder for builder in objects if not os.path.exists(builder.get_target_file_path())]
+            if missing:
+                with ThreadPoolExecutor(len(missing), thread_name_prefix="purestep-g++") as pool:
+                    for built in [pool.submit(builder.build) for builder in missing]:
+                        built.result()
+            if not os.path.exists(linker.get_target_file_path()):
+                linker.build()
+        return None
+
+    worker_compile_cpp.builds_objects_together = True
+    codecache._worker_compile_cpp = worker_compile_cpp
+    return True
 
 
 def compile_count() -> int:
@@ -137,6 +207,7 @@ class BlockCompiler:
 
     def __init__(self, mode: str | None = None, cpp: bool = False, device_type: str = "cpu"):
         self.kwargs = _compile_kwargs(mode, cpp, device_type)
+        self.device_type, self.cpp = device_type, cpp
         self.compiled: dict = {}
 
     def __call__(self, fn: Callable) -> Callable:
@@ -144,5 +215,9 @@ class BlockCompiler:
             return fn
         if fn not in self.compiled:
             enable_caches()
+            if self.device_type == "cpu":
+                probe_vector_isa()
+                if self.cpp:
+                    build_objects_together()
             self.compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False, **self.kwargs)
         return self.compiled[fn]

@@ -111,7 +111,7 @@ def test_two_ranks_save_by_wall_time_together_at_log_steps(corpus, tmp_path):
 
 def test_compile_mode_reaches_torch_compile(monkeypatch):
     """The mode arrives as ``mode=``, or with inductor options (the C++ wrapper on CPU steps without collectives,
-    built apart from the kernels at -O1; no loop reordering after fusion on CUDA: ``core.compile.inductor_options``)
+    built apart from the kernels at -O0; no loop reordering after fusion on CUDA: ``core.compile.inductor_options``)
     as the mode's options plus those."""
     from torch._inductor import list_mode_options
     from core import compile as compile_module

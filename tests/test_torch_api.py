@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import torch
@@ -39,6 +40,10 @@ PRIVATE = {
                               "aot_inductor.compile_wrapper_opt_level), recipes/bench/speed.py "
                               "(cpp.enable_kernel_profile)",
     "torch._inductor.list_mode_options": "core/compile.py: a mode's options plus cpp_wrapper",
+    "torch._inductor.cpu_vec_isa": "core/compile.py probe_vector_isa(): inductor's vector-ISA probes, started early",
+    "torch._inductor.codecache": "core/compile.py build_objects_together(): _worker_compile_cpp, the list of C++ "
+                                 "builds a graph needs (its two object files built at once), and LOCK_TIMEOUT",
+    "torch.utils._filelock": "core/compile.py build_objects_together(): the file lock inductor's builds take",
     "torch._dynamo.utils.counters": "core/compile.py compile_count(): graphs compiled in this process",
     "torch._dynamo.utils.compilation_time_metrics": "core/compile.py compile_seconds(): seconds spent compiling "
                                                     "(the run's closing line)",
@@ -159,6 +164,65 @@ def test_inductor_config_and_mode_options():
     from core.compile import SEPARATE_WRAPPER_BUILD, _compile_kwargs
     assert _compile_kwargs("default", cpp=True) == {"options": {**list_mode_options("default"), "cpp_wrapper": True,
                                                                 **dict(SEPARATE_WRAPPER_BUILD)}}
+
+
+def test_objects_build_together_then_link(tmp_path):
+    """``core.compile.build_objects_together`` puts its own ``_worker_compile_cpp`` in inductor's ``codecache``
+    (once): a graph's object files build at once (each fake build below waits at a barrier for the other, so one
+    after another would time out), the existing one is skipped, the link comes last; a list of one (a
+    precompiled header) goes to inductor's own worker, which builds it."""
+    from torch._inductor import codecache
+    from core.compile import build_objects_together
+    assert build_objects_together() and build_objects_together()
+    worker = codecache._worker_compile_cpp
+    assert worker.builds_objects_together and codecache.LOCK_TIMEOUT > 0
+    import inspect
+    assert list(inspect.signature(worker).parameters) == ["lock_path", "cpp_builders"]
+    barrier, built = threading.Barrier(2, timeout=60), []
+
+    class Builder:
+        def __init__(self, name, waits=False):
+            self.path, self.waits = tmp_path / name, waits
+
+        def get_target_file_path(self):
+            return str(self.path)
+
+        def build(self):
+            if self.waits:
+                barrier.wait()
+            built.append(self.path.name)
+            self.path.write_text("")
+
+    (tmp_path / "old.o").write_text("")
+    worker(str(tmp_path / "a.lock"), (Builder("main.o", True), Builder("kernels.o", True), Builder("old.o"),
+                                      Builder("lib.so")))
+    assert sorted(built[:2]) == ["kernels.o", "main.o"] and built[2:] == ["lib.so"]
+    worker(str(tmp_path / "b.lock"), (Builder("header.gch"),))
+    assert built[3:] == ["header.gch"]
+
+
+COLD_CPP_GRAPH = """
+import torch
+from core.compile import maybe_compile, probe_vector_isa, VECTOR_ISA_PROBE
+import threading
+f = maybe_compile(lambda x, y: (x @ y).relu().sum(0) * 2, cpp=True)
+probing = [t.name for t in threading.enumerate() if t.name == VECTOR_ISA_PROBE]
+x, y = torch.randn(16, 32), torch.randn(32, 8)
+assert torch.allclose(f(x, y), (x @ y).relu().sum(0) * 2, atol=1e-5)
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+print(probing, str(pick_vec_isa()), probe_vector_isa())
+"""
+
+
+def test_a_cold_cpp_wrapper_graph_probes_in_the_background(tmp_path):
+    """The path a first run takes, in a child process with an empty inductor cache: ``maybe_compile(cpp=True)``
+    starts the vector-ISA probe thread, the compile asks for the ISA while it runs, the wrapper and kernels build
+    together (-O0 and -O3) and the graph computes right; the ISA picked is this process's."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", COLD_CPP_GRAPH], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == f"['purestep-vector-isa-probe'] {pick_vec_isa()} None"
 
 
 def test_compile_count_reads_dynamos_counter():
