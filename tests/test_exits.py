@@ -162,3 +162,29 @@ def test_parallel_grid_cells_that_stop_are_marked_failed_and_the_grid_goes_on(tm
     err = capsys.readouterr().err
     assert "grid cell 1/2: diverge=true failed: stopped without finishing" in err and "grid cell 2/2: diverge=false done" in err
     assert {n: c["status"] for n, c in read_cells(root).items()} == {"diverge=true": "failed", "diverge=false": "finished"}
+
+
+EXIT_SCRIPT = """
+import atexit, sys, threading, time
+from core.exits import exit_process
+atexit.register(lambda: open(sys.argv[1], "w").write("handlers ran"))
+print("buffered", end="")
+if sys.argv[2] == "thread":
+    threading.Thread(target=lambda: (time.sleep(1), open(sys.argv[1] + ".thread", "w").write("waited"))).start()
+exit_process(int(sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("thread", ["none", "thread"])
+def test_exit_process_runs_handlers_flushes_and_keeps_the_code(tmp_path, thread):
+    """``bin/run`` ends through ``core.exits.exit_process``: the exit handlers run, buffered output arrives, the
+    code is the command's; a live non-daemon thread gets the ordinary exit, which waits for it."""
+    import subprocess
+    import sys
+    marker = tmp_path / "marker"
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(marker), thread, "4"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 4 and proc.stdout == "buffered", proc.stderr[-2000:]
+    assert marker.read_text() == "handlers ran"
+    assert (tmp_path / "marker.thread").exists() == (thread == "thread")
