@@ -1,4 +1,4 @@
-"""The exit codes of ``bin/run``, in one table, and the two outcomes that are neither success nor bad input.
+"""The exit codes of ``bin/run``, in one table, the outcomes that are neither success nor bad input, and the exit.
 
 ``core.cli.command.main`` maps every way a command ends to one of ``CODES``; the exit-code table of
 docs/configuration.md is generated from it (``tests/test_exits.py`` compares them). Bad input is
@@ -16,6 +16,7 @@ docs/configuration.md is generated from it (``tests/test_exits.py`` compares the
 
 The convention (0 done, 2 bad input, 3 gate failed, one code of its own for an unfinished run) follows
 ``sysexits``' spirit without its numbers: small codes a shell script can test, each with one meaning.
+:func:`exit_process` ends ``bin/run`` with its code.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ import os
 import sys
 import threading
 
-__all__ = ["exit_process", "DONE", "BUG", "BAD_INPUT", "GATE", "STOPPED", "INCOMPLETE", "INTERRUPTED", "CODES", "EXIT_GATE",
-           "EXIT_INCOMPLETE", "GateFailed", "RunStopped", "Incomplete", "markdown_table"]
+__all__ = ["DONE", "BUG", "BAD_INPUT", "GATE", "STOPPED", "INCOMPLETE", "INTERRUPTED", "CODES", "EXIT_GATE",
+           "EXIT_INCOMPLETE", "GateFailed", "RunStopped", "Incomplete", "markdown_table", "exit_process"]
 
 DONE, BUG, BAD_INPUT, GATE, STOPPED, INCOMPLETE, INTERRUPTED = 0, 1, 2, 3, 4, 5, 130
 EXIT_GATE, EXIT_INCOMPLETE = GATE, INCOMPLETE

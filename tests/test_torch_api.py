@@ -210,6 +210,8 @@ probing = [t.name for t in threading.enumerate() if t.name == VECTOR_ISA_PROBE]
 x, y = torch.randn(16, 32), torch.randn(32, 8)
 assert torch.allclose(f(x, y), (x @ y).relu().sum(0) * 2, atol=1e-5)
 from torch._inductor.cpu_vec_isa import pick_vec_isa
+from torch._inductor import codecache
+assert codecache._worker_compile_cpp.builds_objects_together
 print(probing, str(pick_vec_isa()), probe_vector_isa())
 """
 
