@@ -56,7 +56,7 @@ def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
 
 # The C++ wrapper's two compiles (PyTorch #148773): the wrapper, which only allocates buffers and calls kernels, at -O0
 # in a file of its own (nanoGPT's shakespeare-char step: g++ 6 s against 9.5 at -O1, the same 39.5 ms a step, A/B
-# interleaved in one process); the kernels at -O3 in another
+# interleaved in one process; the 100M Llama's block graphs 0.992x); the kernels at -O3 in another
 SEPARATE_WRAPPER_BUILD = (("cpp_wrapper_build_separate", True), ("aot_inductor.compile_wrapper_opt_level", "O0"))
 
 
@@ -107,12 +107,19 @@ def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True, mo
     on CUDA (:func:`inductor_options`)."""
     if not enabled:
         return fn
+    prepare(device_type, cpp)
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp, device_type, cuda))
+
+
+def prepare(device_type: str, cpp: bool) -> None:
+    """What every ``torch.compile`` here is preceded by: the on-disk caches (:func:`enable_caches`); on the CPU the
+    vector-ISA probes started on the side (:func:`probe_vector_isa`) and, for the C++ wrapper, its two object files
+    built at once (:func:`build_objects_together`)."""
     enable_caches()
     if device_type == "cpu":
         probe_vector_isa()
         if cpp:
             build_objects_together()
-    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp, device_type, cuda))
 
 
 VECTOR_ISA_PROBE = "purestep-vector-isa-probe"   # the probing thread's name
@@ -214,10 +221,6 @@ class BlockCompiler:
         if torch.compiler.is_compiling():
             return fn
         if fn not in self.compiled:
-            enable_caches()
-            if self.device_type == "cpu":
-                probe_vector_isa()
-                if self.cpp:
-                    build_objects_together()
+            prepare(self.device_type, self.cpp)
             self.compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False, **self.kwargs)
         return self.compiled[fn]

@@ -75,7 +75,7 @@ def markdown_table() -> str:
 def exit_process(code: int) -> None:
     """End ``bin/run``'s process with ``code`` without CPython's teardown of the interpreter. When a command returns,
     what it wrote is closed (checkpoints atomically, the run log, TensorBoard); what is left is freeing, module by
-    module, every object torch, dynamo and inductor made: 1.2-1.5 s after a compiled run on this 2-core CPU, 0.08 s
+    module, every object torch, dynamo and inductor made: 1.5-1.6 s after a compiled run on this 2-core CPU, 0.08 s
     this way (docs/benchmarks.md). The exit handlers still run first (``atexit``: torch's, logging's, the thread
     pools'), and the output streams are flushed. Where a thread that is not a daemon is still alive, the ordinary
     exit, which waits for it, is taken instead."""
