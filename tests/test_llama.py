@@ -142,18 +142,55 @@ def test_position_tables_are_the_rope_tables_and_one_op_of_the_compiled_graph():
     assert not any("cos" in op or "sin" in op for op in ops), ops
 
 
-def test_attention_runs_in_fp32_under_the_cpus_autocast():
-    """Under the CPU's bf16 autocast, causal attention is SDPA over the fp32 values of its bf16 inputs, back in bf16
-    (torch's CPU flash kernel is slower in bf16 at short context); outside autocast bf16 tensors take SDPA in
-    bf16 as given (a bf16 model's forward stays transformers' own, bit for bit), with and without GQA."""
+def _sdpa_fp32(q, k, v, mask=None, causal=False, scale=None):
+    """The reference: SDPA over the fp32 values of the inputs (GQA as SDPA's own ``enable_gqa``)."""
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
+                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_short_attention_under_the_cpus_autocast_is_the_written_out_formula(compiled):
+    """Under the CPU's bf16 autocast, attention over up to MATH_ATTENTION_MAX_KEYS keys is nanoGPT's attention
+    written out (scores and probs @ v as bf16 products, the masked softmax in fp32): within bf16's rounding of SDPA
+    over the fp32 values, in bf16; causal, with GQA, a scale, a sliding window, packed documents and queries
+    after a KV cache's past; compiled (the train step's path) and eager."""
     g = torch.Generator().manual_seed(0)
+    attend = torch.compile(llama.causal_attention, fullgraph=True, dynamic=False) if compiled \
+        else llama.causal_attention
+    doc = torch.tensor([[0] * 7 + [1] * 9, [0] * 16])
+    cases = [  # (kv heads, T, S, causal_attention's keywords, the reference's mask)
+        (4, 16, 16, {}, None),
+        (2, 16, 16, {"scale": 0.3}, None),
+        (4, 16, 16, {"window": 5}, llama.attention_mask(16, 16, window=5)),
+        (2, 16, 16, {"doc": doc}, llama.attention_mask(16, 16, doc=doc)),
+        (2, 3, 16, {"past_len": 13}, llama.attention_mask(3, 16, past_len=13)),
+        (4, 1, 16, {"past_len": 15}, None),
+    ]
+    for kv_heads, T, S, kw, mask in cases:
+        q = torch.randn(2, 4, T, 8, generator=g).bfloat16() * 2
+        k, v = (torch.randn(2, kv_heads, S, 8, generator=g).bfloat16() for _ in range(2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = attend(q, k, v, **kw)
+        want = _sdpa_fp32(q, k, v, mask, causal=mask is None and T == S, scale=kw.get("scale"))
+        assert y.dtype == torch.bfloat16, kw
+        assert (y.float() - want).abs().max() < 0.03, (kw, (y.float() - want).abs().max())
+
+
+def test_long_attention_runs_in_fp32_under_the_cpus_autocast():
+    """Past MATH_ATTENTION_MAX_KEYS keys, attention under the CPU's bf16 autocast is SDPA over the fp32 values of its
+    bf16 inputs, back in bf16 (torch's CPU flash kernel is slower in bf16); outside autocast bf16 tensors take
+    SDPA in bf16 as given (a bf16 model's forward stays transformers' own, bit for bit), with and without GQA."""
+    g = torch.Generator().manual_seed(0)
+    T = llama.MATH_ATTENTION_MAX_KEYS + 1
     for kv_heads in (4, 2):
-        q = torch.randn(2, 4, 16, 8, generator=g).bfloat16()
-        k, v = (torch.randn(2, kv_heads, 16, 8, generator=g).bfloat16() for _ in range(2))
+        q = torch.randn(1, 4, T, 8, generator=g).bfloat16()
+        k, v = (torch.randn(1, kv_heads, T, 8, generator=g).bfloat16() for _ in range(2))
         gqa = kv_heads != 4
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = llama.causal_attention(q, k, v)
-        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=gqa)
-        assert y.dtype == torch.bfloat16 and torch.equal(y, want.bfloat16())
+        assert y.dtype == torch.bfloat16 and torch.equal(y, _sdpa_fp32(q, k, v, causal=True).bfloat16())
         plain = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         assert torch.equal(llama.causal_attention(q, k, v), plain)
+        short = q[:, :, :16], k[:, :, :16], v[:, :, :16]
+        assert torch.equal(llama.causal_attention(*short),
+                           F.scaled_dot_product_attention(*short, is_causal=True, enable_gqa=gqa))
