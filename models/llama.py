@@ -285,8 +285,8 @@ def _math_attention(q, k, v, mask, causal: bool, scale: Optional[float]) -> torc
     At short context on the CPU this is the faster attention under bf16 autocast. A compiled graph fuses the
     scaling, mask and softmax around two batched matrix products, where SDPA is a kernel apart that needs its
     inputs in fp32 (:func:`_fp32_attention`): nanoGPT's shakespeare-char train step (bf16, 4 layers, [12, 4, 64,
-    32]) ran at 0.835-0.876x the time of the fp32-SDPA step, the two compiled in one process and timed taking
-    turns (docs/benchmarks.md). The scores are rounded to bf16 before the softmax, as nanoGPT's are; SDPA in fp32
+    32]) took 0.850x the time of the fp32-SDPA step, the two compiled in one process and timed taking turns (the
+    median of 30 rounds' ratios; docs/benchmarks.md). The scores are rounded to bf16 before the softmax, as nanoGPT's are; SDPA in fp32
     keeps them exact, and is what longer contexts take."""
     T, S = q.shape[-2], k.shape[-2]
     if k.shape[1] != q.shape[1]:
@@ -300,11 +300,12 @@ def _math_attention(q, k, v, mask, causal: bool, scale: Optional[float]) -> torc
 
 
 def _fp32_attention(q, k, v, mask, causal: bool, gqa: bool, scale: Optional[float]) -> torch.Tensor:
-    """SDPA in fp32 under the CPU's bf16/fp16 autocast, the result in the queries' dtype. torch's CPU flash
-    kernel is slower in bf16 than in fp32 at short context: forward and backward at [12, 4, 64, 32] (nanoGPT's
-    shakespeare-char shape) took 3.9 ms in bf16 against 1.4 ms in fp32 (1.5 ms with these casts), at T=128 10.3
-    against 4.1 ms, level at T=512, and 1.2x faster in bf16 only from T=1024 (torch 2.14.1, 2 threads, this
-    machine's AMD EPYC with avx512_bf16; docs/benchmarks.md). fp32 scores are also the more exact."""
+    """SDPA in fp32 under the CPU's bf16/fp16 autocast past ``MATH_ATTENTION_MAX_KEYS`` keys, the result in the
+    queries' dtype. torch's CPU flash kernel is slower in bf16 than in fp32 at short context: forward and backward
+    at [12, 4, 64, 32] (nanoGPT's shakespeare-char shape) took 3.9 ms in bf16 against 1.4 ms in fp32 (1.5 ms with
+    these casts), at T=128 10.3 against 4.1 ms, level at T=512, and 1.2x faster in bf16 only from T=1024 (torch
+    2.14.1, 2 threads, this machine's AMD EPYC with avx512_bf16; docs/benchmarks.md). fp32 scores are also the more
+    exact."""
     with torch.autocast("cpu", enabled=False):
         y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
                                            enable_gqa=gqa, scale=scale)
