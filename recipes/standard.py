@@ -7,14 +7,15 @@ look. nanoGPT's char-level shakespeare CPU configuration is::
 
     bin/run recipe=standard data=shakespeare.txt tokenizer=char model.n_layers=4 model.n_heads=4 \\
         model.d_model=128 block_size=64 batch_size=12 lr=1e-3 beta2=0.99 warmup_steps=100 \\
-        steps=2000 min_lr=1e-4 optimizer=adamw dtype=bf16
+        steps=2000 min_lr=1e-4 optimizer=muon muon.lr=0.01 muon.momentum=0.9 dtype=bf16
 
-with nanoGPT's AdamW, which reaches nanoGPT's val loss 1.8857 first in wall time at bf16 with a cold inductor
-cache (step 650 in 61 s against Muon's step 400 in 68 s) and level with Muon warm (25.3 s against 25.2 s;
-docs/benchmarks.md), in bf16 autocast (nanoGPT computes fp32 on the CPU; on a CPU with bf16 instructions the step
-runs 1.5x faster and ends at the same val loss, docs/training.md). ``optimizer=muon muon.lr=0.01
-muon.momentum=0.9`` ends lower (1.54 against 1.65) in fewer steps, but each of its steps costs 1.4-1.8x AdamW's
-here; ``dtype=fp32`` is nanoGPT's precision.
+with Muon, which reaches nanoGPT's val loss 1.8857 first in wall time: in four pairs of runs at bf16, two with a
+cold inductor cache and two warm, at step 400-450 in 0.90-0.97x the time nanoGPT's AdamW (``optimizer=adamw``)
+took to its step 650 (the first cold pair 53.5 s against 56.3 s, the first warm one 28.0 s against 28.9 s;
+docs/benchmarks.md), and it ends lower (1.54 against 1.65). Each of its steps costs 1.35-1.46x AdamW's here, so
+AdamW's whole 2000-step run is the shorter one. bf16 autocast: nanoGPT computes fp32 on the CPU; on a CPU with bf16
+instructions the step runs 1.5x faster and ends at the same val loss (docs/training.md); ``dtype=fp32`` is
+nanoGPT's precision.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Every benchmark is a recipe: ``bin/run recipe=bench.NAME --help`` answers (in process, exit 0)."""
 import importlib
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,15 @@ def test_wall_bench_times_both_whole_runs_per_cache_state(tmp_path, capsys):
     assert "| warm | standard / plain |" in capsys.readouterr().out
     with pytest.raises(Exception, match="caches"):
         wall.Config(caches=("hot",))
+
+
+def test_wall_bench_runs_the_standard_docstrings_command():
+    """``bench.wall``'s standard side is the command in ``recipes/standard.py``'s docstring: with ``optimizer=muon``
+    its Muon keys too; with AdamW (the default, the plain loop's optimizer) none of them."""
+    import recipes.standard
+    from recipes.bench import wall
+    command = " ".join(recipes.standard.__doc__.replace("\\", " ").split())
+    args = wall.standard_args(wall.Config(optimizer="muon"), Path("out"))
+    muon = [a for a in args if a.startswith(("optimizer=", "muon."))]
+    assert " ".join(muon) in command, (muon, command)
+    assert not any(a.startswith("muon.") for a in wall.standard_args(wall.Config(), Path("out")))

@@ -3,7 +3,8 @@
 ``bin/run recipe=bench.wall data=tinyshakespeare.txt`` (``--help`` lists the keys). The defaults are nanoGPT's CPU
 shakespeare-char configuration, the command in ``recipes/standard.py``'s docstring (4 layers, 4 heads, d=128,
 block 64, batch 12, 2000 steps, lr 1e-3 with 100 warmup steps and cosine to 1e-4, beta2 0.99, an evaluation of 20
-batches every 250 steps), with ``optimizer=`` as given.
+batches every 250 steps), with ``optimizer=`` as given: ``adamw`` by default, the plain loop's own optimizer, so both
+sides run the same algorithm; ``optimizer=muon`` runs the docstring's command itself (its ``MUON_KEYS``).
 
 Every run is a child process, timed from its start to its exit (interpreter start-up, imports, the data, every
 compile, the steps, the evaluations, the checkpoints):
@@ -42,6 +43,7 @@ from recipes.train.optimizer import OPTIMIZERS
 
 REPO = Path(__file__).resolve().parents[2]
 CACHES = ("cold", "warm")
+MUON_KEYS = ("muon.lr=0.01", "muon.momentum=0.9")   # recipes/standard.py's docstring command for this configuration
 DESCRIPTION = ("wall time of a whole bin/run recipe=standard run (compile, steps, evaluations, checkpoints) against "
                "nanoGPT's plain loop's whole run, cold and warm inductor cache")
 
@@ -58,7 +60,8 @@ class Config:
     steps: int = option(2000, "steps of each run", min=1)
     eval_every: int = option(250, "steps between evaluations (both sides)", min=0)
     eval_batches: int = option(20, "validation batches per evaluation (both sides)", min=1)
-    optimizer: str = option("adamw", "recipe=standard's optimizer= (the plain loop's is AdamW)", choices=OPTIMIZERS)
+    optimizer: str = option("adamw", "recipe=standard's optimizer= (the plain loop's is AdamW; muon: with the "
+                            "docstring's muon.lr=0.01 muon.momentum=0.9)", choices=OPTIMIZERS)
     dtype: str = option("bf16", "recipe=standard's dtype= (the configuration's command: bf16 autocast)",
                         choices=tuple(PRECISIONS))
     plain_dtype: str = option("fp32", "the plain loop's autocast dtype (nanoGPT's train.py on the CPU: fp32; "
@@ -80,8 +83,8 @@ def standard_args(cfg: Config, folder: Path) -> list[str]:
             f"model.n_heads={cfg.n_heads}", f"model.d_model={cfg.d_model}", f"block_size={cfg.block_size}",
             f"batch_size={cfg.batch_size}", "lr=1e-3", "beta2=0.99", "warmup_steps=100", f"steps={cfg.steps}",
             "min_lr=1e-4", f"eval_every={cfg.eval_every}", f"eval_batches={cfg.eval_batches}",
-            f"optimizer={cfg.optimizer}", f"dtype={cfg.dtype}", f"compile={str(cfg.compile).lower()}",
-            f"out={folder}"]
+            f"optimizer={cfg.optimizer}", *(MUON_KEYS if cfg.optimizer == "muon" else ()), f"dtype={cfg.dtype}",
+            f"compile={str(cfg.compile).lower()}", f"out={folder}"]
 
 
 def plain_config(cfg: Config, folder: Path) -> PlainRun:
