@@ -173,7 +173,9 @@ def test_short_attention_under_the_cpus_autocast_is_the_written_out_formula(comp
             y = attend(q, k, v, **kw)
         want = _sdpa_fp32(q, k, v, mask, causal=mask is None and T == S, scale=kw.get("scale"))
         assert y.dtype == torch.bfloat16, kw
-        assert (y.float() - want).abs().max() < 0.03, (kw, (y.float() - want).abs().max())
+        # bf16's rounding: the scores' and the output's; the output's alone is up to 0.008 in these cases, the
+        # whole difference up to 0.012 eager
+        assert (y.float() - want).abs().max() < 0.02, (kw, (y.float() - want).abs().max())
 
 
 def test_long_attention_runs_in_fp32_under_the_cpus_autocast():
