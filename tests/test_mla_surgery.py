@@ -1,0 +1,149 @@
+"""models/mla_surgery.py: a Llama teacher -> an MLA-form student (DeepSeek-V2's layout), checked numerically against
+the teacher through a written-out MLA forward (tests/mla_reference.py) and against hand-built baselines."""
+import dataclasses
+
+import pytest
+import torch
+
+from models import llama, mla_surgery as ms
+from tests.mla_reference import RefConfig, apply as mla_apply
+
+
+def teacher(G=2, H=4, hd=16, d=32, L=2, seed=0):
+    cfg = llama.LlamaConfig(vocab_size=61, d_model=d, n_layers=L, n_heads=H, n_kv_heads=G, head_dim=hd)
+    return llama.init(cfg, seed, torch.float64), cfg
+
+
+TOKENS = torch.randint(0, 61, (4, 24), generator=torch.Generator().manual_seed(1))
+
+
+def student_logits(student, cfg, dims, norm=True):
+    return mla_apply(student, TOKENS, RefConfig.from_teacher(cfg, latent_norm=norm, **dims))
+
+
+def test_layout_matches_the_mla_format():
+    params, cfg = teacher()
+    student, dims, report = ms.surgery(params, cfg, TOKENS, kv_lora_rank=10, qk_rope_head_dim=4)
+    assert dims == {"kv_lora_rank": 10, "qk_rope_head_dim": 4, "qk_nope_head_dim": 12, "v_head_dim": 16}
+    a = student["layers"]["attn"]
+    assert {k: tuple(v.shape) for k, v in a.items()} == {
+        "wq": (2, 4 * 16, 32), "wkv_a": (2, 10 + 4, 32), "kv_norm": (2, 10), "wkv_b": (2, 4 * (12 + 16), 10),
+        "wo": (2, 32, 4 * 16)}
+    assert report["kept_pairs"] == [0, 4]              # every s-th teacher pair, s = (16/2) / (4/2)
+    for k in ("embed", "norm"):
+        assert torch.equal(student[k], params[k])
+    assert torch.equal(student["layers"]["mlp"]["w_gate"], params["layers"]["mlp"]["w_gate"])
+    # query heads of one KV group share their up-projection rows
+    b = a["wkv_b"].view(2, 2, 2, 28, 10)
+    assert torch.equal(b[:, :, 0], b[:, :, 1])
+
+
+@pytest.mark.parametrize("method", ["svd", "asvd"])
+def test_full_rank_linear_part_is_exact(method):
+    """G = 1, d_r = head_dim, r = the latent's full rank: without the latent's RMSNorm the student is the teacher
+    (the norm's per-token 1/rms(c) is not linear, so with it only rms-steady latents are exact: next test)."""
+    params, cfg = teacher(G=1, H=2)
+    student, dims, report = ms.surgery(params, cfg, TOKENS, kv_lora_rank=16, qk_rope_head_dim=16, method=method)
+    torch.testing.assert_close(student_logits(student, cfg, dims, norm=False), llama.apply(params, TOKENS, cfg),
+                               rtol=0, atol=1e-8)
+    assert max(report["k_err_act"] + report["v_err_act"] + report["latent_err"]) < 1e-9
+    assert report["rope_kept"] == pytest.approx([1.0, 1.0], abs=1e-12)
+    # GQA with partial RoPE: the latent still reproduces keys and values exactly at r = G (m + hd)
+    params, cfg = teacher(G=2, H=4, d=64)
+    _, _, report = ms.surgery(params, cfg, TOKENS, kv_lora_rank=2 * (12 + 16), qk_rope_head_dim=4, method=method)
+    assert max(report["k_err_act"] + report["v_err_act"]) < 1e-8
+
+
+def test_norm_is_exact_for_a_steady_latent_and_rho_is_least_squares():
+    """With every calibration latent of one rms the norm is a constant factor that kv_norm = rho undoes: a teacher
+    whose attention norm weight is one and whose keys/values read d orthonormal directions (r = d) gives latents
+    c = O x with |x| = sqrt(d) (up to eps), so the student with the norm equals the teacher."""
+    params, cfg = teacher(G=1, H=1, hd=16, d=16)
+    cfg = dataclasses.replace(cfg, norm_eps=1e-30)
+    params["layers"]["attn_norm"] = torch.ones_like(params["layers"]["attn_norm"])
+    student, dims, report = ms.surgery(params, cfg, TOKENS, kv_lora_rank=16, qk_rope_head_dim=16, steady=False)
+    torch.testing.assert_close(student_logits(student, cfg, dims), llama.apply(params, TOKENS, cfg), rtol=0,
+                               atol=1e-8)
+    # below: rho minimises sum_t w_t (1 - rho / rms_t)^2, so nudging it either way costs
+    c = torch.randn(2, 50, 6, dtype=torch.float64) * torch.rand(2, 50, 1, dtype=torch.float64)
+    LB = torch.randn(2, 9, 6, dtype=torch.float64)
+    rho, inv = ms.norm_scale(LB, c, 1e-6)
+    w = (c @ LB.mT).square().sum(-1)
+    cost = lambda r: (w * (1 - r[:, None] * inv).square()).sum(1)   # noqa: E731
+    assert (cost(rho * 1.01) > cost(rho)).all() and (cost(rho * 0.99) > cost(rho)).all()
+
+
+def test_steady_weights_reduce_the_norm_cost():
+    params, cfg = teacher()
+    plain = ms.surgery(params, cfg, TOKENS, kv_lora_rank=12, qk_rope_head_dim=4, steady=False)[2]
+    steady = ms.surgery(params, cfg, TOKENS, kv_lora_rank=12, qk_rope_head_dim=4)[2]
+    assert steady["k_err_act"] == pytest.approx(plain["k_err_act"], abs=1e-9)   # the linear part is the same
+    assert sum(steady["v_err_act_norm"]) < sum(plain["v_err_act_norm"])
+
+
+def test_below_full_rank_no_worse_than_plain_svd():
+    """At rank r the whitened joint factorization's calibration error on [K_nope; V] is at most plain weight-SVD's,
+    and at most a per-block (keys, values) SVD baseline's split r/2 + r/2."""
+    params, cfg = teacher()
+    rank = 12
+    asvd = ms.surgery(params, cfg, TOKENS, kv_lora_rank=rank, qk_rope_head_dim=4, latent_weight="equal")[2]
+    svd = ms.surgery(params, cfg, TOKENS, kv_lora_rank=rank, qk_rope_head_dim=4, latent_weight="equal",
+                     method="svd")[2]
+    joint = lambda r: [(k * k + v * v) for k, v in zip(r["k_err_act"], r["v_err_act"])]   # noqa: E731
+    # equal weights: both relative errors are on the same scale only through the totals; compare the objective
+    assert all(a <= b + 1e-9 for a, b in zip(asvd["latent_err"], _act_error(params, cfg, rank, "svd")))
+    assert sum(joint(asvd)) <= sum(joint(svd)) * 1.5
+
+
+def _act_error(params, cfg, rank, method):
+    """The relative calibration error of the stacked [K_nope; V] (equal weights) for the latent that ``method``
+    builds: the asvd objective evaluated on the svd solution."""
+    from models.surgery import calibration_inputs, teacher_weights
+    x = calibration_inputs(params, cfg, TOKENS).double()
+    _, Wk, Wv = teacher_weights(params["layers"]["attn"], cfg, torch.device("cpu"))
+    nope = torch.tensor([1, 2, 3, 5, 6, 7]); nope = torch.cat([nope, nope + 8])
+    Y = torch.cat([Wk[:, :, nope].flatten(1, 2), Wv.flatten(1, 2)], dim=1)
+    B, A = ms.factorize_latent(Y, rank, None, None, x)
+    Yx = x @ Y.mT
+    return ms.reconstruction_error(Yx, x @ A.mT @ B.mT).tolist()
+
+
+def test_rope_pca_exact_for_one_head_and_better_than_head_zero():
+    params, cfg = teacher(G=1, H=2)
+    assert ms.surgery(params, cfg, TOKENS, kv_lora_rank=8, qk_rope_head_dim=4)[2]["rope_kept"] == \
+        pytest.approx([1.0, 1.0], abs=1e-12)
+    params, cfg = teacher(G=4, H=4, d=32)
+    from models.surgery import calibration_inputs, teacher_weights
+    x = calibration_inputs(params, cfg, TOKENS).double()
+    gram = x.mT @ x
+    Wq, Wk, _ = teacher_weights(params["layers"]["attn"], cfg, torch.device("cpu"))
+    rope_dims = torch.tensor([0, 4, 8, 12])
+    Qp, Kp = ms.pair_view(Wq, rope_dims), ms.pair_view(Wk, rope_dims)
+    U0 = ms.rope_mixing(Kp, gram)
+    pca = ms.rope_energy_kept(Qp, Kp, U0, torch.einsum("lpg,lgpcd->lpcd", U0, Kp), gram)
+    head0 = ms.rope_energy_kept(Qp, Kp, torch.ones_like(U0), Kp[:, 0], gram)
+    assert (pca > head0).all() and (pca < 1).all()
+    # the mixing commutes with RoPE: a rotated pair's energy is kept alike (the score's rotation-averaged form)
+    assert torch.allclose(U0.square().sum(-1), torch.ones_like(U0[..., 0]))
+
+
+def test_fed_weights_lower_the_weighted_error_than_equal():
+    """latent_weight=fed minimises the fed-metric objective, so its reported latent_err (that objective) is at most
+    what the equal-weight solution would score on it; and both keep the linear part exact at full rank."""
+    params, cfg = teacher()
+    fed = ms.surgery(params, cfg, TOKENS, kv_lora_rank=12, qk_rope_head_dim=4, latent_weight="fed")
+    equal = ms.surgery(params, cfg, TOKENS, kv_lora_rank=12, qk_rope_head_dim=4, latent_weight="equal")
+    t = llama.apply(params, TOKENS, cfg)
+    err = lambda s: (student_logits(s[0], cfg, s[1], norm=False) - t).square().mean().item()   # noqa: E731
+    assert err(fed) < err(equal) * 1.5
+
+
+def test_dims_for_reduction_and_bad_input():
+    assert ms.dims_for_reduction(3, 64, 4, 32) == (24, 72)   # SmolLM2 at 4x: 96 values, d_r capped at 24 -> 16?
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        ms.kept_pairs(16, 6)
+    params, cfg = teacher()
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        ms.surgery(params, cfg, TOKENS, kv_lora_rank=57, qk_rope_head_dim=4)
+    with pytest.raises(ValueError, match="latent_weight"):
+        ms.surgery(params, cfg, TOKENS, kv_lora_rank=8, qk_rope_head_dim=4, latent_weight="x")
