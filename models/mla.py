@@ -1,0 +1,235 @@
+"""Multi-head latent attention (MLA): a Llama whose keys and values come from one small latent per token, shared by
+all of a layer's heads, plus one shared RoPE key, so the KV cache holds ``kv_lora_rank + qk_rope_head_dim`` values
+per token and layer.
+
+This is DeepSeek-V2's attention (DeepSeek-AI 2024, arXiv 2405.04434, sec. 2.1) without the query compression
+(``q_lora_rank=None``, as DeepSeek-V2-Lite) and without YaRN, computed as transformers'
+``models/deepseek_v2/modeling_deepseek_v2.py`` (``DeepseekV2Attention``) computes it, and it is the form MHA2MLA
+(Ji et al. 2025, arXiv 2502.14837) and TransMLA (Meng et al. 2025, arXiv 2502.07864) convert a Llama into: the
+upcycle recipe's MLA student. ``models/mla_hf.py`` and ``models/mla_gguf.py`` write it in DeepSeek-V2's own formats.
+
+Per layer, for a block input x (after the attention RMSNorm), query head h::
+
+    [q_nope_h | q_rope_h] = W_q,h x                 [qk_nope_head_dim | qk_rope_head_dim]
+    [c | k_rope]          = W_kv_a x                [kv_lora_rank | qk_rope_head_dim]   (shared by all heads)
+    c_n                   = RMSNorm(c) * kv_norm    (DeepSeek's kv_a_layernorm, eps = norm_eps)
+    [k_nope_h | v_h]      = W_kv_b,h c_n            [qk_nope_head_dim | v_head_dim]
+    score_ij = (q_nope_h,i . k_nope_h,j + R_i q_rope_h,i . R_j k_rope_j) / sqrt(qk_nope_head_dim + qk_rope_head_dim)
+    y = W_o [softmax(score) v  for every head]      W_o: [d, n_heads * v_head_dim]
+
+RoPE rotates the ``qk_rope_head_dim`` dims at inverse frequencies ``rope_theta ** (-2i / qk_rope_head_dim)`` with the
+config's ``rope_scaling`` applied (``llama.rope_frequencies`` of a config whose head_dim is qk_rope_head_dim, so
+llama3 scaling carries over), in the rotate-half layout of ``models/llama.py`` (pair i = dims i, i + d_r/2). DeepSeek
+rotates interleaved pairs (2i, 2i+1; transformers' ``apply_rotary_emb`` through ``view_as_complex``, llama.cpp's
+"normal" RoPE): the exports permute the rope rows of W_q and W_kv_a, nothing here does.
+
+Params (torch ``(out, in)`` layout, stacked along a leading layer axis; everything outside ``layers.attn`` has
+exactly ``models.llama``'s names and shapes)::
+
+    layers.attn.wq       [L, n_heads * (qk_nope_head_dim + qk_rope_head_dim), d]   per head [q_nope | q_rope]
+    layers.attn.wkv_a    [L, kv_lora_rank + qk_rope_head_dim, d]                   [latent c | shared k_rope]
+    layers.attn.kv_norm  [L, kv_lora_rank]
+    layers.attn.wkv_b    [L, n_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]   per head [k_nope | v]
+    layers.attn.wo       [L, d, n_heads * v_head_dim]
+
+Decoding (``new_cache``/``decoder``) caches only ``c_n`` [B, max_len, kv_lora_rank] and the rotated ``k_rope``
+[B, max_len, qk_rope_head_dim] per layer and absorbs the up-projections (DeepSeek-V2 sec. 2.1.2): W_uk,h (the k_nope
+rows of W_kv_b) moves onto the query, ``q~_h = W_uk,h^T q_nope_h``, so the scores are taken against ``c_n`` itself
+(``q~_h . c_n,j = q_nope_h . k_nope_h,j``), and the attention output over ``c_n`` is up-projected by W_uv,h (the v
+rows) before W_o. The full forward (no cache) expands keys and values per head, as transformers does.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from core.config import option
+from core.layers import Layers
+from models import llama, losses
+from models.llama import LlamaConfig, apply_rope, rms_norm
+
+
+@dataclass
+class MLAConfig(LlamaConfig):
+    """A LlamaConfig (the teacher's numbers; its head_dim and n_kv_heads are informational, MLA's heads are n_heads)
+    plus the latent and head widths of DeepSeek-V2's attention."""
+    kv_lora_rank: int = option(64, "width of the latent every head's keys and values are projected from", min=1)
+    qk_rope_head_dim: int = option(16, "width of the RoPE part of a query head and of the shared RoPE key (even)",
+                                   min=2)
+    qk_nope_head_dim: int = option(16, "width of the no-RoPE part of a query/key head", min=0)
+    v_head_dim: int = option(32, "width of a value head", min=1)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kv_lora_rank < 1 or self.qk_nope_head_dim < 0 or self.v_head_dim < 1:
+            raise ValueError(f"need kv_lora_rank >= 1, qk_nope_head_dim >= 0, v_head_dim >= 1 (got "
+                             f"{self.kv_lora_rank}, {self.qk_nope_head_dim}, {self.v_head_dim})")
+        if self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and >= 2 (rotary pairs)")
+        if self.sliding_window:
+            raise ValueError(f"sliding_window={self.sliding_window}: MLA attends to the whole causal context "
+                             f"(DeepSeek-V2 has no window); use sliding_window=0")
+        if self.qkv_bias:
+            raise ValueError("qkv_bias=true: MLA has no attention biases (DeepSeek-V2's format has no query bias)")
+        rope_frequencies(self)   # a rope_scaling that does not fit qk_rope_head_dim fails here, by name
+
+    @classmethod
+    def from_teacher(cls, teacher: LlamaConfig, *, kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: int,
+                     v_head_dim: int) -> "MLAConfig":
+        base = {k: v for k, v in asdict(teacher).items() if k in LlamaConfig.__dataclass_fields__}
+        return cls(**base, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                   qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim)
+
+
+def qk_head_dim(cfg: MLAConfig) -> int:
+    return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+
+
+def softmax_scale(cfg: MLAConfig) -> float:
+    """DeepSeek-V2's score scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)."""
+    return qk_head_dim(cfg) ** -0.5
+
+
+def rope_frequencies(cfg: MLAConfig, device=None) -> torch.Tensor:
+    """Inverse frequencies (float64) of the qk_rope_head_dim / 2 rotary pairs, the config's rope_scaling applied."""
+    rope = LlamaConfig(d_model=cfg.qk_rope_head_dim, n_heads=1, rope_theta=cfg.rope_theta,
+                       rope_scaling=cfg.rope_scaling)
+    return llama.rope_frequencies(rope, device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# parameters
+
+def init(cfg: MLAConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+         device: torch.device | str | None = None) -> dict:
+    """``llama.init`` (embedding, norms, MLP, head) with the attention replaced: Normal(0, init_std) projections,
+    W_o scaled by 1/sqrt(2 * n_layers) as llama's, the latent's norm ones."""
+    params = llama.init(cfg, seed, dtype, device)
+    g = torch.Generator().manual_seed(seed + 1)
+    L, d, H, r = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.kv_lora_rank
+
+    def normal(*shape, s=cfg.init_std):
+        return (torch.randn(*shape, generator=g) * s).to(dtype=dtype, device=device)
+
+    params["layers"]["attn"] = {
+        "wq": normal(L, H * qk_head_dim(cfg), d),
+        "wkv_a": normal(L, r + cfg.qk_rope_head_dim, d),
+        "kv_norm": torch.ones(L, r, dtype=dtype, device=device),
+        "wkv_b": normal(L, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), r),
+        "wo": normal(L, d, H * cfg.v_head_dim, s=cfg.init_std / math.sqrt(2 * L)),
+    }
+    return params
+
+
+# ----------------------------------------------------------------------------------------------------------
+# attention
+
+def project(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig):
+    """``(q_nope [B, H, T, dn], q_rope [B, H, T, dr], c_n [B, T, r], k_rope [B, 1, T, dr])``, the RoPE parts
+    rotated."""
+    B, T, _ = x.shape
+    q = F.linear(x, p["wq"]).view(B, T, cfg.n_heads, qk_head_dim(cfg)).transpose(1, 2)
+    q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    c, k_rope = F.linear(x, p["wkv_a"]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    c_n = rms_norm(c, p["kv_norm"], cfg.norm_eps)
+    return q_nope, apply_rope(q_rope, cos, sin), c_n, apply_rope(k_rope[:, None], cos, sin)
+
+
+def up_projections(p: dict, cfg: MLAConfig):
+    """W_uk [H, dn, r] and W_uv [H, dv, r]: the per-head k_nope and v rows of W_kv_b."""
+    w = p["wkv_b"].view(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    return w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+
+
+def attention(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig, cache: Optional[dict] = None,
+              past_len: int = 0) -> torch.Tensor:
+    """MLA for ``x`` [B, T, d]; ``cos``/``sin`` [T, qk_rope_head_dim]. Without a cache, keys and values expanded
+    per head (transformers' ``DeepseekV2Attention``); with one, the absorbed form over the cached latent."""
+    if cache is not None:
+        return absorbed_attention(p, x, cos, sin, cfg, cache, past_len)
+    B, T, _ = x.shape
+    q_nope, q_rope, c_n, k_rope = project(p, x, cos, sin, cfg)
+    kv = F.linear(c_n, p["wkv_b"]).view(B, T, cfg.n_heads, -1).transpose(1, 2)
+    k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    k = torch.cat([k_nope, k_rope.expand(B, cfg.n_heads, T, cfg.qk_rope_head_dim)], dim=-1)
+    y = llama.causal_attention(q, k, v, scale=softmax_scale(cfg))
+    return F.linear(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_head_dim), p["wo"])
+
+
+def absorbed_attention(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig, cache: dict,
+                       past_len: int) -> torch.Tensor:
+    """MLA over ``cache`` (``{"latent", "k_rope"}``, this step's entries written at ``past_len``) with W_uk absorbed
+    into the queries and W_uv applied after the attention (DeepSeek-V2 sec. 2.1.2): one shared key/value head of
+    width kv_lora_rank (+ the RoPE key), as multi-query attention."""
+    B, T, _ = x.shape
+    q_nope, q_rope, c_n, k_rope = project(p, x, cos, sin, cfg)
+    end = past_len + T
+    cache["latent"][:, past_len:end] = c_n
+    cache["k_rope"][:, past_len:end] = k_rope[:, 0]
+    latent, keys_rope = cache["latent"][:, None, :end], cache["k_rope"][:, None, :end]   # [B, 1, S, .]
+    w_uk, w_uv = up_projections(p, cfg)
+    q = torch.cat([torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk), q_rope], dim=-1)
+    k = torch.cat([latent, keys_rope], dim=-1)
+    y = llama.causal_attention(q, k, latent, past_len, scale=softmax_scale(cfg))      # [B, H, T, r]
+    y = torch.einsum("bhtr,hvr->bthv", y, w_uv)
+    return F.linear(y.reshape(B, T, cfg.n_heads * cfg.v_head_dim), p["wo"])
+
+
+def block(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig, key=None, cache=None, past_len: int = 0):
+    """``llama.block`` (norms, residuals, SwiGLU MLP, dropout) around this module's attention."""
+    return llama.block(p, x, cos, sin, cfg, key, cache, past_len, attend=attention)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the model
+
+def apply(params: dict, tokens: torch.Tensor, cfg: MLAConfig, *, key: Optional[torch.Tensor] = None,
+          return_hidden: bool | str = False, cache: Optional[list] = None, past_len: int = 0,
+          remat: bool = False, layers: Optional[Layers] = None):
+    """Logits [B, T, vocab]; the keyword arguments mean what they mean in ``llama.apply`` (``cache``: from
+    :func:`new_cache`, the absorbed decode)."""
+    tables = llama.position_tables(rope_frequencies, cfg, past_len, tokens.shape[1], params["embed"].dtype,
+                                   tokens.device).unbind(0)
+    return llama.apply_with(params, tokens, cfg, itertools.repeat(tables), block, key=key, return_hidden=return_hidden,
+                            cache=cache, past_len=past_len, remat=remat, layers=layers)
+
+
+def loss(params: dict, batch: dict, cfg: MLAConfig, key: Optional[torch.Tensor] = None,
+         remat: bool = False, layers: Optional[Layers] = None) -> torch.Tensor:
+    """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored)."""
+    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat, layers=layers), batch["y"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the latent cache for generation
+
+def new_cache(cfg: MLAConfig, batch: int, max_len: int, dtype=torch.float32, device=None) -> list:
+    """Per layer ``latent`` (the normalized c_n) [B, max_len, kv_lora_rank] and ``k_rope`` (rotated)
+    [B, max_len, qk_rope_head_dim]: nothing per head."""
+    def zeros(width):
+        return torch.zeros(batch, max_len, width, dtype=dtype, device=device)
+    return [{"latent": zeros(cfg.kv_lora_rank), "k_rope": zeros(cfg.qk_rope_head_dim)} for _ in range(cfg.n_layers)]
+
+
+def decoder(params: dict, cfg: MLAConfig, batch: int, max_len: int):
+    """``forward(tokens, past_len) -> logits`` over a fresh latent cache, for ``models.sampling.generate``;
+    ``forward.cache`` is that cache (to measure it)."""
+    leaf = params["embed"]
+    cache = new_cache(cfg, batch, max_len, dtype=leaf.dtype, device=leaf.device)
+
+    def forward(tokens, past_len):
+        return apply(params, tokens, cfg, cache=cache, past_len=past_len)
+    forward.cache = cache
+    return forward
+
+
+def kv_bytes_per_token(cfg: MLAConfig, dtype_bytes: int = 2) -> int:
+    """Cached bytes per token over all layers: kv_lora_rank + qk_rope_head_dim per layer (the teacher:
+    ``llama.kv_bytes_per_token``, 2 * n_kv_heads * head_dim)."""
+    return cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
