@@ -77,7 +77,7 @@ def option(default: Any = dataclasses.MISSING, help: str = "", choices: tuple | 
         return dataclasses.field(default_factory=default, metadata=metadata)
     if dataclasses.is_dataclass(default) or isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
-    if choices is not None and default is not dataclasses.MISSING and default not in metadata["choices"]:
+    if choices is not None and default not in (dataclasses.MISSING, None) and default not in metadata["choices"]:
         raise ValueError(f"default {default!r} is not one of the choices {choices!r}")
     if bounds is not None and default is not dataclasses.MISSING and bounds.violation(default) is not None:
         raise ValueError(f"default {default!r} is not {bounds}")

@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 
 from core.tree import unstack
-from models import dba, llama
+from models import dba, llama, mla
+from models.loading import module_of
 from models.llama import rms_norm
 
 LOSSES = ("l1", "mse")
@@ -58,25 +59,30 @@ def teacher_io(params: dict, cfg: llama.LlamaConfig, tokens: torch.Tensor,
     return inputs, hidden[1:] - inputs
 
 
-def _student_tables(cfg: dba.DBAConfig, T: int, device, dtype):
-    cos, sin = dba.rope_tables(cfg, torch.arange(T, device=device), dtype)          # [L, G, T, geo]
+def _student_tables(cfg, T: int, device, dtype):
+    """Per-layer (cos, sin) of a student: DBA's per layer and KV head, or MLA's one table for every layer."""
+    positions = torch.arange(T, device=device)
+    if isinstance(cfg, mla.MLAConfig):
+        cos, sin = llama.rope_tables(mla.rope_frequencies(cfg, device), positions, dtype)     # [T, d_r]
+        return [cos] * cfg.n_layers, [sin] * cfg.n_layers
+    cos, sin = dba.rope_tables(cfg, positions, dtype)          # [L, G, T, geo]
     return cos.unbind(0), sin.unbind(0)
 
 
-def student_deltas(params: dict, cfg: dba.DBAConfig, inputs: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced: each DBA block on its own input, ``inputs`` [L, B, T, d] -> contributions [L, B, T, d]."""
+def student_deltas(params: dict, cfg, inputs: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced: each student block (DBA or MLA) on its own input, ``inputs`` [L, B, T, d] -> contributions [L, B, T, d]."""
     cos, sin = _student_tables(cfg, inputs.shape[2], inputs.device, inputs.dtype)
-    out = [dba.block(lp, x, c, s, cfg) - x
+    out = [module_of(cfg).block(lp, x, c, s, cfg) - x
            for lp, x, c, s in zip(unstack(params["layers"]), inputs.unbind(0), cos, sin)]
     return torch.stack(out)
 
 
-def student_outputs(params: dict, cfg: dba.DBAConfig, inputs: torch.Tensor, target: str = "block") -> torch.Tensor:
+def student_outputs(params: dict, cfg, inputs: torch.Tensor, target: str = "block") -> torch.Tensor:
     """Teacher-forced student outputs for ``target`` (block contributions or attention outputs) [L, B, T, d]."""
     return attention_outputs(params, cfg, inputs) if target == "attention" else student_deltas(params, cfg, inputs)
 
 
-def student_stream(params: dict, cfg: dba.DBAConfig, tokens: torch.Tensor,
+def student_stream(params: dict, cfg, tokens: torch.Tensor,
                    target: str = "block") -> tuple[torch.Tensor, torch.Tensor]:
     """Sequential: the student's own stream, each block's input detached. Returns (inputs, outputs for
     ``target``: block contributions or attention outputs)."""
@@ -86,12 +92,12 @@ def student_stream(params: dict, cfg: dba.DBAConfig, tokens: torch.Tensor,
     for lp, c, s in zip(unstack(params["layers"]), cos, sin):
         x = x.detach()
         if target == "attention":
-            h = dba.attention(lp["attn"], rms_norm(x, lp["attn_norm"], cfg.norm_eps), c, s, cfg)
+            h = module_of(cfg).attention(lp["attn"], rms_norm(x, lp["attn_norm"], cfg.norm_eps), c, s, cfg)
             outputs.append(h)
             y = x + h
             y = y + llama.mlp(lp["mlp"], rms_norm(y, lp["mlp_norm"], cfg.norm_eps))
         else:
-            y = dba.block(lp, x, c, s, cfg)
+            y = module_of(cfg).block(lp, x, c, s, cfg)
             outputs.append(y - x)
         inputs.append(x)
         x = y
@@ -113,12 +119,12 @@ def block_losses(inputs: torch.Tensor, outputs: torch.Tensor, teacher_inputs: to
 
 def attention_outputs(params: dict, cfg: llama.LlamaConfig, inputs: torch.Tensor) -> torch.Tensor:
     """The attention sublayer's output of every block, attn(rms_norm(x_l)), for block inputs [L, B, T, d]:
-    a Llama (teacher) or DBA (student) model, chosen by the config's type."""
+    a Llama (teacher) or DBA/MLA (student) model, chosen by the config's type."""
     T, device, dtype = inputs.shape[2], inputs.device, inputs.dtype
     layers = unstack(params["layers"])
-    if isinstance(cfg, dba.DBAConfig):
+    if isinstance(cfg, (dba.DBAConfig, mla.MLAConfig)):
         cos, sin = _student_tables(cfg, T, device, dtype)
-        out = [dba.attention(lp["attn"], rms_norm(x, lp["attn_norm"], cfg.norm_eps), c, s, cfg)
+        out = [module_of(cfg).attention(lp["attn"], rms_norm(x, lp["attn_norm"], cfg.norm_eps), c, s, cfg)
                for lp, x, c, s in zip(layers, inputs.unbind(0), cos, sin)]
     else:
         cos, sin = llama.rope_tables(llama.rope_frequencies(cfg), torch.arange(T, device=device), dtype)

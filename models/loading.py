@@ -63,6 +63,12 @@ def arch_of(cfg: llama.LlamaConfig) -> str:
     return "dba" if isinstance(cfg, dba.DBAConfig) else "llama"
 
 
+def module_of(cfg: llama.LlamaConfig):
+    """The model module (``ARCHS``) that runs a config of this type: apply, block, attention, loss, decoder,
+    kv_bytes_per_token (the upcycle recipe's student is a ``dba`` or an ``mla`` one)."""
+    return ARCHS[arch_of(cfg)][0]
+
+
 def model_entry(cfg: llama.LlamaConfig) -> dict:
     """What a checkpoint stores under ``model`` so it can be loaded without the recipe's config."""
     return {"arch": arch_of(cfg), "config": asdict(cfg)}

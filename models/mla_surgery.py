@@ -61,19 +61,22 @@ LATENT_WEIGHTS = ("equal", "fed")
 RIDGE = 1e-9   # relative ridge on the left metrics of latent_weight=fed before their Cholesky factor
 
 
-def dims_for_reduction(n_kv_heads: int, head_dim: int, kv_reduction: float, rope_dim: int) -> tuple[int, int]:
+ROPE_SHARE = 6   # d_r ~ budget / ROPE_SHARE: SmolLM2 at 4x (docs/upcycle.md) preferred d_r 16 of 96 to 32 and 64
+
+
+def dims_for_reduction(n_kv_heads: int, head_dim: int, kv_reduction: float) -> tuple[int, int]:
     """``(qk_rope_head_dim, kv_lora_rank)`` for a cache ``kv_reduction`` times smaller than the teacher's
-    2 * n_kv_heads * head_dim values per token and layer (floored): d_r = ``rope_dim`` (capped at a quarter of
-    the budget, halved until it divides head_dim in whole pairs) and the rest to the latent."""
+    2 * n_kv_heads * head_dim values per token and layer (floored): d_r the widest valid rope width (even, its
+    pairs dividing the teacher's) at most budget / ``ROPE_SHARE`` (at least 2), the rest the latent (at most the
+    latent's rank)."""
     if kv_reduction < 1:
         raise ValueError(f"kv_reduction={kv_reduction} must be >= 1")
     budget = int(2 * n_kv_heads * head_dim / kv_reduction + 1e-9)
-    d_r = min(rope_dim, head_dim, 2 * (budget // 8))
-    while d_r > 2 and (head_dim // 2) % (d_r // 2):
-        d_r -= 2
-    if d_r < 2 or budget - d_r < 1:
+    if budget < 3:
         raise ValueError(f"kv_reduction={kv_reduction} leaves {budget} cached values per token and layer; MLA needs "
                          f"at least one rotary pair and one latent value")
+    d_r = max(w for w in range(2, head_dim + 1, 2) if (head_dim // 2) % (w // 2) == 0
+              and (w <= budget // ROPE_SHARE or w == 2))
     return d_r, min(budget - d_r, n_kv_heads * (2 * head_dim - d_r))
 
 
@@ -287,6 +290,11 @@ def _check(params: dict, cfg: LlamaConfig, rank: int, rope_dim: int, method: str
     if any(k.endswith("_bias") for k in params["layers"]["attn"]):
         raise ValueError("the teacher has q/k/v biases (Qwen2); the MLA format has none to carry them")
     kept_pairs(cfg.head_dim, rope_dim)
+    check_rank(cfg, rank, rope_dim)
+
+
+def check_rank(cfg: LlamaConfig, rank: int, rope_dim: int) -> None:
+    """``kv_lora_rank`` within the latent's rank: the stacked no-RoPE keys and values, at most d_model."""
     full = cfg.n_kv_heads * (2 * cfg.head_dim - rope_dim)
     if not 1 <= rank <= min(full, cfg.d_model):
         raise ValueError(f"kv_lora_rank={rank}: need 1 <= rank <= min(n_kv_heads * (2 * head_dim - "

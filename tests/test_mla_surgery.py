@@ -1,11 +1,16 @@
 """models/mla_surgery.py: a Llama teacher -> an MLA-form student (DeepSeek-V2's layout), checked numerically against
 the teacher through a written-out MLA forward (tests/mla_reference.py) and against hand-built baselines."""
 import dataclasses
+import json
+import random
 
 import pytest
 import torch
 
-from models import llama, mla_surgery as ms
+from core.io import checkpoint as ckpt
+from models import llama, mla, mla_surgery as ms
+from models.loading import load_model
+from recipes import main
 from tests.mla_reference import RefConfig, apply as mla_apply
 
 
@@ -139,7 +144,7 @@ def test_fed_weights_lower_the_weighted_error_than_equal():
 
 
 def test_dims_for_reduction_and_bad_input():
-    assert ms.dims_for_reduction(3, 64, 4, 32) == (24, 72)   # SmolLM2 at 4x: 96 values, d_r capped at 24 -> 16?
+    assert [ms.dims_for_reduction(3, 64, r) for r in (2, 4, 8)] == [(32, 160), (16, 80), (8, 40)]   # SmolLM2
     with pytest.raises(ValueError, match="qk_rope_head_dim"):
         ms.kept_pairs(16, 6)
     params, cfg = teacher()
@@ -147,3 +152,48 @@ def test_dims_for_reduction_and_bad_input():
         ms.surgery(params, cfg, TOKENS, kv_lora_rank=57, qk_rope_head_dim=4)
     with pytest.raises(ValueError, match="latent_weight"):
         ms.surgery(params, cfg, TOKENS, kv_lora_rank=8, qk_rope_head_dim=4, latent_weight="x")
+
+
+def test_reference_forward_is_models_mla():
+    """The written-out forward these tests judge the surgery by is models.mla's (the student the recipe runs)."""
+    params, cfg = teacher()
+    student, dims, _ = ms.surgery(params, cfg, TOKENS, kv_lora_rank=10, qk_rope_head_dim=4)
+    torch.testing.assert_close(mla.apply(student, TOKENS, mla.MLAConfig.from_teacher(cfg, **dims)),
+                               student_logits(student, cfg, dims), rtol=0, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# recipe=upcycle student=mla
+
+def test_upcycle_student_mla_runs_surgery_blockwise_global_verify(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PURESTEP_CACHE", str(tmp_path / "cache"))
+    rnd = random.Random(0)
+    words = [["the cat", "a dog", "my friend", "the teacher"], ["eats", "sees", "likes", "finds"],
+             ["an apple", "the ball", "a red box", "some bread"], ["today", "slowly", "at night", "again"]]
+    data = tmp_path / "text.txt"
+    data.write_text("".join(" ".join(rnd.choice(w) for w in words) + ".\n" for _ in range(1500)))
+    common = [f"data={data}", "block_size=32", "compile=false"]
+    assert main(["recipe=standard", *common, f"out={tmp_path / 'teacher'}", "model.d_model=64", "model.n_layers=2",
+                 "model.n_heads=4", "model.n_kv_heads=2", "batch_size=8", "steps=3", "lr=3e-3", "warmup_steps=1",
+                 "eval_every=0", "sample_tokens=0"]) == 0
+    out = tmp_path / "up"
+    args = ["recipe=upcycle", "preset=ci", *common, f"teacher={tmp_path / 'teacher'}", f"out={out}", "student=mla",
+            "kv_reduction=4", "phases=blockwise,global,verify", "calib_tokens=128", "eval_windows=2",
+            "blockwise.steps=4", "blockwise.warmup_steps=1", "blockwise.log_every=2", "global.steps=2",
+            "global.warmup_steps=1", "global.eval_every=0", "global.log_every=1"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "kv_lora_rank=" in err and "4.00x smaller" in err                     # 2 KV heads x 16: 64 -> 16
+    attn = {phase: ckpt.load(out / phase / "final.msgpack")["state"]["params"]["layers"]["attn"]
+            for phase in ("surgery", "blockwise", "global")}
+    assert set(attn["surgery"]) == {"wq", "wkv_a", "kv_norm", "wkv_b", "wo"}
+    assert not torch.equal(attn["surgery"]["wkv_a"], attn["blockwise"]["wkv_a"])   # blockwise trained it
+    loaded = load_model(str(out / "global"))
+    assert loaded.arch == "mla" and loaded.module is mla
+    assert loaded.config.kv_lora_rank + loaded.config.qk_rope_head_dim == 16
+    report = json.loads((out / "surgery" / "report.json").read_text())
+    assert report["kv_bytes_per_token"]["ratio"] == 4 and len(report["rope_kept"]) == 2
+    assert json.loads((out / "verify" / "report.json").read_text())["passed"]
+    # keys of the other student are refused by name
+    assert main([*args, "geo_dim=4"]) == 2 and "'geo_dim' for student=mla" in capsys.readouterr().err
+    assert main([*args[:-12], "student=dba", "qk_rope_head_dim=4"]) == 2

@@ -27,7 +27,8 @@ import torch
 
 from core.config import Incomplete, UserError, to_dict
 from core.tree import cast, size
-from models import dba, hf, llama
+from models import hf, llama
+from models.loading import module_of
 from recipes.upcycle import passkey, quality, report, sweep
 from recipes.upcycle.phases import Context, ppl
 from recipes.upcycle.sweep import Model
@@ -146,12 +147,12 @@ def check_failed(results: dict, folder, also: str = "") -> None:
                          f"checkpoints are kept" + also)
 
 
-def run_benchmark(ctx: Context, student: dict, scfg: dba.DBAConfig, stages: dict) -> dict:
+def run_benchmark(ctx: Context, student: dict, scfg, stages: dict) -> dict:
     bc, t, folder = ctx.cfg.benchmark, ctx.teacher, ctx.folder / "benchmark"
     # held-out losses on ctx.heldout were computed once, by the phases (the student is the last of them)
     losses = {"teacher": stages["teacher"], "student": list(stages.values())[-1]}
     teacher = cast(t.params, student["embed"].dtype)    # timed in the student's dtype, whatever it is held in
-    models = [Model("teacher", llama, teacher, t.config), Model("student", dba, student, scfg)]
+    models = [Model("teacher", llama, teacher, t.config), Model("student", module_of(scfg), student, scfg)]
     results = evaluate(models, ctx.corpus.tokenizer, ctx.heldout.tokens, bc, losses=losses,
                        block_size=ctx.cfg.block_size, trained_context=ctx.cfg.block_size, seed=ctx.cfg.seed,
                        device=ctx.device, say=ctx.say)

@@ -48,7 +48,7 @@ from core.state import TrainState
 from core.step import Parallel
 from core.tree import map_flat, tree_map
 from core.update import Monitors, apply_gradients, if_finite, scale_loss
-from models import blockwise, dba
+from models import blockwise
 from optim.common import current_lr
 from optim.health import computed
 from recipes.train.config import TrainConfig
@@ -192,7 +192,7 @@ def owned(state: TrainState, train: str, teacher=None) -> TrainState:
     return mine._replace(params=in_order(merge(mine.params, rest), state.params))
 
 
-def make_step(scfg: dba.DBAConfig, optimizer, blocks: Blocks, *, precision: str = "fp32", compile: bool = False,
+def make_step(scfg, optimizer, blocks: Blocks, *, precision: str = "fp32", compile: bool = False,
               donate: bool = False, health: Optional[Callable] = None, parallel: Parallel = Parallel()):
     """``step(state, batch) -> (state, metrics)`` over the phase's ``core.state.TrainState`` (:func:`init_state`);
     ``batch`` = {"x": tokens, "inputs", "targets": [L, B, T, d]} (what the targets are: ``blocks.match``). Built
@@ -227,7 +227,7 @@ def make_step(scfg: dba.DBAConfig, optimizer, blocks: Blocks, *, precision: str 
     return step
 
 
-def _step(scfg: dba.DBAConfig, optimizer, blocks: Blocks, precision: str, device_type: str,
+def _step(scfg, optimizer, blocks: Blocks, precision: str, device_type: str,
           health: Optional[Callable], parallel: Parallel) -> Callable:
     """:func:`make_step`'s pure step on ``device_type``."""
     L, train, shard = scfg.n_layers, blocks.train, parallel.shard

@@ -17,12 +17,16 @@ from core.config import ConfigError, option, same_as
 from core.spike import SpikeConfig
 from core.step import COMPILE_SCOPES
 from models.blockwise import LOSSES, MODES, TARGETS
+from models.mla_surgery import LATENT_WEIGHTS
 from models.surgery import METHODS
 from recipes.distill.teacher import teacher_dtype_option
 from recipes.orchestrator.config import OrchestratedConfig, OrchestratorConfig
 from recipes.train.config import TrainConfig, train_config
 
-PHASES = ("blockwise", "global", "verify", "benchmark")   # surgery always runs: it builds the student
+PHASES = ("blockwise", "global", "verify", "benchmark")
+STUDENTS = ("dba", "mla")
+DBA_KEYS = ("sem_dim", "geo_dim", "v_dim", "rope_pairs_shared")         # given (not None/False): student=dba only
+MLA_KEYS = ("kv_lora_rank", "qk_rope_head_dim", "latent_weight")       # given (not None): student=mla only   # surgery always runs: it builds the student
 TRAIN_PARTS = ("attn", "block")
 
 
@@ -187,8 +191,12 @@ class Config:
     block_size: int = option(128, "tokens per window in every phase", min=2)
     eval_windows: int = option(16, "held-out windows (test half of the validation split) for the perplexity after "
                                "each phase and in the benchmark", min=1)
-    kv_reduction: float = option(2.0, "teacher / student KV bytes per token; derives sem_dim, geo_dim, v_dim from the "
-                                 "teacher's head_dim (half values, half keys, all keys RoPE)", min=1)
+    student: str = option("dba", "student attention: dba (per-KV-head decoupled bottleneck, models/dba.py) or mla "
+                          "(DeepSeek-V2's one latent per token plus one RoPE key shared by the heads, models/mla.py)",
+                          choices=STUDENTS)
+    kv_reduction: float = option(2.0, "teacher / student KV bytes per token; derives the student's dims from the "
+                                 "teacher's (dba: sem_dim, geo_dim, v_dim, half values, half keys, all keys RoPE; mla: "
+                                 "kv_lora_rank, qk_rope_head_dim, docs/upcycle.md's split rule)", min=1)
     sem_dim: Optional[int] = option(None, "per head: semantic (no-RoPE) query/key width (none: from kv_reduction)",
                                     min=0)
     geo_dim: Optional[int] = option(None, "per head: geometric (RoPE) query/key width, geo_dim/2 of the teacher's "
@@ -197,6 +205,13 @@ class Config:
     rope_pairs_shared: bool = option(False, "one set of RoPE pairs for every layer and KV head (2-norm summed over "
                                      "them) with sem_dim 0 and v_dim = geo_dim: the student is a plain GQA Llama "
                                      "that recipe=export writes as a standard HF folder and GGUF")
+    kv_lora_rank: Optional[int] = option(None, "student=mla: latent width per token and layer (none: from "
+                                         "kv_reduction)", min=1)
+    qk_rope_head_dim: Optional[int] = option(None, "student=mla: width of the RoPE key shared by the heads; even, its "
+                                             "pairs divide the teacher's (none: from kv_reduction)", min=2)
+    latent_weight: Optional[str] = option(None, "student=mla: how the joint latent weighs the keys and values it "
+                                          "factors: equal (MHA2MLA) or fed (by the queries / W_o they feed; none: "
+                                          "fed)", choices=LATENT_WEIGHTS)
     surgery_method: str = option("asvd", "activation-aware SVD (SVD-LLM whitening) or plain weight SVD",
                                  choices=METHODS)
     calib_tokens: int = option(4096, "training-split tokens for pair selection and asvd whitening", min=1)
@@ -209,6 +224,11 @@ class Config:
         return getattr(self, "global")
 
     def __post_init__(self):
+        other, keys = ("mla", DBA_KEYS) if self.student == "mla" else ("dba", MLA_KEYS)
+        given = [k for k in keys if getattr(self, k) not in (None, False)]
+        if given:
+            raise ConfigError(f"bad key {given[0]!r} for student={self.student}: it only means something for "
+                              f"student={'dba' if other == 'mla' else 'mla'}")
         bad = [p for p in self.phases if p not in PHASES]
         if bad or len(set(self.phases)) != len(self.phases):
             raise ConfigError(f"bad value for 'phases': {','.join(self.phases)}; a list without repeats of "

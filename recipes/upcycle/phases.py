@@ -24,8 +24,8 @@ from core.config import UserError, to_dict
 from core.data.text import Corpus, EvalBatches
 from core.parallel.distributed import Dist
 from core.step import make_eval_step
-from models import blockwise, dba, llama, losses, surgery
-from models.loading import LoadedModel, model_entry
+from models import blockwise, llama, losses, mla, mla_surgery, surgery
+from models.loading import ARCHS, LoadedModel, model_entry, module_of
 from recipes.distill.teacher import compute_view
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import setup
@@ -47,7 +47,7 @@ class Context:
     say: Callable[[str], None]
     dist: Dist = Dist()      # the ranks of a run under torchrun (parallel=ddp|fsdp: the trained phases)
 
-    def extra(self, phase: str, scfg: dba.DBAConfig) -> dict:
+    def extra(self, phase: str, scfg) -> dict:
         """What every student checkpoint carries, so ``load_model``/``recipe=generate`` read it as a model."""
         return {"model": model_entry(scfg), "tokenizer": self.corpus.tokenizer.to_dict(), "recipe": "upcycle",
                 "phase": phase, "config": to_dict(self.cfg)}
@@ -63,13 +63,13 @@ def ppl(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-def phase_summary(ctx: Context, phase: str, params: dict, scfg: dba.DBAConfig) -> dict:
+def phase_summary(ctx: Context, phase: str, params: dict, scfg) -> dict:
     """``<phase>/heldout.json``: the student's held-out loss after this phase (computed once)."""
     path = ctx.folder / phase / "heldout.json"
     if path.exists():
         return json.loads(path.read_text())
     ctx.say(f"{phase}: evaluating the student on the held-out windows")
-    loss = heldout_loss(dba, params, scfg, ctx.heldout)
+    loss = heldout_loss(module_of(scfg), params, scfg, ctx.heldout)
     summary = {"phase": phase, "loss": loss, "perplexity": ppl(loss), "windows": len(ctx.heldout) *
                ctx.heldout.starts.shape[1], "block_size": ctx.cfg.block_size}
     write_json(path, summary)
@@ -98,10 +98,10 @@ def finished(ctx: Context, phase: str, steps: int) -> bool:
     return False
 
 
-def load_student(path: Path, device) -> tuple[dict, dba.DBAConfig]:
+def load_student(path: Path, device) -> tuple[dict, object]:
     from core.config import from_dict
     top = ckpt.load(path, device=device)
-    return top["state"]["params"], from_dict(dba.DBAConfig, top["model"]["config"])
+    return top["state"]["params"], from_dict(ARCHS[top["model"]["arch"]][1], top["model"]["config"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -109,9 +109,12 @@ def load_student(path: Path, device) -> tuple[dict, dba.DBAConfig]:
 
 def surgery_settings(cfg: Config) -> dict:
     """The keys that define the student; a rerun into the same folder must not change them."""
-    return {"teacher": cfg.teacher, "data": cfg.data, "sem_dim": cfg.sem_dim, "geo_dim": cfg.geo_dim,
-            "v_dim": cfg.v_dim, "surgery_method": cfg.surgery_method, "rope_pairs_shared": cfg.rope_pairs_shared,
-            "calib_tokens": cfg.calib_tokens, "block_size": cfg.block_size, "seed": cfg.seed}
+    dims = ({"kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+             "latent_weight": cfg.latent_weight} if cfg.student == "mla" else {})
+    return {"teacher": cfg.teacher, "data": cfg.data, "student": cfg.student, "sem_dim": cfg.sem_dim,
+            "geo_dim": cfg.geo_dim, "v_dim": cfg.v_dim, **dims, "surgery_method": cfg.surgery_method,
+            "rope_pairs_shared": cfg.rope_pairs_shared, "calib_tokens": cfg.calib_tokens,
+            "block_size": cfg.block_size, "seed": cfg.seed}
 
 
 def calibration_tokens(ctx: Context) -> torch.Tensor:
@@ -121,7 +124,7 @@ def calibration_tokens(ctx: Context) -> torch.Tensor:
     return ctx.corpus.batches(windows, cfg.block_size, cfg.seed + 7919, device=ctx.device).get(0)["x"]
 
 
-def run_surgery(ctx: Context) -> tuple[dict, dba.DBAConfig]:
+def run_surgery(ctx: Context) -> tuple[dict, object]:
     folder, cfg, t = ctx.folder / "surgery", ctx.cfg, ctx.teacher
     path = folder / FINAL
     if path.exists():
@@ -129,16 +132,26 @@ def run_surgery(ctx: Context) -> tuple[dict, dba.DBAConfig]:
         return load_student(path, ctx.device)
     start = time.perf_counter()
     calib = calibration_tokens(ctx)
-    ctx.say(f"surgery: {cfg.surgery_method} on {calib.numel():,} calibration tokens (training split), sem_dim "
-            f"{cfg.sem_dim}, geo_dim {cfg.geo_dim}, v_dim {cfg.v_dim} per head"
-            + (", one set of RoPE pairs for every layer and KV head (a plain Llama)" if cfg.rope_pairs_shared else ""))
     # the factorizations need the teacher's weights in at least fp32 (a bf16-held teacher is widened here)
-    student, scfg, report = surgery.surgery(compute_view(t.params), t.config, calib, sem_dim=cfg.sem_dim,
-                                            geo_dim=cfg.geo_dim, v_dim=cfg.v_dim, method=cfg.surgery_method,
-                                            shared_pairs=cfg.rope_pairs_shared)
+    if cfg.student == "mla":
+        ctx.say(f"surgery: {cfg.surgery_method} on {calib.numel():,} calibration tokens (training split) into MLA, "
+                f"kv_lora_rank {cfg.kv_lora_rank}, qk_rope_head_dim {cfg.qk_rope_head_dim}, latent_weight "
+                f"{cfg.latent_weight}")
+        student, dims, report = mla_surgery.surgery(
+            compute_view(t.params), t.config, calib, kv_lora_rank=cfg.kv_lora_rank,
+            qk_rope_head_dim=cfg.qk_rope_head_dim, method=cfg.surgery_method, latent_weight=cfg.latent_weight)
+        scfg = mla.MLAConfig.from_teacher(t.config, **dims)
+    else:
+        ctx.say(f"surgery: {cfg.surgery_method} on {calib.numel():,} calibration tokens (training split), sem_dim "
+                f"{cfg.sem_dim}, geo_dim {cfg.geo_dim}, v_dim {cfg.v_dim} per head"
+                + (", one set of RoPE pairs for every layer and KV head (a plain Llama)" if cfg.rope_pairs_shared
+                   else ""))
+        student, scfg, report = surgery.surgery(compute_view(t.params), t.config, calib, sem_dim=cfg.sem_dim,
+                                                geo_dim=cfg.geo_dim, v_dim=cfg.v_dim, method=cfg.surgery_method,
+                                                shared_pairs=cfg.rope_pairs_shared)
     ctx.say("surgery: evaluating the teacher on the held-out windows")
     teacher_loss = heldout_loss(llama, t.params, t.config, ctx.heldout)
-    kv_t, kv_s = llama.kv_bytes_per_token(t.config), dba.kv_bytes_per_token(scfg)
+    kv_t, kv_s = llama.kv_bytes_per_token(t.config), module_of(scfg).kv_bytes_per_token(scfg)
     ctx.say(f"surgery: KV cache per token (bf16) teacher {kv_t:,} B, student {kv_s:,} B: {kv_t / kv_s:.2f}x smaller")
     report.update({"settings": surgery_settings(cfg), "teacher_loss": teacher_loss,
                    "teacher_perplexity": ppl(teacher_loss), "kv_bytes_per_token": {"teacher": kv_t, "student": kv_s,
@@ -155,7 +168,7 @@ def run_surgery(ctx: Context) -> tuple[dict, dba.DBAConfig]:
 # ----------------------------------------------------------------------------------------------------------
 # global fine-tune
 
-def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, str]:
+def run_global(ctx: Context, student: dict, scfg) -> tuple[dict, str]:
     """Whole student, next-token CE (+ KD on the teacher's logits) through ``recipes.train.loop.fit``; with
     ``global.orchestrator.enabled`` its strategies are scored on the student's CE on dev windows.
     Returns (params, stop reason: "" when finished)."""
@@ -168,11 +181,12 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     student = layout.full_shapes() if layout else student   # fsdp: only the shards stay alive
     state, loop, resume = run_setup.state, run_setup.loop, run_setup.resume
     kd = g.kd_alpha > 0
+    module = module_of(scfg)
 
     def loss_fn(params, batch, frozen=None, layers=None):
         if not kd:
-            return dba.loss(params, batch, scfg, remat=tc.remat, layers=layers)
-        logits = dba.apply(params, batch["x"], scfg, remat=tc.remat, layers=layers)
+            return module.loss(params, batch, scfg, remat=tc.remat, layers=layers)
+        logits = module.apply(params, batch["x"], scfg, remat=tc.remat, layers=layers)
         with torch.no_grad():   # the step's layers: its compiled block; the student's layers alone are its own
             teacher_logits = llama.apply(frozen, batch["x"], t.config, layers=layers)
         return losses.distill_objective(logits, batch["y"], teacher_logits, alpha=g.kd_alpha,
@@ -184,7 +198,7 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
     vocab = ctx.corpus.tokenizer.vocab_size
     steps = build_steps(tc, loss_fn, run_setup.optimizer, student, batches, ctx.device, vocab, dist, layout)
     # validation and the orchestrator's probe: the student's next-token CE (the training loss adds KD)
-    student_ce = make_eval_step(lambda prm, b, layers=None: dba.loss(prm, b, scfg, layers=layers), precision=tc.dtype,
+    student_ce = make_eval_step(lambda prm, b, layers=None: module.loss(prm, b, scfg, layers=layers), precision=tc.dtype,
                                 shard=layout)
     extra = ctx.extra("global", scfg)
     with run_setup.writing(to_dict(cfg)) as (manager, logger):
@@ -211,7 +225,7 @@ def run_global(ctx: Context, student: dict, scfg: dba.DBAConfig) -> tuple[dict, 
 # verify
 
 @torch.no_grad()
-def compare(ctx: Context, student: dict, scfg: dba.DBAConfig, windows: EvalBatches) -> dict:
+def compare(ctx: Context, student: dict, scfg, windows: EvalBatches) -> dict:
     """Per-layer attention-output L1 (both attentions on the teacher's block inputs) and logit L1, per window;
     mean and max over windows, plus the teacher's mean |value| for scale."""
     t, wide = ctx.teacher, student["embed"].dtype     # a bf16-held teacher is compared in the student's dtype
@@ -224,7 +238,7 @@ def compare(ctx: Context, student: dict, scfg: dba.DBAConfig, windows: EvalBatch
         logits_t = logits_t.to(wide)
         attn.append((a_s - a_t).abs().flatten(1).mean(1))
         attn_scale.append(a_t.abs().flatten(1).mean(1))
-        logit.append((dba.apply(student, batch["x"], scfg) - logits_t).abs().mean())
+        logit.append((module_of(scfg).apply(student, batch["x"], scfg) - logits_t).abs().mean())
         logit_scale.append(logits_t.abs().mean())
     attn, attn_scale = torch.stack(attn), torch.stack(attn_scale)          # [windows, L]
     logit, logit_scale = torch.stack(logit), torch.stack(logit_scale)
@@ -252,7 +266,7 @@ def violations(stats: dict, vc) -> list[str]:
     return out
 
 
-def run_verify(ctx: Context, student: dict, scfg: dba.DBAConfig, label: str) -> dict:
+def run_verify(ctx: Context, student: dict, scfg, label: str) -> dict:
     """Compare on held-out windows, write ``verify/report.json``, then fail or warn on violated thresholds.
     A rerun reuses the stored numbers for the same student checkpoint (``label``, a path under the run folder,
     and its size and mtime) and re-applies the current thresholds."""

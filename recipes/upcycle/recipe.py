@@ -33,7 +33,8 @@ from core.io.logging import Logger, format_duration, progress
 from core.step import Parallel
 from core.cli.runs import claim, run_folder
 from core.tree import cast, fingerprint, size
-from models import dba, llama
+from models import dba, llama, mla_surgery
+from models.loading import module_of
 from recipes.distill.teacher import load_teacher
 from recipes.train.loop import donates
 from recipes.train.optimizer import make_optimizer
@@ -61,24 +62,50 @@ PRESETS = {
 
 
 def resolve_dims(cfg: Config, tcfg) -> None:
-    """Fill the unset ``sem_dim geo_dim v_dim`` from ``kv_reduction`` and the teacher's head_dim (explicit dims
-    win; ``rope_pairs_shared``: a plain Llama's, sem_dim 0 and v_dim = geo_dim), in place."""
+    """Fill the unset student dims from ``kv_reduction`` and the teacher's head (explicit dims win), in place:
+    dba's ``sem_dim geo_dim v_dim`` (``rope_pairs_shared``: a plain Llama's, sem_dim 0 and v_dim = geo_dim), mla's
+    ``kv_lora_rank qk_rope_head_dim`` (``mla_surgery.dims_for_reduction``) and its ``latent_weight``."""
     try:
-        derived = dba.dims_for_reduction(tcfg.head_dim, cfg.kv_reduction, plain=cfg.rope_pairs_shared)
+        if cfg.student == "mla":
+            derived = mla_surgery.dims_for_reduction(tcfg.n_kv_heads, tcfg.head_dim, cfg.kv_reduction)
+            keys, derived = ("kv_lora_rank", "qk_rope_head_dim", "latent_weight"), (derived[1], derived[0], "fed")
+        else:
+            derived = dba.dims_for_reduction(tcfg.head_dim, cfg.kv_reduction, plain=cfg.rope_pairs_shared)
+            keys = ("sem_dim", "geo_dim", "v_dim")
     except ValueError as e:
         raise UserError(f"kv_reduction={cfg.kv_reduction:g} for this teacher: {e}") from None
-    for key, value in zip(("sem_dim", "geo_dim", "v_dim"), derived):
+    for key, value in zip(keys, derived):
         if getattr(cfg, key) is None:
             setattr(cfg, key, value)
 
 
 def dims_line(cfg: Config, tcfg) -> str:
     """The chosen dims with both models' KV bytes per token (printed once the inputs are checked)."""
-    per_t, per_s = 2 * tcfg.head_dim, cfg.sem_dim + cfg.geo_dim + cfg.v_dim
-    kv_t, kv_s = llama.kv_bytes_per_token(tcfg), tcfg.n_layers * tcfg.n_kv_heads * per_s * 2
-    return (f"upcycle: dims sem_dim={cfg.sem_dim} geo_dim={cfg.geo_dim} v_dim={cfg.v_dim} (teacher head_dim "
-            f"{tcfg.head_dim}, kv_reduction={cfg.kv_reduction:g}); KV cache per token (bf16) teacher {kv_t:,} B, "
-            f"student {kv_s:,} B: {per_t / per_s:.2f}x smaller")
+    if cfg.student == "mla":
+        per_t, per_s = 2 * tcfg.n_kv_heads * tcfg.head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        dims = f"kv_lora_rank={cfg.kv_lora_rank} qk_rope_head_dim={cfg.qk_rope_head_dim} (MLA)"
+    else:
+        per_t, per_s = 2 * tcfg.n_kv_heads * tcfg.head_dim, tcfg.n_kv_heads * (cfg.sem_dim + cfg.geo_dim + cfg.v_dim)
+        dims = f"sem_dim={cfg.sem_dim} geo_dim={cfg.geo_dim} v_dim={cfg.v_dim}"
+    kv_t, kv_s = llama.kv_bytes_per_token(tcfg), tcfg.n_layers * per_s * 2
+    return (f"upcycle: dims {dims} (teacher {tcfg.n_kv_heads} KV heads x head_dim {tcfg.head_dim}, kv_reduction="
+            f"{cfg.kv_reduction:g}); KV cache per token (bf16) teacher {kv_t:,} B, student {kv_s:,} B: "
+            f"{per_t / per_s:.2f}x smaller")
+
+
+def _validate_mla(cfg: Config, tcfg) -> None:
+    """student=mla's dims and teacher against ``mla_surgery``'s checks, as one UserError."""
+    if tcfg.qkv_bias:
+        raise UserError(f"teacher={cfg.teacher} has q/k/v biases (Qwen2); student=mla (DeepSeek-V2's format) has no "
+                        f"attention biases to carry them: use student=dba")
+    if tcfg.sliding_window:
+        raise UserError(f"teacher={cfg.teacher} attends through a sliding window; student=mla attends to the whole "
+                        f"context: use student=dba")
+    try:
+        mla_surgery.kept_pairs(tcfg.head_dim, cfg.qk_rope_head_dim)
+        mla_surgery.check_rank(tcfg, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    except ValueError as e:
+        raise UserError(f"kv_lora_rank/qk_rope_head_dim for this teacher: {e}") from None
 
 
 def _validate(cfg: Config, teacher, corpus) -> tuple:
@@ -91,6 +118,21 @@ def _validate(cfg: Config, teacher, corpus) -> tuple:
     if tcfg.vocab_size < corpus.tokenizer.vocab_size:
         raise UserError(f"teacher={cfg.teacher}: its vocabulary ({tcfg.vocab_size}) is smaller than its "
                         f"tokenizer's ({corpus.tokenizer.vocab_size})")
+    if cfg.student == "mla":
+        _validate_mla(cfg, tcfg)
+    else:
+        _validate_dba(cfg, tcfg)
+    half = len(corpus.val) // 2
+    dev, test = corpus.val[:half], corpus.val[half:]
+    need = cfg.block_size + 1
+    if min(len(dev), len(test)) < need:
+        raise UserError(f"data={cfg.data}: the validation split ({len(corpus.val):,} tokens) is too small to halve "
+                        f"into dev and test windows of {need} tokens; give more text or a smaller block_size")
+    return dev, test
+
+
+def _validate_dba(cfg: Config, tcfg) -> None:
+    """student=dba's dims against the teacher's head, as one UserError."""
     try:
         dba.DBAConfig.from_teacher(tcfg, sem_dim=cfg.sem_dim, geo_dim=cfg.geo_dim, v_dim=cfg.v_dim)
     except ValueError as e:
@@ -104,13 +146,6 @@ def _validate(cfg: Config, teacher, corpus) -> tuple:
         raise UserError(f"rope_pairs_shared=true builds a plain Llama student: it needs sem_dim=0 and v_dim=geo_dim "
                         f"(got sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim}, v_dim={cfg.v_dim}); leave them unset to "
                         f"derive them from kv_reduction")
-    half = len(corpus.val) // 2
-    dev, test = corpus.val[:half], corpus.val[half:]
-    need = cfg.block_size + 1
-    if min(len(dev), len(test)) < need:
-        raise UserError(f"data={cfg.data}: the validation split ({len(corpus.val):,} tokens) is too small to halve "
-                        f"into dev and test windows of {need} tokens; give more text or a smaller block_size")
-    return dev, test
 
 
 def _check_existing(cfg: Config, folder) -> None:
@@ -121,7 +156,8 @@ def _check_existing(cfg: Config, folder) -> None:
                         f"choose another out= (or name=), or delete that folder")
     path = folder / "surgery" / FINAL
     if path.exists():
-        old = {"rope_pairs_shared": False, **ckpt.read_meta(path).get("settings", {})}   # runs from before the key
+        old = {"rope_pairs_shared": False, "student": "dba",             # runs from before these keys
+               **ckpt.read_meta(path).get("settings", {})}
         new = surgery_settings(cfg)
         changed = [f"{k}={old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
         if changed:
@@ -245,7 +281,7 @@ def _judge_gates(ctx: Context, results: dict, stages: dict, scfg) -> None:
     if all(getattr(vc, g) is None for g in gates.GATES) or not {"verify", "benchmark"} & set(ctx.cfg.phases):
         return
     losses = {"teacher": stages["teacher"], "student": list(stages.values())[-1]}
-    kv = {"teacher": llama.kv_bytes_per_token(ctx.teacher.config), "student": dba.kv_bytes_per_token(scfg)}
+    kv = {"teacher": llama.kv_bytes_per_token(ctx.teacher.config), "student": module_of(scfg).kv_bytes_per_token(scfg)}
     verdicts = gates.judge(vc, losses, kv, results.get("benchmark"))
     if "benchmark" in results:
         results["benchmark"]["gates"] = verdicts
@@ -253,7 +289,7 @@ def _judge_gates(ctx: Context, results: dict, stages: dict, scfg) -> None:
     gates.enforce(verdicts, ctx.folder, vc.on_fail, ctx.say)
 
 
-def run_blockwise(ctx: Context, student: dict, scfg: dba.DBAConfig):
+def run_blockwise(ctx: Context, student: dict, scfg):
     """Set up and run the blockwise phase (resuming from its newest checkpoint). Returns (params, stop reason). The
     step donates its state as every run's does (``recipes.train.loop.donates``): ``student``'s trained tensors become
     the state's and are written in place."""
