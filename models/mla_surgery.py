@@ -88,6 +88,12 @@ def kept_pairs(head_dim: int, rope_dim: int) -> torch.Tensor:
     return torch.arange(rope_dim // 2) * (head_dim // rope_dim)
 
 
+def times(W: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """W M for ``W`` [L, ..., a, d] and ``M`` [L, d, e], as one batched product per layer (a broadcast M would be
+    materialised for every middle index)."""
+    return (W.flatten(1, -2) @ M).view(*W.shape[:-1], M.shape[-1])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the shared RoPE key
 
@@ -102,7 +108,8 @@ def rope_mixing(Kp: torch.Tensor, metric: torch.Tensor) -> torch.Tensor:
     """U_0 [L, P, G]: per layer and kept pair, the first principal direction across the G heads of the pair's key
     activations (``Kp`` [L, G, P, 2, d], ``metric`` [L, d, d]: X^T X, or the identity for the weight metric)."""
     K = Kp.permute(0, 2, 1, 3, 4)                                       # [L, P, G, 2, d]
-    C = torch.einsum("lpgcd,lde,lphce->lpgh", K, metric, K)             # sum over both dims of the pair
+    KM = times(K, metric)
+    C = torch.einsum("lpgcd,lphcd->lpgh", KM, K)                        # sum over both dims of the pair
     _, vecs = torch.linalg.eigh(C)
     U0 = vecs[..., -1]
     return U0 * torch.where(U0.sum(-1, keepdim=True) < 0, -1.0, 1.0)    # a fixed sign (any works)
@@ -113,9 +120,8 @@ def rope_energy_kept(Qp: torch.Tensor, Kp: torch.Tensor, coef: torch.Tensor, sha
     """Per layer, the share of the kept pairs' angle-averaged score energy sum_h ||q_h||^2 ||k_g||^2 left after
     k_g -> coef_g * shared (module docstring, step 2). ``Qp`` [L, G, n, P, 2, d], ``Kp`` [L, G, P, 2, d],
     ``coef`` [L, P, G], ``shared`` [L, P, 2, d]."""
-    def energy(W):   # sum over the pair's two dims of w M w^T, M broadcast over W's middle axes
-        M = metric.view(metric.shape[0], *(1,) * (W.dim() - 3), *metric.shape[1:])
-        return ((W @ M) * W).sum((-2, -1))
+    def energy(W):   # sum over the pair's two dims of w M w^T
+        return (times(W, metric) * W).sum((-2, -1))
     q = energy(Qp).sum(2)                                               # [L, G, P]
     err = Kp - coef.transpose(1, 2)[..., None, None] * shared[:, None]
     total = (q * energy(Kp)).sum((1, 2))
@@ -130,11 +136,11 @@ def left_metrics(Qn: torch.Tensor, Wo: torch.Tensor, metric: torch.Tensor, Kn: t
     """``latent_weight="fed"``'s metrics: keys [L, G, m, m] = sum_h Q_h M Q_h^T (``Qn`` [L, G, n, m, d]), values
     [L, G, hd, hd] = sum_h W_o,h^T W_o,h (``Wo`` [L, d, G, n, hd]); each block scaled so that its energy
     tr(Y_b M Y_b^T) is the same as with the identity (``Kn`` [L, G, m, d], ``V`` [L, G, hd, d])."""
-    Pk = torch.einsum("lgnad,lde,lgnbe->lgab", Qn, metric, Qn)
+    Pk = (times(Qn, metric) @ Qn.mT).sum(2)
     Pv = torch.einsum("ldgna,ldgnb->lgab", Wo, Wo)
 
     def balanced(P, Y):
-        YMY = Y @ metric[:, None] @ Y.mT
+        YMY = times(Y, metric) @ Y.mT
         plain = YMY.diagonal(dim1=-2, dim2=-1).sum((1, 2))
         weighted = (P * YMY).sum((1, 2, 3))
         P = P * (plain / weighted.clamp_min(1e-300))[:, None, None, None]
@@ -171,16 +177,34 @@ def factorize_latent(Y: torch.Tensor, rank: int, white: torch.Tensor | None, lef
 
 def steady_weights(c: torch.Tensor, iters: int = 300, floor: float = 1e-3) -> torch.Tensor:
     """Channel weights a [L, r] >= ``floor`` (mean 1) that make sum_i a_i c_ti^2 as constant over the calibration
-    latents ``c`` [L, N, r] as least squares can: min ||Z a - 1||, Z = c^2 (projected gradient). The latent norm
+    latents ``c`` [L, N, r] as least squares can: min ||Z a - 1||, Z = c^2 (least squares, then projected gradient
+    onto a >= floor). Where one rms is reachable (latents that span an isometry of x, whose rms the teacher's
+    RMSNorm fixed) it is found and the norm costs nothing. The latent norm
     then divides by a steady rms; scaling channel i of c by sqrt(a_i) is undone in wkv_b."""
     Z = c.square()
     Z = Z / Z.mean((1, 2), keepdim=True)
     ZtZ, Zt1 = Z.mT @ Z, Z.sum(1)
     step = 1 / torch.linalg.eigvalsh(ZtZ)[:, -1:]
-    a = torch.ones_like(Zt1)
-    for _ in range(iters):
+    a = torch.linalg.lstsq(Z, torch.ones_like(Z[..., :1])).solution[..., 0]      # the unconstrained optimum
+    for _ in range(iters):   # projected gradient from it: a feasible optimum stays put
         a = (a - step * ((ZtZ @ a[..., None])[..., 0] - Zt1)).clamp_min(floor * a.mean(-1, keepdim=True))
     return a / a.mean(-1, keepdim=True)
+
+
+def steady_basis(c: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
+    """T [L, r, r] (symmetric PSD) such that |T c_t|^2 is as constant over the calibration latents ``c`` [L, N, r]
+    as a ridge least squares over quadratic forms can make it: min_S sum_t (c_t^T S c_t - 1)^2 + ridge, solved in
+    its dual (the kernel of the quadratic features is (c_t . c_u)^2, so S = C^T diag(alpha) C with
+    alpha = (K + lambda I)^-1 1), S projected onto PSD, T = S^(1/2). The latent c' = T c (wkv_b takes T^-1)."""
+    c = c / c.square().sum(-1).mean(1)[:, None, None].sqrt()          # mean |c|^2 = 1
+    K = (c @ c.mT).square()
+    lam = ridge * K.diagonal(dim1=-2, dim2=-1).mean(-1)
+    eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
+    alpha = torch.linalg.solve(K + lam[:, None, None] * eye, torch.ones_like(K[..., :1]))
+    S = c.mT @ (alpha * c)
+    vals, vecs = torch.linalg.eigh(S)
+    vals = vals.clamp_min(1e-3 * vals.clamp_min(0).mean(-1, keepdim=True))
+    return (vecs * vals.sqrt()[:, None, :]) @ vecs.mT
 
 
 def norm_scale(LB: torch.Tensor, c: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,7 +268,10 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lo
 
     # step 4: the norm
     c = x @ A.mT                                                   # [L, N, r]
-    if steady:
+    if steady == "basis":
+        T = steady_basis(c)
+        A, B, c = T @ A, torch.linalg.solve(T, B.mT).mT, c @ T
+    elif steady:
         w = steady_weights(c).sqrt()
         A, B, c = A * w[..., None], B / w[:, None], c * w[:, None]
     rho, inv_rms = norm_scale(B if left is None else left @ B, c, cfg.norm_eps)
