@@ -37,10 +37,13 @@ m = hd - d_r = qk_nope_head_dim, v_head_dim = hd, r = kv_lora_rank. Student (per
    values in output units: only the distribution inside a block changes). Minimising ||L (Y - B A) W|| with L^T L
    that block-diagonal metric is the Eckart-Young truncation of L Y W. Exact at r = rank(Y).
 
-4. **The latent norm** (``kv_norm``): the format normalises c per token. The latent's channels are scaled to unit
-   calibration mean square, and kv_norm = rho (every channel) with rho the least-squares scalar on the weighted
-   reconstruction, min_rho sum_t ||L B (c_t - rho c_t / rms(c_t))||^2, so c_n ~ c on average. The per-token factor
-   rho / rms(c_t) is not linear, so the student is exact at full rank only where rms(c_t) is constant; the
+4. **The latent norm** (``kv_norm``): the format normalises c per token, c_n = c / rms(c) * kv_norm, which is not
+   linear. But the latent's basis is free (any invertible T: c' = T c, wkv_b takes T^-1), and rms(T c)^2 =
+   c^T T^T T c / r is a quadratic form in c, so ``steady=True`` (:func:`steady_basis`) picks the T whose form is
+   as constant as a ridge least squares can make it over the calibration latents (the teacher's own RMSNorm fixes
+   |x / w|, so a latent that spans x has an exactly steady form). Then kv_norm = rho (every channel) with rho the
+   least-squares scalar on the weighted reconstruction, min_rho sum_t ||L B (c_t - rho c_t / rms(c_t))||^2, so
+   c_n ~ c on average. ``steady=False`` keeps unit calibration mean squares per channel (for comparison). The
    report gives both errors (``k_err_act``/``v_err_act``: relative key/value reconstruction on the calibration
    inputs without the norm, ``*_norm`` with it).
 
@@ -175,36 +178,22 @@ def factorize_latent(Y: torch.Tensor, rank: int, white: torch.Tensor | None, lef
     return B, A / ms.sqrt()[..., None]
 
 
-def steady_weights(c: torch.Tensor, iters: int = 300, floor: float = 1e-3) -> torch.Tensor:
-    """Channel weights a [L, r] >= ``floor`` (mean 1) that make sum_i a_i c_ti^2 as constant over the calibration
-    latents ``c`` [L, N, r] as least squares can: min ||Z a - 1||, Z = c^2 (least squares, then projected gradient
-    onto a >= floor). Where one rms is reachable (latents that span an isometry of x, whose rms the teacher's
-    RMSNorm fixed) it is found and the norm costs nothing. The latent norm
-    then divides by a steady rms; scaling channel i of c by sqrt(a_i) is undone in wkv_b."""
-    Z = c.square()
-    Z = Z / Z.mean((1, 2), keepdim=True)
-    ZtZ, Zt1 = Z.mT @ Z, Z.sum(1)
-    step = 1 / torch.linalg.eigvalsh(ZtZ)[:, -1:]
-    a = torch.linalg.lstsq(Z, torch.ones_like(Z[..., :1])).solution[..., 0]      # the unconstrained optimum
-    for _ in range(iters):   # projected gradient from it: a feasible optimum stays put
-        a = (a - step * ((ZtZ @ a[..., None])[..., 0] - Zt1)).clamp_min(floor * a.mean(-1, keepdim=True))
-    return a / a.mean(-1, keepdim=True)
-
-
 def steady_basis(c: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
-    """T [L, r, r] (symmetric PSD) such that |T c_t|^2 is as constant over the calibration latents ``c`` [L, N, r]
-    as a ridge least squares over quadratic forms can make it: min_S sum_t (c_t^T S c_t - 1)^2 + ridge, solved in
-    its dual (the kernel of the quadratic features is (c_t . c_u)^2, so S = C^T diag(alpha) C with
-    alpha = (K + lambda I)^-1 1), S projected onto PSD, T = S^(1/2). The latent c' = T c (wkv_b takes T^-1)."""
-    c = c / c.square().sum(-1).mean(1)[:, None, None].sqrt()          # mean |c|^2 = 1
-    K = (c @ c.mT).square()
-    lam = ridge * K.diagonal(dim1=-2, dim2=-1).mean(-1)
-    eye = torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)
-    alpha = torch.linalg.solve(K + lam[:, None, None] * eye, torch.ones_like(K[..., :1]))
-    S = c.mT @ (alpha * c)
-    vals, vecs = torch.linalg.eigh(S)
-    vals = vals.clamp_min(1e-3 * vals.clamp_min(0).mean(-1, keepdim=True))
-    return (vecs * vals.sqrt()[:, None, :]) @ vecs.mT
+    """T [L, r, r] (symmetric PSD) that makes |T c_t|^2 as constant over the calibration latents ``c`` [L, N, r] as
+    a ridge least squares over quadratic forms can: min_S sum_t (c_t^T S c_t - 1)^2 + lambda ||S||^2, solved in its
+    dual (the quadratic features' kernel is (c_t . c_u)^2, so S = C^T diag(alpha) C with alpha = (K + lambda I)^-1 1,
+    lambda = ``ridge`` * mean diag K), S projected onto PSD (eigenvalues floored at 1e-3 of their mean), T = S^1/2.
+    One layer at a time (K is N x N)."""
+    out = []
+    for cl in c.unbind(0):
+        cl = cl / cl.square().sum(-1).mean().sqrt()                        # mean |c|^2 = 1
+        K = (cl @ cl.mT).square()
+        K.diagonal().add_(ridge * K.diagonal().mean())
+        alpha = torch.cholesky_solve(torch.ones_like(K[:, :1]), torch.linalg.cholesky(K))
+        vals, vecs = torch.linalg.eigh(cl.mT @ (alpha * cl))
+        vals = vals.clamp_min(1e-3 * vals.clamp_min(0).mean())
+        out.append((vecs * vals.sqrt()) @ vecs.mT)
+    return torch.stack(out)
 
 
 def norm_scale(LB: torch.Tensor, c: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,12 +257,9 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lo
 
     # step 4: the norm
     c = x @ A.mT                                                   # [L, N, r]
-    if steady == "basis":
+    if steady:
         T = steady_basis(c)
         A, B, c = T @ A, torch.linalg.solve(T, B.mT).mT, c @ T
-    elif steady:
-        w = steady_weights(c).sqrt()
-        A, B, c = A * w[..., None], B / w[:, None], c * w[:, None]
     rho, inv_rms = norm_scale(B if left is None else left @ B, c, cfg.norm_eps)
     Yx, approx = x @ Y.mT, c @ B.mT
     approx_n = approx * (rho[:, None] * inv_rms)[..., None]

@@ -61,18 +61,18 @@ def test_full_rank_linear_part_is_exact(method):
 
 def test_norm_is_exact_for_a_steady_latent_and_rho_is_least_squares():
     """With every calibration latent of one rms the norm is a constant factor that kv_norm = rho undoes. A teacher
-    with attention-norm weight one (so |x| = sqrt(d), eps ~ 0) and r = d: the weight-metric latent is an orthogonal
-    map of x up to channel scales, the steady weights find the scales that make rms(c) constant, and the student
-    with the norm equals the teacher; without them (unit channel mean squares) it does not."""
+    with attention-norm weight one (so |x| = sqrt(d), eps ~ 0) and r = d: the latent is an invertible map of x, the
+    steady basis finds the quadratic form that makes rms(c) constant (up to its ridge, 1e-3 of the kernel's
+    diagonal: steady_basis alone is exact to 1e-6 without it, next test), and the student with the norm is the
+    teacher to 1e-4; with unit channel mean squares instead (steady=False) it is off by more than 1e-3."""
     params, cfg = teacher(G=1, H=1, hd=16, d=16)
     cfg = dataclasses.replace(cfg, norm_eps=1e-30)
     params["layers"]["attn_norm"] = torch.ones_like(params["layers"]["attn_norm"])
     t = llama.apply(params, TOKENS, cfg)
-    student, dims, _ = ms.surgery(params, cfg, TOKENS, kv_lora_rank=16, qk_rope_head_dim=16, method="svd")
-    torch.testing.assert_close(student_logits(student, cfg, dims), t, rtol=0, atol=1e-8)
-    student, dims, _ = ms.surgery(params, cfg, TOKENS, kv_lora_rank=16, qk_rope_head_dim=16, method="svd",
-                                  steady=False)
-    assert (student_logits(student, cfg, dims) - t).abs().max() > 1e-4
+    student, dims, _ = ms.surgery(params, cfg, TOKENS, kv_lora_rank=16, qk_rope_head_dim=16)
+    torch.testing.assert_close(student_logits(student, cfg, dims), t, rtol=0, atol=1e-4)
+    student, dims, _ = ms.surgery(params, cfg, TOKENS, kv_lora_rank=16, qk_rope_head_dim=16, steady=False)
+    assert (student_logits(student, cfg, dims) - t).abs().max() > 1e-3
     # below: rho minimises sum_t w_t (1 - rho / rms_t)^2, so nudging it either way costs
     c = torch.randn(2, 50, 6, dtype=torch.float64) * torch.rand(2, 50, 1, dtype=torch.float64)
     LB = torch.randn(2, 9, 6, dtype=torch.float64)
@@ -82,23 +82,24 @@ def test_norm_is_exact_for_a_steady_latent_and_rho_is_least_squares():
     assert (cost(rho * 1.01) > cost(rho)).all() and (cost(rho * 0.99) > cost(rho)).all()
 
 
-def test_steady_weights_steady_the_rms():
-    """steady_weights: latents c_i = q_i / sqrt(a_i) with |q| constant get weights proportional to a (the weighted
-    rms is then constant); for noisy ones the weighted rms varies less than the plain one. The surgery's linear
-    part does not change with them (wkv_b undoes the channel scales)."""
+def test_steady_basis_steadies_the_rms():
+    """steady_basis: latents c = M q with |q| constant (an invertible M) get a T with |T c| constant (T^2 ~ the
+    inverse of M M^T, up to scale); for noisy ones |T c| varies less than |c|. The surgery's linear part does not
+    change with it (wkv_b takes T^-1)."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 200, 6, generator=g, dtype=torch.float64)
     q = q / q.norm(dim=-1, keepdim=True)
-    a_true = torch.rand(2, 6, generator=g, dtype=torch.float64) + 0.2
-    a = ms.steady_weights(q / a_true[:, None].sqrt())
-    torch.testing.assert_close(a, a_true / a_true.mean(-1, keepdim=True), rtol=1e-8, atol=1e-10)
-    c = torch.randn(2, 200, 6, generator=g, dtype=torch.float64) * torch.tensor([3.0, 1, 1, 0.5, 0.2, 2])
-    spread = lambda w: ((c.square() * w[:, None]).sum(-1)).std(1) / ((c.square() * w[:, None]).sum(-1)).mean(1)  # noqa: E731
-    assert (spread(ms.steady_weights(c)) < spread(torch.ones(2, 6, dtype=torch.float64))).all()
+    c = q @ torch.randn(2, 6, 6, generator=g, dtype=torch.float64)
+    spread = lambda c: c.square().sum(-1).std(1) / c.square().sum(-1).mean(1)   # noqa: E731
+    assert spread(c @ ms.steady_basis(c, ridge=1e-12)).max() < 1e-6 < spread(c).min()
+    noisy = torch.randn(2, 300, 6, generator=g, dtype=torch.float64) * torch.tensor([3.0, 1, 1, 0.5, 0.2, 2])
+    assert (spread(noisy @ ms.steady_basis(noisy)) < spread(noisy)).all()
     params, cfg = teacher()
     plain = ms.surgery(params, cfg, TOKENS, kv_lora_rank=12, qk_rope_head_dim=4, steady=False)[2]
     steady = ms.surgery(params, cfg, TOKENS, kv_lora_rank=12, qk_rope_head_dim=4)[2]
     assert steady["k_err_act"] == pytest.approx(plain["k_err_act"], abs=1e-9)
+    assert steady["v_err_act"] == pytest.approx(plain["v_err_act"], abs=1e-9)
+    assert sum(steady["v_err_act_norm"]) < sum(plain["v_err_act_norm"])
 
 
 def test_below_full_rank_no_worse_than_plain_svd():

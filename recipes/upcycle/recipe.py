@@ -1,8 +1,9 @@
 """Upcycling: ``bin/run recipe=upcycle teacher=PATH``: a Llama teacher becomes a student with a smaller KV cache.
 
-Pipeline: load the teacher -> build the student by **surgery** (decoupled bottleneck attention, GQA-aware,
-partial RoPE at the teacher's own frequencies, exact at full rank: ``models/dba.py``, ``models/surgery.py``;
-DeepSeek-V2's MLA with decoupled RoPE, MHA2MLA, SVD-LLM) -> **blockwise** distillation of every block against the
+Pipeline: load the teacher -> build the student by **surgery** (``student=dba``: decoupled bottleneck attention,
+GQA-aware, partial RoPE at the teacher's own frequencies, exact at full rank: ``models/dba.py``, ``models/surgery.py``;
+``student=mla``: DeepSeek-V2's MLA form, one latent per token and one shared RoPE key: ``models/mla.py``,
+``models/mla_surgery.py``; MHA2MLA, TransMLA, SVD-LLM) -> **blockwise** distillation of every block against the
 teacher's (LoLCATs' attention transfer, MOHAWK's hidden-state alignment: ``recipes/upcycle/blockwise.py``) ->
 **global** fine-tune of the whole student (next-token CE + Hinton KD on the teacher's logits, through
 ``recipes.train.loop.fit``) -> **verify** against thresholds on held-out windows -> **benchmark** (perplexity, latency,
@@ -46,7 +47,7 @@ from recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the re
 from recipes.upcycle.phases import (FINAL, Context, finished, load_student, phase_summary, run_global, run_surgery,
                                     run_verify, surgery_settings, write_json)
 
-DESCRIPTION = "teacher -> DBA student (small KV cache): surgery, blockwise, global, verify, benchmark"
+DESCRIPTION = "teacher -> DBA or MLA student (small KV cache): surgery, blockwise, global, verify, benchmark"
 
 PRESETS = {
     "ci": {"block_size": 32, "eval_windows": 4, "calib_tokens": 512, "blockwise.steps": 40,
