@@ -209,6 +209,39 @@ def reconstruction_error(Yx: torch.Tensor, approx: torch.Tensor) -> torch.Tensor
     return ((Yx - approx).square().sum((1, 2)) / Yx.square().sum((1, 2)).clamp_min(1e-300)).sqrt()
 
 
+def joint_latent(x: torch.Tensor, Y: torch.Tensor, rank: int, white, left, steady: bool, eps: float, n_keys: int):
+    """Steps 3 and 4 for the stacked rows ``Y`` [L, R, d] (the first ``n_keys`` rows keys, the rest values) on the
+    calibration inputs ``x`` [L, N, d]: (A = W_dkv [L, rank, d], B [L, R, rank], rho [L], the report's errors)."""
+    B, A = factorize_latent(Y, rank, white, left, x)
+    c = x @ A.mT                                                   # [L, N, r]
+    if steady:
+        T = steady_basis(c)
+        A, B, c = T @ A, torch.linalg.solve(T, B.mT).mT, c @ T
+    rho, inv_rms = norm_scale(B if left is None else left @ B, c, eps)
+    Yx, approx = x @ Y.mT, c @ B.mT
+    approx_n = approx * (rho[:, None] * inv_rms)[..., None]
+    keys, vals = slice(0, n_keys), slice(n_keys, None)
+    err = lambda a, b, s: reconstruction_error(a[..., s], b[..., s]).tolist()   # noqa: E731
+    weigh = lambda E: (E if left is None else left @ E) @ (torch.eye(E.shape[-1], dtype=E.dtype, device=E.device)  # noqa: E731
+                                                          if white is None else white)
+    latent_err = (weigh(Y - B @ A).square().sum((1, 2)) / weigh(Y).square().sum((1, 2))).sqrt()
+    return A, B, rho, {"k_err_act": err(Yx, approx, keys), "v_err_act": err(Yx, approx, vals),
+                       "k_err_act_norm": err(Yx, approx_n, keys), "v_err_act_norm": err(Yx, approx_n, vals),
+                       "latent_err": latent_err.tolist()}
+
+
+def shared_rope(Wq: torch.Tensor, Wk: torch.Tensor, rope_dims: torch.Tensor, metric: torch.Tensor):
+    """Step 2: (q_rope [L, G, n, d_r, d] = U_g0 times the query rows, k_rope [L, d_r, d] = sum_g U_g0 k_g rows in the
+    student's rotate-half order, the per-layer ``rope_kept``)."""
+    Qp, Kp = pair_view(Wq, rope_dims), pair_view(Wk, rope_dims)    # [L, G, n, P, 2, d], [L, G, P, 2, d]
+    U0 = rope_mixing(Kp, metric)                                   # [L, P, G]
+    k_rope = torch.einsum("lpg,lgpcd->lpcd", U0, Kp)               # [L, P, 2, d]
+    coef = torch.cat([U0, U0], dim=1).transpose(1, 2)              # [L, G, d_r] per student rope dim
+    q_rope = Wq[..., rope_dims, :] * coef[:, :, None, :, None]
+    kept = rope_energy_kept(Qp, Kp, U0, k_rope, metric).tolist()
+    return q_rope, k_rope.transpose(1, 2).flatten(1, 2), kept
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the surgery
 
@@ -238,14 +271,9 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lo
     rope_dims, nope_dims = torch.cat([keep, keep + hd // 2]), torch.cat([drop, drop + hd // 2])
     Wq, Wk, Wv = teacher_weights(attn, cfg, work)                  # Wq carries 1/sqrt(hd)
 
-    # step 2: one rope key
-    Qp, Kp = pair_view(Wq, rope_dims), pair_view(Wk, rope_dims)    # [L, G, n, P, 2, d], [L, G, P, 2, d]
-    U0 = rope_mixing(Kp, metric)                                   # [L, P, G]
-    k_rope = torch.einsum("lpg,lgpcd->lpcd", U0, Kp)               # [L, P, 2, d]
-    coef = torch.cat([U0, U0], dim=1).transpose(1, 2)              # [L, G, d_r] per student rope dim
-    q_rope = Wq[..., rope_dims, :] * coef[:, :, None, :, None]     # [L, G, n, d_r, d]
+    q_rope, k_rope, rope_kept = shared_rope(Wq, Wk, rope_dims, metric)
 
-    # step 3: the latent
+    # step 3: the latent (+ step 4: its norm)
     Qn, Kn = Wq[..., nope_dims, :], Wk[..., nope_dims, :]
     Y = torch.cat([Kn.reshape(L, G * m, d), Wv.reshape(L, G * hd, d)], dim=1)
     wo = attn["wo"].to(work, torch.float64)
@@ -253,24 +281,11 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lo
     if latent_weight == "fed":
         Pk, Pv = left_metrics(Qn, wo.view(L, d, G, n, hd), metric, Kn, Wv)
         left = block_diagonal([torch.linalg.cholesky(P).mT for P in [*Pk.unbind(1), *Pv.unbind(1)]])
-    B, A = factorize_latent(Y, r, white, left, x)
-
-    # step 4: the norm
-    c = x @ A.mT                                                   # [L, N, r]
-    if steady:
-        T = steady_basis(c)
-        A, B, c = T @ A, torch.linalg.solve(T, B.mT).mT, c @ T
-    rho, inv_rms = norm_scale(B if left is None else left @ B, c, cfg.norm_eps)
-    Yx, approx = x @ Y.mT, c @ B.mT
-    approx_n = approx * (rho[:, None] * inv_rms)[..., None]
-    keys, vals = slice(0, G * m), slice(G * m, None)
-    err = lambda a, b, s: reconstruction_error(a[..., s], b[..., s]).tolist()   # noqa: E731
-    latent_err = (left @ (Y - B @ A) if left is not None else Y - B @ A) @ (eye if white is None else white)
-    latent_ref = (left @ Y if left is not None else Y) @ (eye if white is None else white)
+    A, B, rho, errors = joint_latent(x, Y, r, white, left, steady, cfg.norm_eps, G * m)
 
     scale = math.sqrt(m + d_r)                                     # the student's softmax_scale is (m + d_r)^-1/2
     wq = torch.cat([Qn, q_rope], dim=3) * scale                    # [L, G, n, m + d_r, d]
-    Bk, Bv = B[:, keys].view(L, G, 1, m, r), B[:, vals].view(L, G, 1, hd, r)
+    Bk, Bv = B[:, :G * m].view(L, G, 1, m, r), B[:, G * m:].view(L, G, 1, hd, r)
     wkv_b = torch.cat([Bk, Bv], dim=3).expand(L, G, n, m + hd, r)
     like = attn["wq"]
     out = lambda t: t.to(dtype=like.dtype, device=like.device)     # noqa: E731
@@ -278,18 +293,14 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lo
     student["layers"] = clone({k: v for k, v in params["layers"].items() if k != "attn"})
     student["layers"]["attn"] = {
         "wq": out(wq.reshape(L, H * (m + d_r), d)),
-        "wkv_a": out(torch.cat([A, k_rope.transpose(1, 2).reshape(L, d_r, d)], dim=1)),
+        "wkv_a": out(torch.cat([A, k_rope], dim=1)),
         "kv_norm": out(rho[:, None].expand(L, r)),
         "wkv_b": out(wkv_b.reshape(L, H * (m + hd), r)),
         "wo": out(wo)}
     best = scores.topk(d_r // 2, dim=-1).values.sum(-1)
     report = {"method": method, "latent_weight": latent_weight, "kept_pairs": keep.tolist(),
-              "rope_kept": rope_energy_kept(Qp, Kp, U0, k_rope, metric).tolist(),
-              "rope_2norm_kept": (scores[..., keep].sum(-1) / best).mean(1).tolist(),
-              "k_err_act": err(Yx, approx, keys), "v_err_act": err(Yx, approx, vals),
-              "k_err_act_norm": err(Yx, approx_n, keys), "v_err_act_norm": err(Yx, approx_n, vals),
-              "latent_err": (latent_err.square().sum((1, 2)) / latent_ref.square().sum((1, 2))).sqrt().tolist(),
-              "kv_norm": rho.tolist()}
+              "rope_kept": rope_kept, "rope_2norm_kept": (scores[..., keep].sum(-1) / best).mean(1).tolist(),
+              **errors, "kv_norm": rho.tolist()}
     dims = {"kv_lora_rank": r, "qk_rope_head_dim": d_r, "qk_nope_head_dim": m, "v_head_dim": hd}
     return student, dims, report
 
