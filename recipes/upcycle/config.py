@@ -197,12 +197,12 @@ class Config:
     kv_reduction: float = option(2.0, "teacher / student KV bytes per token; derives the student's dims from the "
                                  "teacher's (dba: sem_dim, geo_dim, v_dim, half values, half keys, all keys RoPE; mla: "
                                  "kv_lora_rank, qk_rope_head_dim, docs/upcycle.md's split rule)", min=1)
-    sem_dim: Optional[int] = option(None, "per head: semantic (no-RoPE) query/key width (none: from kv_reduction)",
+    sem_dim: Optional[int] = option(None, "student=dba, per head: semantic (no-RoPE) query/key width (none: from kv_reduction)",
                                     min=0)
-    geo_dim: Optional[int] = option(None, "per head: geometric (RoPE) query/key width, geo_dim/2 of the teacher's "
+    geo_dim: Optional[int] = option(None, "student=dba, per head: geometric (RoPE) query/key width, geo_dim/2 of the teacher's "
                                     "pairs (none: from kv_reduction)", min=0)
-    v_dim: Optional[int] = option(None, "per KV head: value width (none: from kv_reduction)", min=1)
-    rope_pairs_shared: bool = option(False, "one set of RoPE pairs for every layer and KV head (2-norm summed over "
+    v_dim: Optional[int] = option(None, "student=dba, per KV head: value width (none: from kv_reduction)", min=1)
+    rope_pairs_shared: bool = option(False, "student=dba: one set of RoPE pairs for every layer and KV head (2-norm summed over "
                                      "them) with sem_dim 0 and v_dim = geo_dim: the student is a plain GQA Llama "
                                      "that recipe=export writes as a standard HF folder and GGUF")
     kv_lora_rank: Optional[int] = option(None, "student=mla: latent width per token and layer (none: from "
