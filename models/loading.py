@@ -14,9 +14,9 @@ Every recipe's ``init=``/``teacher=`` key goes through :func:`load_model`, which
 ``LoadedModel.format`` says what was detected, e.g. ``GGUF (llama, Q4_1 dequantized)``. A purestep checkpoint
 records its architecture (``model_entry``): ``llama`` (``models.llama``), ``dba`` (the upcycle recipe's per-head
 student, ``models.dba``, whose config carries the kept RoPE pairs) or ``mla`` (its MLA student, ``models.mla``; a
-Hugging Face folder of ``model_type: deepseek_v2`` loads as one too, ``models.mla_hf``). ``LoadedModel.module`` is
-that model module, so callers dispatch on it (``module.apply``, ``module.decoder``, ``module.kv_bytes_per_token``)
-instead of on the config.
+Hugging Face folder of ``model_type: deepseek_v2`` loads as one too, ``models.mla_hf``, and a ``deepseek2`` GGUF,
+``models.mla_gguf``). ``LoadedModel.module`` is that model module, so callers dispatch on it (``module.apply``,
+``module.decoder``, ``module.kv_bytes_per_token``) instead of on the config.
 """
 from __future__ import annotations
 
@@ -118,7 +118,11 @@ def _load_purestep(p: Path, device=None) -> LoadedModel:
 
 
 def _load_gguf(p: Path, device=None) -> LoadedModel:
-    from models.gguf import load_gguf
+    from models.gguf import load_gguf, metadata, open_gguf
+    if metadata(open_gguf(p), "general.architecture") == "deepseek2":      # the MLA student's llama.cpp form
+        from models.mla_gguf import load_mla_gguf
+        params, cfg, tok, what = load_mla_gguf(p, device=device)
+        return LoadedModel(params, cfg, tok, what, str(p), "mla")
     params, cfg, tok, what = load_gguf(p, device=device)
     return LoadedModel(params, cfg, tok, what, str(p))
 

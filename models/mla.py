@@ -12,10 +12,15 @@ Per layer, for a block input x (after the attention RMSNorm), query head h::
 
     [q_nope_h | q_rope_h] = W_q,h x                 [qk_nope_head_dim | qk_rope_head_dim]
     [c | k_rope]          = W_kv_a x                [kv_lora_rank | qk_rope_head_dim]   (shared by all heads)
-    c_n                   = RMSNorm(c) * kv_norm    (DeepSeek's kv_a_layernorm, eps = norm_eps)
+    c_n                   = RMSNorm(c) * kv_norm    (DeepSeek's kv_a_layernorm, eps = KV_NORM_EPS = 1e-6)
     [k_nope_h | v_h]      = W_kv_b,h c_n            [qk_nope_head_dim | v_head_dim]
     score_ij = (q_nope_h,i . k_nope_h,j + R_i q_rope_h,i . R_j k_rope_j) / sqrt(qk_nope_head_dim + qk_rope_head_dim)
     y = W_o [softmax(score) v  for every head]      W_o: [d, n_heads * v_head_dim]
+
+The latent's RMSNorm takes eps 1e-6 whatever ``norm_eps`` is: DeepSeek's ``modeling_deepseek.py`` and transformers'
+``DeepseekV2Attention`` both build ``DeepseekV2RMSNorm(kv_lora_rank)`` with its default eps, 1e-6, and never pass
+``rms_norm_eps`` to it. llama.cpp's ``deepseek2`` normalizes it at ``rms_norm_eps`` instead; ``models.mla_gguf``
+makes the two agree by scaling the latent rows of W_kv_a (RMSNorm_e(a c) = RMSNorm_{e / a^2}(c)).
 
 RoPE rotates the ``qk_rope_head_dim`` dims at inverse frequencies ``rope_theta ** (-2i / qk_rope_head_dim)`` with the
 config's ``rope_scaling`` applied (``llama.rope_frequencies`` of a config whose head_dim is qk_rope_head_dim, so
@@ -52,6 +57,8 @@ from core.config import option
 from core.layers import Layers
 from models import llama, losses
 from models.llama import LlamaConfig, apply_rope, rms_norm
+
+KV_NORM_EPS = 1e-6   # DeepseekV2RMSNorm's default, which DeepSeek-V2's kv_a_layernorm is built with
 
 
 @dataclass
@@ -136,7 +143,7 @@ def project(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig):
     q = F.linear(x, p["wq"]).view(B, T, cfg.n_heads, qk_head_dim(cfg)).transpose(1, 2)
     q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     c, k_rope = F.linear(x, p["wkv_a"]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    c_n = rms_norm(c, p["kv_norm"], cfg.norm_eps)
+    c_n = rms_norm(c, p["kv_norm"], KV_NORM_EPS)
     return q_nope, apply_rope(q_rope, cos, sin), c_n, apply_rope(k_rope[:, None], cos, sin)
 
 
