@@ -63,6 +63,15 @@ def arch_of(cfg: llama.LlamaConfig) -> str:
     return "dba" if isinstance(cfg, dba.DBAConfig) else "llama"
 
 
+def require_llama(loaded: LoadedModel, key: str, recipe: str) -> LoadedModel:
+    """``loaded`` when it is a Llama (``models.llama``); otherwise a UserError naming its architecture, for the
+    recipes whose loops run ``models.llama`` only (a student's ``dba``/``mla`` forward is not theirs)."""
+    if loaded.arch != "llama":
+        raise UserError(f"{key}={loaded.source}: its architecture is {loaded.arch} ({loaded.module.__name__}); "
+                        f"recipe={recipe} runs a Llama (models.llama) only")
+    return loaded
+
+
 def model_entry(cfg: llama.LlamaConfig) -> dict:
     """What a checkpoint stores under ``model`` so it can be loaded without the recipe's config."""
     return {"arch": arch_of(cfg), "config": asdict(cfg)}

@@ -217,3 +217,6 @@ def test_recipe_export_writes_an_mla_checkpoint_in_deepseek_v2s_formats(tmp_path
     assert main(["recipe=export", f"init={tmp_path / 'mla.msgpack'}", "format=gguf", f"out={tmp_path / 'g'}"]) == 0
     assert "verified with purestep's loader: max |logit diff|" in capsys.readouterr().err
     assert (tmp_path / "g" / "model-F32.gguf").is_file()
+    assert main(["recipe=standard", f"init={tmp_path / 'mla.msgpack'}", "steps=1", f"out={tmp_path / 's'}"]) == 2
+    assert capsys.readouterr().err.endswith("its architecture is mla (models.mla); recipe=standard runs a Llama "
+                                            "(models.llama) only\n")
