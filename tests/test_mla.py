@@ -4,6 +4,7 @@ size, the config's refusals; against transformers' ``DeepseekV2ForCausalLM`` ope
 without remote code (``models.mla_hf``), the folder read back bit-equal; the ``deepseek2`` GGUF
 (``models.mla_gguf``) read back by the ``gguf`` package's reader. llama.cpp itself runs the GGUF in
 ``recipe=bench.llamacpp`` (docs/export.md), not here."""
+import importlib.util
 import json
 import math
 
@@ -217,6 +218,9 @@ def test_recipe_export_writes_an_mla_checkpoint_in_deepseek_v2s_formats(tmp_path
     assert main(["recipe=export", f"init={tmp_path / 'mla.msgpack'}", "format=gguf", f"out={tmp_path / 'g'}"]) == 0
     assert "verified with purestep's loader: max |logit diff|" in capsys.readouterr().err
     assert (tmp_path / "g" / "model-F32.gguf").is_file()
+    assert main(["recipe=export", f"init={tmp_path / 'g' / 'model-F32.gguf'}", "format=hf", f"out={tmp_path / 'h'}",
+                 f"verify={importlib.util.find_spec('transformers') is not None}"]) == 0
+    assert load_model(str(tmp_path / "h")).arch == "mla"
     assert main(["recipe=standard", f"init={tmp_path / 'mla.msgpack'}", "steps=1", f"out={tmp_path / 's'}"]) == 2
     assert capsys.readouterr().err.endswith("its architecture is mla (models.mla); recipe=standard runs a Llama "
                                             "(models.llama) only\n")
