@@ -105,6 +105,17 @@ def test_absorbed_latent_decode_equals_the_full_forward_token_by_token(changes):
     assert layer["latent"].shape == (2, 24, cfg.kv_lora_rank) and layer["k_rope"].shape == (2, 24, 8)
 
 
+def test_packed_documents_attend_within_themselves_with_positions_from_zero():
+    cfg = config()
+    params, tok = peaky(cfg), tokens(1, 20)
+    doc = torch.tensor([[0] * 8 + [1] * 12])
+    packed = mla.apply(params, tok, cfg, doc=doc)
+    alone = torch.cat([mla.apply(params, tok[:, :8], cfg), mla.apply(params, tok[:, 8:], cfg)], dim=1)
+    assert (packed - alone).abs().max() < 1e-5 * alone.abs().max()
+    assert (mla.loss(params, {"x": tok, "y": tok, "doc": doc}, cfg)
+            - torch.nn.functional.cross_entropy(alone[0], tok[0])).abs() < 1e-5
+
+
 def test_kv_bytes_per_token_is_the_caches_size():
     cfg = config()
     assert mla.kv_bytes_per_token(cfg) == 2 * (24 + 8) * 2 and mla.kv_bytes_per_token(cfg, 4) == 2 * 32 * 4
