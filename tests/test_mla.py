@@ -36,7 +36,7 @@ def peaky(cfg: mla.MLAConfig, seed=3) -> dict:
     attn["kv_norm"] = 1 + 0.5 * torch.randn(attn["kv_norm"].shape, generator=torch.Generator().manual_seed(seed))
     for name in ("embed", "lm_head"):
         if name in params:
-            params[name] = params[name] * 20
+            params[name] = params[name] * 10
     return params
 
 
@@ -99,7 +99,7 @@ def test_absorbed_latent_decode_equals_the_full_forward_token_by_token(changes):
     full = mla.apply(params, tok, cfg)
     forward = mla.decoder(params, cfg, 2, 24)
     steps = [forward(tok[:, :6], 0)] + [forward(tok[:, t:t + 1], t) for t in range(6, 21)]
-    assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-5 * full.abs().max()
+    assert full.abs().max() > 5 and (torch.cat(steps, dim=1) - full).abs().max() < 1e-5    # fp32, absolute
     layer = forward.cache[0]
     assert sorted(layer) == ["k_rope", "latent"] and len(forward.cache) == cfg.n_layers
     assert layer["latent"].shape == (2, 24, cfg.kv_lora_rank) and layer["k_rope"].shape == (2, 24, 8)
