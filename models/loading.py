@@ -14,9 +14,9 @@ Every recipe's ``init=``/``teacher=`` key goes through :func:`load_model`, which
 ``LoadedModel.format`` says what was detected, e.g. ``GGUF (llama, Q4_1 dequantized)``. A purestep checkpoint
 records its architecture (``model_entry``): ``llama`` (``models.llama``), ``dba`` (the upcycle recipe's per-head
 student, ``models.dba``, whose config carries the kept RoPE pairs) or ``mla`` (its MLA student, ``models.mla``; a
-Hugging Face folder of ``model_type: deepseek_v2`` loads as one too, ``models.mla_hf``). ``LoadedModel.module`` is
-that model module, so callers dispatch on it (``module.apply``, ``module.decoder``, ``module.kv_bytes_per_token``)
-instead of on the config.
+Hugging Face folder of ``model_type: deepseek_v2`` loads as one too, ``models.mla_hf``, and a ``deepseek2`` GGUF,
+``models.mla_gguf``). ``LoadedModel.module`` is that model module, so callers dispatch on it (``module.apply``,
+``module.decoder``, ``module.kv_bytes_per_token``) instead of on the config.
 """
 from __future__ import annotations
 
@@ -67,6 +67,15 @@ def module_of(cfg: llama.LlamaConfig):
     """The model module (``ARCHS``) that runs a config of this type: apply, block, attention, loss, decoder,
     kv_bytes_per_token (the upcycle recipe's student is a ``dba`` or an ``mla`` one)."""
     return ARCHS[arch_of(cfg)][0]
+
+
+def require_llama(loaded: LoadedModel, key: str, recipe: str) -> LoadedModel:
+    """``loaded`` when it is a Llama (``models.llama``); otherwise a UserError naming its architecture, for the
+    recipes whose loops run ``models.llama`` only (a student's ``dba``/``mla`` forward is not theirs)."""
+    if loaded.arch != "llama":
+        raise UserError(f"{key}={loaded.source}: its architecture is {loaded.arch} ({loaded.module.__name__}); "
+                        f"recipe={recipe} runs a Llama (models.llama) only")
+    return loaded
 
 
 def model_entry(cfg: llama.LlamaConfig) -> dict:
@@ -124,7 +133,11 @@ def _load_purestep(p: Path, device=None) -> LoadedModel:
 
 
 def _load_gguf(p: Path, device=None) -> LoadedModel:
-    from models.gguf import load_gguf
+    from models.gguf import load_gguf, metadata, open_gguf
+    if metadata(open_gguf(p), "general.architecture") == "deepseek2":      # the MLA student's llama.cpp form
+        from models.mla_gguf import load_mla_gguf
+        params, cfg, tok, what = load_mla_gguf(p, device=device)
+        return LoadedModel(params, cfg, tok, what, str(p), "mla")
     params, cfg, tok, what = load_gguf(p, device=device)
     return LoadedModel(params, cfg, tok, what, str(p))
 

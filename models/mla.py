@@ -12,10 +12,15 @@ Per layer, for a block input x (after the attention RMSNorm), query head h::
 
     [q_nope_h | q_rope_h] = W_q,h x                 [qk_nope_head_dim | qk_rope_head_dim]
     [c | k_rope]          = W_kv_a x                [kv_lora_rank | qk_rope_head_dim]   (shared by all heads)
-    c_n                   = RMSNorm(c) * kv_norm    (DeepSeek's kv_a_layernorm, eps = norm_eps)
+    c_n                   = RMSNorm(c) * kv_norm    (DeepSeek's kv_a_layernorm, eps = KV_NORM_EPS = 1e-6)
     [k_nope_h | v_h]      = W_kv_b,h c_n            [qk_nope_head_dim | v_head_dim]
     score_ij = (q_nope_h,i . k_nope_h,j + R_i q_rope_h,i . R_j k_rope_j) / sqrt(qk_nope_head_dim + qk_rope_head_dim)
     y = W_o [softmax(score) v  for every head]      W_o: [d, n_heads * v_head_dim]
+
+The latent's RMSNorm takes eps 1e-6 whatever ``norm_eps`` is: DeepSeek's ``modeling_deepseek.py`` and transformers'
+``DeepseekV2Attention`` both build ``DeepseekV2RMSNorm(kv_lora_rank)`` with its default eps, 1e-6, and never pass
+``rms_norm_eps`` to it. llama.cpp's ``deepseek2`` normalizes it at ``rms_norm_eps`` instead; ``models.mla_gguf``
+makes the two agree by scaling the latent rows of W_kv_a (RMSNorm_e(a c) = RMSNorm_{e / a^2}(c)).
 
 RoPE rotates the ``qk_rope_head_dim`` dims at inverse frequencies ``rope_theta ** (-2i / qk_rope_head_dim)`` with the
 config's ``rope_scaling`` applied (``llama.rope_frequencies`` of a config whose head_dim is qk_rope_head_dim, so
@@ -52,6 +57,8 @@ from core.config import option
 from core.layers import Layers
 from models import llama, losses
 from models.llama import LlamaConfig, apply_rope, rms_norm
+
+KV_NORM_EPS = 1e-6   # DeepseekV2RMSNorm's default, which DeepSeek-V2's kv_a_layernorm is built with
 
 
 @dataclass
@@ -136,7 +143,7 @@ def project(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig):
     q = F.linear(x, p["wq"]).view(B, T, cfg.n_heads, qk_head_dim(cfg)).transpose(1, 2)
     q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     c, k_rope = F.linear(x, p["wkv_a"]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    c_n = rms_norm(c, p["kv_norm"], cfg.norm_eps)
+    c_n = rms_norm(c, p["kv_norm"], KV_NORM_EPS)
     return q_nope, apply_rope(q_rope, cos, sin), c_n, apply_rope(k_rope[:, None], cos, sin)
 
 
@@ -147,9 +154,10 @@ def up_projections(p: dict, cfg: MLAConfig):
 
 
 def attention(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig, cache: Optional[dict] = None,
-              past_len: int = 0) -> torch.Tensor:
-    """MLA for ``x`` [B, T, d]; ``cos``/``sin`` [T, qk_rope_head_dim]. Without a cache, keys and values expanded
-    per head (transformers' ``DeepseekV2Attention``); with one, the absorbed form over the cached latent."""
+              past_len: int = 0, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """MLA for ``x`` [B, T, d]; ``cos``/``sin`` [T, qk_rope_head_dim] ([B, 1, T, .] with ``doc``, packed
+    documents' ids). Without a cache, keys and values expanded per head (transformers' ``DeepseekV2Attention``);
+    with one, the absorbed form over the cached latent."""
     if cache is not None:
         return absorbed_attention(p, x, cos, sin, cfg, cache, past_len)
     B, T, _ = x.shape
@@ -158,7 +166,7 @@ def attention(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig, cache: Optiona
     k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
     q = torch.cat([q_nope, q_rope], dim=-1)
     k = torch.cat([k_nope, k_rope.expand(B, cfg.n_heads, T, cfg.qk_rope_head_dim)], dim=-1)
-    y = llama.causal_attention(q, k, v, scale=softmax_scale(cfg))
+    y = llama.causal_attention(q, k, v, scale=softmax_scale(cfg), doc=doc)
     return F.linear(y.transpose(1, 2).reshape(B, T, cfg.n_heads * cfg.v_head_dim), p["wo"])
 
 
@@ -181,9 +189,10 @@ def absorbed_attention(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig, cache
     return F.linear(y.reshape(B, T, cfg.n_heads * cfg.v_head_dim), p["wo"])
 
 
-def block(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig, key=None, cache=None, past_len: int = 0):
+def block(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig, key=None, cache=None, past_len: int = 0,
+          doc: Optional[torch.Tensor] = None):
     """``llama.block`` (norms, residuals, SwiGLU MLP, dropout) around this module's attention."""
-    return llama.block(p, x, cos, sin, cfg, key, cache, past_len, attend=attention)
+    return llama.block(p, x, cos, sin, cfg, key, cache, past_len, attend=attention, doc=doc)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -191,19 +200,27 @@ def block(p: dict, x: torch.Tensor, cos, sin, cfg: MLAConfig, key=None, cache=No
 
 def apply(params: dict, tokens: torch.Tensor, cfg: MLAConfig, *, key: Optional[torch.Tensor] = None,
           return_hidden: bool | str = False, cache: Optional[list] = None, past_len: int = 0,
-          remat: bool = False, layers: Optional[Layers] = None):
+          remat: bool = False, doc: Optional[torch.Tensor] = None, layers: Optional[Layers] = None):
     """Logits [B, T, vocab]; the keyword arguments mean what they mean in ``llama.apply`` (``cache``: from
-    :func:`new_cache`, the absorbed decode)."""
-    tables = llama.position_tables(rope_frequencies, cfg, past_len, tokens.shape[1], params["embed"].dtype,
-                                   tokens.device).unbind(0)
+    :func:`new_cache`, the absorbed decode; ``doc`` [B, T]: packed documents' ids, attention inside a document and
+    RoPE positions restarting at each one)."""
+    if doc is None:
+        tables = llama.position_tables(rope_frequencies, cfg, past_len, tokens.shape[1], params["embed"].dtype,
+                                       tokens.device).unbind(0)
+    else:
+        B, T = doc.shape
+        cos, sin = llama.rope_tables(rope_frequencies(cfg), llama.doc_positions(doc).flatten(), params["embed"].dtype)
+        tables = cos.view(B, 1, T, -1), sin.view(B, 1, T, -1)
     return llama.apply_with(params, tokens, cfg, itertools.repeat(tables), block, key=key, return_hidden=return_hidden,
-                            cache=cache, past_len=past_len, remat=remat, layers=layers)
+                            cache=cache, past_len=past_len, remat=remat, doc=doc, layers=layers)
 
 
 def loss(params: dict, batch: dict, cfg: MLAConfig, key: Optional[torch.Tensor] = None,
          remat: bool = False, layers: Optional[Layers] = None) -> torch.Tensor:
-    """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored)."""
-    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat, layers=layers), batch["y"])
+    """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored), with
+    ``batch["doc"]`` [B, T] the packed documents' ids when present (``core.data.documents``)."""
+    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat, doc=batch.get("doc"),
+                                      layers=layers), batch["y"])
 
 
 # ----------------------------------------------------------------------------------------------------------

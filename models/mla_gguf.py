@@ -23,9 +23,17 @@ in llama-cpp-python 0.3.36. What is written, and why:
   (26, 27, or 48 with a 128256 vocabulary), and the converter writes none for DeepSeek-V2-Lite's ``q_lora_rank:
   null``; 0 makes it load ``attn_q`` and compute ``q = W_q x`` exactly, where a factorized query would be inexact
   (llama.cpp normalizes the compressed query with ``attn_q_a_norm``).
+- The latent rows of ``attn_kv_a_mqa`` multiplied by sqrt(norm_eps / 1e-6) (``latent_scale``): llama.cpp normalizes
+  the latent at ``rms_norm_eps`` where DeepSeek-V2 (and ``models.mla``) take 1e-6 (``models.mla.KV_NORM_EPS``), and
+  RMSNorm_e(a c) = RMSNorm_{e / a^2}(c); 1 (no change) when norm_eps is 1e-6, as DeepSeek-V2's own.
 - ``qk_nope_head_dim`` 0: llama.cpp asserts at least one no-RoPE dim per head, so the file gets one that contributes
   nothing (a zero query row and a zero ``attn_k_b`` column per head) and the RoPE query rows are multiplied by
   sqrt((qk_rope_head_dim + 1) / qk_rope_head_dim), undoing the 1/sqrt(qk_rope_head_dim + 1) llama.cpp then scales by.
+
+:func:`load_mla_gguf` reads such a file back (``models.loading`` on a ``deepseek2`` GGUF: arch ``mla``), the inverse
+of the above: a dense query (``q_lora_rank`` 0 or absent), every block dense, the split ``attn_k_b``/``attn_v_b``
+(or the legacy ``attn_kv_b``), no RoPE scaling; anything else is refused by name. A file written for
+``qk_nope_head_dim`` 0 reads back as the equivalent model with its one inert no-RoPE dim.
 
 Refused with the reason: RoPE scaling (llama.cpp's ``deepseek2`` graph passes no ``rope_freqs`` to its RoPE, so
 llama3 scaling would be lost; ``format=hf`` keeps it). Tensor types and the file's atomic write are
@@ -40,10 +48,11 @@ import numpy as np
 import torch
 
 from core.config import UserError
-from models import hf
+from core.tree import cast
+from models import gguf as gguf_read, hf
 from models.gguf_export import HF_TO_GGUF, check_dtype, file_type, write_file
-from models.mla import MLAConfig
-from models.mla_hf import check_exportable, state_dict
+from models.mla import KV_NORM_EPS, MLAConfig
+from models.mla_hf import check_exportable, params_from_state_dict, state_dict
 
 ARCH = "deepseek2"
 BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
@@ -67,6 +76,12 @@ def nope_dims(cfg: MLAConfig) -> int:
     return max(cfg.qk_nope_head_dim, 1)
 
 
+def latent_scale(cfg: MLAConfig) -> float:
+    """What the latent rows of W_kv_a are multiplied by in the file, so that llama.cpp's RMSNorm at norm_eps
+    computes models.mla's at KV_NORM_EPS."""
+    return 1.0 if cfg.norm_eps == KV_NORM_EPS else math.sqrt(cfg.norm_eps / KV_NORM_EPS)
+
+
 def gguf_tensors(params: dict, cfg: MLAConfig) -> dict[str, np.ndarray]:
     """GGUF tensor name -> float32 array (numpy order: the ggml shape reversed)."""
     H, dn, dr, dv, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -85,6 +100,8 @@ def gguf_tensors(params: dict, cfg: MLAConfig) -> dict[str, np.ndarray]:
             out[f"blk.{layer}.attn_k_b.{kind}"] = k_b.transpose(1, 2)
             out[f"blk.{layer}.attn_v_b.{kind}"] = v_b
             continue
+        if part == "self_attn.kv_a_proj_with_mqa" and latent_scale(cfg) != 1.0:
+            w = torch.cat([w[:r] * latent_scale(cfg), w[r:]])
         if part == "self_attn.q_proj" and pad:
             heads = w.view(H, dr, -1) * math.sqrt((dr + pad) / dr)
             w = torch.cat([heads.new_zeros(H, pad, heads.shape[-1]), heads], dim=1).reshape(-1, heads.shape[-1])
@@ -128,3 +145,80 @@ def export_mla_gguf(params: dict, cfg: MLAConfig, path, tokenizer=None, dtype: s
     def metadata(writer, gguf):
         _write_metadata(writer, cfg, name or Path(path).stem, file_type(gguf, dtype), gguf)
     return write_file(path, ARCH, metadata, lambda: gguf_tensors(params, cfg), tokenizer, cfg.vocab_size, dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reading one back
+
+def config_from_gguf(reader, path="GGUF file") -> MLAConfig:
+    """``MLAConfig`` from a ``deepseek2`` file's metadata; a compressed query, experts or RoPE scaling refused."""
+    def get(key, default=None):
+        return gguf_read.metadata(reader, f"{ARCH}.{key}", default)
+
+    def need(key):
+        return gguf_read._need(reader, path, f"{ARCH}.{key}")
+    n_layers = int(need("block_count"))
+    if int(get("attention.q_lora_rank", 0)):
+        raise UserError(f"{path}: {ARCH}.attention.q_lora_rank={get('attention.q_lora_rank')}: a compressed query "
+                        f"is not supported (models.mla has a dense attn_q)")
+    if int(get("expert_count", 0)) and int(get("leading_dense_block_count", 0)) < n_layers:
+        raise UserError(f"{path}: {ARCH}.expert_count={get('expert_count')}: mixture-of-experts blocks are not "
+                        f"supported")
+    for key in ("rope.scaling.type", "rope.scaling.yarn_log_multiplier"):
+        if get(key, "none") not in ("none", 0, 0.0):
+            raise UserError(f"{path}: {ARCH}.{key}={get(key)!r}: RoPE scaling is not supported")
+    dr, k_mla = int(need("rope.dimension_count")), int(need("attention.key_length_mla"))
+    try:
+        return MLAConfig(
+            vocab_size=gguf_read._embedding_rows(reader, path), d_model=int(need("embedding_length")),
+            n_layers=n_layers, n_heads=int(need("attention.head_count")), ffn_dim=int(need("feed_forward_length")),
+            rope_theta=gguf_read._float(get("rope.freq_base", 10000.0)),
+            norm_eps=gguf_read._float(need("attention.layer_norm_rms_epsilon")),
+            tie_embeddings="output.weight" not in {t.name for t in reader.tensors},
+            max_context=int(get("context_length", 0)), kv_lora_rank=int(need("attention.kv_lora_rank")),
+            qk_rope_head_dim=dr, qk_nope_head_dim=k_mla - dr, v_head_dim=int(need("attention.value_length_mla")))
+    except ValueError as e:
+        raise UserError(f"{path}: {e}") from None
+
+
+def hf_state_dict(reader, cfg: MLAConfig, path="GGUF file") -> dict[str, torch.Tensor]:
+    """Every tensor dequantized to float32 under its Hugging Face name, ``attn_k_b``/``attn_v_b`` joined into
+    ``kv_b_proj`` (per head [k_nope | v] rows)."""
+    gguf = gguf_read._require_gguf()
+    to_hf = {v: k for k, v in BLOCK.items()}
+    H, dn, dv, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    sd, split = {}, {}
+    for t in reader.tensors:
+        w = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        block, layer, part, kind = (t.name.split(".") + ["", "", "", ""])[:4]
+        if t.name in gguf_read.TOP_TENSORS:
+            sd[gguf_read.TOP_TENSORS[t.name]] = w
+        elif block == "blk" and layer.isdigit() and kind == "weight" and part in to_hf:
+            if part == "attn_kv_a_mqa" and latent_scale(cfg) != 1.0:
+                w = torch.cat([w[:r] / latent_scale(cfg), w[r:]])
+            sd[f"model.layers.{layer}.{to_hf[part]}.weight"] = w
+        elif block == "blk" and layer.isdigit() and kind == "weight" and part in ("attn_kv_b", "attn_k_b", "attn_v_b"):
+            split.setdefault(int(layer), {})[part] = w
+        else:
+            raise UserError(f"{path}: unsupported tensor {t.name!r} (a dense deepseek2 file has none such)")
+    for layer, parts in split.items():
+        if "attn_kv_b" not in parts:
+            if set(parts) != {"attn_k_b", "attn_v_b"} or parts["attn_k_b"].shape != (H, r, dn) \
+                    or parts["attn_v_b"].shape != (H, dv, r):
+                raise UserError(f"{path}: block {layer}'s attn_k_b/attn_v_b are not [{H}, {r}, {dn}] and "
+                                f"[{H}, {dv}, {r}]")
+            parts["attn_kv_b"] = torch.cat([parts["attn_k_b"].transpose(1, 2), parts["attn_v_b"]], 1).reshape(-1, r)
+        sd[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = parts["attn_kv_b"]
+    return sd
+
+
+def load_mla_gguf(path, device=None):
+    """``(params, config, tokenizer or None, description)`` of a ``deepseek2`` GGUF; params float32 on ``device``."""
+    path = Path(path)
+    reader = gguf_read.open_gguf(path)
+    cfg = config_from_gguf(reader, path)
+    params = params_from_state_dict(hf_state_dict(reader, cfg, path), cfg, str(path))
+    tok = gguf_read.tokenizer_from_gguf(reader, path) if gguf_read.metadata(reader, "tokenizer.ggml.model") else None
+    quant = gguf_read.quantization(reader)
+    return (cast(params, device=device), cfg, tok,
+            f"GGUF ({ARCH}, {quant})" if quant == "F32" else f"GGUF ({ARCH}, {quant} dequantized)")

@@ -58,6 +58,7 @@ import torch
 
 from core.tree import clone
 from models.llama import LlamaConfig
+from models.mla import KV_NORM_EPS
 from models.surgery import METHODS, calibration_inputs, pair_scores, teacher_weights, whitening
 
 LATENT_WEIGHTS = ("equal", "fed")
@@ -281,7 +282,7 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lo
     if latent_weight == "fed":
         Pk, Pv = left_metrics(Qn, wo.view(L, d, G, n, hd), metric, Kn, Wv)
         left = block_diagonal([torch.linalg.cholesky(P).mT for P in [*Pk.unbind(1), *Pv.unbind(1)]])
-    A, B, rho, errors = joint_latent(x, Y, r, white, left, steady, cfg.norm_eps, G * m)
+    A, B, rho, errors = joint_latent(x, Y, r, white, left, steady, KV_NORM_EPS, G * m)
 
     scale = math.sqrt(m + d_r)                                     # the student's softmax_scale is (m + d_r)^-1/2
     wq = torch.cat([Qn, q_rope], dim=3) * scale                    # [L, G, n, m + d_r, d]

@@ -13,6 +13,9 @@ Hugging Face folder, a GGUF file, ``smollm2``). What is written:
   ships its MLA models (``models.dba_hf``), and refused by ``format=gguf`` with the reason.
 - ``format=gguf``: one llama.cpp file ``model-<DTYPE>.gguf`` written with the ``gguf`` package's writer
   (``models.gguf_export``); ``dtype=q8_0`` quantizes the matrices.
+- The upcycle recipe's MLA student (arch ``mla``) in DeepSeek-V2's own formats: ``format=hf`` a
+  ``DeepseekV2ForCausalLM`` folder that transformers opens without remote code (``models.mla_hf``), ``format=gguf``
+  llama.cpp's ``deepseek2`` (``models.mla_gguf``).
 
 Byte and char tokenizers are converted to a Hugging Face ``tokenizer.json`` with the same ids
 (``models.tokenizer_export``) or refused with the reason. The folder ``out`` is built in a temporary folder next
@@ -101,6 +104,12 @@ def _writer(model: LoadedModel, params: dict, config, cfg: Config):
     """``write(folder)`` for this model (``params``, ``config``: its exported form), format and dtype; what
     cannot be exported is refused here, first."""
     tok = model.tokenizer
+    if cfg.format == "gguf" and model.arch == "mla":
+        from models.mla_gguf import check_gguf, export_mla_gguf
+        check_gguf(params, config)    # refuses what llama.cpp's deepseek2 cannot run before the weights are converted
+        name = f"model-{cfg.dtype.upper().replace('FP32', 'F32')}.gguf"
+        return lambda folder: export_mla_gguf(params, config, folder / name, tokenizer=tok,
+                                              dtype=_gguf_dtype(cfg.dtype))
     if cfg.format == "gguf":
         from models.gguf_export import export_gguf, gguf_arch
         gguf_arch(config)             # refuses a model llama.cpp cannot run before the weights are converted
@@ -111,6 +120,10 @@ def _writer(model: LoadedModel, params: dict, config, cfg: Config):
     if tok is None:
         progress(f"note: {model.source} has no tokenizer; the folder gets none")
     dtype = DTYPES[cfg.dtype]
+    if model.arch == "mla":
+        from models.mla_hf import check_exportable, export_mla_hf
+        check_exportable(params, config)
+        return lambda folder: export_mla_hf(params, config, folder, tokenizer=bpe, dtype=dtype)
     if _remote(config):
         from models.dba_hf import export_dba_hf
         return lambda folder: export_dba_hf(params, config, folder, tokenizer=bpe, dtype=dtype)

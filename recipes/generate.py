@@ -72,7 +72,7 @@ def run(cfg: Config) -> str:
             sys.stdout.flush()
             printed = text
 
-    decode = model.module.decoder(model.params, model.config, 1, len(ids) + cfg.max_new_tokens)   # llama or dba
+    decode = model.module.decoder(model.params, model.config, 1, len(ids) + cfg.max_new_tokens)   # llama, dba, mla
     with autocast(cfg.dtype, device.type):
         generate(decode, torch.tensor([ids], device=device), cfg.max_new_tokens, temperature=cfg.temperature,
                  top_k=cfg.top_k, top_p=cfg.top_p, generator=torch.Generator(device).manual_seed(cfg.seed),

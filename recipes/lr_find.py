@@ -24,7 +24,7 @@ from core.state import init_state
 from core.step import Gradients, make_train_step
 from core.tree import cast, clone
 from models import llama
-from models.loading import load_model
+from models.loading import load_model, require_llama
 from recipes.standard import _model_config
 from recipes.train.config import AdaGCConfig, TrainConfig
 from recipes.train.optimizer import OptimizerSpec, make_optimizer
@@ -102,7 +102,7 @@ def run(cfg: Config) -> dict:
         raise UserError(f"lr_find needs 0 < start_lr < end_lr, got {cfg.start_lr} and {cfg.end_lr}")
     device = resolve_device(cfg.device)
     folder = run_folder(cfg, "lr_find")
-    start = load_model(cfg.init, device=device) if cfg.init else None
+    start = require_llama(load_model(cfg.init, device=device), "init", "lr_find") if cfg.init else None
     corpus = prepare_text(cfg.data, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
     model_cfg = start.config if start else _model_config(cfg.model, corpus.tokenizer.vocab_size)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device)

@@ -33,7 +33,7 @@ from core.data.fim import FIM, fim_ids
 from core.io.telemetry import flops_per_token
 from core.tree import cast, size
 from models import llama
-from models.loading import load_model, model_entry
+from models.loading import load_model, model_entry, require_llama
 from models.sampling import generate
 from recipes.orchestrator.config import OrchestratedConfig
 from recipes.orchestrator.driver import orchestrate
@@ -87,7 +87,7 @@ def prepare_run(cfg: Config, write: bool = True) -> Prepared:
     and nothing to write (``dry_run``, benchmarks). Everything that can fail on bad input happens here."""
     folder = run_folder(cfg, "standard")
     dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
-    start = load_model(cfg.init, device=device) if cfg.init else None
+    start = require_llama(load_model(cfg.init, device=device), "init", "standard") if cfg.init else None
     with dist.main_first():   # rank 0 tokenizes into the cache, the others then read it
         corpus = open_data(cfg, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
     tok = corpus.tokenizer

@@ -2,8 +2,8 @@
 q_lora) over ``models.mla``'s param layout, for testing ``models/mla_surgery.py`` independently of ``models/mla.py``:
 wq [L, H*(nope+rope), d], wkv_a [L, r+rope, d], kv_norm [L, r], wkv_b [L, H*(nope+v), r], wo [L, d, H*v];
 score = (q_nope . k_nope + R q_rope . R k_rope) * (nope + rope)^-1/2, rotate-half RoPE at frequencies
-``llama.rope_frequencies`` of head_dim = rope. ``latent_norm=False`` skips the RMSNorm on c (the surgery's linear
-part alone)."""
+``llama.rope_frequencies`` of head_dim = rope; the latent's RMSNorm at DeepSeek's eps (``models.mla.KV_NORM_EPS``).
+``latent_norm=False`` skips that norm (the surgery's linear part alone)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from models import llama
 from models.llama import LlamaConfig
+from models.mla import KV_NORM_EPS
 
 
 @dataclass
@@ -38,7 +39,7 @@ def attention(p: dict, x: torch.Tensor, cos, sin, cfg: RefConfig, cache=None, pa
     q_nope, q_rope = q.split([dn, dr], dim=-1)
     c, k_rope = F.linear(x, p["wkv_a"]).split([r, dr], dim=-1)
     if cfg.latent_norm:
-        c = llama.rms_norm(c, p["kv_norm"], cfg.norm_eps)
+        c = llama.rms_norm(c, p["kv_norm"], KV_NORM_EPS)
     kv = F.linear(c, p["wkv_b"]).view(B, T, H, dn + dv).transpose(1, 2)
     k_nope, v = kv.split([dn, dv], dim=-1)
     k_rope = llama.apply_rope(k_rope[:, None], cos, sin).expand(B, H, T, dr)

@@ -106,6 +106,8 @@ RUN_ELSEWHERE = {
     "bin/run recipe=bench.policy": "tests/test_on_policy.py::"
                                    "test_the_policy_bench_scores_a_student_on_its_own_samples_and_on_the_data",
     "bin/run recipe=bench.gpu device=cpu": "tests/test_bench_gpu.py::test_the_gpu_bench_runs_every_section_on_the_cpu",
+    "bin/run recipe=export init=STUDENT": "tests/test_mla.py::"
+                                          "test_recipe_export_writes_an_mla_checkpoint_in_deepseek_v2s_formats",
 }
 NOT_RUN = {
     "tensorboard --logdir runs": "a server that runs until stopped (the event files it reads: tests/test_board.py)",

@@ -1,6 +1,7 @@
 """Does llama.cpp compute what purestep computes? ``bin/run recipe=bench.llamacpp [init=smollm2] [data=TEXT]``.
 
-``recipe=export format=gguf`` writes ``init`` at each of ``dtypes``; llama.cpp (its Python binding,
+``recipe=export format=gguf`` writes ``init`` at each of ``dtypes`` (a Llama as llama.cpp's ``llama`` or ``qwen2``,
+an MLA student, arch ``mla``, as its ``deepseek2``: ``models.mla_gguf``); llama.cpp (its Python binding,
 ``llama_cpp`` from the ``llama-cpp-python`` package, which purestep does not depend on: build it from its sdist)
 loads each file, and both run the same tokens:
 
@@ -8,10 +9,11 @@ loads each file, and both run the same tokens:
   largest |logit difference| (next to the largest |logit|, for scale), how often both put the same token on top,
   and the mean next-token NLL of each;
 - **greedy decoding**: each continues the first ``prompt_tokens`` of that window on its own for
-  ``greedy_tokens`` tokens, always taking the top token (llama.cpp through its own KV cache, purestep through
-  ``models.llama.decoder``); reported is how many leading tokens the two continuations share. llama.cpp keeps
-  its KV cache in f16 by default (``kv_cache=f16``, what its users get); ``kv_cache=f32`` computes as purestep
-  does, which isolates what the export itself changes;
+  ``greedy_tokens`` tokens, always taking the top token (llama.cpp through its own KV cache, purestep through the
+  model's ``decoder``: ``models.llama``'s, or for an MLA student ``models.mla``'s absorbed decode over the cached
+  latent, as llama.cpp's ``deepseek2`` decodes it); reported is how many leading tokens the two continuations
+  share. llama.cpp keeps its KV cache in f16 by default (``kv_cache=f16``, what its users get); ``kv_cache=f32``
+  computes as purestep does, which isolates what the export itself changes;
 - **tokenization**: llama.cpp's tokenizer (reading the GGUF's ``tokenizer.ggml.*``) and purestep's on the
   window's text: whether the ids are the same.
 
@@ -114,7 +116,7 @@ def _purestep(model, window: torch.Tensor, cfg: Config) -> dict:
     """purestep's fp32 logits over ``window`` and its greedy continuation of the window's prompt."""
     logits = model.module.apply(model.params, window[None], model.config)[0]
     prompt = window[None, :cfg.prompt_tokens]
-    decode = model.module.decoder(model.params, model.config, 1, cfg.prompt_tokens + cfg.greedy_tokens)
+    decode = model.module.decoder(model.params, model.config, 1, cfg.prompt_tokens + cfg.greedy_tokens)   # mla: latent
     greedy = generate(decode, prompt, cfg.greedy_tokens, temperature=0)[0]
     return {"logits": logits.float(), "greedy": greedy.tolist()}
 

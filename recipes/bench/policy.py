@@ -27,7 +27,7 @@ from core.device import DEVICES, resolve_device
 from core.gradients import autocast
 from core.io.logging import progress
 from models import llama
-from models.loading import load_model
+from models.loading import load_model, require_llama
 from recipes.distill.on_policy import OnPolicy
 from recipes.distill.teacher import load_teacher, teacher_data
 from recipes.train.config import TrainConfig
@@ -86,12 +86,13 @@ def run(cfg: Config):
     if not names:
         raise UserError("recipe=bench.policy needs students=PATH[,PATH...] (distilled students to compare)")
     device = resolve_device(cfg.device)
-    teacher = load_teacher(cfg.teacher, device, "fp32", recipe="bench.policy")
+    teacher = require_llama(load_teacher(cfg.teacher, device, "fp32", recipe="bench.policy"), "teacher",
+                            "bench.policy")
     corpus, tok = teacher_data(teacher, TrainConfig.tokenizer, cfg.data)
     windows = _windows(cfg, corpus, device)
     rows = ["| student | KL own samples | teacher NLL own samples | KL data | CE data |", "|---|---:|---:|---:|---:|"]
     for name in names:
-        student = load_model(name, device)
+        student = require_llama(load_model(name, device), "students", "bench.policy")
         if student.config.vocab_size != teacher.config.vocab_size:
             raise UserError(f"students={name}: vocabulary {student.config.vocab_size}, the teacher's "
                             f"{teacher.config.vocab_size}")

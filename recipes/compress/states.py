@@ -34,6 +34,7 @@ from core.tree import fingerprint, tree_map
 from core.io.logging import progress
 from models import llama
 from models.compressor import Moments
+from models.loading import require_llama
 from recipes.distill.teacher import load_teacher
 
 FORMAT = "purestep-states-1"
@@ -51,7 +52,8 @@ class Teacher:
     """A frozen Llama teacher cut after block ``layer``: ``states(tokens) -> [B, T, D]``."""
 
     def __init__(self, path: str, layer: int, device, teacher_dtype: str = "auto"):
-        loaded = load_teacher(path, device, teacher_dtype, recipe="compress")   # states() returns float32 anyway
+        loaded = require_llama(load_teacher(path, device, teacher_dtype, recipe="compress"), "teacher",
+                               "compress")                                  # states() returns float32 anyway
         if loaded.tokenizer is None:
             raise UserError(f"teacher={path}: it has no tokenizer to turn the text into its tokens")
         self.source, self.format, self.tokenizer = loaded.source, loaded.format, loaded.tokenizer

@@ -45,6 +45,7 @@ from core.device import resolve_device
 from core.gradients import autocast
 from core.io.logging import progress
 from models import llama, losses
+from models.loading import require_llama
 from recipes.distill import packing
 from recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, teacher_data,
                                      teacher_dtype_option, teacher_identity, teacher_option)
@@ -206,7 +207,8 @@ def _check(cfg: Config, vocab_size: int):
 
 def run(cfg: Config) -> TeacherCache:
     device = resolve_device(cfg.device)
-    teacher = load_teacher(cfg.teacher, device, cfg.teacher_dtype, recipe="distill_cache")
+    teacher = require_llama(load_teacher(cfg.teacher, device, cfg.teacher_dtype, recipe="distill_cache"), "teacher",
+                            "distill_cache")
     tcfg = teacher.config
     _check(cfg, tcfg.vocab_size)
     corpus, tok = teacher_data(teacher, cfg.tokenizer, cfg.data)

@@ -64,7 +64,7 @@ from core.data.documents import DocCorpus
 from core.io.telemetry import flops_per_token
 from core.tree import size
 from models import llama, losses
-from models.loading import LoadedModel, model_entry
+from models.loading import LoadedModel, model_entry, require_llama
 from recipes import standard
 from recipes.distill.cache import TOPK, TeacherCache
 from recipes.distill.on_policy import OnPolicy, on_policy_step
@@ -278,7 +278,7 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
     check_keys(cfg, dist.world_size)
     theta0 = check_temperature(cfg)
-    teacher = load_teacher(cfg.teacher, device, cfg.teacher_dtype)
+    teacher = require_llama(load_teacher(cfg.teacher, device, cfg.teacher_dtype), "teacher", "distill")
     with dist.main_first():   # rank 0 tokenizes into the cache, the others then read it
         corpus, tok = teacher_data(teacher, cfg.tokenizer, cfg.data, cfg)
     student_cfg, params, how = build_student(cfg, teacher, device)

@@ -12,7 +12,7 @@ from typing import Optional
 from core.config import UserError, option
 from core.tree import cast, tree_map
 from models import llama
-from models.loading import LoadedModel, load_model
+from models.loading import LoadedModel, load_model, require_llama
 from recipes.distill.hidden import PROJ
 from recipes.distill.teacher import compute_view
 
@@ -49,7 +49,7 @@ def build_student(cfg, teacher: LoadedModel, device) -> tuple[llama.LlamaConfig,
     if cfg.init:
         if cfg.student != "config" or overrides:
             raise UserError("init=PATH starts the student from that checkpoint: leave student= and model.* unset")
-        start = load_model(cfg.init, device=device)
+        start = require_llama(load_model(cfg.init, device=device), "init", "distill")
         if start.config.vocab_size != vocab:
             raise UserError(f"init={cfg.init}: its vocabulary ({start.config.vocab_size}) differs from the "
                             f"teacher's ({vocab})")
