@@ -84,14 +84,14 @@ def dims_line(cfg: Config, tcfg) -> str:
     """The chosen dims with both models' KV bytes per token (printed once the inputs are checked)."""
     if cfg.student == "mla":
         per_t, per_s = 2 * tcfg.n_kv_heads * tcfg.head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        dims = f"kv_lora_rank={cfg.kv_lora_rank} qk_rope_head_dim={cfg.qk_rope_head_dim} (MLA)"
+        dims = (f"kv_lora_rank={cfg.kv_lora_rank} qk_rope_head_dim={cfg.qk_rope_head_dim} (MLA; teacher "
+                f"{tcfg.n_kv_heads} KV heads x head_dim {tcfg.head_dim}")
     else:
         per_t, per_s = 2 * tcfg.n_kv_heads * tcfg.head_dim, tcfg.n_kv_heads * (cfg.sem_dim + cfg.geo_dim + cfg.v_dim)
-        dims = f"sem_dim={cfg.sem_dim} geo_dim={cfg.geo_dim} v_dim={cfg.v_dim}"
+        dims = f"sem_dim={cfg.sem_dim} geo_dim={cfg.geo_dim} v_dim={cfg.v_dim} (teacher head_dim {tcfg.head_dim}"
     kv_t, kv_s = llama.kv_bytes_per_token(tcfg), tcfg.n_layers * per_s * 2
-    return (f"upcycle: dims {dims} (teacher {tcfg.n_kv_heads} KV heads x head_dim {tcfg.head_dim}, kv_reduction="
-            f"{cfg.kv_reduction:g}); KV cache per token (bf16) teacher {kv_t:,} B, student {kv_s:,} B: "
-            f"{per_t / per_s:.2f}x smaller")
+    return (f"upcycle: dims {dims}, kv_reduction={cfg.kv_reduction:g}); KV cache per token (bf16) teacher "
+            f"{kv_t:,} B, student {kv_s:,} B: {per_t / per_s:.2f}x smaller")
 
 
 def _validate_mla(cfg: Config, tcfg) -> None:
