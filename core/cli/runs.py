@@ -58,6 +58,25 @@ def make_folder(folder: Path) -> Path:
     return folder
 
 
+def holder(folder: Path) -> str | None:
+    """Who holds ``folder``'s run lock (the holder's "pid N on host H" line), or None when no live process does;
+    creates nothing (a folder without ``.lock`` is held by no run)."""
+    try:
+        fd = os.open(Path(folder) / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        return None
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def claim(folder: Path) -> Iterator[Path]:
     """Create ``folder`` if needed (``make_folder``) and hold its lock until the block ends; RunFolderLocked if
