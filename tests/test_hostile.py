@@ -70,3 +70,37 @@ def test_export_overwrite_replaces_an_earlier_export_only(tmp_path, capsys):
     capsys.readouterr()
     assert "notes.txt" in first_error(capsys, "recipe=export", f"init={FIXTURE}", f"out={out}", "overwrite=true")
     assert (out / "notes.txt").read_text() == "mine" and snapshot(out).keys() == {*first, "notes.txt"}
+
+
+TINY = ["recipe=standard", "preset=tiny", "compile=false", "block_size=32", "batch_size=4", "model.d_model=32",
+        "model.n_layers=1", "model.n_heads=2", "sample_tokens=0", "eval_batches=1", "warmup_steps=0", "log_every=5",
+        "save_every=0", "steps=40", "lr=1e30"]
+
+
+@pytest.mark.usefixtures("token_cache")
+@pytest.mark.parametrize("keys, reason", [
+    (["spike.enabled=false"], "diverged: the weights' global norm is inf at step 5"),      # reproduction 5
+    (["spike.consecutive=1000"], "diverged: the last 29 steps up to step 30 were all non-finite and skipped"),
+])
+def test_a_diverged_run_stops_with_exit_4_and_is_never_final(corpus, tmp_path, capsys, keys, reason):
+    """lr=1e30: step 1 throws the weights to ~1e30 (their norm overflows), every later step is non-finite and
+    skipped. With the detector off the log's weight check stops the run at the first pull; with a detector that
+    never flags a hard spike the skip count does, after max_skipped_steps=25 (at the pull of step 30: 29 in a
+    row). Either way exit 4, stopped.msgpack, no final."""
+    from core.io import checkpoint as ckpt
+    out = tmp_path / "run"
+    assert main([*TINY, *keys, f"data={corpus}", f"out={out}"]) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (out / ckpt.STOPPED).exists() and not (out / ckpt.FINAL).exists()
+    assert err[-1].startswith(f"stopped: {reason}") and err[-1].endswith("not final.msgpack"), err[-1]
+    assert ckpt.read_meta(out / ckpt.STOPPED)["stopped"].startswith(reason)
+
+
+@pytest.mark.usefixtures("token_cache")
+def test_one_skipped_step_is_ridden_out(corpus, tmp_path, capsys):
+    """A single NaN batch is skipped and the run finishes: the check counts steps in a row, not any skip."""
+    from core.io import checkpoint as ckpt
+    out = tmp_path / "run"
+    assert main([*TINY[:-1], "steps=12", "lr=1e-3", "spike.enabled=false", "max_skipped_steps=1",
+                 "fault.inject_nan_at=3", f"data={corpus}", f"out={out}"]) == 0
+    assert "1 non-finite step(s) up to step 5 were skipped" in capsys.readouterr().err and (out / ckpt.FINAL).exists()
