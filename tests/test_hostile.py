@@ -104,3 +104,40 @@ def test_one_skipped_step_is_ridden_out(corpus, tmp_path, capsys):
     assert main([*TINY[:-1], "steps=12", "lr=1e-3", "spike.enabled=false", "max_skipped_steps=1",
                  "fault.inject_nan_at=3", f"data={corpus}", f"out={out}"]) == 0
     assert "1 non-finite step(s) up to step 5 were skipped" in capsys.readouterr().err and (out / ckpt.FINAL).exists()
+
+
+HOSTILE_TEMPLATES = {
+    "a loop too long": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "a loop over a string": "{% set s = 'a' * 100000 %}{% for x in s %}{% for y in s %}{% endfor %}{% endfor %}",
+    "a repeat": "{{ 'a' * 10**12 }}",
+    "a format width": "{{ '{:>1000000000000}'.format('a') }}",
+    "doubling": "{% set ns = namespace(x='a') %}{% for i in range(60) %}{% set ns.x = ns.x ~ ns.x %}{% endfor %}",
+    "an include": "{% include 'other.jinja' %}",
+    "an import": "{% from 'other.jinja' import m %}{{ m() }}",
+    "a macro calling itself": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "nesting": "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
+}
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hostile-hf") / "hf"
+    assert main(["recipe=export", f"init={FIXTURE}", f"out={out}", "verify=false"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("what", list(HOSTILE_TEMPLATES))
+def test_a_hostile_chat_template_is_one_error_line_within_its_budget(hf_folder, what, capsys, monkeypatch):
+    """An HF folder's chat_template is a program from the internet: a render is bounded in time (here 0.3 s, by
+    default core.data.sandbox.RENDER_SECONDS) and size, and include/import have nothing to load."""
+    import json
+    import time
+    import core.data.sandbox
+    monkeypatch.setattr(core.data.sandbox, "RENDER_SECONDS", 0.3)
+    conf = json.loads((hf_folder / "tokenizer_config.json").read_text())
+    (hf_folder / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": HOSTILE_TEMPLATES[what]}))
+    capsys.readouterr()
+    start = time.monotonic()
+    message = first_error(capsys, "recipe=generate", f"init={hf_folder}", "chat=true", "prompt=hello",
+                          "max_new_tokens=2")
+    assert message.startswith("error: chat template") and time.monotonic() - start < 5, message
