@@ -17,8 +17,9 @@ def snapshot(folder: Path) -> dict:
 
 
 def first_error(capsys, *args: str, code: int = 2) -> str:
+    """The one line ``main(args)`` writes to stderr, an ``error:`` (after the data's tokenizing progress, if any)."""
     assert main(list(args)) == code
-    lines = capsys.readouterr().err.strip().splitlines()
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("purestep: tokeniz")]
     assert lines and lines[0].startswith("error: ") and len(lines) == 1, lines
     return lines[0]
 
@@ -141,3 +142,48 @@ def test_a_hostile_chat_template_is_one_error_line_within_its_budget(hf_folder, 
     message = first_error(capsys, "recipe=generate", f"init={hf_folder}", "chat=true", "prompt=hello",
                           "max_new_tokens=2")
     assert message.startswith("error: chat template") and time.monotonic() - start < 5, message
+
+
+RUN = ["recipe=standard", "preset=tiny", "compile=false", "steps=2", "sample_tokens=0", "eval_batches=1",
+       "tokenizer=byte"]
+
+
+@pytest.mark.usefixtures("token_cache")
+@pytest.mark.parametrize("name, content, says", [
+    ("chats.jsonl.gz", b'{"text": "not gzipped"}\n', "not a readable gzip file"),
+    ("cut.jsonl.gz", None, "not a readable gzip file"),
+    ("deep.jsonl", b"[" * 100_000 + b"]" * 100_000 + b"\n", ":1: JSON nested deeper"),
+])
+def test_a_bad_jsonl_file_is_one_error_naming_it(tmp_path, capsys, name, content, says):
+    import gzip
+    path = tmp_path / name
+    path.write_bytes(content if content is not None else gzip.compress(b'{"text": "hello there"}\n' * 500)[:-12])
+    message = first_error(capsys, *RUN, f"data={path}", f"out={tmp_path / 'run'}")
+    assert str(path) in message and says in message, message
+
+
+@pytest.mark.usefixtures("token_cache")
+@pytest.mark.parametrize("key", ["batch_size=99999999999999999999", "block_size=99999999999"])
+def test_an_absurd_batch_is_one_error_naming_the_key(corpus, tmp_path, capsys, key):
+    message = first_error(capsys, *RUN, key, f"data={corpus}", f"out={tmp_path / 'run'}")
+    assert key in message and "GiB" in message and "lower it" in message, message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_max_new_tokens_beyond_memory_is_one_error(capsys):
+    message = first_error(capsys, "recipe=generate", f"init={FIXTURE}", "max_new_tokens=100000000000")
+    assert "max_new_tokens=100000000000 (a KV cache of 100,000,000,001 positions)" in message, message
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, corpus):
+    import signal
+    import subprocess
+    import sys
+    import time
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, str(repo / "bin" / "run"), *RUN, f"data={corpus}", f"out={tmp_path}"],
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    time.sleep(0.5)                          # inside `import torch`
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == "interrupted\n", err
