@@ -187,3 +187,49 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, corpus):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err == "interrupted\n", err
+
+
+def chunked_claim(path: Path, claim: int) -> Path:
+    """A checkpoint whose one chunked array claims ``claim`` float32 elements and holds one 4-byte chunk."""
+    import msgpack
+    from core.io import checkpoint_format as fmt
+    chunk = msgpack.ExtType(1, msgpack.packb(([1], "float32", b"\0\0\0\0")))
+    array = {fmt.CHUNKED: True, "shape": {"0": claim}, "chunks": {"0": chunk}}
+    path.write_bytes(msgpack.packb({"format": fmt.FORMAT, "step": 0, "state": {"params": {"w": array}}}))
+    return path
+
+
+@pytest.mark.parametrize("claim", [10**14, 2**28])
+def test_a_checkpoint_claiming_more_than_it_holds_is_refused_before_allocating(tmp_path, claim):
+    from core.io import checkpoint_format as fmt
+    path = chunked_claim(tmp_path / "bomb.msgpack", claim)
+    for state in ("load", "check"):
+        with pytest.raises(fmt.CheckpointError, match="truncated: the file ends at byte"):
+            fmt.read(path, state=state)
+
+
+def test_a_string_claiming_more_than_the_file_holds_is_refused(tmp_path):
+    from core.io import checkpoint_format as fmt
+    path = tmp_path / "s.msgpack"
+    path.write_bytes(b"\x81\xdb\xff\xff\xff\xf0")          # a map whose key claims a 4 GiB string
+    with pytest.raises(fmt.CheckpointError, match="truncated"):
+        fmt.read(path)
+
+
+def test_generate_from_a_checkpoint_bomb_is_one_error_line(tmp_path, capsys):
+    message = first_error(capsys, "recipe=generate", f"init={chunked_claim(tmp_path / 'b.msgpack', 10**14)}")
+    assert "b.msgpack" in message and "truncated" in message, message
+
+
+def test_a_vars_chain_expanding_exponentially_is_one_error(tmp_path, capsys):
+    """Ten vars each ten copies of the next: 10**10 characters if built (it was a MemoryError); refused at the
+    cap (core.cli.config_files.MAX_EXPANSION) instead, as is a chain of lists, five copies a step."""
+    names = "abcdefghijk"
+    ref = {a: "${" + a + "}" for a in names}
+    text = "".join(f'{a} = "{ref[b] * 10}"\n' for a, b in zip(names[:9], names[1:10]))
+    (tmp_path / "bomb.toml").write_text(f'name = "${{a}}"\n[vars]\n{text}j = "xxxxxxxxxx"\n')
+    lists = "".join(f'{a} = [{", ".join([repr(ref[b])] * 5)}]\n' for a, b in zip(names[:10], names[1:]))
+    (tmp_path / "lists.toml").write_text(f'name = "${{a}}"\n[vars]\n{lists}k = 1\n')
+    for name in ("bomb.toml", "lists.toml"):
+        message = first_error(capsys, "recipe=standard", f"config={tmp_path / name}")
+        assert "[vars] expand to more than 1,048,576 characters" in message and name in message, message
