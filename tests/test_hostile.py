@@ -233,3 +233,34 @@ def test_a_vars_chain_expanding_exponentially_is_one_error(tmp_path, capsys):
     for name in ("bomb.toml", "lists.toml"):
         message = first_error(capsys, "recipe=standard", f"config={tmp_path / name}")
         assert "[vars] expand to more than 1,048,576 characters" in message and name in message, message
+
+
+@pytest.mark.usefixtures("token_cache")
+@pytest.mark.parametrize("planted", ["metrics.jsonl", "events.out.tfevents.1.host.1.0", ".lock"])
+def test_a_run_never_writes_through_a_planted_symlink(corpus, tmp_path, capsys, planted):
+    """Reproduction 7: a link in the run folder to a file outside it; the run refuses it, the target's bytes stay."""
+    target = tmp_path / "outside.txt"
+    target.write_bytes(b"fifteen bytes..")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / planted).symlink_to(target)
+    message = first_error(capsys, *RUN, f"data={corpus}", f"out={out}")
+    assert f"{out / planted} is a symbolic link" in message and target.read_bytes() == b"fifteen bytes..", message
+
+
+def test_reports_replace_a_planted_symlink_and_leave_its_target(tmp_path):
+    """Reports, charts and CSVs are written by rename (core.io.cache.write_file): a link at the name is replaced,
+    never written through; an append (core.io.cache.open_append) refuses it."""
+    from core.config import UserError
+    from core.io.cache import open_append, write_csv, write_text
+    target = tmp_path / "outside.txt"
+    target.write_text("mine")
+    for name in ("results.md", "summary.csv", "log.jsonl"):
+        (tmp_path / name).symlink_to(target)
+    write_text(tmp_path / "results.md", "# report\n")
+    write_csv(tmp_path / "summary.csv", [["a", "b"], [1, 2.5]])
+    with pytest.raises(UserError, match="log.jsonl is a symbolic link"):
+        open_append(tmp_path / "log.jsonl")
+    assert target.read_text() == "mine" and (tmp_path / "log.jsonl").is_symlink()
+    assert (tmp_path / "results.md").read_text() == "# report\n" and not (tmp_path / "results.md").is_symlink()
+    assert (tmp_path / "summary.csv").read_bytes() == b"a,b\r\n1,2.5\r\n"      # as csv.writer to a file gave

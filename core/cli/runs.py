@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from core.config import ConfigError, UserError
+from core.io.cache import refuse_link
 
 LOCK = ".lock"
 
@@ -82,7 +83,12 @@ def claim(folder: Path) -> Iterator[Path]:
     """Create ``folder`` if needed (``make_folder``) and hold its lock until the block ends; RunFolderLocked if
     another process holds it (the message names that process's pid and host)."""
     folder = make_folder(folder)
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)   # its pid line truncates it
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_link(folder / LOCK)
+        raise
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
