@@ -33,6 +33,7 @@ RECIPES = {
 }
 
 
-def main(argv: Sequence[str]) -> int:
-    """``bin/run`` with these arguments over this registry; returns the exit code (see ``core.cli.command.main``)."""
-    return cli.main(argv, RECIPES)
+def main(argv: Sequence[str], repeats: bool = True) -> int:
+    """``bin/run`` with these arguments over this registry; returns the exit code (see ``core.cli.command.main``:
+    ``repeats=False``, ``bin/run``'s own command line, refuses a key given twice)."""
+    return cli.main(argv, RECIPES, repeats)

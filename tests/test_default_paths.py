@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 
 import documentation
+from core.cli.command import merge_args
 from core.io import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,7 +140,9 @@ class Runs:
             self.cores.notify_all()
         started = time.monotonic()
         try:
-            proc = subprocess.run([*launcher, str(BIN), *args], cwd=self.work, env=self.env, capture_output=True,
+            # a documented command plus overrides, each key once (bin/run refuses a repeat; the later one wins)
+            proc = subprocess.run([*launcher, str(BIN),
+                                   *merge_args(*args)], cwd=self.work, env=self.env, capture_output=True,
                                   text=True, timeout=TIMEOUT)
         finally:
             ranked = f" on {ranks} ranks" if ranks > 1 else ""

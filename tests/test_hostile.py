@@ -264,3 +264,23 @@ def test_reports_replace_a_planted_symlink_and_leave_its_target(tmp_path):
     assert target.read_text() == "mine" and (tmp_path / "log.jsonl").is_symlink()
     assert (tmp_path / "results.md").read_text() == "# report\n" and not (tmp_path / "results.md").is_symlink()
     assert (tmp_path / "summary.csv").read_bytes() == b"a,b\r\n1,2.5\r\n"      # as csv.writer to a file gave
+
+
+def test_a_key_given_twice_on_the_command_line_is_an_error_naming_it(tmp_path, capsys):
+    """bin/run's own command line refuses a repeat (reproduction 9); code composing arguments lays a later key over
+    an earlier one (recipes.main in-process, core.cli.command.merge_args for a child's command line)."""
+    import subprocess
+    import sys
+    from core.cli.command import merge_args
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "bin" / "run"), "recipe=standard", "steps=1", "steps=2"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr == ("error: key 'steps' is given twice (steps=1 and steps=2); "
+                                                    "give it once\n"), proc.stderr
+    assert main(["recipe=standard", "steps=1", "steps=2"], repeats=False) == 2
+    assert "'steps' is given twice" in capsys.readouterr().err
+    assert merge_args("recipe=x", "steps=1", "lr=2", "steps=3") == ["recipe=x", "lr=2", "steps=3"]
+
+
+def test_a_full_width_digit_is_not_a_number(capsys):
+    assert first_error(capsys, "recipe=standard", "steps=\uff15") == "error: bad value for 'steps': '\uff15' is not an int"
