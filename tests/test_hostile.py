@@ -284,3 +284,21 @@ def test_a_key_given_twice_on_the_command_line_is_an_error_naming_it(tmp_path, c
 
 def test_a_full_width_digit_is_not_a_number(capsys):
     assert first_error(capsys, "recipe=standard", "steps=\uff15") == "error: bad value for 'steps': '\uff15' is not an int"
+
+
+@pytest.mark.usefixtures("token_cache")
+def test_jsonl_training_with_a_hostile_template_is_one_error_line(hf_folder, tmp_path, capsys, monkeypatch):
+    """The same bounded render tokenizes JSONL chats with the init model's template (reproduction 3's second half)."""
+    import json
+    import core.data.sandbox
+    monkeypatch.setattr(core.data.sandbox, "RENDER_SECONDS", 0.3)
+    conf = json.loads((hf_folder / "tokenizer_config.json").read_text())
+    (hf_folder / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template":
+                                                                 HOSTILE_TEMPLATES["a loop too long"]}))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello"}]}) + "\n")
+    capsys.readouterr()
+    message = first_error(capsys, *RUN[:-1], f"init={hf_folder}", f"data={chats}", f"out={tmp_path / 'run'}")
+    assert message.startswith(f"error: {chats}:1: chat template: SecurityError: the template ran longer than its "
+                              f"0.3 s"), message

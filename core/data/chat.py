@@ -104,17 +104,25 @@ def check_messages(messages, where: str) -> list:
     return messages
 
 
+def _render_at(where: str, *args, **kwargs) -> str:
+    """:func:`render`, its error naming ``where`` (a JSONL record's file:line)."""
+    try:
+        return render(*args, **kwargs)
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from None
+
+
 def segments(template: str | ChatTemplate, messages: list, tok=None, where: str = "chat") -> list[tuple[str, bool]]:
     """The rendered chat as ``[(text, is_assistant), ...]`` whose texts join to ``render(messages)`` (it renders
     every prefix: pass a :class:`ChatTemplate`, compiled once, when there are many chats)."""
     template = _template(template)
-    full = render(template, messages, tok)
+    full = _render_at(where, template, messages, tok)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render(template, messages[:i], tok, add_generation_prompt=True)
-        upto = render(template, messages[:i + 1], tok)
+        before = _render_at(where, template, messages[:i], tok, add_generation_prompt=True)
+        upto = _render_at(where, template, messages[:i + 1], tok)
         if not (upto.startswith(before) and full.startswith(upto)):
             raise DataError(f"{where}: the chat template is not prefix-stable at message {i} (rendering the "
                             f"first {i} messages is not a prefix of rendering all), so its assistant tokens "
