@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from core.data.chat import check_messages, render, template_of
+from core.data.tokenizers import DataError
 from core.config import UserError, option
 from core.device import DEVICES, check_fits, resolve_device
 from core.io.logging import progress
@@ -65,7 +66,10 @@ def run(cfg: Config) -> str:
         raise UserError(f"{model.source}: no tokenizer stored with this model")
     messages = chat_messages(cfg.prompt, cfg.chat)
     if messages is not None:
-        ids = tok.encode(render(template_of(tok), messages, tok, add_generation_prompt=True))
+        try:
+            ids = tok.encode(render(template_of(tok), messages, tok, add_generation_prompt=True))
+        except DataError as e:        # the model's own template: say whose it is
+            raise DataError(f"{model.source}: {e}") from None
     elif cfg.prompt:
         ids = tok.encode(cfg.prompt)
     else:

@@ -141,7 +141,7 @@ def test_a_hostile_chat_template_is_one_error_line_within_its_budget(hf_folder, 
     start = time.monotonic()
     message = first_error(capsys, "recipe=generate", f"init={hf_folder}", "chat=true", "prompt=hello",
                           "max_new_tokens=2")
-    assert message.startswith("error: chat template") and time.monotonic() - start < 5, message
+    assert message.startswith(f"error: {hf_folder}: chat template") and time.monotonic() - start < 5, message
 
 
 RUN = ["recipe=standard", "preset=tiny", "compile=false", "steps=2", "sample_tokens=0", "eval_batches=1",
