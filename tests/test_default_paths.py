@@ -3,7 +3,8 @@
 Every test runs ``bin/run`` in a child process, the way the README shows it (``torchrun --standalone
 --nproc_per_node=2``, gloo on the CPU, for data parallel and sharded runs), with the recipe's defaults:
 ``compile=true`` wherever that is the default (standard, distill), the one-graph step, gradient health, the
-spike monitor. Only sizes are cut, by key overrides (a later ``key=value`` wins). Commands the README and its
+spike monitor. Only sizes are cut, by key overrides (a later ``key=value`` wins: ``merge_args``, since bin/run refuses
+a key given twice). Commands the README and its
 docs/ pages show are read from those pages by their first words (``readme``), so a documented command that stops
 working fails here; ``tests/test_readme.py`` checks that every command block of them is run by a test or says why
 not.
