@@ -48,7 +48,7 @@ def check_cache(model, tokens: int, what: str, device) -> None:
     new_cache = getattr(model.module, "new_cache", None)
     if new_cache is None:
         return
-    dtype = model.params["embed"].dtype
+    dtype = getattr(model.params.get("embed"), "dtype", torch.float32)     # what the decoder builds it in
     cache = new_cache(model.config, 1, tokens, dtype=dtype, device="meta")
     nbytes = sum(t.numel() * t.element_size() for layer in cache for t in layer.values())
     check_fits(f"{what} (a KV cache of {tokens:,} positions)", nbytes, device)
