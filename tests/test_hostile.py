@@ -302,3 +302,30 @@ def test_jsonl_training_with_a_hostile_template_is_one_error_line(hf_folder, tmp
     message = first_error(capsys, *RUN[:-1], f"init={hf_folder}", f"data={chats}", f"out={tmp_path / 'run'}")
     assert message.startswith(f"error: {chats}:1: chat template: SecurityError: the template ran longer than its "
                               f"0.3 s"), message
+
+
+@pytest.mark.parametrize("skipped_at, stops_at", [(range(1, 41), 30), (range(5, 10), None)])
+def test_the_blockwise_log_stops_a_phase_whose_steps_are_all_skipped(tmp_path, skipped_at, stops_at):
+    """Upcycle's blockwise phase logs through its own hook, with the same check (max_skipped_steps=25): every step
+    skipped stops it unfinished at the pull of step 30 (30 in a row); five skipped steps in a row do not."""
+    from types import SimpleNamespace
+    import torch
+    from core.io.logging import Logger
+    from recipes.train.hooks import StepContext
+    from recipes.train.loop import LoopState
+    from recipes.upcycle.blockwise import BlockConvergence
+    state = SimpleNamespace(monitor={"blocks": {"active": torch.ones(2, dtype=torch.bool)}}, step=torch.tensor(0))
+    with Logger(tmp_path, tensorboard=False, console=False) as logger:
+        hook = BlockConvergence(state, 40, 10, logger, max_skipped=25)
+        ctx = StepContext(state, 0, 0, total=40, loop=LoopState())
+        for step in range(1, 41):
+            ctx.advance(state, {"loss": torch.tensor(1.0), "block_loss": torch.ones(2), "ema": torch.ones(2),
+                                "active": torch.ones(2), "lr": torch.tensor(1e-3),
+                                "skipped": torch.tensor(float(step in skipped_at))})
+            stop = hook.after_step(ctx)
+            if stop is not None and stop.unfinished:
+                break
+    assert (step if stop.unfinished else None) == stops_at and stop is not None
+    if stops_at:
+        assert stop.reason == ("diverged: the last 30 steps up to step 30 were all non-finite and skipped "
+                               "(max_skipped_steps=25)")

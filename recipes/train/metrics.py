@@ -31,27 +31,41 @@ from recipes.train.hooks import Hook, StepContext, Stop
 LAST_VALUE = ("lr", "muon_lr", "loss_scale", "spike", "z_loss", "z_grad")
 
 
-def pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor], int, int]:
+def pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor], int, list]:
     """Means of the buffered 0-d step metrics (the loss, clip activity, ...), the last value of the rest, the
     newest packed health tensor that holds statistics (``optim.health.computed``: with ``every`` only the due
-    steps compute them), how many steps before the last it came from, and how many of the interval's last steps
-    in a row were skipped as non-finite: one host transfer for the interval."""
+    steps compute them), how many steps before the last it came from, and each step's ``skipped`` flag (oldest
+    first, for :func:`skipped_run`): one host transfer for the interval."""
     keys = [k for k, v in pending[-1].items() if v.dim() == 0]
     alike = [m for m in pending if all(k in m for k in keys)]   # a strategy switch may change the keys
     stacked = torch.stack([torch.stack([m[k].float() for k in keys]) for m in alike]).cpu()
     means, lasts = stacked.mean(0).tolist(), stacked[-1].tolist()
     values = {k: (lasts[i] if k in LAST_VALUE else means[i]) for i, k in enumerate(keys)}
-    run = 0
-    if "skipped" in keys:
-        for skipped in reversed(stacked[:, keys.index("skipped")].tolist()):
-            if not skipped > 0:
-                break
-            run += 1
+    skips = stacked[:, keys.index("skipped")].tolist() if "skipped" in keys else []
     for age, metrics in enumerate(reversed(pending)):
         health = metrics.get("health")
         if health is not None and computed(health):
-            return values, health.cpu(), age, run
-    return values, None, 0, run
+            return values, health.cpu(), age, skips
+    return values, None, 0, skips
+
+
+def skipped_run(skips: list, before: int) -> int:
+    """Steps in a row skipped as non-finite up to the last of an interval's ``skipped`` flags (oldest first), plus
+    ``before`` (the count at the previous pull) when every step of the interval was skipped."""
+    run = 0
+    for skipped in reversed(skips):
+        if not skipped > 0:
+            break
+        run += 1
+    return run if run < len(skips) else before + run
+
+
+def too_many_skipped(run: int, limit: int, step: int) -> Optional[str]:
+    """The divergence reason when ``run`` steps in a row were skipped and that reaches ``limit`` (0: never)."""
+    if limit and run >= limit:
+        return (f"diverged: the last {run} steps up to step {step} were all non-finite and skipped "
+                f"(max_skipped_steps={limit})")
+    return None
 
 
 def board_layout(health: Optional[GradientHealth]) -> dict:
@@ -126,9 +140,9 @@ class TrainLog(Hook):
         cfg, logger = self.cfg, self.logger
         if ctx.step % cfg.log_every != 0 and not ctx.last:
             return None
-        values, health, age, run = pull(ctx.pending)
+        values, health, age, skips = pull(ctx.pending)
         interval = len(ctx.pending)
-        self.skipped_run = run if run < interval else self.skipped_run + run
+        self.skipped_run = skipped_run(skips, self.skipped_run)
         ctx.pending.clear()
         now = time.perf_counter()
         seconds = max(now - self.last_time - ctx.excluded, 1e-9)
@@ -162,11 +176,8 @@ class TrainLog(Hook):
         cfg, step = self.cfg, ctx.step
         if values.get("spike", 0.0) > 0:          # the rollback acts on this step
             return None
-        reason = None
-        if cfg.max_skipped_steps and self.skipped_run >= cfg.max_skipped_steps:
-            reason = (f"diverged: the last {self.skipped_run} steps up to step {step} were all non-finite and skipped "
-                      f"(max_skipped_steps={cfg.max_skipped_steps})")
-        elif not cfg.spike.enabled and not math.isfinite(values.get("param_norm", 0.0)):
+        reason = too_many_skipped(self.skipped_run, cfg.max_skipped_steps, step)
+        if reason is None and not cfg.spike.enabled and not math.isfinite(values.get("param_norm", 0.0)):
             reason = f"diverged: the weights' global norm is {values['param_norm']} at step {step}"
         if reason is None:
             return None
