@@ -17,6 +17,7 @@ RECIPES = {
     "distill_cache": "recipes.distill.cache",
     "upcycle": "recipes.upcycle.recipe",
     "compress": "recipes.compress.recipe",
+    "eval": "recipes.eval.recipe",
     "bench.step": "recipes.bench.step",
     "bench.speed": "recipes.bench.speed",
     "bench.wall": "recipes.bench.wall",
@@ -30,6 +31,7 @@ RECIPES = {
     "bench.upcycle": "recipes.bench.upcycle",
     "bench.gpu": "recipes.bench.gpu",
     "bench.llamacpp": "recipes.bench.llamacpp",
+    "bench.eval": "recipes.bench.eval",
 }
 
 
