@@ -112,8 +112,8 @@ def agreement(ours: dict, texts: list, samples: list[dict], theirs_metrics: dict
     common = sorted(set(by_id) & set(harness))
     if not common:
         raise UserError("the harness and purestep scored no common question")
-    out = {"n": len(common), "headline": ours["headline"],
-           "same_prompts": sum(by_id[i][1] == [tuple(a) for a in harness[i]["arguments"]] for i in common) / len(common)}
+    same_prompts = sum(by_id[i][1] == [tuple(a) for a in harness[i]["arguments"]] for i in common)
+    out = {"n": len(common), "headline": ours["headline"], "same_prompts": same_prompts / len(common)}
     for metric in dict.fromkeys((ours["headline"], "acc")):
         mine = per_question(ours, metric)
         key = "pred" if metric == "acc" else f"pred_{metric[4:]}"
@@ -134,12 +134,14 @@ def agreement(ours: dict, texts: list, samples: list[dict], theirs_metrics: dict
 def markdown(report: dict) -> str:
     lines = [f"# recipe=eval against lm-evaluation-harness {report['harness_version']}", "",
              f"model {report['model']} (fp32, CPU), {report['num_fewshot']}-shot, limit {report['limit'] or 'none'}",
-             "", "| task | n | same prompts | same choice (headline) | same choice (acc) | max abs ll diff | purestep | harness |",
+             "", "| task | n | same prompts | same choice (headline) | same choice (acc) | max abs ll diff | purestep "
+             "| harness |",
              "|---|---|---|---|---|---|---|---|"]
     for name, a in report["tasks"].items():
         h = a["headline"]
         theirs = a[f"harness_{h}"]
-        lines.append(f"| {name} | {a['n']} | {a['same_prompts']:.4f} | {a[f'agreement_{h}']:.4f} ({h}) | {a['agreement_acc']:.4f} | "
+        lines.append(f"| {name} | {a['n']} | {a['same_prompts']:.4f} | {a[f'agreement_{h}']:.4f} ({h}) | "
+                     f"{a['agreement_acc']:.4f} | "
                      f"{a['max_abs_ll_diff']:.2e} | {a[f'purestep_{h}']:.4f} | "
                      f"{'' if theirs is None else f'{theirs:.4f}'} |")
     lines += ["", f"acceptance (same choice on >= {THRESHOLD:.1%} of each task): "

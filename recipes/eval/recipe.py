@@ -21,7 +21,7 @@ from recipes.eval.report import compare, write
 from recipes.eval.run import FEWSHOT_SEED, evaluate
 from recipes.eval.tasks import SIX, TASKS, unknown_task
 
-DESCRIPTION = "multiple-choice accuracy (ARC, HellaSwag, PIQA, OpenBookQA, WinoGrande, ...) as lm-eval-harness scores it"
+DESCRIPTION = "multiple-choice accuracy (ARC, HellaSwag, PIQA, OpenBookQA, WinoGrande...) as lm-eval-harness scores it"
 
 
 @dataclass

