@@ -243,3 +243,24 @@ def test_the_harness_comparison_counts_same_choices_and_the_largest_difference()
     assert got["agreement_acc_norm"] == 1.0 and got["agreement_acc"] == 0.5
     assert got["same_prompts"] == 0.5 and got["max_abs_ll_diff"] == pytest.approx(1.5)
     assert (got["purestep_acc_norm"], got["harness_acc_norm"], got["purestep_acc"]) == (0.5, 0.5, 1.0)
+
+
+def test_special_tokens_are_the_ones_transformers_encode_adds():
+    """A tokenizer.json whose post-processor prepends BOS (as Llama 2/3's do): the harness's inputs carry it (in the
+    context, once), as ``transformers``' ``encode`` gives them; a text that starts with the BOS string gets none."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, processors
+    from core.data.tokenizers import BPETokenizer
+    tok = tokenizers.Tokenizer(models.WordLevel({"<s>": 0, "a": 1, "b": 2, "<unk>": 3}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    ours = BPETokenizer(tok.to_str(), bos_id=0)
+    encode = scoring.harness_encoder(ours)
+    assert (ours.encode("a b"), encode("a b"), encode("<s> a")) == ([1, 2], [0, 1, 2], [0, 1])
+    assert scoring.encode_pair(encode, "a", " b") == ([0, 1], [2])
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return
+    assert PreTrainedTokenizerFast(tokenizer_object=tok).encode("a b") == encode("a b")

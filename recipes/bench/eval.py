@@ -67,8 +67,9 @@ def hf_folder(init: str, folder: Path) -> Path:
         from models import smollm2
         return Path(smollm2.hf_folder())
     model = load_model(init)
-    if model.arch != "llama":
-        raise UserError(f"init={init}: a {model.arch} model has no plain Hugging Face Llama folder for the harness")
+    if model.arch != "llama" or getattr(model.tokenizer, "name", "") != "bpe":
+        raise UserError(f"init={init}: the harness loads a Hugging Face Llama folder with a tokenizer.json; this is a "
+                        f"{model.arch} model with a {getattr(model.tokenizer, 'name', 'missing')} tokenizer")
     from models.hf import export_hf
     export_hf(model.params, model.config, folder / "hf", tokenizer=model.tokenizer)
     return folder / "hf"
