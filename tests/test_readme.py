@@ -157,7 +157,7 @@ NOT_RUN = {
     "bin/run recipe=standard data=tinyshakespeare.txt tokenizer=char out=runs/tiny-teacher":
         "600 steps of the quality-per-token table's teacher (char runs at test size: tests/test_shakespeare.py)",
     "pip download --no-deps": "downloads wheels for the GPU machine",
-    "timeout 900 bin/run recipe=bench.eval": "the measurement of docs/eval.md, ~9 minutes (as the next one)",
+    "timeout 900 bin/run recipe=bench.eval": "the measurements of docs/eval.md, 5 to 9 minutes each (as the next one)",
     "bin/run recipe=bench.eval": "SmolLM2 through recipe=eval and lm-evaluation-harness's HF backend for ~9 minutes "
                                  "(lm-eval is no dependency; the comparison itself: tests/test_eval.py::"
                                  "test_the_harness_comparison_counts_same_choices_and_the_largest_difference)",

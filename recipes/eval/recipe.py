@@ -19,7 +19,7 @@ from core.io.logging import progress
 from models.loading import load_model
 from recipes.eval.report import compare, write
 from recipes.eval.run import FEWSHOT_SEED, evaluate
-from recipes.eval.tasks import SIX, TASKS, unknown_task
+from recipes.eval.tasks import SIX, TASKS, data_root, unknown_task
 
 DESCRIPTION = "multiple-choice accuracy (ARC, HellaSwag, PIQA, OpenBookQA, WinoGrande...) as lm-eval-harness scores it"
 
@@ -54,11 +54,12 @@ def run(cfg: Config) -> dict:
     if not cfg.init:
         raise UserError("recipe=eval needs init=MODEL (a run folder, checkpoint, HF folder, GGUF file or 'smollm2')")
     folder = runs.run_folder(cfg.out, cfg.name, "eval")
+    root = data_root(cfg.data)                         # before the model loads: a missing extra is said at once
     device = resolve_device(cfg.device)
     model = load_model(cfg.init, device=device)
     progress(f"[{model.format}: {model.source}]")
     results = evaluate(model, cfg.tasks, cfg.limit, num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size,
-                       dtype=cfg.dtype, seed=cfg.seed, data=cfg.data)
+                       dtype=cfg.dtype, seed=cfg.seed, data=str(root))
     results = {"config": to_dict(cfg), "model": {"source": model.source, "format": model.format, "arch": model.arch},
                **results}
     if cfg.compare:

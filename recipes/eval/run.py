@@ -12,6 +12,7 @@ PIQA and OpenBookQA, acc for WinoGrande) and the harness's standard error of eac
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 from core.config import UserError
@@ -29,11 +30,15 @@ def _argmax(values: Sequence[float]) -> int:
     return max(range(len(values)), key=lambda i: (values[i], -i))     # the first of equal maxima, as np.argmax
 
 
+def _per(ll: float, n: int) -> float:
+    return ll / n if n else -math.inf            # an empty choice: numpy's -x / 0 (a log-likelihood is negative)
+
+
 def predictions(lls: Sequence[float], choices: Sequence[str]) -> dict:
     """The choice picked by each metric from one question's log-likelihoods."""
     return {"acc": _argmax(lls),
-            "acc_norm": _argmax([ll / len(c) for ll, c in zip(lls, choices)]),
-            "acc_bytes": _argmax([ll / len(c.encode("utf-8")) for ll, c in zip(lls, choices)])}
+            "acc_norm": _argmax([_per(ll, len(c)) for ll, c in zip(lls, choices)]),
+            "acc_bytes": _argmax([_per(ll, len(c.encode("utf-8"))) for ll, c in zip(lls, choices)])}
 
 
 def task_texts(task: Task, root, limit: int, num_fewshot: int, seed: int):
