@@ -98,9 +98,12 @@ def test_a_score_alone_equals_it_in_a_padded_batch():
     rng = random.Random(0)
     requests = [([rng.randrange(256) for _ in range(rng.randint(1, 30))], [rng.randrange(256) for _ in range(k)])
                 for k in (1, 3, 7, 2, 5, 1)]
+    requests += [(requests[0][0], [7]), (requests[0][0], [8])]       # one-token choices of one context: one row
     alone = scoring.loglikelihoods(model, requests, batch_size=1)
     together = scoring.loglikelihoods(model, requests, batch_size=len(requests))
-    assert together == pytest.approx(alone, abs=1e-5)
+    assert together == pytest.approx(alone, abs=1e-5) and len(set(alone)) == len(alone)
+    separately = [scoring.loglikelihoods(model, [r])[0] for r in requests]
+    assert separately == pytest.approx(alone, abs=1e-5)
     other = type("Other", (), {"arch": "other", "module": llama, "params": model.params, "config": CFG})()
     assert scoring.loglikelihoods(other, requests, batch_size=4) == pytest.approx(alone, abs=1e-5)
     ctx, cont = requests[2]

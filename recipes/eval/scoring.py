@@ -14,8 +14,9 @@ and right-padded into batches of ``batch_size``: under causal attention a pad af
 its real positions, so a score does not depend on its batch. For the model families that share Llama's final norm
 and head (``llama``, ``dba``: ``models.llama.apply_with``) the head runs only on the continuation positions (the
 ``return_hidden="only"`` stream, then the norm and the head), as ``recipes/upcycle/quality.py`` does; any other
-architecture goes through its ``module.apply`` logits. Requests that share a context are not merged into one
-forward (each choice is a row of its own, as in the harness).
+architecture goes through its ``module.apply`` logits. Requests whose inputs are the same tokens (one-token
+continuations after one context) share a row, as the harness's one-token-continuation cache does; other choices of
+one question are rows of their own (a shared context's keys and values are not reused).
 """
 from __future__ import annotations
 
@@ -77,36 +78,42 @@ def loglikelihoods(model, requests: Sequence[tuple[list[int], list[int]]], *, ba
                    dtype: str = "fp32", max_length: int = 2048,
                    report: Callable[[int, int], None] | None = None) -> list[float]:
     """The summed log-likelihood of each ``(context ids, continuation ids)`` request (a ``LoadedModel``'s params,
-    on their device). ``report(done, total)`` is called after every batch."""
+    on their device). Requests whose model inputs are the same tokens (one-token continuations of one context, as
+    BoolQ's ``no``/``yes``) share one row, as the harness's ``group_by="contexts"`` does. ``report(done, total)``
+    (requests) is called after every batch."""
     device = model.params["embed"].device
-    inputs, spans = [], []
-    for ctx, cont in requests:
-        if not cont:
-            raise ValueError("a request with an empty continuation")
+    inputs, users, spans = {}, [], []          # unique input -> its index; per unique input, the requests reading it
+    for i, (ctx, cont) in enumerate(requests):
+        if not 0 < len(cont) <= max_length:
+            raise ValueError(f"a continuation of {len(cont)} tokens (the harness takes 1 to max_length={max_length})")
         ids = (list(ctx) + list(cont))[-(max_length + 1):]
-        inputs.append(ids[:-1])
+        u = inputs.setdefault(tuple(ids[:-1]), len(inputs))
+        if u == len(users):
+            users.append([])
+        users[u].append(i)
         spans.append((ids[-len(cont):], len(ids) - 1 - len(cont)))     # the targets, the position before them
-    out = [0.0] * len(requests)
-    done = 0
-    for group in batches([len(x) for x in inputs], batch_size):
-        width = len(inputs[group[0]])
-        x = torch.zeros(len(group), width, dtype=torch.long)
-        rows, cols, targets = [], [], []
-        for r, i in enumerate(group):
-            x[r, :len(inputs[i])] = torch.tensor(inputs[i])
-            tgt, start = spans[i]
-            rows += [r] * len(tgt)
-            cols += range(start, start + len(tgt))
-            targets += tgt
-        at = torch.tensor(rows, device=device)
+    rows_ids = list(inputs)
+    out, done = [0.0] * len(requests), 0
+    for group in batches([len(x) for x in rows_ids], batch_size):
+        x = torch.zeros(len(group), len(rows_ids[group[0]]), dtype=torch.long)
+        readers, rows, cols, targets, owner = [], [], [], [], []
+        for r, u in enumerate(group):
+            x[r, :len(rows_ids[u])] = torch.tensor(rows_ids[u])
+            for i in users[u]:
+                tgt, start = spans[i]
+                rows += [r] * len(tgt)
+                cols += range(start, start + len(tgt))
+                targets += tgt
+                owner += [len(readers)] * len(tgt)
+                readers.append(i)
         with autocast(dtype, device.type):
-            logp = _logprobs(model, x.to(device), at, torch.tensor(cols, device=device))
+            logp = _logprobs(model, x.to(device), torch.tensor(rows, device=device), torch.tensor(cols, device=device))
         picked = logp.gather(1, torch.tensor(targets, device=device)[:, None])[:, 0].double()
-        sums = torch.zeros(len(group), dtype=torch.float64, device=device).index_add_(
-            0, at, picked)
-        for r, value in zip(group, sums.tolist()):
-            out[r] = value
-        done += len(group)
+        sums = torch.zeros(len(readers), dtype=torch.float64, device=device).index_add_(
+            0, torch.tensor(owner, device=device), picked)
+        for i, value in zip(readers, sums.tolist()):
+            out[i] = value
+        done += len(readers)
         if report is not None:
             report(done, len(requests))
     return out
