@@ -111,6 +111,24 @@ def test_a_score_alone_equals_it_in_a_padded_batch():
     assert alone[2] == pytest.approx(sum(logp[len(ctx) + j - 1, t].item() for j, t in enumerate(cont)), abs=1e-5)
 
 
+def test_an_upcycled_dba_student_scores_through_its_own_apply(data, tmp_path):
+    """A DBA checkpoint (the upcycle student) loads by ``init=`` and scores as its ``dba.apply`` logits say."""
+    from models import dba
+    scfg = dba.DBAConfig.from_teacher(CFG, sem_dim=2, geo_dim=4, v_dim=4)
+    params = dba.init(scfg, seed=5)
+    ckpt.save(tmp_path / "student.msgpack", {"params": params}, step=0,
+              extra={"model": model_entry(scfg), "tokenizer": ByteTokenizer().to_dict()})
+    assert main(["recipe=eval", f"init={tmp_path / 'student.msgpack'}", f"data={data}", "tasks=winogrande",
+                 f"out={tmp_path / 'run'}", "device=cpu"]) == 0
+    got = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert got["model"]["arch"] == "dba"
+    d = tasks.winogrande(WINO[1])
+    for ctx, ll in zip(d.contexts, got["tasks"]["winogrande"]["examples"][1]["loglikelihoods"]):
+        ids, cont = list(ctx.encode()), list((" " + d.continuations[0]).encode())
+        logp = torch.log_softmax(dba.apply(params, torch.tensor([ids + cont]), scfg)[0].double(), -1)
+        assert ll == pytest.approx(sum(logp[len(ids) + j - 1, t].item() for j, t in enumerate(cont)), abs=1e-4)
+
+
 def test_encode_pair_moves_the_contexts_trailing_spaces_and_splits_the_whole_encoding():
     """The harness's ``_encode_pair``: a word tokenizer whose tokens carry their leading space, so ``"Answer: "`` +
     ``"yes"`` scores the token ``" yes"``, and a merge across the boundary lands in the continuation."""
