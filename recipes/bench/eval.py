@@ -26,7 +26,7 @@ from core.io.logging import progress
 from models.loading import SMOLLM2, load_model
 from recipes.eval.report import per_question
 from recipes.eval.run import FEWSHOT_SEED, evaluate, task_texts
-from recipes.eval.tasks import SIX, TASKS, data_root, unknown_task
+from recipes.eval.tasks import SIX, TASKS, data_root, split_files, unknown_task
 
 DESCRIPTION = "recipe=eval against lm-evaluation-harness's HF backend: the same choice per question, log-likelihoods"
 
@@ -84,9 +84,7 @@ def harness_tasks(tasks, root: Path, folder: Path) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     names = {}
     for t in tasks:
-        files = sorted((root / TASKS[t].path).glob("*.arrow"))
-        if not files:
-            raise UserError(f"task {t}: no split at {root / TASKS[t].path} (no .arrow file there)")
+        files = split_files(TASKS[t], root)
         name = f"purestep_{t}"
         spec = {"include": str(base / HARNESS_YAML[t]), "task": name, "tag": ["purestep_bench"],
                 "dataset_path": "arrow", "dataset_name": None,

