@@ -4,7 +4,7 @@
   sample standard deviation of the per-question 0/1 scores over sqrt(n), which for an accuracy p is
   ``sqrt(p (1 - p) / (n - 1))``.
 - Two models on the same questions: the per-question differences ``d_i = a_i - b_i``, their mean and its standard
-  error ``sd(d) / sqrt(n)`` (the paired-difference analysis of Miller 2024, "Adding Error Bars to Evals", sec. 4,
+  error ``sd(d) / sqrt(n)`` (the paired-difference analysis of Miller 2024, "Adding Error Bars to Evals",
   which is smaller than the unpaired one by the covariance of the two models' scores), the 95% interval
   ``mean +- 1.96 se`` (normal approximation).
 - The average over tasks is the plain average of the per-task metrics; its standard error assumes the tasks are
