@@ -111,21 +111,27 @@ def test_a_score_alone_equals_it_in_a_padded_batch():
     assert alone[2] == pytest.approx(sum(logp[len(ctx) + j - 1, t].item() for j, t in enumerate(cont)), abs=1e-5)
 
 
-def test_an_upcycled_dba_student_scores_through_its_own_apply(data, tmp_path):
-    """A DBA checkpoint (the upcycle student) loads by ``init=`` and scores as its ``dba.apply`` logits say."""
-    from models import dba
-    scfg = dba.DBAConfig.from_teacher(CFG, sem_dim=2, geo_dim=4, v_dim=4)
-    params = dba.init(scfg, seed=5)
+@pytest.mark.parametrize("arch", ["dba", "mla"])
+def test_an_upcycled_student_scores_through_its_own_apply(arch, data, tmp_path):
+    """A DBA or MLA checkpoint (the upcycle students) loads by ``init=`` and scores as its own ``apply``'s logits
+    say (the continuation-only head of ``llama.apply_with`` against the full logits)."""
+    from models import dba, mla
+    if arch == "dba":
+        module, scfg = dba, dba.DBAConfig.from_teacher(CFG, sem_dim=2, geo_dim=4, v_dim=4)
+    else:
+        module, scfg = mla, mla.MLAConfig.from_teacher(CFG, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                                       v_head_dim=8)
+    params = module.init(scfg, seed=5)
     ckpt.save(tmp_path / "student.msgpack", {"params": params}, step=0,
               extra={"model": model_entry(scfg), "tokenizer": ByteTokenizer().to_dict()})
     assert main(["recipe=eval", f"init={tmp_path / 'student.msgpack'}", f"data={data}", "tasks=winogrande",
                  f"out={tmp_path / 'run'}", "device=cpu"]) == 0
     got = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert got["model"]["arch"] == "dba"
+    assert got["model"]["arch"] == arch
     d = tasks.winogrande(WINO[1])
     for ctx, ll in zip(d.contexts, got["tasks"]["winogrande"]["examples"][1]["loglikelihoods"]):
         ids, cont = list(ctx.encode()), list((" " + d.continuations[0]).encode())
-        logp = torch.log_softmax(dba.apply(params, torch.tensor([ids + cont]), scfg)[0].double(), -1)
+        logp = torch.log_softmax(module.apply(params, torch.tensor([ids + cont]), scfg)[0].double(), -1)
         assert ll == pytest.approx(sum(logp[len(ids) + j - 1, t].item() for j, t in enumerate(cont)), abs=1e-4)
 
 
@@ -243,8 +249,10 @@ def test_the_default_command_through_bin_run(data, tmp_path):
     ckpt.save(tmp_path / "tiny.msgpack", {"params": llama.init(CFG, seed=0)}, step=0,
               extra={"model": model_entry(CFG), "tokenizer": ByteTokenizer().to_dict()})
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(REPO / "bin" / "run"), *words, f"init={tmp_path / 'tiny.msgpack'}",
-                           "tasks=arc_easy,winogrande", f"data={data}", "limit=3", "name=tiny"], cwd=tmp_path, env=env,
+    from core.cli.command import merge_args            # bin/run refuses a repeated key: the overrides replace
+    args = merge_args(*words, f"init={tmp_path / 'tiny.msgpack'}", "tasks=arc_easy,winogrande", f"data={data}",
+                      "limit=3", "name=tiny")
+    proc = subprocess.run([sys.executable, str(REPO / "bin" / "run"), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     results = json.loads((tmp_path / "runs" / "eval-tiny" / "results.json").read_text())
