@@ -12,8 +12,8 @@ Scores. The model reads ``(context + continuation)[:-1]`` and the continuation's
 log-softmax (fp32) of its tokens at the positions before them. Rows are sorted longest first (the harness's order)
 and right-padded into batches of ``batch_size``: under causal attention a pad after a row's last token never reaches
 its real positions, so a score does not depend on its batch. For the model families that share Llama's final norm
-and head (``llama``, ``dba``, ``mla``: ``models.llama.apply_with``) the head runs only on the continuation positions (the
-``return_hidden="only"`` stream, then the norm and the head), as ``recipes/upcycle/quality.py`` does; any other
+and head (``llama``, ``dba``, ``mla``: ``models.llama.apply_with``) the head runs only on the continuation positions
+(the ``return_hidden="only"`` stream, then the norm and the head), as ``recipes/upcycle/quality.py`` does; any other
 architecture goes through its ``module.apply`` logits. Requests whose inputs are the same tokens (one-token
 continuations after one context) share a row, as the harness's one-token-continuation cache does; other choices of
 one question are rows of their own (a shared context's keys and values are not reused).
