@@ -208,7 +208,7 @@ def _convert(tp, v):
     if tp is int or tp is float:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and (tp is float or isinstance(v, int)):
             return tp(v)
-        if isinstance(v, str):
+        if isinstance(v, str) and v.strip().isascii():   # Python's int() also reads other scripts' digits ("５")
             try:
                 return tp(v.strip())
             except ValueError:

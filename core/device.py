@@ -1,5 +1,9 @@
-"""Device selection: ``device=auto|cpu|cuda|mps`` resolved once at start-up."""
+"""Device selection: ``device=auto|cpu|cuda|mps`` resolved once at start-up, and how much memory it has
+(``check_fits``: a size key whose lower bound of memory exceeds the device's whole memory is a one-line error before
+anything is allocated, not a traceback from the allocator)."""
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -36,3 +40,24 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """The device's whole memory: a CUDA card's, else the machine's physical RAM; None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_fits(what: str, nbytes: int, device: torch.device) -> None:
+    """A ConfigError naming ``what`` (the keys and how the bytes follow from them) when ``nbytes``, a lower bound of
+    what they need, exceeds ``device``'s whole memory."""
+    total = memory_bytes(device)
+    if total is not None and nbytes > total:
+        need = nbytes / 2**30
+        need = f"{need:,.1f}" if need < 1e6 else f"{need:.3g}"
+        raise ConfigError(f"{what} needs at least {need} GiB, more than the {total / 2**30:,.1f} GiB of {device.type} "
+                          f"memory here; lower it")

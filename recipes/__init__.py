@@ -17,6 +17,7 @@ RECIPES = {
     "distill_cache": "recipes.distill.cache",
     "upcycle": "recipes.upcycle.recipe",
     "compress": "recipes.compress.recipe",
+    "eval": "recipes.eval.recipe",
     "bench.step": "recipes.bench.step",
     "bench.speed": "recipes.bench.speed",
     "bench.wall": "recipes.bench.wall",
@@ -30,9 +31,11 @@ RECIPES = {
     "bench.upcycle": "recipes.bench.upcycle",
     "bench.gpu": "recipes.bench.gpu",
     "bench.llamacpp": "recipes.bench.llamacpp",
+    "bench.eval": "recipes.bench.eval",
 }
 
 
-def main(argv: Sequence[str]) -> int:
-    """``bin/run`` with these arguments over this registry; returns the exit code (see ``core.cli.command.main``)."""
-    return cli.main(argv, RECIPES)
+def main(argv: Sequence[str], repeats: bool = True) -> int:
+    """``bin/run`` with these arguments over this registry; returns the exit code (see ``core.cli.command.main``:
+    ``repeats=False``, ``bin/run``'s own command line, refuses a key given twice)."""
+    return cli.main(argv, RECIPES, repeats)

@@ -20,18 +20,24 @@ Hugging Face folder, a GGUF file, ``smollm2``). What is written:
 Byte and char tokenizers are converted to a Hugging Face ``tokenizer.json`` with the same ids
 (``models.tokenizer_export``) or refused with the reason. The folder ``out`` is built in a temporary folder next
 to it and renamed into place (``core.io.cache.build_folder``): a failed export leaves nothing, and an existing
-``out`` is replaced only with ``overwrite=true``. ``verify=true`` reads the export back (transformers for HF
-folders when it is installed, else purestep's own loader) and prints the largest logit difference against the
-model that was exported, on one fixed random sequence.
+``out`` is replaced only with ``overwrite=true``, and only when it is an earlier export: every entry one of the
+names an export writes (``EXPORT_FILES``). A folder holding anything else (a run's checkpoints, ``metrics.jsonl``,
+its ``.lock``, a user's file) is refused with the name of that entry, a folder a live run holds (``core.cli.runs``'
+lock) with that run's pid, and an ``init`` inside ``out`` as such: overwrite never deletes what export did not write.
+The check runs again when the build is done, just before the old folder is replaced. ``verify=true`` reads the
+export back (transformers for HF folders when it is installed, else purestep's own loader) and prints the largest
+logit difference against the model that was exported, on one fixed random sequence.
 """
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from core.cli.runs import LOCK, holder
 from core.io.cache import build_folder
 from core.config import UserError, option
 from core.io.logging import progress
@@ -42,6 +48,8 @@ DESCRIPTION = "a model out to a Hugging Face folder (transformers) or a GGUF fil
 FORMATS = ("hf", "gguf")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "q8_0": None}
 CHECK_TOKENS = 32
+# What an export writes (models.hf, models.dba_hf, models.gguf_export): the only entries overwrite=true replaces.
+EXPORT_FILES = ("*.json", "*.safetensors", "*.gguf", "modeling_*.py", "configuration_*.py", "*.jinja")
 
 
 @dataclass
@@ -52,7 +60,8 @@ class Config:
     out: str = option("", "the folder to write (built aside, then renamed into place)")
     dtype: str = option("fp32", "weights' dtype in the export (q8_0: GGUF only, matrices quantized)",
                         choices=tuple(DTYPES))
-    overwrite: bool = option(False, "replace an existing, non-empty out folder")
+    overwrite: bool = option(False, "replace an earlier export in out (never a run's folder, nor files no export "
+                                    "writes)")
     verify: bool = option(True, "read the export back and print its largest logit difference from the model")
 
 
@@ -63,7 +72,8 @@ def run(cfg: Config) -> dict:
     params, config = exported_form(model)
     write = _writer(model, params, config, cfg)
     progress(f"writing {cfg.format} ({cfg.dtype}) to {out} ...")
-    build_folder(out, lambda builder: write(builder.path) and None)   # None: no meta.json in the export
+    # None: no meta.json in the export; keep= checks again, at the last moment, what the replace would delete
+    build_folder(out, lambda builder: write(builder.path) and None, keep=lambda old: _replaceable(old, cfg) and False)
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
     for name, size in files.items():
         progress(f"  {name}  {size / 2**20:,.1f} MiB")
@@ -85,7 +95,28 @@ def _check(cfg: Config) -> Path:
         raise UserError(f"out={cfg.out} is a file; out names the folder to write")
     if out.is_dir() and any(out.iterdir()) and not cfg.overwrite:
         raise UserError(f"out={cfg.out} exists and is not empty: choose another folder or pass overwrite=true")
+    init = Path(cfg.init).expanduser()
+    if init.exists() and out.exists() and (init.resolve() == out.resolve() or out.resolve() in init.resolve().parents):
+        raise UserError(f"init={cfg.init} is inside out={cfg.out}: the export would replace its own source; "
+                        f"choose another out=")
+    if out.is_dir():
+        _replaceable(out, cfg)
     return out
+
+
+def _replaceable(out: Path, cfg: Config) -> bool:
+    """True when ``out`` holds only what an export writes (``EXPORT_FILES``), else a UserError naming the live run
+    that holds it or the first entry export did not write."""
+    who = holder(out)
+    if who is not None:
+        raise UserError(f"out={cfg.out} is in use by a run ({who}): export never writes into a run's folder; "
+                        f"choose another out=")
+    for entry in sorted(out.iterdir()):
+        if entry.is_symlink() or not entry.is_file() or not any(fnmatch.fnmatch(entry.name, p) for p in EXPORT_FILES):
+            what = "a run's lock" if entry.name == LOCK else "not written by an export"
+            raise UserError(f"out={cfg.out} holds {entry.name} ({what}): overwrite=true replaces only an earlier "
+                            f"export; choose another out=")
+    return True
 
 
 def exported_form(model: LoadedModel) -> tuple[dict, object]:

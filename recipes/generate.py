@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from core.data.chat import check_messages, render, template_of
+from core.data.tokenizers import DataError
 from core.config import UserError, option
-from core.device import DEVICES, resolve_device
+from core.device import DEVICES, check_fits, resolve_device
 from core.io.logging import progress
 from core.gradients import autocast
 from models.loading import load_model
@@ -41,6 +42,18 @@ class Config:
     dtype: str = option("fp32", "compute precision", choices=("fp32", "bf16", "fp16"))
 
 
+def check_cache(model, tokens: int, what: str, device) -> None:
+    """Refuse a generation whose KV cache of ``tokens`` positions (the model's own ``new_cache``, built on the meta
+    device: shapes only) exceeds the device's memory (``core.device.check_fits``)."""
+    new_cache = getattr(model.module, "new_cache", None)
+    if new_cache is None:
+        return
+    dtype = getattr(model.params.get("embed"), "dtype", torch.float32)     # what the decoder builds it in
+    cache = new_cache(model.config, 1, tokens, dtype=dtype, device="meta")
+    nbytes = sum(t.numel() * t.element_size() for layer in cache for t in layer.values())
+    check_fits(f"{what} (a KV cache of {tokens:,} positions)", nbytes, device)
+
+
 def run(cfg: Config) -> str:
     if not cfg.init:
         raise UserError("recipe=generate needs init=PATH (a checkpoint or a run folder)")
@@ -53,11 +66,15 @@ def run(cfg: Config) -> str:
         raise UserError(f"{model.source}: no tokenizer stored with this model")
     messages = chat_messages(cfg.prompt, cfg.chat)
     if messages is not None:
-        ids = tok.encode(render(template_of(tok), messages, tok, add_generation_prompt=True))
+        try:
+            ids = tok.encode(render(template_of(tok), messages, tok, add_generation_prompt=True))
+        except DataError as e:        # the model's own template: say whose it is
+            raise DataError(f"{model.source}: {e}") from None
     elif cfg.prompt:
         ids = tok.encode(cfg.prompt)
     else:
         ids = [tok.bos_id if tok.bos_id is not None else tok.encode("\n")[0]]
+    check_cache(model, len(ids) + cfg.max_new_tokens, f"max_new_tokens={cfg.max_new_tokens}", device)
     progress(f"[{model.format}: {model.source}]")
     printed = tok.decode(ids)
     sys.stdout.write(printed if cfg.prompt else "")
@@ -87,7 +104,7 @@ def chat_messages(prompt: str, chat: bool):
     if prompt.lstrip().startswith("["):
         try:
             parsed = json.loads(prompt)
-        except ValueError:
+        except (ValueError, RecursionError):   # not JSON, or nested deeper than the decoder goes: plain text
             parsed = None
         if isinstance(parsed, list):
             return check_messages(parsed, "prompt")

@@ -8,7 +8,6 @@ the steepest descent is reported too. The curve goes to ``lr_find.csv`` and Tens
 """
 from __future__ import annotations
 
-import csv
 import math
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import optim
 from core.config import UserError, option, same_as, to_dict
 from core.data.documents import prepare_text
 from core.device import resolve_device
+from core.io.cache import write_csv
 from core.io.logging import Logger
 from core.cli.runs import claim
 from core.state import init_state
@@ -126,10 +126,7 @@ def run(cfg: Config) -> dict:
 
 def _write(folder, cfg: Config, rows: list, at_min: float, steepest: float) -> None:
     """``lr_find.csv``, the curve on TensorBoard and the suggestion."""
-    with open(folder / "lr_find.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["lr", "loss", "smoothed_loss"])
-        writer.writerows(rows)
+    write_csv(folder / "lr_find.csv", [["lr", "loss", "smoothed_loss"], *rows])
     with Logger(folder) as logger:
         logger.hparams(to_dict(cfg))
         for i, (lr, loss, smooth) in enumerate(rows):

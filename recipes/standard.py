@@ -38,7 +38,7 @@ from models.sampling import generate
 from recipes.orchestrator.config import OrchestratedConfig
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import backend, plan, setup
-from recipes.train.data import describe, open_data, with_epochs
+from recipes.train.data import check_batch, describe, open_data, with_epochs
 from recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps, evaluate, fit
 from recipes.train.setup import run_folder
 
@@ -97,6 +97,7 @@ def prepare_run(cfg: Config, write: bool = True) -> Prepared:
     if start and model_cfg.vocab_size < vocab:
         raise UserError(f"init={cfg.init}: its vocabulary ({model_cfg.vocab_size}) is smaller than the "
                         f"{vocab} ids this run needs (tokenizer {tok.vocab_size} + {fim_extra} FIM sentinels)")
+    check_batch(cfg, vocab, device, dist.world_size)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device,
                              rank=dist.rank, world_size=dist.world_size,
                              fim=FIM(cfg.fim_rate, fim_pre, fim_suf, fim_mid) if cfg.fim_rate > 0 else None)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from recipes import main
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "eval_batches=1", "steps=4"]
@@ -87,7 +88,7 @@ def test_bad_input_is_one_line_and_exit_2(case, fragment, hostile, capsys):
 def test_bad_input_through_the_real_program(case, fragment, hostile):
     tmp, corpus = hostile
     before = _before(tmp)
-    proc = subprocess.run([sys.executable, str(REPO / "bin" / "run"), *_args(case, tmp, corpus)], cwd=tmp,
+    proc = subprocess.run([sys.executable, str(REPO / "bin" / "run"), *merge_args(*_args(case, tmp, corpus))], cwd=tmp,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 pytestmark = pytest.mark.slow
 
@@ -16,8 +17,8 @@ pytestmark = pytest.mark.slow
 def test_the_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
     out = tmp_path / "bench"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(REPO / "bin" / "run"), "recipe=bench.gpu", "device=cpu",
-                           f"out={out}"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(REPO / "bin" / "run"), *merge_args("recipe=bench.gpu", "device=cpu",
+                           f"out={out}")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["machine"]["scale"] == "tiny" and report["summary"]["failed"] == 0

@@ -12,6 +12,7 @@ import pytest
 import fake_recipe
 import recipes
 from core.cli import command as cli
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipe=tests.fake_recipe"           # bin/run also takes a module path as the recipe
@@ -20,7 +21,7 @@ RECIPE = "recipe=tests.fake_recipe"           # bin/run also takes a module path
 def run(*args: str) -> subprocess.CompletedProcess:
     """bin/run as a real subprocess from the repo root (PYTHONPATH makes tests.fake_recipe importable)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "bin/run", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "bin/run", *merge_args(*args)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -3,7 +3,8 @@
 Every test runs ``bin/run`` in a child process, the way the README shows it (``torchrun --standalone
 --nproc_per_node=2``, gloo on the CPU, for data parallel and sharded runs), with the recipe's defaults:
 ``compile=true`` wherever that is the default (standard, distill), the one-graph step, gradient health, the
-spike monitor. Only sizes are cut, by key overrides (a later ``key=value`` wins). Commands the README and its
+spike monitor. Only sizes are cut, by key overrides (a later ``key=value`` wins: ``merge_args``, since bin/run refuses
+a key given twice). Commands the README and its
 docs/ pages show are read from those pages by their first words (``readme``), so a documented command that stops
 working fails here; ``tests/test_readme.py`` checks that every command block of them is run by a test or says why
 not.
@@ -40,6 +41,7 @@ from pathlib import Path
 import pytest
 
 import documentation
+from core.cli.command import merge_args
 from core.io import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,7 +141,9 @@ class Runs:
             self.cores.notify_all()
         started = time.monotonic()
         try:
-            proc = subprocess.run([*launcher, str(BIN), *args], cwd=self.work, env=self.env, capture_output=True,
+            # a documented command plus overrides, each key once (bin/run refuses a repeat; the later one wins)
+            proc = subprocess.run([*launcher, str(BIN),
+                                   *merge_args(*args)], cwd=self.work, env=self.env, capture_output=True,
                                   text=True, timeout=TIMEOUT)
         finally:
             ranked = f" on {ranks} ranks" if ranks > 1 else ""

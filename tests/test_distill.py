@@ -16,6 +16,7 @@ from core.io import checkpoint as ckpt
 from recipes import main
 from core.tree import tree_leaves
 from models import losses
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -320,8 +321,8 @@ def test_torchrun_two_ranks_equal_one_process(corpus, teacher, tmp_path):
     assert main(["recipe=distill", *common, f"out={tmp_path / 'one'}"]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"),
-                           "recipe=distill", *common, "batch_size=8", f"out={tmp_path / 'two'}"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
+                          *merge_args("recipe=distill", *common, "batch_size=8", f"out={tmp_path / 'two'}")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = (ckpt.load(tmp_path / name / "final.msgpack") for name in ("one", "two"))
     assert max_abs_diff(one["state"]["params"], two["state"]["params"]) < 1e-5

@@ -10,6 +10,7 @@ from models import llama, losses
 from models.loading import load_model
 from recipes import main
 from recipes.distill import hidden as hidden_targets, recipe
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 TINY = ["block_size=16", "batch_size=4", "sample_tokens=0", "save_every=0", "eval_batches=1", "eval_every=0",
         "warmup_steps=1", "log_every=1", "model.n_layers=2", "model.n_heads=2", "compile=false"]
@@ -105,8 +106,9 @@ def test_two_sharded_ranks_equal_one_process_with_a_projection(tiny_teacher, tok
     bin_run = Path(__file__).resolve().parent.parent / "bin" / "run"
     torchrun = Path(sys.executable).parent / "torchrun"
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    proc = subprocess.run([*launcher, "--standalone", "--nproc_per_node=2", str(bin_run), *common, "parallel=fsdp",
-                           f"out={tmp_path / 'two'}"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    proc = subprocess.run([*launcher, "--standalone", "--nproc_per_node=2", str(bin_run),
+                           *merge_args(*common, "parallel=fsdp",
+                           f"out={tmp_path / 'two'}")], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = (ckpt.load(tmp_path / name / "final.msgpack") for name in ("one", "two"))

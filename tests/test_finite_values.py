@@ -19,6 +19,7 @@ import pytest
 
 from core.config import ConfigError, _fields, _is_section, resolve
 from recipes import RECIPES, main
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMED = ("standard", "distill", "upcycle", "compress")          # the four; every other recipe is checked too
@@ -110,7 +111,8 @@ def test_epochs_beyond_the_step_counter_are_one_line(corpus, token_cache, tmp_pa
                                             "give a finite number > 0"),
 ])
 def test_bin_run_refuses_them_with_one_line_and_exit_2(args, line, tmp_path):
-    proc = subprocess.run([sys.executable, "bin/run", *args, f"out={tmp_path / 'run'}"], cwd=ROOT, text=True,
+    proc = subprocess.run([sys.executable, "bin/run",
+                           *merge_args(*args, f"out={tmp_path / 'run'}")], cwd=ROOT, text=True,
                           capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert (proc.returncode, proc.stderr.strip(), proc.stdout) == (2, line, "")
     assert not (tmp_path / "run").exists()

@@ -19,6 +19,7 @@ from recipes import main
 from recipes.train.optimizer import AdaGCConfig, OptimizerSpec, make_optimizer
 from core.step import Compile, Gradients, Parallel
 from core.update import Monitors
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "log_every=5", "eval_every=10",
@@ -33,7 +34,8 @@ def env():
 
 
 def torchrun(args, cwd, timeout=300):
-    return subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"), *args],
+    return subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"),
+                           *merge_args(*args)],
                           cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -166,8 +168,9 @@ def test_layout_cuts_and_joins_every_leaf_bitwise(world):
 
 def test_parallel_fsdp_without_a_launcher_is_one_line_exit_2(corpus, tmp_path):
     child_env = {k: v for k, v in env().items() if k not in ("WORLD_SIZE", "RANK")}
-    proc = subprocess.run([sys.executable, str(REPO / "bin" / "run"), *TINY, f"data={corpus}", "parallel=fsdp",
-                           f"out={tmp_path / 'x'}"], cwd=tmp_path, env=child_env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(REPO / "bin" / "run"),
+                           *merge_args(*TINY, f"data={corpus}", "parallel=fsdp",
+                           f"out={tmp_path / 'x'}")], cwd=tmp_path, env=child_env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -205,7 +208,7 @@ def test_a_killed_rank_stops_the_run_within_a_minute_naming_it_and_the_newest_ch
     import time
     common = [*TINY, f"data={corpus}", "batch_size=4", "parallel=fsdp", "eval_every=0", f"out={tmp_path / 'run'}"]
     child = subprocess.Popen(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"),
-                              *common, "steps=5000", "decay_steps=5000"], cwd=tmp_path, env=env(),
+                              *merge_args(*common, "steps=5000", "decay_steps=5000")], cwd=tmp_path, env=env(),
                              stderr=subprocess.PIPE, text=True)
     seen = []
     for line in child.stderr:                     # a checkpoint at step 10 is on disk once step 15 is logged

@@ -15,6 +15,7 @@ import torch
 from core.io import checkpoint as ckpt
 from core.tree import tree_leaves
 from recipes import main
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "block_size=64", "batch_size=4",
@@ -51,7 +52,8 @@ def test_sharded_jsonl_resume_after_sigkill_is_bitwise(tmp_path, token_cache, on
 
     out = tmp_path / "a"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, str(REPO / "bin" / "run"), *args, f"out={out}"], cwd=REPO, env=env,
+    child = subprocess.Popen([sys.executable, str(REPO / "bin" / "run"),
+                              *merge_args(*args, f"out={out}")], cwd=REPO, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and child.poll() is None and len(list(out.glob("step_*.msgpack"))) < 2:

@@ -17,6 +17,7 @@ from models.llama_module import LlamaModule, load_params
 from optim.muon import orthogonalize
 from recipes import main
 from test_optim import CFG, batches, load_params_back, run_functional
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 HIDDEN = {"attn": ("wq", "wk", "wv", "wo"), "mlp": ("w_gate", "w_up", "w_down")}
@@ -145,8 +146,9 @@ def test_parallel_fsdp_refuses_muon_on_every_rank_and_the_orchestrator_too(corpu
     """Newton-Schulz needs whole matrices, fsdp shards them: refused before anything runs, one line per rank
     naming both keys, exit 2 (torchrun reports each worker's code); the orchestrator, built on AdamW, refuses it."""
     proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"),
-                           "recipe=standard", "preset=tiny", "optimizer=muon", "parallel=fsdp", f"data={corpus}",
-                           "compile=false", f"out={tmp_path / 'x'}"], cwd=tmp_path, env=_env(), capture_output=True,
+                           *merge_args("recipe=standard", "preset=tiny", "optimizer=muon", "parallel=fsdp",
+                                       f"data={corpus}", "compile=false", f"out={tmp_path / 'x'}")],
+                          cwd=tmp_path, env=_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "optimizer=muon with parallel=fsdp" in line]

@@ -33,6 +33,7 @@ from recipes.orchestrator.driver import Orchestrator
 from recipes.orchestrator.config import NowcastConfig, OrchestratorConfig
 from recipes.standard import Config
 from core.update import Monitors
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -387,7 +388,8 @@ def test_resume_continues_the_same_strategy_and_bandit(corpus, tmp_path, one_thr
     common = ["recipe=standard", f"data={corpus}", *TINY_RUN, "steps=60", "eval_every=0", "save_every=0",
               "log_every=1", "decay_steps=60", "orchestrator.initial=conservative_adamw",
               "orchestrator.decision_interval=10", "lr=1e-2"]
-    child = subprocess.Popen([sys.executable, str(REPO / "bin" / "run"), *common, f"out={tmp_path / 'run'}"],
+    child = subprocess.Popen([sys.executable, str(REPO / "bin" / "run"),
+                              *merge_args(*common, f"out={tmp_path / 'run'}")],
                              cwd=tmp_path, env=env(), stderr=subprocess.PIPE, text=True)
     for line in child.stderr:                   # stop once past step 30 (decisions jump over some steps)
         if re.match(r"step (\d+)/60", line) and int(re.match(r"step (\d+)/60", line).group(1)) >= 30:

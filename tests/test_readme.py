@@ -44,7 +44,7 @@ def test_research_examples_run_verbatim(tmp_path):
     assert centralized < losses[0] - 1.0, proc.stdout
 
 
-@pytest.mark.parametrize("recipe", ["standard"])
+@pytest.mark.parametrize("recipe", ["standard", "eval"])
 def test_key_table_matches_the_code(recipe):
     import importlib
     expected = markdown_table(importlib.import_module(RECIPES[recipe]).Config)
@@ -108,6 +108,9 @@ RUN_ELSEWHERE = {
     "bin/run recipe=bench.gpu device=cpu": "tests/test_bench_gpu.py::test_the_gpu_bench_runs_every_section_on_the_cpu",
     "bin/run recipe=export init=STUDENT": "tests/test_mla.py::"
                                           "test_recipe_export_writes_an_mla_checkpoint_in_deepseek_v2s_formats",
+    "bin/run recipe=eval init=smollm2": "tests/test_eval.py::test_the_default_command_through_bin_run",
+    "bin/run recipe=eval init=runs/upcycle-smol/global":
+        "tests/test_eval.py::test_paired_comparison_of_two_runs_matches_the_hand_formulas",
 }
 NOT_RUN = {
     "tensorboard --logdir runs": "a server that runs until stopped (the event files it reads: tests/test_board.py)",
@@ -154,6 +157,10 @@ NOT_RUN = {
     "bin/run recipe=standard data=tinyshakespeare.txt tokenizer=char out=runs/tiny-teacher":
         "600 steps of the quality-per-token table's teacher (char runs at test size: tests/test_shakespeare.py)",
     "pip download --no-deps": "downloads wheels for the GPU machine",
+    "timeout 900 bin/run recipe=bench.eval": "the measurements of docs/eval.md, 5 to 9 minutes each (as the next one)",
+    "bin/run recipe=bench.eval": "SmolLM2 through recipe=eval and lm-evaluation-harness's HF backend for ~9 minutes "
+                                 "(lm-eval is no dependency; the comparison itself: tests/test_eval.py::"
+                                 "test_the_harness_comparison_counts_same_choices_and_the_largest_difference)",
     "python3 -m pip install -q --no-index": "installs those wheels on the GPU machine",
     "export PYTHONPATH=/tmp/site": "the GPU machine's environment",
 }

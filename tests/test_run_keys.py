@@ -13,6 +13,7 @@ from recipes.train.checkpointing import Checkpointing
 from recipes.train.hooks import StepContext
 from recipes.train.loop import LoopState
 from core.step import Compile
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 pytestmark = pytest.mark.usefixtures("token_cache")   # tests/conftest.py
 
@@ -100,8 +101,9 @@ def test_two_ranks_save_by_wall_time_together_at_log_steps(corpus, tmp_path):
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "two"                  # due after every step (a microsecond), agreed at log steps only
     proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(repo / "bin" / "run"),
-                           "recipe=standard", f"data={corpus}", f"out={out}", *TINY, "steps=6", "log_every=3",
-                           "save_every_minutes=0.00000001"], cwd=tmp_path, capture_output=True, text=True,
+                           *merge_args("recipe=standard", f"data={corpus}", f"out={out}", *TINY, "steps=6",
+                                       "log_every=3", "save_every_minutes=0.00000001")],
+                          cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in out.glob("step_*.msgpack")) == ["step_000000003.msgpack", "step_000000006.msgpack"]

@@ -8,6 +8,7 @@ import pytest
 
 from core.config import ConfigError
 from core.cli.runs import RunFolderLocked, claim, run_folder
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 
 @pytest.mark.parametrize("name", ["../../../x", "a/b", "..", "."])
@@ -47,9 +48,9 @@ def test_two_runs_on_one_folder_the_second_stops_naming_the_first(tmp_path, corp
     import signal
     from pathlib import Path
     repo = Path(__file__).resolve().parent.parent
-    args = [sys.executable, str(repo / "bin" / "run"), "recipe=standard", "preset=tiny", "compile=false",
+    args = [sys.executable, str(repo / "bin" / "run"), *merge_args("recipe=standard", "preset=tiny", "compile=false",
             "sample_tokens=0", "eval_batches=1", f"data={corpus}", "steps=2000", "save_every=20", "log_every=1",
-            f"out={tmp_path / 'run'}"]
+            f"out={tmp_path / 'run'}")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen(args, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
     try:

@@ -16,6 +16,7 @@ from core.data.fim import FIM, fim_ids
 from core.data.tokenizers import ByteTokenizer
 from core.tree import max_abs_diff, tree_leaves
 from core.step import Parallel
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "log_every=2"]
@@ -31,8 +32,9 @@ def env():
 def test_torchrun_two_ranks_equal_one_process(corpus, tmp_path):
     common = [*TINY, f"data={corpus}", "steps=12", "eval_every=6"]
     assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
-    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"), *common,
-                           "batch_size=4", f"out={tmp_path / 'two'}"], cwd=tmp_path, env=env(),
+    proc = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"),
+                           *merge_args(*common,
+                           "batch_size=4", f"out={tmp_path / 'two'}")], cwd=tmp_path, env=env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = (ckpt.load(tmp_path / name / "final.msgpack") for name in ("one", "two"))
@@ -44,7 +46,7 @@ def test_torchrun_two_ranks_equal_one_process(corpus, tmp_path):
 def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(corpus, tmp_path, one_thread):
     common = [*TINY, f"data={corpus}", "steps=40", "eval_every=0", "save_every=0", "log_every=1",
               "decay_steps=40", f"out={tmp_path / 'run'}"]
-    child = subprocess.Popen([sys.executable, str(REPO / "bin" / "run"), *common], cwd=tmp_path, env=env(),
+    child = subprocess.Popen([sys.executable, str(REPO / "bin" / "run"), *merge_args(*common)], cwd=tmp_path, env=env(),
                              stderr=subprocess.PIPE, text=True)
     for line in child.stderr:                   # wait until it is really training
         if line.startswith("step 3/"):

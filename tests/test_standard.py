@@ -10,6 +10,7 @@ import torch
 from core.io import checkpoint as ckpt
 from recipes import main
 from core.tree import tree_leaves
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "block_size=32", "batch_size=4",
@@ -91,7 +92,7 @@ def test_early_stopping(corpus, tmp_path):
 
 def run_cli(*args, cwd=REPO):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(REPO / "bin" / "run"), *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, str(REPO / "bin" / "run"), *merge_args(*args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

@@ -22,6 +22,7 @@ from models.loading import load_model
 from recipes.train.optimizer import make_optimizer
 from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw
 from recipes.upcycle.teacher_io import BlockIOCache, TeacherSource
+from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 DIMS = ["sem_dim=2", "geo_dim=6", "v_dim=8"]       # head_dim 16: 2 * (2 + 6 + 8) = half of 2 * 2 * 16
@@ -309,7 +310,7 @@ def test_resume_after_a_kill_during_blockwise_continues_from_its_newest_checkpoi
     args = ["recipe=upcycle", "preset=ci", f"teacher={teacher}", f"data={corpus}", f"out={out}", *DIMS,
             "blockwise.steps=400", "blockwise.save_every=10", "blockwise.log_every=5", "phases=blockwise,global"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    child = subprocess.Popen([sys.executable, str(REPO / "bin" / "run"), *args], cwd=REPO, env=env,
+    child = subprocess.Popen([sys.executable, str(REPO / "bin" / "run"), *merge_args(*args)], cwd=REPO, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     folder = out / "blockwise"
     deadline = time.time() + 150

@@ -30,6 +30,12 @@ rollbacks; or a rerun on its folder), one ``stopped:`` line; 5 incomplete (``cor
 trained and kept its model, but an item after training failed, e.g. a benchmark measurement; the rest ran and the
 reports are written), one ``incomplete:`` line; 130 interrupted; 1 anything else, which is a bug and
 prints its traceback. ``bin/run`` is a thin click wrapper around ``main``, which tests also call in-process.
+
+A key given twice on ``bin/run``'s command line is an error naming it (``repeats=False``: what a person typed
+twice is a mistake, and a silent "the last wins" hides it); a value is taken as typed, so a full-width digit is
+not a number (``core.config``). Code that composes arguments (a base list plus overrides: tests, benchmarks, the
+GPU command's jobs) calls ``main`` in-process, where a later key wins, or builds a child's command line with
+``merge_args``, which lays later keys over earlier ones.
 """
 from __future__ import annotations
 
@@ -93,8 +99,21 @@ def user_message(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], bool]:
-    """``key=value`` tokens as a dict (a later repeat wins) and whether ``--help``/``-h`` was given."""
+def merge_args(*args: str) -> list[str]:
+    """``key=value`` arguments with each key once, the later of two kept (where it stands, as ``main`` lays it
+    over the earlier): a command line composed from a base and overrides, as ``bin/run`` (which refuses a
+    repeated key) takes it."""
+    merged: dict[str, str] = {}
+    for arg in args:
+        key = arg.partition("=")[0].strip() if "=" in arg and not arg.startswith("-") else arg
+        merged.pop(key, None)
+        merged[key] = arg
+    return list(merged.values())
+
+
+def parse_args(argv: Sequence[str], repeats: bool = True) -> tuple[dict[str, str], bool]:
+    """``key=value`` tokens as a dict and whether ``--help``/``-h`` was given; a repeated key is laid over the
+    earlier one (``repeats``) or is a UserError naming it (``bin/run``'s command line)."""
     pairs: dict[str, str] = {}
     want_help = False
     for token in argv:
@@ -109,6 +128,9 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], bool]:
             key, _, value = token.partition("=")
             if not key.strip():
                 raise UserError(f"argument {token!r} has an empty key")
+            if not repeats and key.strip() in pairs:
+                raise UserError(f"key {key.strip()!r} is given twice ({key.strip()}={pairs[key.strip()]} and "
+                                f"{token}); give it once")
             pairs.pop(key.strip(), None)
             pairs[key.strip()] = value
     return pairs, want_help
@@ -222,8 +244,8 @@ def recipe_help(name: str, module: ModuleType, cfg=None, sources: str = "") -> s
     return "\n\n".join(part for part in (head, description, table) if part)
 
 
-def _run(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
-    pairs, want_help = parse_args(argv)
+def _run(argv: Sequence[str], recipes: Mapping[str, str], repeats: bool = True) -> int:
+    pairs, want_help = parse_args(argv, repeats)
     toml = _config_file(pairs)
     dry_run = _dry_run_flag(pairs, toml)
     stages = toml.pop("stages", None)
@@ -323,10 +345,11 @@ def _run_stages(name: str, module: ModuleType, preset, toml: dict, pairs: dict, 
     return 0
 
 
-def main(argv: Sequence[str], recipes: Mapping[str, str]) -> int:
-    """Run ``bin/run`` with the given arguments and recipe registry; returns the exit code (``core.exits.CODES``)."""
+def main(argv: Sequence[str], recipes: Mapping[str, str], repeats: bool = True) -> int:
+    """Run ``bin/run`` with the given arguments and recipe registry; returns the exit code (``core.exits.CODES``).
+    ``repeats=False`` (``bin/run``'s own command line) refuses a key given twice."""
     try:
-        return _run(list(argv), recipes)
+        return _run(list(argv), recipes, repeats)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         return exits.INTERRUPTED

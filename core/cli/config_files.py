@@ -8,7 +8,7 @@ Two tables are the file's own, not config keys:
 - ``[vars]``: values substituted into the file's string values as ``${name}`` (top level, targets and
   ``[[stages]]`` alike); a var may use other vars; a value that is exactly ``"${name}"`` takes the var's
   own type (``steps = "${n}"`` with ``n = 300`` is the int 300); ``$${`` writes a literal ``${``. An
-  unknown or cyclic var is a ConfigError naming it.
+  unknown or cyclic var is a ConfigError naming it, and so is an expansion beyond ``MAX_EXPANSION``.
 - ``[targets.NAME]``: named sets of keys (dotted or nested, like the top level) laid over the top level
   when ``target=NAME`` is chosen (on the command line, or as the file's own default ``target = "NAME"``;
   the command line's wins). An unknown target is a ConfigError listing the file's targets.
@@ -29,6 +29,7 @@ __all__ = ["load_toml", "substitute_vars", "FILE_ONLY"]
 FILE_ONLY = ("vars", "targets", "target")        # the file's own tables and keys, never config keys
 _NOT_IN_TARGET = ("vars", "targets", "target", "stages", "config")
 _VAR = re.compile(r"\$\$\{|\$\{([^}]*)\}")
+MAX_EXPANSION = 2**20      # the size one value may reach through [vars] (characters, list and table entries)
 
 
 def _read(path) -> dict[str, Any]:
@@ -74,10 +75,12 @@ def load_toml(path, target: Optional[str] = None) -> dict[str, Any]:
 
 
 def substitute_vars(data: Any, variables: Mapping[str, Any], where: str) -> Any:
-    """``data`` (nested dicts, lists, values) with ``${name}`` in its strings replaced by ``variables``."""
-    resolved: dict[str, Any] = {}
+    """``data`` (nested dicts, lists, values) with ``${name}`` in its strings replaced by ``variables``; a value
+    that would expand beyond :data:`MAX_EXPANSION` (characters of text, list and table entries counted alike: a
+    chain of vars doubling at each step) is a ConfigError before it is built."""
+    resolved: dict[str, tuple[Any, int]] = {}          # var -> (its value, its size)
 
-    def var(name: str, chain: tuple[str, ...]) -> Any:
+    def var(name: str, chain: tuple[str, ...]) -> tuple[Any, int]:
         if name in chain:
             cycle = " -> ".join((*chain[chain.index(name):], name))
             raise ConfigError(f"{where}: var {name!r} refers to itself ({cycle})")
@@ -88,25 +91,38 @@ def substitute_vars(data: Any, variables: Mapping[str, Any], where: str) -> Any:
             resolved[name] = walk(variables[name], (*chain, name))
         return resolved[name]
 
-    def text(s: str, chain: tuple[str, ...]) -> Any:
+    def bounded(size: int, chain: tuple[str, ...]) -> int:
+        if size > MAX_EXPANSION:
+            inside = f" (expanding var {chain[-1]!r})" if chain else ""
+            raise ConfigError(f"{where}: [vars] expand to more than {MAX_EXPANSION:,} characters{inside}; "
+                              f"a var chain that repeats itself grows exponentially")
+        return size
+
+    def text(s: str, chain: tuple[str, ...]) -> tuple[Any, int]:
         whole = _VAR.fullmatch(s)
         if whole and whole.group(1) is not None:           # exactly "${x}": the var's own type
             return var(whole.group(1).strip(), chain)
+        size = len(s)
 
         def one(m: re.Match) -> str:
+            nonlocal size
             if m.group(1) is None:
                 return "${"
-            value = var(m.group(1).strip(), chain)
+            value, n = var(m.group(1).strip(), chain)
+            size = bounded(size + n, chain)                 # before show_value builds a list's text
             return value if isinstance(value, str) else show_value(value)
-        return _VAR.sub(one, s)
+        return _VAR.sub(one, s), size
 
-    def walk(value: Any, chain: tuple[str, ...]) -> Any:
+    def walk(value: Any, chain: tuple[str, ...]) -> tuple[Any, int]:
         if isinstance(value, str):
             return text(value, chain)
-        if isinstance(value, dict):
-            return {k: walk(v, chain) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v, chain) for v in value]
-        return value
+        if isinstance(value, (dict, list)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            out, size = {}, 1
+            for k, v in items:
+                out[k], n = walk(v, chain)
+                size = bounded(size + n, chain)
+            return out if isinstance(value, dict) else list(out.values()), size
+        return value, 1
 
-    return walk(data, ())
+    return walk(data, ())[0]

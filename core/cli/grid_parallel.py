@@ -37,7 +37,7 @@ def child_argv(argv: Sequence[str], axes: Sequence[str], cell) -> list[str]:
     keep = []
     for token in argv:
         key = token.partition("=")[0].strip()
-        if key.startswith("grid.") or key in DROP or (key == "seed" and "seed" in axes):
+        if key.startswith("grid.") or key in DROP or key in axes:   # each key once: bin/run refuses a repeat
             continue
         keep.append(token)
     return [*keep, *(f"{k}={v}" for k, v in cell.values.items()), f"out={cell.folder}"]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from core.config import ConfigError, UserError
+from core.io.cache import refuse_link
 
 LOCK = ".lock"
 
@@ -58,12 +59,36 @@ def make_folder(folder: Path) -> Path:
     return folder
 
 
+def holder(folder: Path) -> str | None:
+    """Who holds ``folder``'s run lock (the holder's "pid N on host H" line), or None when no live process does;
+    creates nothing (a folder without ``.lock`` is held by no run)."""
+    try:
+        fd = os.open(Path(folder) / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        return None
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def claim(folder: Path) -> Iterator[Path]:
     """Create ``folder`` if needed (``make_folder``) and hold its lock until the block ends; RunFolderLocked if
     another process holds it (the message names that process's pid and host)."""
     folder = make_folder(folder)
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)   # its pid line truncates it
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_link(folder / LOCK)
+        raise
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

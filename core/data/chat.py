@@ -2,7 +2,8 @@
 
 A chat is ``[{"role": ..., "content": ...}, ...]``. :func:`render` runs a Jinja chat template the way
 ``transformers`` does (``utils/chat_template_utils.py:_compile_jinja_template``): an
-``ImmutableSandboxedEnvironment`` (a template cannot touch Python objects or mutate its inputs) with
+``ImmutableSandboxedEnvironment`` (a template cannot touch Python objects or mutate its inputs; here
+``core.data.sandbox.BoundedSandbox``, which also bounds each render's time and size, and refuses ``include``) with
 ``trim_blocks``/``lstrip_blocks``, the loop-controls extension (``break``/``continue``), ``raise_exception``,
 a ``tojson`` filter and ``strftime_now``; the variables ``messages``, ``add_generation_prompt``, ``bos_token``
 and ``eos_token``.
@@ -30,9 +31,11 @@ from core.data.tokenizers import DataError
 PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
+
 def _environment():
     from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from core.data.sandbox import BoundedSandbox
 
     def raise_exception(message):
         raise DataError(f"chat template: {message}")
@@ -40,7 +43,7 @@ def _environment():
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
@@ -67,8 +70,8 @@ class ChatTemplate:
         if self._compiled is None:
             try:
                 self._compiled = _environment().from_string(self.source)
-            except TemplateError as e:
-                raise DataError(f"chat template does not compile: {e}") from None
+            except (TemplateError, RecursionError, MemoryError) as e:   # a syntax error; nesting deeper than Python's
+                raise DataError(f"chat template does not compile: {type(e).__name__}: {e}") from None
         return self._compiled
 
 
@@ -83,10 +86,12 @@ def render(template: str | ChatTemplate, messages: list, tok=None, add_generatio
     bos = _special(tok, tok.bos_id) if tok is not None else ""
     eos = _special(tok, tok.eos_id) if tok is not None else ""
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
-                               eos_token=eos)
-    except TemplateError as e:
-        raise DataError(f"chat template: {e}") from None
+        return compiled.environment.render(compiled, messages=messages, add_generation_prompt=add_generation_prompt,
+                                           bos_token=bos, eos_token=eos)
+    except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError,
+            MemoryError) as e:
+        # the template's own Python operations ({{ 1 / 0 }}, {{ 'a' + 1 }}, a macro calling itself) fail here
+        raise DataError(f"chat template: {type(e).__name__}: {e}") from None
 
 
 def check_messages(messages, where: str) -> list:
@@ -99,17 +104,25 @@ def check_messages(messages, where: str) -> list:
     return messages
 
 
+def _render_at(where: str, *args, **kwargs) -> str:
+    """:func:`render`, its error naming ``where`` (a JSONL record's file:line)."""
+    try:
+        return render(*args, **kwargs)
+    except DataError as e:
+        raise DataError(f"{where}: {e}") from None
+
+
 def segments(template: str | ChatTemplate, messages: list, tok=None, where: str = "chat") -> list[tuple[str, bool]]:
     """The rendered chat as ``[(text, is_assistant), ...]`` whose texts join to ``render(messages)`` (it renders
     every prefix: pass a :class:`ChatTemplate`, compiled once, when there are many chats)."""
     template = _template(template)
-    full = render(template, messages, tok)
+    full = _render_at(where, template, messages, tok)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render(template, messages[:i], tok, add_generation_prompt=True)
-        upto = render(template, messages[:i + 1], tok)
+        before = _render_at(where, template, messages[:i], tok, add_generation_prompt=True)
+        upto = _render_at(where, template, messages[:i + 1], tok)
         if not (upto.startswith(before) and full.startswith(upto)):
             raise DataError(f"{where}: the chat template is not prefix-stable at message {i} (rendering the "
                             f"first {i} messages is not a prefix of rendering all), so its assistant tokens "

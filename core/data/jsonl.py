@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import time
+import zlib
 from array import array
 
 import numpy as np
@@ -64,12 +65,18 @@ def find_jsonl(data: str) -> list | None:
 
 
 def lines(path: str):
-    """``(line number, bytes)`` of the non-blank lines of a (gzipped) JSONL file, streamed."""
+    """``(line number, bytes)`` of the non-blank lines of a (gzipped) JSONL file, streamed; a ``.gz`` that is not
+    gzip, or is cut short, is a DataError naming the file."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                yield n, line
+    n = 0
+    try:
+        with opener(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    yield n, line
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a readable gzip file after line {n} ({e or type(e).__name__}); "
+                        f"recompress it, or drop the .gz suffix for plain text") from None
 
 
 def parse(line: bytes, where: str) -> dict:
@@ -77,6 +84,9 @@ def parse(line: bytes, where: str) -> dict:
         record = json.loads(line)
     except (ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:    # the decoder's depth limit is Python's recursion limit (about 1000)
+        raise DataError(f"{where}: JSON nested deeper than the decoder's limit (a record is an object of "
+                        f"messages or text)") from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: a JSONL line must be a JSON object, got {type(record).__name__}")
     return record

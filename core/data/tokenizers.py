@@ -1,7 +1,8 @@
 """Tokenizers: text <-> token ids, each one serializable into a checkpoint.
 
 Three tokenizers share one small protocol: ``name``, ``vocab_size``, ``eos_id``/``bos_id`` (None where
-there is none), ``encode(text) -> list[int]``, ``encode_bytes(data, source=...) -> np.ndarray``,
+there is none), ``encode(text) -> list[int]`` (no special tokens), ``encode_special(text)`` (with the ones the
+tokenizer adds itself, as ``transformers``' ``encode`` does: lm-evaluation-harness's inputs), ``encode_bytes(data, source=...) -> np.ndarray``,
 ``decode(ids) -> str`` (shared: FIM sentinel ids appended past the vocabulary by ``core.data.fim`` render
 as ``SENTINELS`` for every tokenizer) and ``to_dict()`` (str/int only, JSON- and msgpack-safe) with
 ``tokenizer_from_dict(d)`` rebuilding the same tokenizer, so a checkpoint carries its own tokenizer.
@@ -52,6 +53,11 @@ class _Tokenizer:
 
     def _decode_run(self, ids: list[int]) -> str:
         raise NotImplementedError
+
+    def encode_special(self, text: str) -> list[int]:
+        """``encode`` plus the special tokens the tokenizer itself adds around a text (what ``transformers``'
+        ``tokenizer.encode(text)`` gives): none here; a ``tokenizer.json``'s post-processor's in ``BPETokenizer``."""
+        return self.encode(text)
 
     def decode(self, ids) -> str:
         """Decode runs of in-vocabulary ids with ``_decode_run``; the three ids just past the vocabulary
@@ -192,6 +198,9 @@ class BPETokenizer(_Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_special(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def encode_bytes(self, data: bytes, source: str = "input") -> np.ndarray:
         return np.array(self.encode(decode_utf8(data, source)), dtype=np.int64)

@@ -11,11 +11,17 @@ folder, checks its ``meta.json`` against the caller's layout (every array file p
 bytes its dtype and shape need) and returns the arrays as read-only memmaps.
 
 :func:`write_file` is the same protocol for one file (``mkstemp`` in the target's folder, write, fsync,
-``os.replace``, fsync the folder), used for checkpoints and small JSON files.
+``os.replace``, fsync the folder), used for checkpoints, reports and small JSON files; the rename replaces whatever
+is at the name, so it never writes through a symbolic link planted there. The files a run appends to (its
+``metrics.jsonl``) open with :func:`open_append` (``O_NOFOLLOW``), and a name handed to a writer that is not ours
+(TensorBoard's) is vetted by :func:`refuse_link`: a planted link is one error line naming it, its target untouched.
 """
 from __future__ import annotations
 
 import contextlib
+import csv
+import errno
+import io
 import json
 import os
 import re
@@ -26,6 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from core.config import UserError
 
 META = "meta.json"
 
@@ -76,6 +84,40 @@ def write_file(path, write: Callable, *, binary: bool = True, buffering: int = -
         raise
     fsync_path(folder)
     return result
+
+
+def refuse_link(path) -> Path:
+    """``path`` unless it is a symbolic link, which a run never writes through: a UserError naming it."""
+    path = Path(path)
+    if path.is_symlink():
+        raise UserError(f"{path} is a symbolic link (to {os.readlink(path)}): a run writes its own files, never "
+                        f"through a link; remove it")
+    return path
+
+
+def open_append(path, binary: bool = False):
+    """``path`` opened for appending, created if missing, without following a symbolic link at it (``O_NOFOLLOW``;
+    a link is :func:`refuse_link`'s error)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_link(path)
+        raise
+    return open(fd, "ab" if binary else "a", **({} if binary else {"encoding": "utf-8"}))
+
+
+def write_text(path, text: str) -> None:
+    """Atomically write ``text`` (UTF-8) to ``path`` (:func:`write_file`)."""
+    write_file(path, lambda f: f.write(text), binary=False)
+
+
+def write_csv(path, rows) -> None:
+    """Atomically write ``rows`` (the header first) as CSV to ``path`` (:func:`write_file`)."""
+    out = io.StringIO(newline="")
+    csv.writer(out).writerows(rows)
+    write_text(path, out.getvalue())
 
 
 def write_json(path, data) -> None:

@@ -18,12 +18,12 @@ each tensor's C-order bytes (all its chunks) as the leaf (``core.io.checkpoint_c
 checks every tensor it reads against it and strips it; a mismatch is corrupt, like a truncation; a file
 without it (older, or Flax's) loads unchecked.
 
-:class:`Writer` streams: headers go through the file's buffer and each tensor's own memory goes straight
-to the file (no bytes object of the whole file, no second copy of a CPU tensor; a device tensor is copied
-to the host one at a time). :func:`read` parses the msgpack framing itself and ``readinto``s every
-tensor's bytes straight into its own freshly allocated tensor: one copy from the page cache. A file whose
-framing does not end exactly at its last byte is truncated or corrupt and raises
-:class:`CheckpointError`. Where the file goes and how it appears atomically is ``core.io.checkpoint``'s.
+:class:`Writer` streams: headers go through the file's buffer, each tensor's own memory straight to the file (no
+bytes object of the whole file, no second copy of a CPU tensor; device tensors reach the host one at a time).
+:func:`read` parses the msgpack framing itself and ``readinto``s every tensor's bytes straight into its own fresh
+tensor (one copy from the page cache), after checking every size the file claims (a string's, an array's, a chunked
+array's shape) against the bytes left in it. A file whose framing does not end exactly at its last byte is
+truncated or corrupt (:class:`CheckpointError`). Where the file goes and how it appears atomically: core.io.checkpoint.
 """
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ class _Reader:
         self.checksums, self.scratch = checksums, scratch
 
     def take(self, n: int) -> bytes:
-        data = self.f.read(n)
+        data = self.f.read(n) if n <= self.size - self.pos else b""   # a read of n bytes allocates n bytes first
         if len(data) != n:
             raise _Truncated
         self.pos += n
@@ -368,8 +368,7 @@ class _Reader:
         return t if self.device is None else t.to(self.device)
 
     def chunks_into(self, total: int, at: int, path: tuple | None) -> torch.Tensor | None:
-        """Read a chunk map ``{"0": flat, "1": flat, ..}`` into one flat tensor of ``total`` elements
-        (or through the scratch buffer, giving None)."""
+        """A chunk map ``{"0": flat, ..}`` read into one flat tensor of ``total`` elements (None: through scratch)."""
         kind, n = self.header()
         if kind != "map":
             raise _Corrupt(f"chunked array at offset {at} has no chunk map")
@@ -383,6 +382,8 @@ class _Reader:
             dtype = piece_dtype if dtype is None else dtype
             if piece_dtype != dtype or len(piece) != 1 or offset + piece[0] > total:
                 raise _Corrupt(f"chunks of the array at offset {at} do not fit its shape")
+            if (total - offset) * dtype.itemsize > self.size - self.pos:
+                raise _Truncated
             if self.scratch is not None and path is not None:
                 self.read_through_scratch(nbytes, path)
             else:
@@ -436,10 +437,9 @@ def read(path, device=None, state: str = "load") -> dict:
         except _Truncated:
             why = "empty file" if size == 0 else f"truncated: the file ends at byte {size}, inside the checkpoint"
             raise CheckpointError(f"{path}: {why} (an interrupted write or copy?)") from None
-        except _Corrupt as e:
-            raise CheckpointError(f"{path}: corrupt ({e})") from None
-        except RecursionError:
-            raise CheckpointError(f"{path}: corrupt (containers nested too deeply)") from None
+        except (_Corrupt, RecursionError) as e:
+            why = e if isinstance(e, _Corrupt) else "containers nested too deeply"
+            raise CheckpointError(f"{path}: corrupt ({why})") from None
         finally:
             checksums.close()
     if top.get("format") != FORMAT:

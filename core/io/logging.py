@@ -9,6 +9,8 @@ metrics) and hands them to one ``Logger``, which fans out to:
   that loss, learning rate and throughput sort first (``train/loss`` -> ``1_train/loss``);
 - ``metrics.jsonl`` in the same folder: one JSON object per ``scalars`` or ``event`` call, under the keys
   as logged (``train/loss``, ``lr``, ``health/...``);
+- (both opened without following a symbolic link planted at their names: ``core.io.cache.open_append``,
+  ``refuse_link``)
 - the console, through click: a progress line (step/total, %, loss, tokens/s, ETA from an EMA of the
   step time) redrawn in place when stderr is a terminal and printed as plain lines when it is not.
 
@@ -27,13 +29,17 @@ import resource
 import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any, Mapping
 
 import click
 import torch
 
 from core.io.board import board_tag, layout_of
+from core.io.cache import open_append, refuse_link
 from core.config import flatten_keys
+
+EVENTS = "events.out.tfevents"    # the prefix of SummaryWriter's event files
 
 __all__ = ["Logger", "progress", "to_floats", "memory_mb", "format_duration"]
 
@@ -136,11 +142,13 @@ class Logger:
         self._console = console and enabled
         if enabled and (tensorboard or jsonl):
             os.makedirs(self.folder, exist_ok=True)
+        if enabled and jsonl:
+            self._jsonl = open_append(os.path.join(self.folder, "metrics.jsonl"))
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+            for planted in Path(self.folder).glob(f"{EVENTS}*"):   # its file names are SummaryWriter's to choose
+                refuse_link(planted)
             self._tb = SummaryWriter(log_dir=self.folder)
-        if enabled and jsonl:
-            self._jsonl = open(os.path.join(self.folder, "metrics.jsonl"), "a", encoding="utf-8")
         self._tty = self._console and sys.stderr.isatty()
         self._line_open = False                     # a progress line is on screen without its newline
         self._last: tuple[int, float] | None = None  # (step, time) at the previous progress call

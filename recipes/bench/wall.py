@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from core.cli.command import merge_args
 from core.config import UserError, option
 from core.gradients import PRECISIONS
 from core.io.logging import progress
@@ -108,7 +109,7 @@ def timed(argv: list[str], cache: Path, log: Path) -> tuple[float, str]:
 
 
 def run_standard(cfg: Config, folder: Path, cache: Path) -> dict:
-    seconds, text = timed([sys.executable, str(REPO / "bin" / "run"), *standard_args(cfg, folder)], cache,
+    seconds, text = timed([sys.executable, str(REPO / "bin" / "run"), *merge_args(*standard_args(cfg, folder))], cache,
                           folder.with_suffix(".log"))
     val = re.search(r"done: step \d+, val loss ([\d.]+)", text)
     compiling = re.search(r"of which compiling ([\d.]+)s", text)

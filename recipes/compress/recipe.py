@@ -23,7 +23,6 @@ from the training split, ``val_tokens`` from the validation split), cached once 
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
 from contextlib import nullcontext
@@ -33,6 +32,7 @@ from pathlib import Path
 import click
 
 from core.io import checkpoint as ckpt
+from core.io.cache import write_csv, write_file, write_text
 from core.parallel import distributed
 from core.config import ConfigError, UserError, option, same_as, to_dict
 from core.data.documents import prepare_text
@@ -288,11 +288,8 @@ def markdown(rows: list[dict]) -> str:
 def write_summary(folder: Path, rows: list[dict]) -> None:
     """``summary.csv``, ``summary.md`` and, with matplotlib, ``summary.png`` (cosine and explained variance vs D')."""
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "summary.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows({c: r[c] for c in COLUMNS} for r in rows)
-    (folder / "summary.md").write_text(markdown(rows) + "\n", encoding="utf-8")
+    write_csv(folder / "summary.csv", [COLUMNS, *([r[c] for c in COLUMNS] for r in rows)])
+    write_text(folder / "summary.md", markdown(rows) + "\n")
     try:
         import matplotlib
     except ImportError:
@@ -312,5 +309,5 @@ def write_summary(folder: Path, rows: list[dict]) -> None:
         ax.set_title(f"held-out {metric.replace('_', ' ')}")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(folder / "summary.png", dpi=100)
+    write_file(folder / "summary.png", lambda f: fig.savefig(f, format="png", dpi=100))
     plt.close(fig)

@@ -75,7 +75,7 @@ from recipes.distill.teacher import (data_identity, held_dtype_hint, load_teache
 from recipes.orchestrator.config import OrchestratedConfig
 from recipes.orchestrator.driver import orchestrate
 from recipes.train import backend, plan, setup
-from recipes.train.data import describe, with_epochs
+from recipes.train.data import check_batch, describe, with_epochs
 from recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps, evaluate, fit, gathering
 from recipes.train.setup import RunSetup, run_folder
 
@@ -299,6 +299,7 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     projections = hidden_targets.init_projections(layer_pairs, student_cfg, teacher.config, cfg.seed, device)
     if projections:
         params[hidden_targets.PROJ] = projections
+    check_batch(cfg, max(student_cfg.vocab_size, teacher.config.vocab_size), device, dist.world_size)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device,
                              rank=dist.rank, world_size=dist.world_size)
     val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,

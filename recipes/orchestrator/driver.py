@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from core.data.text import eval_batches
+from core.io.cache import open_append
 from core.state import TrainState
 from core.tree import clone
 from recipes.orchestrator.bandit import PHASES, DiscountedUCB, Telemetry, normalized_rewards
@@ -337,7 +338,7 @@ class Orchestrator(Hook):
         if kind == "decision":
             self.records.append({**row, "cursors_by_candidate": cursors})
         if self.path is not None:
-            with open(self.path, "a") as f:
+            with open_append(self.path) as f:
                 f.write(json.dumps(row) + "\n")
         self.logger.event(step, f"orchestrator_{kind}", **{k: v for k, v in row.items() if k not in ("step", "kind")})
         scalars = {"orchestrator/strategy": NAMES.index(self.current), **{f"orchestrator/{k}": v for k, v in

@@ -60,6 +60,8 @@ class TrainConfig:
     health: bool = option(True, "gradient health statistics per tensor and layer, logged every log_every")
     remat: bool = option(False, "activation checkpointing: recompute block activations in backward")
     spike: SpikeConfig = option(SpikeConfig, "loss-spike detection and rollback (PaLM/OPT practice)")
+    max_skipped_steps: int = option(25, "stop without finishing (exit 4, stopped.msgpack) once this many steps in a "
+                                        "row were non-finite and skipped, checked every log_every (0: never)", min=0)
     peak_flops: float = option(0.0, "device peak FLOP/s for MFU (0: known GPUs by name; none on CPU)", min=0)
     cost_per_hour: float = option(0.0, "price of the machine per hour, for the cost meter (0: off)", min=0)
     budget: float = option(0.0, "stop cleanly with a checkpoint once the cost reaches this (0: no limit)", min=0)

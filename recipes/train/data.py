@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 
 from core.config import ConfigError
+from core.device import check_fits
 from core.data.documents import DocCorpus, prepare_data
 
 MAX_STEPS = 2**63 - 1          # the train state's step and data cursor are int64 tensors
@@ -16,6 +17,14 @@ def open_data(cfg, tokenizer):
     JSONL keys ``text_field``, ``loss_on``, ``pack``, ``val_fraction`` and ``val_data``."""
     return prepare_data(cfg.data, tokenizer, text_field=cfg.text_field, loss_on=cfg.loss_on, pack=cfg.pack,
                         val_fraction=cfg.val_fraction, val_data=cfg.val_data)
+
+
+def check_batch(cfg, vocab: int, device, world_size: int = 1) -> None:
+    """Refuse a ``batch_size`` x ``block_size`` whose logits alone (fp32, for the loss; the validation batch is
+    ``world_size`` micro-batches) exceed the device's memory (``core.device.check_fits``)."""
+    check_fits(f"batch_size={cfg.batch_size} x block_size={cfg.block_size} (its logits: x vocab {vocab:,} x 4 bytes"
+               + (f" x {world_size} ranks' validation rows" if world_size > 1 else "") + ")",
+               cfg.batch_size * world_size * cfg.block_size * vocab * 4, device)
 
 
 def with_epochs(cfg, corpus, batches):

@@ -4,6 +4,14 @@ The step's metrics stay 0-d device tensors; every ``log_every`` steps they are p
 deferred metrics of Levanter) and logged with the throughput, memory, MFU and cost. Evaluation runs on
 fixed validation windows; ``patience`` evaluations without improvement stop the run (early stopping), and a
 non-finite validation loss stops it without finishing (diverged: ``core.exits.RunStopped``, exit code 4).
+
+Divergence, checked on those pulls only (no extra host sync): a step whose loss or gradient norm is not finite is
+skipped (``core.update.if_finite``, optax's ``apply_if_finite``), which rides out a bad batch but not a run that
+cannot take a finite step any more. The log stops the run the same way (exit 4, ``stopped.msgpack``) when the last
+``max_skipped_steps`` steps in a row were all skipped (counted since the run started or last rolled back), and, with
+the spike detector off, when the kept weights' global norm is not finite (a weight is inf or NaN, or their squares
+overflow float32: a norm beyond about 1.8e19). With the detector on, a log step that flags a hard spike is left to
+its rollback, which restores weights from before the onset (``recipes.train.rollback``).
 """
 from __future__ import annotations
 
@@ -23,20 +31,41 @@ from recipes.train.hooks import Hook, StepContext, Stop
 LAST_VALUE = ("lr", "muon_lr", "loss_scale", "spike", "z_loss", "z_grad")
 
 
-def pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor], int]:
+def pull(pending: list[dict]) -> tuple[dict, Optional[torch.Tensor], int, list]:
     """Means of the buffered 0-d step metrics (the loss, clip activity, ...), the last value of the rest, the
     newest packed health tensor that holds statistics (``optim.health.computed``: with ``every`` only the due
-    steps compute them) and how many steps before the last it came from: one host transfer for the interval."""
+    steps compute them), how many steps before the last it came from, and each step's ``skipped`` flag (oldest
+    first, for :func:`skipped_run`): one host transfer for the interval."""
     keys = [k for k, v in pending[-1].items() if v.dim() == 0]
     alike = [m for m in pending if all(k in m for k in keys)]   # a strategy switch may change the keys
     stacked = torch.stack([torch.stack([m[k].float() for k in keys]) for m in alike]).cpu()
     means, lasts = stacked.mean(0).tolist(), stacked[-1].tolist()
     values = {k: (lasts[i] if k in LAST_VALUE else means[i]) for i, k in enumerate(keys)}
+    skips = stacked[:, keys.index("skipped")].tolist() if "skipped" in keys else []
     for age, metrics in enumerate(reversed(pending)):
         health = metrics.get("health")
         if health is not None and computed(health):
-            return values, health.cpu(), age
-    return values, None, 0
+            return values, health.cpu(), age, skips
+    return values, None, 0, skips
+
+
+def skipped_run(skips: list, before: int) -> int:
+    """Steps in a row skipped as non-finite up to the last of an interval's ``skipped`` flags (oldest first), plus
+    ``before`` (the count at the previous pull) when every step of the interval was skipped."""
+    run = 0
+    for skipped in reversed(skips):
+        if not skipped > 0:
+            break
+        run += 1
+    return run if run < len(skips) else before + run
+
+
+def too_many_skipped(run: int, limit: int, step: int) -> Optional[str]:
+    """The divergence reason when ``run`` steps in a row were skipped and that reaches ``limit`` (0: never)."""
+    if limit and run >= limit:
+        return (f"diverged: the last {run} steps up to step {step} were all non-finite and skipped "
+                f"(max_skipped_steps={limit})")
+    return None
 
 
 def board_layout(health: Optional[GradientHealth]) -> dict:
@@ -104,14 +133,16 @@ class TrainLog(Hook):
         self.device = ctx.state.step.device
         self.peak = peak_flops(self.device, cfg.peak_flops)
         self.last_time, self.last_tokens = time.perf_counter(), ctx.loop.tokens
+        self.skipped_run = 0      # steps in a row skipped as non-finite, up to the last log step
         logger.layout(board_layout(health))
 
     def after_step(self, ctx: StepContext):
         cfg, logger = self.cfg, self.logger
         if ctx.step % cfg.log_every != 0 and not ctx.last:
             return None
-        values, health, age = pull(ctx.pending)
+        values, health, age, skips = pull(ctx.pending)
         interval = len(ctx.pending)
+        self.skipped_run = skipped_run(skips, self.skipped_run)
         ctx.pending.clear()
         now = time.perf_counter()
         seconds = max(now - self.last_time - ctx.excluded, 1e-9)
@@ -137,7 +168,26 @@ class TrainLog(Hook):
         if values.get("skipped", 0.0) > 0 and not values.get("spike", 0.0) > 0:
             logger.print(f"warning: {round(values['skipped'] * interval)} non-finite step(s) up to step {ctx.step} "
                          f"were skipped (parameters untouched)")
-        return None
+        return self.diverged(ctx, values)
+
+    def diverged(self, ctx: StepContext, values: dict) -> Optional[Stop]:
+        """The module docstring's divergence check on this log step's pulled ``values``: a Stop (unfinished) or
+        None."""
+        cfg, step = self.cfg, ctx.step
+        if values.get("spike", 0.0) > 0:          # the rollback acts on this step
+            return None
+        reason = too_many_skipped(self.skipped_run, cfg.max_skipped_steps, step)
+        if reason is None and not cfg.spike.enabled and not math.isfinite(values.get("param_norm", 0.0)):
+            reason = f"diverged: the weights' global norm is {values['param_norm']} at step {step}"
+        if reason is None:
+            return None
+        self.logger.print(f"{reason}: stopping (lower lr, or inspect the data)")
+        self.logger.event(step, "diverged", reason=reason)
+        return Stop(reason, unfinished=True)
+
+    def on_rollback(self, step: int, to_step: int, restored):
+        self.skipped_run = 0
+        return restored
 
 
 class Evaluation(Hook):

@@ -54,7 +54,7 @@ from optim.health import computed
 from recipes.train.config import TrainConfig
 from recipes.train.hooks import Hook, StepContext, Stop
 from recipes.train.loop import LoopIO, LoopState, Steps, fit
-from recipes.train.metrics import write_health
+from recipes.train.metrics import skipped_run, too_many_skipped, write_health
 from recipes.train.optimizer import OptimizerSpec
 from recipes.train.setup import checkpoint_manager
 from recipes.upcycle.teacher_io import TeacherSource
@@ -292,7 +292,7 @@ def run(bw, state: TrainState, step_fn, source: TeacherSource, folder: Path, ext
     steps = Steps(train=lambda s, batch, frozen=None: step_fn(s, batch), eval=None, health=None, batches=source,
                   layout=layout)
     io = LoopIO(logger, checkpoint_manager(cfg, folder, dist), checkpoint_extra=extra, resume_folder=resume_folder,
-                log=BlockConvergence(state, bw.steps, bw.log_every, logger, health))
+                log=BlockConvergence(state, bw.steps, bw.log_every, logger, health, cfg.max_skipped_steps))
     result = fit(cfg, state, steps, io, loop=resumed_loop(folder, int(state.step)), dist=dist)
     return result.state, f"blockwise: {result.stop_reason}" if result.stop_reason else ""
 
@@ -324,16 +324,23 @@ def resumed_loop(folder: Path, step: int) -> Optional[LoopState]:
 class BlockConvergence(Hook):
     """The blockwise phase's log: every ``log_every`` steps the loss, lr and each block's loss and EMA (one host
     transfer), a ``block_stopped`` event for every block that froze since the last log, and the end of the phase
-    (a final checkpoint) once every block has stopped or at the step cap."""
+    (a final checkpoint) once every block has stopped or at the step cap; the standard log's divergence check too
+    (``recipes.train.metrics``: ``max_skipped_steps`` steps in a row skipped as non-finite stop it unfinished)."""
 
-    def __init__(self, state: TrainState, total: int, log_every: int, logger: Logger, health=None):
+    def __init__(self, state: TrainState, total: int, log_every: int, logger: Logger, health=None,
+                 max_skipped: int = 0):
         self.total, self.log_every, self.logger, self.health = total, log_every, logger, health
         self.active = convergence(state)["active"].cpu()
         self.t_log, self.steps_at_log = time.perf_counter(), int(state.step)
+        self.max_skipped, self.skipped_run = max_skipped, 0
 
     def after_step(self, ctx: StepContext) -> Optional[Stop]:
         if ctx.step % self.log_every == 0 or ctx.last:
             self.log(ctx)
+            reason = too_many_skipped(self.skipped_run, self.max_skipped, ctx.step)
+            if reason is not None:
+                self.logger.print(f"blockwise: {reason}: stopping (lower blockwise.lr, or inspect the data)")
+                return Stop(reason, unfinished=True)
         if ctx.last or not bool(self.active.any()):
             step, why = ctx.step, "every block stopped" if not bool(self.active.any()) else "step cap"
             return Stop(final=True, announce=lambda path: self.logger.print(
@@ -346,7 +353,8 @@ class BlockConvergence(Hook):
         packed = next((m["health"] for m in reversed(ctx.pending) if "health" in m and computed(m["health"])), None)
         if self.health is not None and packed is not None:
             write_health(logger, self.health, step, packed.cpu())
-        skipped = float(torch.stack([m["skipped"] for m in ctx.pending]).sum())
+        skips = torch.stack([m["skipped"] for m in ctx.pending]).tolist()
+        self.skipped_run, skipped = skipped_run(skips, self.skipped_run), sum(skips)
         if skipped:
             logger.print(f"blockwise: {skipped:.0f} non-finite step(s) skipped since the last log (student untouched)")
         ctx.pending.clear()

