@@ -70,6 +70,25 @@ def test_the_item_is_recipe_evals_numbers_and_the_paired_hand_difference(data):
     assert scalars["benchmark/tasks/student/winogrande"] == got["tasks"]["winogrande"]["student"]
     assert scalars["benchmark/tasks/diff/average"] == avg["diff"]["diff"]
     assert six_tasks.line(got).startswith("2-task average teacher ")
+    bench_table(got)
+
+
+def bench_table(got: dict) -> None:
+    """``recipe=bench.upcycle``'s table: a column per task and the average, the teacher's value ± stderr, each
+    student's value and its paired difference."""
+    from recipes.bench import upcycle as bench
+    teacher = {**got, "tasks": {n: {**r, "student": r["teacher"], "student_stderr": r["teacher_stderr"]}
+                                for n, r in got["tasks"].items()}}
+    results = {"config": {"passkey_contexts": [], "passkey_trials": 0, "task_limit": 4, "task_fewshot": 0},
+               "kv_bytes_per_token": {"teacher": 256, "student": 128, "ratio": 2.0}, "passkey": {},
+               "teacher": {"perplexity": 10.0}, "tasks": {"teacher": teacher, "surgery": got},
+               "rows": [{"arm": "surgery", "budget": 0, "tokens": {}, "perplexity": 11.0, "ratio": 1.1, "seconds": 0}]}
+    lines = bench.markdown(results).splitlines()
+    assert "| arc_easy (acc_norm) | winogrande (acc) | average of 2 tasks | training s |" in lines[2]
+    a, d = got["average"], got["average"]["diff"]
+    assert lines[5].split(" | ")[-2] == f"{a['student']:.4f} ({d['diff']:+.4f} ± {d['stderr']:.4f})"
+    w = got["tasks"]["winogrande"]
+    assert lines[4].split(" | ")[6] == f"{w['teacher']:.4f} ± {w['teacher_stderr']:.4f}"
 
 
 def test_missing_data_or_an_unwritable_text_skips_the_item_with_one_line(data, tmp_path):

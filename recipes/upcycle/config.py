@@ -151,13 +151,20 @@ class BenchmarkConfig:
             if not getattr(self, key):
                 raise ConfigError(f"bad value for 'benchmark.{key}': an empty list; give one or more numbers "
                                   f"(a,b,c)")
-        self.tasks = () if tuple(self.tasks) in ((), ("none",)) else tuple(self.tasks)
-        bad = [t for t in self.tasks if t not in TASKS]
-        if bad:
-            raise ConfigError(f"bad value for 'benchmark.tasks': {unknown_task(bad[0])}")
-        if len(set(self.tasks)) != len(self.tasks):
-            raise ConfigError(f"bad value for 'benchmark.tasks': {','.join(self.tasks)}; a list without repeats of "
-                              f"the tasks")
+        self.tasks = checked_tasks(self.tasks, "benchmark.tasks")
+
+
+def checked_tasks(tasks, key: str) -> tuple[str, ...]:
+    """``tasks`` as a tuple (``none`` or an empty list: ``()``), or recipe=eval's one-line error naming ``key``."""
+    tasks = () if tuple(tasks) in ((), ("none",)) else tuple(tasks)
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise ConfigError(f"bad value for '{key}': {unknown_task(bad[0])}")
+    if len(set(tasks)) != len(tasks):
+        raise ConfigError(f"bad value for '{key}': {','.join(tasks)}; a list without repeats of the tasks")
+    return tasks
+
+
 def keyword_dataclass(cls):
     """``dataclass`` for a config with a Python keyword among its field names (``global``): the generated
     ``__init__``/``__repr__``/``__eq__`` would not compile, so these are written generically here."""

@@ -168,8 +168,8 @@ def write(folder, results: dict, say=progress) -> None:
             failed.append({"item": "charts", "error": error, "traceback": traceback.format_exc()})
         results["failed"] = failed
     tasks = results.get("tasks")
-    if tasks:                # every question's choices and log-likelihoods apart: tasks.json, not results.json
-        write_json(folder / "tasks.json", tasks["examples"])
+    if tasks and "examples" in tasks:     # every question's choices apart: tasks.json, not results.json (a
+        write_json(folder / "tasks.json", tasks["examples"])    # results dict read back from it has none)
     write_json(folder / "results.json", {**results, "tasks": tasks and {k: v for k, v in tasks.items()
                                                                          if k != "examples"}})
     write_csv(folder / "results.csv", [header(), *(["" if c.get(k) is None else c[k] for k, _ in COLUMNS]
