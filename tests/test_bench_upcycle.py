@@ -38,6 +38,7 @@ def test_every_arm_starts_from_one_surgery_and_trains_its_budget(tiny_teacher, t
     table = capsys.readouterr().out
     assert "| 1,280 | global, CE only (end-to-end, MHA2MLA's) | 0 + 1,280 |" in table
     assert (out / "results.md").read_text() in table
+    assert "Multiple-choice tasks skipped: " in table          # a char teacher cannot write them, or no eval data
 
     assert main(args(tiny_teacher, out)) == 0                 # the same command again: nothing trains
     again = capsys.readouterr().err

@@ -21,7 +21,7 @@ from tests.test_upcycle import corpus, teacher  # noqa: F401  (module fixtures: 
 pytestmark = pytest.mark.usefixtures("token_cache")
 SMALL = ["benchmark.prompt_tokens=16,48", "benchmark.new_tokens=3", "benchmark.batches=1,2", "benchmark.repeats=3",
          "benchmark.prefill_chunk=16", "benchmark.passkey_contexts=192,256,384", "benchmark.passkey_trials=2",
-         "benchmark.ppl_contexts=16,32", "benchmark.ppl_tokens=256"]
+         "benchmark.ppl_contexts=16,32", "benchmark.ppl_tokens=256", "benchmark.task_limit=5"]
 
 
 def upcycle(teacher, corpus, out, *extra):   # no dims: kv_reduction=2 derives them
@@ -96,6 +96,12 @@ def test_artifacts_schema_medians_and_kv_bytes(surgery_run, capsys):
                                                                                                      "student"}
     assert all(p["trials"] == 2 and p["seed"] == 1337 and 0 <= p["accuracy"] <= 1 for p in keys)
     assert {q["context"] for q in results["strided_perplexity"]} == {16, 32}
+    if results["tasks"]:               # the six tasks (tests/test_upcycle_tasks.py checks their numbers)
+        assert [t["n"] for t in results["tasks"]["tasks"].values()] == [5] * 6
+        assert set(json.loads((b / "tasks.json").read_text())) == {"teacher", "student"}
+        assert "| average of 6 | headline |" in (b / "results.md").read_text()
+    else:                              # no eval extra here: skipped with one line
+        assert any(k["item"] == "tasks" for k in results["skipped"])
     assert {r["type"] for r in results["behaviour"]} == {"choice_logprob", "exact_match_greedy", "all"}
     md = (b / "results.md").read_text()
     assert "Passkey retrieval: 2 trials per context, seed 1337" in md and "Student decode vs teacher" in md

