@@ -110,6 +110,8 @@ RUN_ELSEWHERE = {
                                           "test_recipe_export_writes_an_mla_checkpoint_in_deepseek_v2s_formats",
 }
 NOT_RUN = {
+    "bin/run recipe=export init=runs/smol-mla-4x/surgery": "SmolLM2's MLA student, from a surgery of minutes "
+                                                         "(the same export at test size: tests/test_mla.py)",
     "tensorboard --logdir runs": "a server that runs until stopped (the event files it reads: tests/test_board.py)",
     "python - <<'PY'": "writes a 1 GB corpus (the streaming tokenizer at test size: tests/test_jsonl.py)",
     "/usr/bin/time -v python -c": "tokenizes that 1 GB corpus for minutes (tests/test_jsonl.py at test size)",
