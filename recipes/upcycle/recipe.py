@@ -56,7 +56,8 @@ PRESETS = {
            "global.log_every": 5, "verify.windows": 2,
            "benchmark.prompt_tokens": (16, 64), "benchmark.new_tokens": (4,), "benchmark.batches": (1, 2),
            "benchmark.repeats": 3, "benchmark.ppl_contexts": (16, 32), "benchmark.ppl_tokens": 512,
-           "benchmark.passkey_contexts": (192, 256, 384), "benchmark.passkey_trials": 3},
+           "benchmark.passkey_contexts": (192, 256, 384), "benchmark.passkey_trials": 3,
+           "benchmark.task_limit": 5},
 }
 
 
