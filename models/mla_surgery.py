@@ -154,6 +154,14 @@ def left_metrics(Qn: torch.Tensor, Wo: torch.Tensor, metric: torch.Tensor, Kn: t
     return balanced(Pk, Kn), balanced(Pv, V)
 
 
+def fed_left(Qn: torch.Tensor, Wo: torch.Tensor, metric: torch.Tensor, Kn: torch.Tensor,
+             V: torch.Tensor) -> torch.Tensor:
+    """``latent_weight="fed"``'s left factor L [L, R, R]: the block-diagonal upper Cholesky factors of
+    :func:`left_metrics` (the G key blocks, then the G value blocks)."""
+    Pk, Pv = left_metrics(Qn, Wo, metric, Kn, V)
+    return block_diagonal([torch.linalg.cholesky(P).mT for P in [*Pk.unbind(1), *Pv.unbind(1)]])
+
+
 def block_diagonal(blocks: list) -> torch.Tensor:
     """[L, R, R] with the [L, a_i, a_i] ``blocks`` on its diagonal."""
     sizes = [b.shape[-1] for b in blocks]
@@ -246,7 +254,7 @@ def joint_latent(x: torch.Tensor, Y: torch.Tensor, rank: int, white, left, stead
     latent_err = (weigh(Y - B @ A).square().sum((1, 2)) / weigh(Y).square().sum((1, 2))).sqrt()
     errors = {"kv_norm": rho.tolist(), "k_err_act": err(Yx, approx, keys), "v_err_act": err(Yx, approx, vals),
               "k_err_act_norm": err(Yx, approx_n, keys), "v_err_act_norm": err(Yx, approx_n, vals),
-              "latent_err": latent_err.tolist()}
+              "latent_err": latent_err.tolist(), **({"kv_ranks": tuple(ranks)} if latent_total is not None else {})}
     return A, B, kv_norm, ranks, errors
 
 
@@ -274,9 +282,8 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lo
     is the student's config (dims: kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim). The report holds
     per-layer lists: ``rope_kept`` (step 2), ``rope_2norm_kept`` (step 1), ``k_err_act``/``v_err_act`` and their
     ``*_norm`` (step 4), ``latent_err`` (the weighted objective's relative error) and ``kv_norm`` (rho).
-    Exactly one of ``kv_lora_rank`` (every layer) and ``latent_total`` (a per-layer KV budget,
-    ``models/kv_budget.py``: that many latent dims over all layers, spread by CARE's greedy on step 3's spectrum;
-    dims then holds ``kv_ranks`` and kv_lora_rank is their max; the report too holds ``kv_ranks``)."""
+    Exactly one of ``kv_lora_rank`` (every layer) and ``latent_total`` (``models/kv_budget.py``: that many latent
+    dims over all layers by CARE's greedy on step 3's spectrum; dims and report hold ``kv_ranks``, r their max)."""
     _check(params, cfg, kv_lora_rank, qk_rope_head_dim, method, latent_weight, latent_total)
     L, d, H, G, hd, d_r, r = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                               qk_rope_head_dim, kv_lora_rank)
@@ -302,10 +309,7 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lo
     Qn, Kn = Wq[..., nope_dims, :], Wk[..., nope_dims, :]
     Y = torch.cat([Kn.reshape(L, G * m, d), Wv.reshape(L, G * hd, d)], dim=1)
     wo = attn["wo"].to(work, torch.float64)
-    left = None
-    if latent_weight == "fed":
-        Pk, Pv = left_metrics(Qn, wo.view(L, d, G, n, hd), metric, Kn, Wv)
-        left = block_diagonal([torch.linalg.cholesky(P).mT for P in [*Pk.unbind(1), *Pv.unbind(1)]])
+    left = fed_left(Qn, wo.view(L, d, G, n, hd), metric, Kn, Wv) if latent_weight == "fed" else None
     A, B, kv_norm, ranks, errors = joint_latent(x, Y, r, white, left, steady, KV_NORM_EPS, G * m, latent_total)
     r = A.shape[1]
 
@@ -327,9 +331,8 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lo
     report = {"method": method, "latent_weight": latent_weight, "kept_pairs": keep.tolist(),
               "rope_kept": rope_kept, "rope_2norm_kept": (scores[..., keep].sum(-1) / best).mean(1).tolist(),
               **errors}
-    dims = {"kv_lora_rank": r, "qk_rope_head_dim": d_r, "qk_nope_head_dim": m, "v_head_dim": hd}
-    if latent_total is not None:
-        dims["kv_ranks"] = report["kv_ranks"] = tuple(ranks)
+    dims = {"kv_lora_rank": r, "qk_rope_head_dim": d_r, "qk_nope_head_dim": m, "v_head_dim": hd,
+            **({"kv_ranks": report["kv_ranks"]} if "kv_ranks" in report else {})}
     return student, dims, report
 
 
