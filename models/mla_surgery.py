@@ -35,7 +35,9 @@ m = hd - d_r = qk_nope_head_dim, v_head_dim = hd, r = kv_lora_rank. Student (per
    (the group's no-RoPE query rows, as ``models.surgery.factorize_scores`` weighs scores), the value rows by
    sum_h W_o,h^T W_o,h; each block's metric is scaled so its total energy is unchanged (keys are in score units,
    values in output units: only the distribution inside a block changes). Minimising ||L (Y - B A) W|| with L^T L
-   that block-diagonal metric is the Eckart-Young truncation of L Y W. Exact at r = rank(Y).
+   that block-diagonal metric is the Eckart-Young truncation of L Y W. Exact at r = rank(Y). A per-layer budget
+   (``latent_total``, CARE ICLR 2026 via ``models/kv_budget.py``) draws each layer's rank from the same SVD's
+   spectrum and zero-pads the latent to the widest layer (``models.mla``'s note on ``kv_ranks``).
 
 4. **The latent norm** (``kv_norm``): the format normalises c per token, c_n = c / rms(c) * kv_norm, which is not
    linear. But the latent's basis is free (any invertible T: c' = T c, wkv_b takes T^-1), and rms(T c)^2 =
@@ -57,8 +59,8 @@ from typing import Literal
 import torch
 
 from core.tree import clone
-from models.llama import LlamaConfig
 from models import kv_budget
+from models.llama import LlamaConfig
 from models.mla import KV_NORM_EPS
 from models.surgery import METHODS, calibration_inputs, pair_scores, teacher_weights, whitening
 
