@@ -37,6 +37,15 @@ exactly ``models.llama``'s names and shapes)::
     layers.attn.wkv_b    [L, n_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]   per head [k_nope | v]
     layers.attn.wo       [L, d, n_heads * v_head_dim]
 
+A per-layer KV budget (``kv_ranks``, ``models/kv_budget.py``) keeps this one stacked shape at kv_lora_rank =
+max(kv_ranks): layer l's latent rows r >= kv_ranks[l] of wkv_a, its kv_norm entries there and its wkv_b columns
+there are zero, so those latent dims are zero, their gradients are exactly zero (d c_n / d c is zero through a zero
+kv_norm entry, d rms / d c_i is proportional to c_i = 0, and wkv_b's column gradient is c_n,i = 0 times the output
+gradient), and AdamW keeps them zero (zero moments; decoupled decay of zero is zero). The forward is unchanged: a
+latent of live width r zero-padded to R has rms_R(c)^2 + e = (r/R) (rms_r(c)^2 + e R/r), so RMSNorm over R with
+eps e is sqrt(R/r) times RMSNorm over the live dims with eps e R/r; ``models.mla_surgery`` folds sqrt(r/R) into
+kv_norm (the eps stays 1e-6 in R's units: in live units e R/r, a relative change of order e R/r / mean(c^2)).
+
 Decoding (``new_cache``/``decoder``) caches only ``c_n`` [B, max_len, kv_lora_rank] and the rotated ``k_rope``
 [B, max_len, qk_rope_head_dim] per layer and absorbs the up-projections (DeepSeek-V2 sec. 2.1.2): W_uk,h (the k_nope
 rows of W_kv_b) moves onto the query, ``q~_h = W_uk,h^T q_nope_h``, so the scores are taken against ``c_n`` itself
@@ -70,6 +79,8 @@ class MLAConfig(LlamaConfig):
                                    min=2)
     qk_nope_head_dim: int = option(16, "width of the no-RoPE part of a query/key head", min=0)
     v_head_dim: int = option(32, "width of a value head", min=1)
+    kv_ranks: tuple[int, ...] = option((), "per-layer live latent widths, each at most kv_lora_rank (a per-layer "
+                                       "KV budget, models/kv_budget.py; empty: every layer kv_lora_rank)", min=1)
 
     def __post_init__(self):
         super().__post_init__()
@@ -83,14 +94,22 @@ class MLAConfig(LlamaConfig):
                              f"(DeepSeek-V2 has no window); use sliding_window=0")
         if self.qkv_bias:
             raise ValueError("qkv_bias=true: MLA has no attention biases (DeepSeek-V2's format has no query bias)")
+        if self.kv_ranks and (len(self.kv_ranks) != self.n_layers or max(self.kv_ranks) > self.kv_lora_rank):
+            raise ValueError(f"kv_ranks={self.kv_ranks}: need one live latent width per layer ({self.n_layers}), "
+                             f"each at most kv_lora_rank={self.kv_lora_rank}")
         rope_frequencies(self)   # a rope_scaling that does not fit qk_rope_head_dim fails here, by name
 
     @classmethod
     def from_teacher(cls, teacher: LlamaConfig, *, kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: int,
-                     v_head_dim: int) -> "MLAConfig":
+                     v_head_dim: int, kv_ranks: Optional[tuple] = None) -> "MLAConfig":
         base = {k: v for k, v in asdict(teacher).items() if k in LlamaConfig.__dataclass_fields__}
         return cls(**base, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
-                   qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim)
+                   qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim, kv_ranks=tuple(kv_ranks or ()))
+
+
+def live_ranks(cfg: MLAConfig) -> list:
+    """Each layer's live latent width: ``kv_ranks``, or kv_lora_rank for every layer."""
+    return list(cfg.kv_ranks) or [cfg.kv_lora_rank] * cfg.n_layers
 
 
 def qk_head_dim(cfg: MLAConfig) -> int:
@@ -247,6 +266,8 @@ def decoder(params: dict, cfg: MLAConfig, batch: int, max_len: int):
 
 
 def kv_bytes_per_token(cfg: MLAConfig, dtype_bytes: int = 2) -> int:
-    """Cached bytes per token over all layers: kv_lora_rank + qk_rope_head_dim per layer (the teacher:
-    ``llama.kv_bytes_per_token``, 2 * n_kv_heads * head_dim)."""
-    return cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+    """Cached bytes per token over all layers: the live latent width (``kv_ranks[l]``, else kv_lora_rank) +
+    qk_rope_head_dim per layer (the teacher: ``llama.kv_bytes_per_token``, 2 * n_kv_heads * head_dim). With
+    ``kv_ranks`` this is what a cache of live widths holds; :func:`new_cache` (and DeepSeek-V2's format) hold the
+    padded kv_lora_rank in every layer."""
+    return (sum(live_ranks(cfg)) + cfg.n_layers * cfg.qk_rope_head_dim) * dtype_bytes

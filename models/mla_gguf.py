@@ -38,6 +38,10 @@ of the above: a dense query (``q_lora_rank`` 0 or absent), every block dense, th
 Refused with the reason: RoPE scaling (llama.cpp's ``deepseek2`` graph passes no ``rope_freqs`` to its RoPE, so
 llama3 scaling would be lost; ``format=hf`` keeps it). Tensor types and the file's atomic write are
 ``models.gguf_export``'s (``encode_tensor``, ``write_file``).
+
+A per-layer KV budget (``MLAConfig.kv_ranks``) is written at its padded width: ``attention.kv_lora_rank`` is one
+number for every layer, max(kv_ranks), each layer's dead latent dims zero, so llama.cpp's cache holds the padded
+width per token and layer; the file reads back with ``kv_ranks`` empty (the same function).
 """
 from __future__ import annotations
 

@@ -22,6 +22,11 @@ GGUF (``models.mla_gguf``) takes these rows as they are.
 (arch ``mla``). Refused by name: query compression (``q_lora_rank``), experts, YaRN or other rope types, biases,
 activations other than SiLU. The teacher's head_dim and n_kv_heads (informational in ``MLAConfig``) are not part of
 the format: read back, they are d_model / n_heads and n_heads.
+
+A student with a per-layer KV budget (``MLAConfig.kv_ranks``) is written at its padded width: DeepSeek-V2's format
+has one ``kv_lora_rank`` for every layer, so the folder carries kv_lora_rank = max(kv_ranks) with each layer's dead
+latent dims as zero rows/columns (the same function; a cache built from it holds the padded width), and reads back
+with ``kv_ranks`` empty.
 """
 from __future__ import annotations
 

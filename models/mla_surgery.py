@@ -35,7 +35,9 @@ m = hd - d_r = qk_nope_head_dim, v_head_dim = hd, r = kv_lora_rank. Student (per
    (the group's no-RoPE query rows, as ``models.surgery.factorize_scores`` weighs scores), the value rows by
    sum_h W_o,h^T W_o,h; each block's metric is scaled so its total energy is unchanged (keys are in score units,
    values in output units: only the distribution inside a block changes). Minimising ||L (Y - B A) W|| with L^T L
-   that block-diagonal metric is the Eckart-Young truncation of L Y W. Exact at r = rank(Y).
+   that block-diagonal metric is the Eckart-Young truncation of L Y W. Exact at r = rank(Y). A per-layer budget
+   (``latent_total``, CARE ICLR 2026 via ``models/kv_budget.py``) draws each layer's rank from the same SVD's
+   spectrum and zero-pads the latent to the widest layer (``models.mla``'s note on ``kv_ranks``).
 
 4. **The latent norm** (``kv_norm``): the format normalises c per token, c_n = c / rms(c) * kv_norm, which is not
    linear. But the latent's basis is free (any invertible T: c' = T c, wkv_b takes T^-1), and rms(T c)^2 =
@@ -57,6 +59,7 @@ from typing import Literal
 import torch
 
 from core.tree import clone
+from models import kv_budget
 from models.llama import LlamaConfig
 from models.mla import KV_NORM_EPS
 from models.surgery import METHODS, calibration_inputs, pair_scores, teacher_weights, whitening
@@ -153,6 +156,14 @@ def left_metrics(Qn: torch.Tensor, Wo: torch.Tensor, metric: torch.Tensor, Kn: t
     return balanced(Pk, Kn), balanced(Pv, V)
 
 
+def fed_left(Qn: torch.Tensor, Wo: torch.Tensor, metric: torch.Tensor, Kn: torch.Tensor,
+             V: torch.Tensor) -> torch.Tensor:
+    """``latent_weight="fed"``'s left factor L [L, R, R]: the block-diagonal upper Cholesky factors of
+    :func:`left_metrics` (the G key blocks, then the G value blocks)."""
+    Pk, Pv = left_metrics(Qn, Wo, metric, Kn, V)
+    return block_diagonal([torch.linalg.cholesky(P).mT for P in [*Pk.unbind(1), *Pv.unbind(1)]])
+
+
 def block_diagonal(blocks: list) -> torch.Tensor:
     """[L, R, R] with the [L, a_i, a_i] ``blocks`` on its diagonal."""
     sizes = [b.shape[-1] for b in blocks]
@@ -165,42 +176,52 @@ def block_diagonal(blocks: list) -> torch.Tensor:
 
 
 def factorize_latent(Y: torch.Tensor, rank: int, white: torch.Tensor | None, left: torch.Tensor | None,
-                     x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """B [L, R, rank], A [L, rank, d] minimising ||L (Y - B A) W|| (``white`` W [L, d, d] or None for the identity,
-    ``left`` L [L, R, R] upper triangular or None), A's rows scaled to unit mean square on ``x`` [L, N, d]."""
+                     x: torch.Tensor, latent_total: int | None = None) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """(B [L, R, r], A [L, r, d], ranks) minimising ||L (Y - B A) W|| (``white`` W [L, d, d] or None for the
+    identity, ``left`` L [L, R, R] upper triangular or None), A's rows scaled to unit mean square on ``x``
+    [L, N, d]. r = ``rank`` in every layer, or with ``latent_total`` the per-layer ranks ``kv_budget.allocate``
+    draws from this SVD's spectrum (r = their max; layer l's components >= ranks[l] zero)."""
     LY = Y if left is None else left @ Y
     Z = LY if white is None else LY @ white
     U, s, Vh = torch.linalg.svd(Z, full_matrices=False)
-    U, s, Vh = U[..., :rank], s[..., :rank], Vh[..., :rank, :]
+    ranks = [rank] * Y.shape[0] if latent_total is None else kv_budget.allocate(s.square(), latent_total)
+    rank = max(ranks)
+    live = (torch.arange(rank, device=s.device) < torch.tensor(ranks, device=s.device)[:, None]).to(s.dtype)
+    U, s, Vh = U[..., :rank], s[..., :rank] * live, Vh[..., :rank, :] * live[..., None]
     A = Vh if white is None else torch.linalg.solve_triangular(white, Vh, upper=False, left=False)   # Vh W^-1
     ms = (x @ A.mT).square().mean(1).clamp_min(1e-300)                  # [L, rank]
     B = U * (s * ms.sqrt())[:, None, :]
     B = B if left is None else torch.linalg.solve_triangular(left, B, upper=True)
-    return B, A / ms.sqrt()[..., None]
+    return B, A / ms.sqrt()[..., None], ranks
 
 
-def steady_basis(c: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
+def steady_basis(c: torch.Tensor, ranks: list | None = None, ridge: float = 1e-3) -> torch.Tensor:
     """T [L, r, r] (symmetric PSD) that makes |T c_t|^2 as constant over the calibration latents ``c`` [L, N, r] as
     a ridge least squares over quadratic forms can: min_S sum_t (c_t^T S c_t - 1)^2 + lambda ||S||^2, solved in its
     dual (the quadratic features' kernel is (c_t . c_u)^2, so S = C^T diag(alpha) C with alpha = (K + lambda I)^-1 1,
     lambda = ``ridge`` * mean diag K), S projected onto PSD (eigenvalues floored at 1e-3 of their mean), T = S^1/2.
-    One layer at a time (K is N x N)."""
+    One layer at a time (K is N x N), over its live dims ``ranks[l]`` (the identity on the zero ones)."""
     out = []
-    for cl in c.unbind(0):
+    for cl, live in zip(c.unbind(0), ranks or [c.shape[-1]] * c.shape[0]):
+        cl = cl[:, :live]
         cl = cl / cl.square().sum(-1).mean().sqrt()                        # mean |c|^2 = 1
         K = (cl @ cl.mT).square()
         K.diagonal().add_(ridge * K.diagonal().mean())
         alpha = torch.cholesky_solve(torch.ones_like(K[:, :1]), torch.linalg.cholesky(K))
         vals, vecs = torch.linalg.eigh(cl.mT @ (alpha * cl))
         vals = vals.clamp_min(1e-3 * vals.clamp_min(0).mean())
-        out.append((vecs * vals.sqrt()) @ vecs.mT)
+        T = torch.eye(c.shape[-1], dtype=c.dtype, device=c.device)
+        T[:live, :live] = (vecs * vals.sqrt()) @ vecs.mT
+        out.append(T)
     return torch.stack(out)
 
 
-def norm_scale(LB: torch.Tensor, c: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rho [L], 1/rms(c_t) [L, N]): the least-squares scalar of step 4 for latents ``c`` [L, N, r] and the
-    weighted up-projection ``LB`` [L, R, r]."""
-    inv = torch.rsqrt(c.square().mean(-1) + eps)
+def norm_scale(LB: torch.Tensor, c: torch.Tensor, eps: float,
+               live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rho [L], 1/rms(c_t) [L, N]): the least-squares scalar of step 4 for latents ``c`` [L, N, r] (the rms over
+    each layer's ``live`` [L] dims, the rest zero; None: all) and the weighted up-projection ``LB`` [L, R, r]."""
+    width = torch.full(c.shape[:1], c.shape[-1], dtype=c.dtype, device=c.device) if live is None else live
+    inv = torch.rsqrt(c.square().sum(-1) / width[:, None] + eps)
     w = (c @ LB.mT).square().sum(-1)                                    # ||L B c_t||^2
     return (w * inv).sum(1) / (w * inv.square()).sum(1).clamp_min(1e-300), inv
 
@@ -210,15 +231,22 @@ def reconstruction_error(Yx: torch.Tensor, approx: torch.Tensor) -> torch.Tensor
     return ((Yx - approx).square().sum((1, 2)) / Yx.square().sum((1, 2)).clamp_min(1e-300)).sqrt()
 
 
-def joint_latent(x: torch.Tensor, Y: torch.Tensor, rank: int, white, left, steady: bool, eps: float, n_keys: int):
+def joint_latent(x: torch.Tensor, Y: torch.Tensor, rank: int, white, left, steady: bool, eps: float, n_keys: int,
+                 latent_total: int | None = None):
     """Steps 3 and 4 for the stacked rows ``Y`` [L, R, d] (the first ``n_keys`` rows keys, the rest values) on the
-    calibration inputs ``x`` [L, N, d]: (A = W_dkv [L, rank, d], B [L, R, rank], rho [L], the report's errors)."""
-    B, A = factorize_latent(Y, rank, white, left, x)
+    calibration inputs ``x`` [L, N, d]: (A = W_dkv [L, r, d], B [L, R, r], kv_norm [L, r], ranks, the report's
+    errors); ``latent_total``: per-layer ranks (``factorize_latent``), kv_norm = rho sqrt(ranks[l] / r) on the live
+    dims and zero on the rest (``models.mla``'s note on a padded latent)."""
+    B, A, ranks = factorize_latent(Y, rank, white, left, x, latent_total)
     c = x @ A.mT                                                   # [L, N, r]
     if steady:
-        T = steady_basis(c)
+        T = steady_basis(c, ranks)
         A, B, c = T @ A, torch.linalg.solve(T, B.mT).mT, c @ T
-    rho, inv_rms = norm_scale(B if left is None else left @ B, c, eps)
+    live = torch.tensor(ranks, dtype=x.dtype, device=x.device)
+    rho, inv_rms = norm_scale(B if left is None else left @ B, c, eps, live)
+    width = A.shape[1]
+    mask = (torch.arange(width, device=x.device) < live[:, None]).to(x.dtype)
+    kv_norm = (rho * (live / width).sqrt())[:, None] * mask
     Yx, approx = x @ Y.mT, c @ B.mT
     approx_n = approx * (rho[:, None] * inv_rms)[..., None]
     keys, vals = slice(0, n_keys), slice(n_keys, None)
@@ -226,9 +254,10 @@ def joint_latent(x: torch.Tensor, Y: torch.Tensor, rank: int, white, left, stead
     weigh = lambda E: (E if left is None else left @ E) @ (torch.eye(E.shape[-1], dtype=E.dtype, device=E.device)  # noqa: E731
                                                           if white is None else white)
     latent_err = (weigh(Y - B @ A).square().sum((1, 2)) / weigh(Y).square().sum((1, 2))).sqrt()
-    return A, B, rho, {"k_err_act": err(Yx, approx, keys), "v_err_act": err(Yx, approx, vals),
-                       "k_err_act_norm": err(Yx, approx_n, keys), "v_err_act_norm": err(Yx, approx_n, vals),
-                       "latent_err": latent_err.tolist()}
+    errors = {"kv_norm": rho.tolist(), "k_err_act": err(Yx, approx, keys), "v_err_act": err(Yx, approx, vals),
+              "k_err_act_norm": err(Yx, approx_n, keys), "v_err_act_norm": err(Yx, approx_n, vals),
+              "latent_err": latent_err.tolist(), **({"kv_ranks": tuple(ranks)} if latent_total is not None else {})}
+    return A, B, kv_norm, ranks, errors
 
 
 def shared_rope(Wq: torch.Tensor, Wk: torch.Tensor, rope_dims: torch.Tensor, metric: torch.Tensor):
@@ -247,13 +276,17 @@ def shared_rope(Wq: torch.Tensor, Wk: torch.Tensor, rope_dims: torch.Tensor, met
 # the surgery
 
 @torch.no_grad()
-def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lora_rank: int, qk_rope_head_dim: int,
-            method: Literal["svd", "asvd"] = "asvd", latent_weight: str = "fed", steady: bool = True):
+def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lora_rank: int | None = None,
+            qk_rope_head_dim: int,
+            method: Literal["svd", "asvd"] = "asvd", latent_weight: str = "fed", steady: bool = True,
+            latent_total: int | None = None):
     """Teacher Llama ``params``/``cfg`` -> (student params, dims, report); ``MLAConfig.from_teacher(cfg, **dims)``
     is the student's config (dims: kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim). The report holds
     per-layer lists: ``rope_kept`` (step 2), ``rope_2norm_kept`` (step 1), ``k_err_act``/``v_err_act`` and their
-    ``*_norm`` (step 4), ``latent_err`` (the weighted objective's relative error) and ``kv_norm`` (rho)."""
-    _check(params, cfg, kv_lora_rank, qk_rope_head_dim, method, latent_weight)
+    ``*_norm`` (step 4), ``latent_err`` (the weighted objective's relative error) and ``kv_norm`` (rho).
+    Exactly one of ``kv_lora_rank`` (every layer) and ``latent_total`` (``models/kv_budget.py``: that many latent
+    dims over all layers by CARE's greedy on step 3's spectrum; dims and report hold ``kv_ranks``, r their max)."""
+    _check(params, cfg, kv_lora_rank, qk_rope_head_dim, method, latent_weight, latent_total)
     L, d, H, G, hd, d_r, r = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                               qk_rope_head_dim, kv_lora_rank)
     n, m = H // G, hd - d_r
@@ -278,11 +311,9 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lo
     Qn, Kn = Wq[..., nope_dims, :], Wk[..., nope_dims, :]
     Y = torch.cat([Kn.reshape(L, G * m, d), Wv.reshape(L, G * hd, d)], dim=1)
     wo = attn["wo"].to(work, torch.float64)
-    left = None
-    if latent_weight == "fed":
-        Pk, Pv = left_metrics(Qn, wo.view(L, d, G, n, hd), metric, Kn, Wv)
-        left = block_diagonal([torch.linalg.cholesky(P).mT for P in [*Pk.unbind(1), *Pv.unbind(1)]])
-    A, B, rho, errors = joint_latent(x, Y, r, white, left, steady, KV_NORM_EPS, G * m)
+    left = fed_left(Qn, wo.view(L, d, G, n, hd), metric, Kn, Wv) if latent_weight == "fed" else None
+    A, B, kv_norm, ranks, errors = joint_latent(x, Y, r, white, left, steady, KV_NORM_EPS, G * m, latent_total)
+    r = A.shape[1]
 
     scale = math.sqrt(m + d_r)                                     # the student's softmax_scale is (m + d_r)^-1/2
     wq = torch.cat([Qn, q_rope], dim=3) * scale                    # [L, G, n, m + d_r, d]
@@ -295,19 +326,23 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, kv_lo
     student["layers"]["attn"] = {
         "wq": out(wq.reshape(L, H * (m + d_r), d)),
         "wkv_a": out(torch.cat([A, k_rope], dim=1)),
-        "kv_norm": out(rho[:, None].expand(L, r)),
+        "kv_norm": out(kv_norm),
         "wkv_b": out(wkv_b.reshape(L, H * (m + hd), r)),
         "wo": out(wo)}
     best = scores.topk(d_r // 2, dim=-1).values.sum(-1)
     report = {"method": method, "latent_weight": latent_weight, "kept_pairs": keep.tolist(),
               "rope_kept": rope_kept, "rope_2norm_kept": (scores[..., keep].sum(-1) / best).mean(1).tolist(),
-              **errors, "kv_norm": rho.tolist()}
-    dims = {"kv_lora_rank": r, "qk_rope_head_dim": d_r, "qk_nope_head_dim": m, "v_head_dim": hd}
+              **errors}
+    dims = {"kv_lora_rank": r, "qk_rope_head_dim": d_r, "qk_nope_head_dim": m, "v_head_dim": hd,
+            **({"kv_ranks": report["kv_ranks"]} if "kv_ranks" in report else {})}
     return student, dims, report
 
 
-def _check(params: dict, cfg: LlamaConfig, rank: int, rope_dim: int, method: str, latent_weight: str) -> None:
+def _check(params: dict, cfg: LlamaConfig, rank: int | None, rope_dim: int, method: str, latent_weight: str,
+           latent_total: int | None = None) -> None:
     """:func:`surgery`'s arguments against the teacher: one ``ValueError`` naming the bad one."""
+    if (rank is None) == (latent_total is None):
+        raise ValueError(f"kv_lora_rank={rank}, latent_total={latent_total}: give exactly one")
     if method not in METHODS:
         raise ValueError(f"method={method!r}; choose one of {', '.join(METHODS)}")
     if latent_weight not in LATENT_WEIGHTS:
@@ -315,7 +350,8 @@ def _check(params: dict, cfg: LlamaConfig, rank: int, rope_dim: int, method: str
     if any(k.endswith("_bias") for k in params["layers"]["attn"]):
         raise ValueError("the teacher has q/k/v biases (Qwen2); the MLA format has none to carry them")
     kept_pairs(cfg.head_dim, rope_dim)
-    check_rank(cfg, rank, rope_dim)
+    if rank is not None:
+        check_rank(cfg, rank, rope_dim)
 
 
 def check_rank(cfg: LlamaConfig, rank: int, rope_dim: int) -> None:

@@ -120,7 +120,7 @@ def _act_error(params, cfg, rank):
     _, Wk, Wv = teacher_weights(params["layers"]["attn"], cfg, torch.device("cpu"))
     nope = torch.tensor([1, 2, 3, 5, 6, 7]); nope = torch.cat([nope, nope + 8])
     Y = torch.cat([Wk[:, :, nope].flatten(1, 2), Wv.flatten(1, 2)], dim=1)
-    B, A = ms.factorize_latent(Y, rank, None, None, x)
+    B, A, _ = ms.factorize_latent(Y, rank, None, None, x)
     Yx = x @ Y.mT
     return ms.reconstruction_error(Yx, x @ A.mT @ B.mT).tolist()
 

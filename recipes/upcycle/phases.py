@@ -24,7 +24,7 @@ from core.config import UserError, to_dict
 from core.data.text import Corpus, EvalBatches
 from core.parallel.distributed import Dist
 from core.step import make_eval_step
-from models import blockwise, llama, losses, mla, mla_surgery, surgery
+from models import blockwise, kv_budget, llama, losses, mla, mla_surgery, surgery
 from models.loading import ARCHS, LoadedModel, model_entry, module_of
 from recipes.distill.teacher import compute_view
 from recipes.orchestrator.driver import orchestrate
@@ -110,7 +110,7 @@ def load_student(path: Path, device) -> tuple[dict, object]:
 def surgery_settings(cfg: Config) -> dict:
     """The keys that define the student; a rerun into the same folder must not change them."""
     dims = ({"kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-             "latent_weight": cfg.latent_weight} if cfg.student == "mla" else {})
+             "latent_weight": cfg.latent_weight, "kv_budget": cfg.kv_budget} if cfg.student == "mla" else {})
     return {"teacher": cfg.teacher, "data": cfg.data, "student": cfg.student, "sem_dim": cfg.sem_dim,
             "geo_dim": cfg.geo_dim, "v_dim": cfg.v_dim, **dims, "surgery_method": cfg.surgery_method,
             "rope_pairs_shared": cfg.rope_pairs_shared, "calib_tokens": cfg.calib_tokens,
@@ -134,13 +134,19 @@ def run_surgery(ctx: Context) -> tuple[dict, object]:
     calib = calibration_tokens(ctx)
     # the factorizations need the teacher's weights in at least fp32 (a bf16-held teacher is widened here)
     if cfg.student == "mla":
+        width = (f"kv_budget {cfg.kv_budget} B" if cfg.kv_budget else f"kv_lora_rank {cfg.kv_lora_rank}")
         ctx.say(f"surgery: {cfg.surgery_method} on {calib.numel():,} calibration tokens (training split) into MLA, "
-                f"kv_lora_rank {cfg.kv_lora_rank}, qk_rope_head_dim {cfg.qk_rope_head_dim}, latent_weight "
-                f"{cfg.latent_weight}")
+                f"{width}, qk_rope_head_dim {cfg.qk_rope_head_dim}, latent_weight {cfg.latent_weight}")
+        width = ({"latent_total": kv_budget.budget_latent_total(cfg.kv_budget, t.config.n_layers,
+                                                                cfg.qk_rope_head_dim)}
+                 if cfg.kv_budget else {"kv_lora_rank": cfg.kv_lora_rank})
         student, dims, report = mla_surgery.surgery(
-            compute_view(t.params), t.config, calib, kv_lora_rank=cfg.kv_lora_rank,
-            qk_rope_head_dim=cfg.qk_rope_head_dim, method=cfg.surgery_method, latent_weight=cfg.latent_weight)
+            compute_view(t.params), t.config, calib, qk_rope_head_dim=cfg.qk_rope_head_dim,
+            method=cfg.surgery_method, latent_weight=cfg.latent_weight, **width)
         scfg = mla.MLAConfig.from_teacher(t.config, **dims)
+        if cfg.kv_budget:
+            ctx.say(f"surgery: per-layer latent ranks (CARE's greedy) {', '.join(map(str, scfg.kv_ranks))}; "
+                    f"stored padded to kv_lora_rank {scfg.kv_lora_rank}")
     else:
         ctx.say(f"surgery: {cfg.surgery_method} on {calib.numel():,} calibration tokens (training split), sem_dim "
                 f"{cfg.sem_dim}, geo_dim {cfg.geo_dim}, v_dim {cfg.v_dim} per head"

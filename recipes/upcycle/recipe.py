@@ -34,7 +34,7 @@ from core.io.logging import Logger, format_duration, progress
 from core.step import Parallel
 from core.cli.runs import claim, run_folder
 from core.tree import cast, fingerprint, size
-from models import dba, llama, mla_surgery
+from models import dba, kv_budget, llama, mla_surgery
 from models.loading import module_of
 from recipes.distill.teacher import load_teacher
 from recipes.train.loop import donates
@@ -71,6 +71,8 @@ def resolve_dims(cfg: Config, tcfg) -> None:
         if cfg.student == "mla":
             derived = mla_surgery.dims_for_reduction(tcfg.n_kv_heads, tcfg.head_dim, cfg.kv_reduction)
             keys, derived = ("kv_lora_rank", "qk_rope_head_dim", "latent_weight"), (derived[1], derived[0], "fed")
+            if cfg.kv_budget:            # the budget's greedy sets the latent widths at the surgery
+                keys, derived = keys[1:], derived[1:]
         else:
             derived = dba.dims_for_reduction(tcfg.head_dim, cfg.kv_reduction, plain=cfg.rope_pairs_shared)
             keys = ("sem_dim", "geo_dim", "v_dim")
@@ -83,14 +85,20 @@ def resolve_dims(cfg: Config, tcfg) -> None:
 
 def dims_line(cfg: Config, tcfg) -> str:
     """The chosen dims with both models' KV bytes per token (printed once the inputs are checked)."""
-    if cfg.student == "mla":
+    if cfg.student == "mla" and cfg.kv_budget:
+        per_t, per_s = 2 * tcfg.n_kv_heads * tcfg.head_dim, cfg.kv_budget / 2 / tcfg.n_layers
+        total = kv_budget.budget_latent_total(cfg.kv_budget, tcfg.n_layers, cfg.qk_rope_head_dim)
+        dims = (f"kv_budget={cfg.kv_budget} B: {total} latent dims over {tcfg.n_layers} layers (per-layer ranks at "
+                f"the surgery) + qk_rope_head_dim={cfg.qk_rope_head_dim} (MLA; teacher {tcfg.n_kv_heads} KV heads x "
+                f"head_dim {tcfg.head_dim}")
+    elif cfg.student == "mla":
         per_t, per_s = 2 * tcfg.n_kv_heads * tcfg.head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim
         dims = (f"kv_lora_rank={cfg.kv_lora_rank} qk_rope_head_dim={cfg.qk_rope_head_dim} (MLA; teacher "
                 f"{tcfg.n_kv_heads} KV heads x head_dim {tcfg.head_dim}")
     else:
         per_t, per_s = 2 * tcfg.n_kv_heads * tcfg.head_dim, tcfg.n_kv_heads * (cfg.sem_dim + cfg.geo_dim + cfg.v_dim)
         dims = f"sem_dim={cfg.sem_dim} geo_dim={cfg.geo_dim} v_dim={cfg.v_dim} (teacher head_dim {tcfg.head_dim}"
-    kv_t, kv_s = llama.kv_bytes_per_token(tcfg), tcfg.n_layers * per_s * 2
+    kv_t, kv_s = llama.kv_bytes_per_token(tcfg), round(tcfg.n_layers * per_s * 2)
     return (f"upcycle: dims {dims}, kv_reduction={cfg.kv_reduction:g}); KV cache per token (bf16) teacher "
             f"{kv_t:,} B, student {kv_s:,} B: {per_t / per_s:.2f}x smaller")
 
@@ -105,9 +113,26 @@ def _validate_mla(cfg: Config, tcfg) -> None:
                         f"context: use student=dba")
     try:
         mla_surgery.kept_pairs(tcfg.head_dim, cfg.qk_rope_head_dim)
-        mla_surgery.check_rank(tcfg, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        if not cfg.kv_budget:
+            mla_surgery.check_rank(tcfg, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     except ValueError as e:
         raise UserError(f"kv_lora_rank/qk_rope_head_dim for this teacher: {e}") from None
+    if cfg.kv_budget:
+        _validate_budget(cfg, tcfg)
+
+
+def _validate_budget(cfg: Config, tcfg) -> None:
+    """kv_budget between every layer's minimum (``kv_budget.MIN_RANK`` latent dims + its RoPE key) and the
+    teacher's own cache (and at most every layer's full latent rank), as one UserError."""
+    L, d_r = tcfg.n_layers, cfg.qk_rope_head_dim
+    low = 2 * L * (kv_budget.MIN_RANK + d_r)
+    full = min(tcfg.n_kv_heads * (2 * tcfg.head_dim - d_r), tcfg.d_model)
+    high = min(llama.kv_bytes_per_token(tcfg), 2 * L * (full + d_r))
+    if not low <= cfg.kv_budget <= high:
+        raise UserError(f"kv_budget={cfg.kv_budget} does not fit this teacher: need {low} <= kv_budget <= {high} "
+                        f"bytes per token ({L} layers, each at least {kv_budget.MIN_RANK} latent dim + "
+                        f"qk_rope_head_dim={d_r}, at most the teacher's {llama.kv_bytes_per_token(tcfg)} B and "
+                        f"{full} latent dims a layer)")
 
 
 def _validate(cfg: Config, teacher, corpus) -> tuple:
@@ -158,7 +183,7 @@ def _check_existing(cfg: Config, folder) -> None:
                         f"choose another out= (or name=), or delete that folder")
     path = folder / "surgery" / FINAL
     if path.exists():
-        old = {"rope_pairs_shared": False, "student": "dba",             # runs from before these keys
+        old = {"rope_pairs_shared": False, "student": "dba", "kv_budget": 0,   # runs from before these keys
                **ckpt.read_meta(path).get("settings", {})}
         new = surgery_settings(cfg)
         changed = [f"{k}={old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
