@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from core.layers import Layers
 from models import llama, losses
+from models.sampling import decoding
 from models.llama import LlamaConfig, apply_rope, rope_frequencies
 
 
@@ -229,14 +230,9 @@ def new_cache(cfg: DBAConfig, batch: int, max_len: int, dtype=torch.float32, dev
 
 def decoder(params: dict, cfg: DBAConfig, batch: int, max_len: int):
     """``forward(tokens, past_len) -> logits`` over a fresh KV cache, for ``models.sampling.generate``;
-    ``forward.cache`` is that cache (to measure it)."""
+    ``forward.cache`` is that cache (to measure it): ``models.sampling.decoding`` of this module's ``apply``."""
     leaf = params["embed"]
-    cache = new_cache(cfg, batch, max_len, dtype=leaf.dtype, device=leaf.device)
-
-    def forward(tokens, past_len):
-        return apply(params, tokens, cfg, cache=cache, past_len=past_len)
-    forward.cache = cache
-    return forward
+    return decoding(apply, params, cfg, new_cache(cfg, batch, max_len, dtype=leaf.dtype, device=leaf.device))
 
 
 def kv_bytes_per_token(cfg: DBAConfig, dtype_bytes: int = 2) -> int:

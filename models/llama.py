@@ -44,6 +44,7 @@ from core.layers import Layers
 from core.remat import checkpoint
 from core.tree import unstack
 from models import losses
+from models.sampling import decoding
 
 
 @dataclass
@@ -434,8 +435,7 @@ def cache_append(cache: dict, k: torch.Tensor, v: torch.Tensor, past_len: int):
 def decoder(params: dict, cfg: LlamaConfig, batch: int, max_len: int):
     """``forward(tokens, past_len) -> logits`` over a fresh KV cache, for ``models.sampling.generate``."""
     leaf = params["embed"]
-    cache = new_cache(cfg, batch, max_len, dtype=leaf.dtype, device=leaf.device)
-    return lambda tokens, past_len: apply(params, tokens, cfg, cache=cache, past_len=past_len)
+    return decoding(apply, params, cfg, new_cache(cfg, batch, max_len, dtype=leaf.dtype, device=leaf.device))
 
 
 def matmul_params(params: dict) -> int:

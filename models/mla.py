@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from core.config import option
 from core.layers import Layers
 from models import llama, losses
+from models.sampling import decoding
 from models.llama import LlamaConfig, apply_rope, rms_norm
 
 KV_NORM_EPS = 1e-6   # DeepseekV2RMSNorm's default, which DeepSeek-V2's kv_a_layernorm is built with
@@ -255,14 +256,9 @@ def new_cache(cfg: MLAConfig, batch: int, max_len: int, dtype=torch.float32, dev
 
 def decoder(params: dict, cfg: MLAConfig, batch: int, max_len: int):
     """``forward(tokens, past_len) -> logits`` over a fresh latent cache, for ``models.sampling.generate``;
-    ``forward.cache`` is that cache (to measure it)."""
+    ``forward.cache`` is that cache (to measure it): ``models.sampling.decoding`` of this module's ``apply``."""
     leaf = params["embed"]
-    cache = new_cache(cfg, batch, max_len, dtype=leaf.dtype, device=leaf.device)
-
-    def forward(tokens, past_len):
-        return apply(params, tokens, cfg, cache=cache, past_len=past_len)
-    forward.cache = cache
-    return forward
+    return decoding(apply, params, cfg, new_cache(cfg, batch, max_len, dtype=leaf.dtype, device=leaf.device))
 
 
 def kv_bytes_per_token(cfg: MLAConfig, dtype_bytes: int = 2) -> int:

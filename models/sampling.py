@@ -75,3 +75,13 @@ def generate(forward: Callable[[torch.Tensor, int], torch.Tensor], prompt: torch
         logits = forward(token[:, None], past)[:, -1]
         past += 1
     return torch.stack(out, dim=1) if out else prompt[:, :0]
+
+
+def decoding(apply_fn: Callable, params: dict, cfg, cache: list):
+    """``forward(tokens, past_len) -> logits``, what :func:`generate` calls: ``apply_fn`` (a model module's
+    ``apply``) over ``cache``, which ``forward.cache`` holds (to measure it). Every model's ``decoder`` is this over
+    a fresh cache of its own form."""
+    def forward(tokens, past_len):
+        return apply_fn(params, tokens, cfg, cache=cache, past_len=past_len)
+    forward.cache = cache
+    return forward
