@@ -161,9 +161,9 @@ def test_the_loop_logs_the_newest_computed_statistics_at_their_own_step():
     done = health.metrics(grads=grads, params=params, new_params=new_params)["health"]
     skipped = health.skipped(torch.device("cpu"))["health"]
     pending = [{"loss": torch.tensor(2.0), "health": h} for h in (skipped, done, skipped, skipped)]
-    values, packed, age = pull(pending)
-    assert values["loss"] == 2.0 and torch.equal(packed, done) and age == 2
-    assert pull(pending[2:])[1:] == (None, 0)
+    values, packed, age, skips = pull(pending)
+    assert values["loss"] == 2.0 and torch.equal(packed, done) and age == 2 and skips == []   # no "skipped" metric
+    assert pull(pending[2:])[1:] == (None, 0, [])
 
 
 def test_the_host_knows_the_step_count_without_reading_the_device(monkeypatch):

@@ -59,7 +59,14 @@ def test_export_refuses_init_inside_out(run_folder, capsys):
     assert "inside out=" in message and snapshot(run_folder) == before
 
 
+def needs_hf():
+    """Skip unless the 'hf' extra is installed: an HF export writes safetensors and a tokenizer.json."""
+    for name in ("safetensors", "tokenizers"):
+        pytest.importorskip(name, reason="needs the 'hf' extra: pip install purestep[hf]")
+
+
 def test_export_overwrite_replaces_an_earlier_export_only(tmp_path, capsys):
+    needs_hf()
     out = tmp_path / "hf"
     assert main(["recipe=export", f"init={FIXTURE}", f"out={out}", "verify=false"]) == 0
     first = snapshot(out)
@@ -122,6 +129,7 @@ HOSTILE_TEMPLATES = {
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
+    needs_hf()
     out = tmp_path_factory.mktemp("hostile-hf") / "hf"
     assert main(["recipe=export", f"init={FIXTURE}", f"out={out}", "verify=false"]) == 0
     return out
