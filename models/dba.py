@@ -55,10 +55,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from core.layers import Layers
-from models import llama, losses
-from models.sampling import decoding
-from models.llama import LlamaConfig, apply_rope, rope_frequencies
+from purestep.core.layers import Layers
+from purestep.models import llama, losses
+from purestep.models.sampling import decoding
+from purestep.models.llama import LlamaConfig, apply_rope, rope_frequencies
 
 
 @dataclass

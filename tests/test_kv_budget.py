@@ -6,12 +6,12 @@ import random
 
 import torch
 
-import optim
-from core.state import init_state
-from core.step import make_train_step
-from models import kv_budget, llama, mla, mla_surgery as ms
-from models.loading import load_model
-from recipes import main
+from purestep import optim
+from purestep.core.state import init_state
+from purestep.core.step import make_train_step
+from purestep.models import kv_budget, llama, mla, mla_surgery as ms
+from purestep.models.loading import load_model
+from purestep.recipes import main
 
 TOKENS = torch.randint(0, 61, (4, 24), generator=torch.Generator().manual_seed(1))
 
