@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import documentation
+import installed
 from purestep.core.cli.config_help import markdown_table
 from purestep.recipes import RECIPES
 
@@ -24,19 +25,26 @@ def _python_block(name: str) -> str:
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
-def test_research_examples_run_verbatim(tmp_path):
+def test_research_examples_run_verbatim(tmp_path, installed_site):
     """The README's research script (a step built from the public pieces, compiled and donated from outside) and
-    the swap example after it (a custom transform in the chain), run verbatim in one process."""
+    the swap example after it (a custom transform in the chain), run verbatim in one process: purestep installed
+    non-editable (``pip install .`` into a folder), run from a project with its own ``models``, ``core`` and ``optim``
+    packages, which stay the project's."""
     script, swap = _python_block("research-script"), _python_block("research-swap")
     lines = script.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("grad_fn ="))
     end = next(i for i, line in enumerate(lines) if line.startswith("step = torch.compile("))
     assert end - start + 1 <= 12, "the step from the pieces takes at most 12 lines (the issue's acceptance)"
     assert "core/" not in swap and "import purestep.core." not in swap.replace("from purestep.core.tree", "")
-    env = {**os.environ, "PURESTEP_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", script + swap], cwd=tmp_path, env=env, capture_output=True,
+    project = installed.collision_project(tmp_path / "project")
+    where = ("\nimport core, models, purestep\n"
+             "print('purestep from', purestep.core.__file__, '| models from', models.__file__)\n")
+    env = {**os.environ, "PURESTEP_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(installed_site)}
+    proc = subprocess.run([sys.executable, "-c", script + swap + where], cwd=project, env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
+    assert f"purestep from {installed_site / 'purestep' / 'core'}" in proc.stdout, proc.stdout
+    assert f"models from {project / 'models'}" in proc.stdout, proc.stdout
     losses = [float(x) for x in re.findall(r"step \d+: loss (\d+\.\d+)", proc.stdout)]
     val = float(re.search(r"validation loss (\d+\.\d+)", proc.stdout).group(1))
     assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.5 and val < 4.0, proc.stdout
