@@ -74,7 +74,7 @@ def require_llama(loaded: LoadedModel, key: str, recipe: str) -> LoadedModel:
     recipes whose loops run ``models.llama`` only (a student's ``dba``/``mla`` forward is not theirs)."""
     if loaded.arch != "llama":
         raise UserError(f"{key}={loaded.source}: its architecture is {loaded.arch} ({loaded.module.__name__}); "
-                        f"recipe={recipe} runs a Llama (models.llama) only")
+                        f"recipe={recipe} runs a Llama (purestep.models.llama) only")
     return loaded
 
 

@@ -233,5 +233,5 @@ def test_recipe_export_writes_an_mla_checkpoint_in_deepseek_v2s_formats(tmp_path
                  f"verify={importlib.util.find_spec('transformers') is not None}"]) == 0
     assert load_model(str(tmp_path / "h")).arch == "mla"
     assert main(["recipe=standard", f"init={tmp_path / 'mla.msgpack'}", "steps=1", f"out={tmp_path / 's'}"]) == 2
-    assert capsys.readouterr().err.endswith("its architecture is mla (models.mla); recipe=standard runs a Llama "
-                                            "(models.llama) only\n")
+    assert capsys.readouterr().err.endswith("its architecture is mla (purestep.models.mla); recipe=standard "
+                                            "runs a Llama (purestep.models.llama) only\n")
