@@ -1,8 +1,9 @@
-"""The compile wrapper: ``torch.compile(fullgraph=True)`` with inductor's on-disk caches switched on.
+"""The compile wrapper: ``torch.compile(fullgraph=True, dynamic=False)`` with its inductor options in one place
+(:func:`inductor_options`), passed to each ``torch.compile``; nothing of torch is replaced or set globally.
 
 Compiling a small train step on a 2-core CPU takes one to two minutes cold; inductor's FX graph cache
-and AOT-autograd cache (on disk, keyed by graph and environment) make the second process start in
-seconds. ``compile_count()`` reads dynamo's counter of compiled graphs, so tests and benchmarks can prove
+and AOT-autograd cache (on disk, keyed by graph and environment, on by default) make the second process start in
+seconds; graphs holding ``torch.cond`` join them through an option (``CACHEABLE``). ``compile_count()`` reads dynamo's counter of compiled graphs, so tests and benchmarks can prove
 that a changing learning rate (a 0-d tensor in the state) never recompiles.
 
 Regional compilation (torchtitan's ``apply_compile`` compiles each ``TransformerBlock`` on its own, from outside
@@ -14,31 +15,19 @@ Gradients flow through ``torch.autograd`` (each call's backward is the compiled 
 """
 from __future__ import annotations
 
-import os
-import threading
 from typing import Callable
 
 import torch
 
 
-def enable_caches() -> None:
-    """Inductor's FX graph cache on (the AOT-autograd cache, ``torch._functorch.config.enable_autograd_cache``, is
-    on by default in every torch this supports; ``tests/test_torch_api.py`` checks both), and graphs holding
-    ``torch.cond`` (gradient health's gate in the one-graph train step) cached too: inductor bypasses both caches
-    for any higher-order op not marked cacheable, and ``cond`` is not, so the train step compiled in full in every
-    process (20 s of a 2000-step run's 118 s on this CPU with a warm cache, ``recipe=bench.wall``). Its branches
-    are traced subgraphs whose code is part of the cache key (``FxGraphCachePickler`` pickles submodules' code), so
-    ``unsafe_marked_cacheable_functions`` (keyed by this torch's version) marks it."""
-    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
-    import torch._inductor.config as inductor_config
-    inductor_config.fx_graph_cache = True
-    marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
-    if marked is not None:
-        marked.setdefault(CACHEABLE_COND, torch.__version__)
-
-
-CACHEABLE_COND = "torch.ops.higher_order.cond"   # the name HigherOrderOperator.cacheable() looks up
+# Graphs holding ``torch.cond`` (gradient health's gate in the one-graph train step) cached like any other: inductor
+# bypasses its FX graph cache and AOT autograd's for a higher-order op not marked cacheable, and ``cond`` is not, so
+# the train step compiled in full in every process (20 s of a 2000-step run's 118 s on this CPU with a warm cache,
+# ``recipe=bench.wall``). Its branches are traced subgraphs whose code is part of the cache key
+# (``FxGraphCachePickler`` pickles submodules' code). Inductor's public config names such ops
+# (``unsafe_marked_cacheable_functions``, keyed here by this torch's version); it is one of the options every graph
+# here compiles with, never set in torch's own config.
+CACHEABLE = {"torch.ops.higher_order.cond": torch.__version__}   # the name HigherOrderOperator.cacheable() looks up
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -61,7 +50,9 @@ SEPARATE_WRAPPER_BUILD = (("cpp_wrapper_build_separate", True), ("aot_inductor.c
 
 
 def inductor_options(device_type: str, cpp: bool = False, cuda: tuple = ()) -> dict:
-    """Inductor settings a graph on ``device_type`` compiles with (beyond its mode's): the C++ wrapper with ``cpp``
+    """Inductor settings a graph on ``device_type`` compiles with (beyond its mode's), passed as ``torch.compile``'s
+    ``options`` (inductor applies them while it compiles that graph; torch's global config stays as it was): ``cond``
+    cacheable (``CACHEABLE``); the C++ wrapper with ``cpp``
     (:func:`cpp_wrapper`), built apart from the kernels and at -O0 (``SEPARATE_WRAPPER_BUILD``; in one file g++
     compiles all at -O3, and the one-graph step's 2,300-line wrapper function is most of that: nanoGPT's
     shakespeare-char step, bf16, took 23.4 s of g++ in one file, 8.3 + 6.1 s in two at -O1, and the same 42.2 ms a
@@ -69,13 +60,23 @@ def inductor_options(device_type: str, cpp: bool = False, cuda: tuple = ()) -> d
     fails an assertion on the one-graph train step (torch 2.11, H100: ``reorder_loops_by_dep_pair`` met a fused node
     inside a fused node; bench.gpu's report, docs/gpu.md), and the ``(name, value)`` pairs ``cuda`` asks for (an
     optimizer's ``GradientTransformation.cuda_inductor``), those this torch has."""
-    options = {"cpp_wrapper": True} if cpp else {}
+    cacheable = _has_setting("unsafe_marked_cacheable_functions")
+    options = {"unsafe_marked_cacheable_functions": dict(CACHEABLE)} if cacheable else {}
     if cpp:
+        options["cpp_wrapper"] = True
         options.update((name, value) for name, value in SEPARATE_WRAPPER_BUILD if _has_setting(name))
     if device_type == "cuda":
         options["loop_ordering_after_fusion"] = False
         options.update((name, value) for name, value in cuda if _has_setting(name))
     return options
+
+
+def describe_options(options: dict) -> str:
+    """``options`` (:func:`inductor_options`) as a run's first lines print them: ``name=value`` pairs, a table's
+    keys in braces."""
+    shown = (f"{name}={{{', '.join(value)}}}" if isinstance(value, dict) else f"{name}={value}"
+             for name, value in options.items())
+    return ", ".join(shown) or "none"
 
 
 def _has_setting(name: str) -> bool:
@@ -107,83 +108,7 @@ def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True, mo
     on CUDA (:func:`inductor_options`)."""
     if not enabled:
         return fn
-    prepare(device_type, cpp)
     return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp, device_type, cuda))
-
-
-def prepare(device_type: str, cpp: bool) -> None:
-    """What every ``torch.compile`` here is preceded by: the on-disk caches (:func:`enable_caches`); on the CPU the
-    vector-ISA probes started on the side (:func:`probe_vector_isa`) and, for the C++ wrapper, its two object files
-    built at once (:func:`build_objects_together`)."""
-    enable_caches()
-    if device_type == "cpu":
-        probe_vector_isa()
-        if cpp:
-            build_objects_together()
-
-
-VECTOR_ISA_PROBE = "purestep-vector-isa-probe"   # the probing thread's name
-
-
-def probe_vector_isa() -> threading.Thread | None:
-    """Start inductor's CPU vector-ISA probes (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``) in a daemon
-    thread, so that they run on a second core while dynamo traces and AOT autograd partitions the graph, instead of
-    after it. Inductor asks which vector instructions the CPU can build and load before it generates its first C++
-    kernel: it compiles a small program per candidate (AVX-512 VNNI, AVX-512, AVX2) with g++ and loads each in a
-    child Python, one after another; with an empty inductor cache that took 10.9 s of a 2-core VM's cold compile
-    (docs/benchmarks.md). Inductor keeps the answer (``functools.cache``) and each build under a file lock, so when
-    the compile asks before the probes are done it waits for the build under way and reuses it. Returns the thread,
-    or None where this process already knows the answer, a probe is already running, or this torch lacks the
-    probe."""
-    try:
-        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-    except ImportError:
-        return None
-    cached = getattr(valid_vec_isa_list, "cache_info", None)
-    if cached is not None and cached().currsize:
-        return None
-    if any(thread.name == VECTOR_ISA_PROBE for thread in threading.enumerate()):
-        return None
-    thread = threading.Thread(target=valid_vec_isa_list, name=VECTOR_ISA_PROBE, daemon=True)
-    thread.start()
-    return thread
-
-
-def build_objects_together() -> bool:
-    """Have inductor compile a C++-wrapper graph's two object files at once, then link them: the wrapper (-O0, a
-    file of its own: ``SEPARATE_WRAPPER_BUILD``) and the kernels (-O3) are independent until the link, but inductor
-    builds its list of compiles one after another (``torch._inductor.codecache._worker_compile_cpp``, torch 2.11 to
-    2.14), on one core while the others wait. Installed once per process in place of that function, the same
-    work under the same file lock, the files that exist skipped as before; a list of fewer than three (one object,
-    a precompiled header) goes to inductor's own. nanoGPT's shakespeare-char step: g++ 6.5 s for the kernels and
-    6 s for the wrapper, one after another (docs/benchmarks.md). Returns whether it is installed (False where this
-    torch has no such function)."""
-    from torch._inductor import codecache
-    original = getattr(codecache, "_worker_compile_cpp", None)
-    if original is None:
-        return False
-    if getattr(original, "builds_objects_together", False):
-        return True
-
-    def worker_compile_cpp(lock_path, cpp_builders):
-        *objects, linker = cpp_builders
-        if len(objects) < 2:
-            return original(lock_path, cpp_builders)
-        from concurrent.futures import ThreadPoolExecutor
-        from torch.utils._filelock import FileLock
-        with FileLock(lock_path, timeout=codecache.LOCK_TIMEOUT):
-            missing = [builder for builder in objects if not os.path.exists(builder.get_target_file_path())]
-            if missing:
-                with ThreadPoolExecutor(len(missing), thread_name_prefix="purestep-g++") as pool:
-                    for built in [pool.submit(builder.build) for builder in missing]:
-                        built.result()
-            if not os.path.exists(linker.get_target_file_path()):
-                linker.build()
-        return None
-
-    worker_compile_cpp.builds_objects_together = True
-    codecache._worker_compile_cpp = worker_compile_cpp
-    return True
 
 
 def compile_count() -> int:
@@ -214,13 +139,11 @@ class BlockCompiler:
 
     def __init__(self, mode: str | None = None, cpp: bool = False, device_type: str = "cpu"):
         self.kwargs = _compile_kwargs(mode, cpp, device_type)
-        self.device_type, self.cpp = device_type, cpp
         self.compiled: dict = {}
 
     def __call__(self, fn: Callable) -> Callable:
         if torch.compiler.is_compiling():
             return fn
         if fn not in self.compiled:
-            prepare(self.device_type, self.cpp)
             self.compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False, **self.kwargs)
         return self.compiled[fn]

@@ -157,9 +157,10 @@ def run(cfg: Config):
 def announce(logger, p: Prepared) -> None:
     """The run log's first lines: the model, the data, where it runs, what it starts from."""
     cfg, m, state = p.cfg, p.model_cfg, p.run.state
+    compiles = backend.describe_compile(cfg, p.device.type, collectives=p.run.dist.world_size > 1)
     logger.print(f"standard: {size(p.params) / 1e6:.2f}M params, {m.n_layers} layers, d={m.d_model}, "
                  f"vocab {p.corpus.tokenizer.vocab_size} ({p.corpus.tokenizer.name}); data {describe(p.corpus)}; "
-                 f"device {p.device}, {cfg.dtype}, {backend.describe_compile(cfg)}; run folder {p.folder}")
+                 f"device {p.device}, {cfg.dtype}, {compiles}; run folder {p.folder}")
     if p.start:
         logger.print(f"init from {p.start.source} ({p.start.format})")
     if p.run.resume is not None:

@@ -12,7 +12,7 @@ not.
 Cost. The children share one inductor cache (``$TORCHINDUCTOR_CACHE_DIR`` as set, else inductor's own folder
 for this user) and one token cache, and one char teacher, trained by the README's standard command, serves
 every test that needs a teacher. A compiled train step comes from the cache when a run of the same shapes and keys
-compiled it before (gradient health's ``torch.cond`` is marked cacheable, ``core.compile.enable_caches``): the
+compiled it before (gradient health's ``torch.cond`` is marked cacheable, ``core.compile.CACHEABLE``): the
 orchestrated run waits for ``shakes`` and the data-parallel runs for their one-process twins, at the same rows per
 rank. One compile keeps one core busy, so the runs are jobs (``JOBS``, those of the selected tests) started together
 when the session starts (``start``, called by ``tests/conftest.py``, which also puts this module's tests last):
@@ -413,7 +413,8 @@ def work(run) -> Path:
 @uses("shakes")
 def test_standard(run, work):
     out = output(run.get("shakes"))
-    assert "compile=True (the eval step eager)" in out and "val loss" in out
+    assert "compile=True (the eval step eager; inductor options: " in out and "val loss" in out
+    assert "cpp_wrapper=True" in out and "unsafe_marked_cacheable_functions={torch.ops.higher_order.cond}" in out
     assert (work / "runs" / "standard-shakes" / "final.msgpack").exists()
 
 
@@ -421,7 +422,7 @@ def test_standard(run, work):
 def test_standard_with_muon(run, work):
     """Muon's learning rate (its shape-based adjustment on top) is logged apart from AdamW's, and is larger."""
     first, again = run.get("standard_muon")
-    assert "compile=True (the eval step too)" in output(first)
+    assert "compile=True (the eval step too; inductor options: " in output(first)
     folder = work / "runs" / "standard-muon"
     top = ckpt.load(folder / "final.msgpack")
     assert math.isfinite(top["val_loss"]) and top["val_loss"] < math.log(256), top["val_loss"]

@@ -35,15 +35,11 @@ PRIVATE = {
     "torch._foreach_norm": "core/tree.py: global norms, one kernel per dtype",
     "torch._foreach_sign_": "optim/lion.py",
     "torch._foreach_sqrt": "optim/foreach.py",
-    "torch._inductor.config": "core/compile.py (fx_graph_cache, unsafe_marked_cacheable_functions, "
+    "torch._inductor.config": "core/compile.py: which options this torch has (unsafe_marked_cacheable_functions, "
                               "triton.mix_order_reduction, cpp_wrapper_build_separate, "
-                              "aot_inductor.compile_wrapper_opt_level), recipes/bench/speed.py "
-                              "(cpp.enable_kernel_profile)",
+                              "aot_inductor.compile_wrapper_opt_level; passed as torch.compile options, never set), "
+                              "recipes/bench/speed.py (cpp.enable_kernel_profile)",
     "torch._inductor.list_mode_options": "core/compile.py: a mode's options plus cpp_wrapper",
-    "torch._inductor.cpu_vec_isa": "core/compile.py probe_vector_isa(): inductor's vector-ISA probes, started early",
-    "torch._inductor.codecache": "core/compile.py build_objects_together(): _worker_compile_cpp, the list of C++ "
-                                 "builds a graph needs (its two object files built at once), and LOCK_TIMEOUT",
-    "torch.utils._filelock": "core/compile.py build_objects_together(): the file lock inductor's builds take",
     "torch._dynamo.utils.counters": "core/compile.py compile_count(): graphs compiled in this process",
     "torch._dynamo.utils.compilation_time_metrics": "core/compile.py compile_seconds(): seconds spent compiling "
                                                     "(the run's closing line)",
@@ -161,70 +157,64 @@ def test_inductor_config_and_mode_options():
     assert hasattr(inductor_config.cpp, "enable_kernel_profile")
     for mode in ("default", "reduce-overhead", "max-autotune"):
         assert isinstance(list_mode_options(mode), dict), mode
-    from purestep.core.compile import SEPARATE_WRAPPER_BUILD, _compile_kwargs
-    assert _compile_kwargs("default", cpp=True) == {"options": {**list_mode_options("default"), "cpp_wrapper": True,
-                                                                **dict(SEPARATE_WRAPPER_BUILD)}}
+    assert inductor_config.fx_graph_cache is True or os.environ.get("TORCHINDUCTOR_FX_GRAPH_CACHE") == "0"
+    from purestep.core.compile import CACHEABLE, SEPARATE_WRAPPER_BUILD, _compile_kwargs
+    assert _compile_kwargs("default", cpp=True) == {"options": {
+        **list_mode_options("default"), "unsafe_marked_cacheable_functions": CACHEABLE, "cpp_wrapper": True,
+        **dict(SEPARATE_WRAPPER_BUILD)}}
 
 
-def test_objects_build_together_then_link(tmp_path):
-    """``core.compile.build_objects_together`` puts its own ``_worker_compile_cpp`` in inductor's ``codecache``
-    (once): a graph's object files build at once (each fake build below waits at a barrier for the other, so one
-    after another would time out), the existing one is skipped, the link comes last; a list of one (a
-    precompiled header) goes to inductor's own worker, which builds it."""
-    from torch._inductor import codecache
-    from purestep.core.compile import build_objects_together
-    assert build_objects_together() and build_objects_together()
-    worker = codecache._worker_compile_cpp
-    assert worker.builds_objects_together and codecache.LOCK_TIMEOUT > 0
-    import inspect
-    assert list(inspect.signature(worker).parameters) == ["lock_path", "cpp_builders"]
-    barrier, built = threading.Barrier(2, timeout=60), []
-
-    class Builder:
-        def __init__(self, name, waits=False):
-            self.path, self.waits = tmp_path / name, waits
-
-        def get_target_file_path(self):
-            return str(self.path)
-
-        def build(self):
-            if self.waits:
-                barrier.wait()
-            built.append(self.path.name)
-            self.path.write_text("")
-
-    (tmp_path / "old.o").write_text("")
-    worker(str(tmp_path / "a.lock"), (Builder("main.o", True), Builder("kernels.o", True), Builder("old.o"),
-                                      Builder("lib.so")))
-    assert sorted(built[:2]) == ["kernels.o", "main.o"] and built[2:] == ["lib.so"]
-    worker(str(tmp_path / "b.lock"), (Builder("header.gch"),))
-    assert built[3:] == ["header.gch"]
-
-
-COLD_CPP_GRAPH = """
+TORCH_AS_FOUND = """
+import os, threading
 import torch
-from purestep.core.compile import maybe_compile, probe_vector_isa, VECTOR_ISA_PROBE
-import threading
-f = maybe_compile(lambda x, y: (x @ y).relu().sum(0) * 2, cpp=True)
-probing = [t.name for t in threading.enumerate() if t.name == VECTOR_ISA_PROBE]
-x, y = torch.randn(16, 32), torch.randn(32, 8)
-assert torch.allclose(f(x, y), (x @ y).relu().sum(0) * 2, atol=1e-5)
-from torch._inductor.cpu_vec_isa import pick_vec_isa
-from torch._inductor import codecache
-assert codecache._worker_compile_cpp.builds_objects_together
-print(probing, str(pick_vec_isa()), probe_vector_isa())
+import torch._dynamo.config as dynamo_config
+import torch._functorch.config as functorch_config
+import torch._inductor.codecache as codecache
+import torch._inductor.config as inductor_config
+
+def torch_state():
+    return ({k: v for k, v in vars(codecache).items() if callable(v)}, inductor_config.get_config_copy(),
+            dict(inductor_config.unsafe_marked_cacheable_functions), dynamo_config.get_config_copy(),
+            functorch_config.get_config_copy(), {k: v for k, v in os.environ.items() if k.startswith("TORCH")})
+
+before, threads = torch_state(), set(threading.enumerate())
+from purestep import optim
+from purestep.core.state import init_state
+from purestep.core.step import make_train_step
+from purestep.core.update import Monitors
+from purestep.models import llama
+from purestep.optim.health import GradientHealth
+cfg = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2)
+opt, params = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3)), llama.init(cfg, seed=0)
+health = GradientHealth(params, clip_norm=1.0, every=2)          # a torch.cond in the one graph
+step = make_train_step(lambda p, b: llama.loss(p, b, cfg), opt, compile=True, donate=True,
+                       monitors=Monitors(extra_metrics=health))
+state, x = init_state(params, opt), torch.randint(0, 64, (2, 17))
+for _ in range(3):
+    state, metrics = step(state, {"x": x[:, :-1], "y": x[:, 1:]})
+assert torch.isfinite(metrics["loss"]) and int(state.step) == 3
+after = torch_state()
+names = ("codecache's functions", "inductor's config", "unsafe_marked_cacheable_functions", "dynamo's config",
+         "functorch's config", "TORCH* environment variables")
+changed = [name for name, a, b in zip(names, before, after) if a != b]
+def code_of(thread):          # the module a thread runs: its target's, or its class's
+    return getattr(getattr(thread, "_target", None), "__module__", None) or type(thread).__module__
+ours = sorted(t.name for t in set(threading.enumerate()) - threads if t.is_alive() and code_of(t).startswith("purestep"))
+print(changed, ours)
 """
 
 
-def test_a_cold_cpp_wrapper_graph_probes_in_the_background(tmp_path):
-    """The path a first run takes, in a child process with an empty inductor cache: ``maybe_compile(cpp=True)``
-    starts the vector-ISA probe thread, the compile asks for the ISA while it runs, the wrapper and kernels build
-    together (-O0 and -O3) and the graph computes right; the ISA picked is this process's."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", COLD_CPP_GRAPH], env=env, capture_output=True, text=True, timeout=600)
+def test_a_compiled_train_step_leaves_torch_as_a_fresh_process_has_it():
+    """Importing purestep, building a train step (compiled with the C++ wrapper, donated, gradient health's
+    ``torch.cond`` in its graph) and running it changes nothing of torch in the process: every function in
+    inductor's ``codecache``, inductor's, dynamo's and functorch's config and the cacheable-ops table are what they
+    were, no ``TORCH*`` variable is set and no thread of purestep's is left behind (inductor's own, tqdm's progress
+    monitor, may be). The step's inductor options (``core.compile``) go to ``torch.compile`` itself. In a child
+    process, the session's inductor cache."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", TORCH_AS_FOUND], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == f"['purestep-vector-isa-probe'] {pick_vec_isa()} None"
+    assert out.stdout.strip().splitlines()[-1] == "[] []", out.stdout[-2000:]
 
 
 def test_compile_count_reads_dynamos_counter():
@@ -251,21 +241,20 @@ def test_compile_seconds_reads_dynamos_timers():
 COND_TWICE = """
 import torch
 from torch._dynamo.utils import counters
-from purestep.core.compile import enable_caches
-enable_caches()
+from purestep.core.compile import maybe_compile
 def f(x, flag):
     return torch.cond(flag, lambda x: x.sin() * 2, lambda x: x.cos() + 1, (x,))
 for _ in range(2):
     torch._dynamo.reset()
-    torch.compile(f, fullgraph=True, dynamic=False)(torch.ones(8), torch.tensor(True))
+    maybe_compile(f)(torch.ones(8), torch.tensor(True))
 print(dict(counters["inductor"]))
 """
 
 
 def test_graphs_with_torch_cond_hit_inductors_cache(tmp_path):
     """``torch.cond`` (gradient health's gate in the one-graph train step) is a higher-order op inductor bypasses
-    its caches for unless marked cacheable (``core.compile.enable_caches`` marks it): compiled twice, the second
-    compile reads the FX graph cache."""
+    its caches for unless marked cacheable (``core.compile.CACHEABLE``, one of the options ``maybe_compile`` passes to
+    ``torch.compile``): compiled twice, the second compile reads the FX graph cache."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", COND_TWICE], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -25,7 +25,7 @@ START = time.perf_counter()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from purestep.core.compile import compile_seconds, enable_caches  # noqa: E402
+from purestep.core.compile import compile_seconds  # noqa: E402
 from purestep.core.gradients import autocast  # noqa: E402
 from purestep.core.data.documents import prepare_data  # noqa: E402
 from purestep.models import llama  # noqa: E402
@@ -67,7 +67,6 @@ def nanogpt_lr(step: int, total: int, warmup: int = 100, peak: float = 1e-3, flo
 
 
 def run(cfg: PlainRun) -> dict:
-    enable_caches()
     torch.manual_seed(cfg.seed)
     corpus = prepare_data(cfg.data, cfg.tokenizer)
     train = torch.from_numpy(corpus.train.astype("int64"))

@@ -390,7 +390,7 @@ def run(cfg: Config):
         logger.print(f"student ({'init' if cfg.init else cfg.student}: {p.student_how}): "
                      f"{size(student_params) / 1e6:.2f}M params, {scfg.n_layers} layers, d={scfg.d_model}; "
                      f"vocab {tcfg.vocab_size} ({tok.name}); data {describe(p.corpus)}; device {device}, {cfg.dtype}, "
-                     f"{backend.describe_compile(cfg)}; run folder {folder}")
+                     f"{backend.describe_compile(cfg, device.type, dist.world_size > 1)}; run folder {folder}")
         divergence = f"generalized JSD (beta={cfg.beta:g})" if cfg.kl == "jsd" else f"{cfg.kl} KL"
         logger.print(f"objective: {cfg.alpha:g} * T^2 * {divergence} + {1 - cfg.alpha:g} * CE, temperature "
                      f"{_describe_temperature(cfg)}; teacher "

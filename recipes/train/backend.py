@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from purestep.core.compile import cpp_wrapper, describe_options, inductor_options
 from purestep.core.host_memory import set_host_memory
 from purestep.core.io.logging import progress
 from purestep.core.step import COMPILE_SCOPES
@@ -74,12 +75,15 @@ def eval_compiled(cfg) -> bool:
     return evaluations * cfg.eval_batches >= EVAL_COMPILE_BATCHES
 
 
-def describe_compile(cfg) -> str:
-    """The run log's words for what compiles: ``compile=True (the eval step too)``, ``compile=True (the eval step
-    eager)`` or ``compile=False``."""
+def describe_compile(cfg, device_type: str, collectives: bool) -> str:
+    """The run log's words for what compiles: ``compile=False``, or ``compile=True (the eval step too|eager;
+    inductor options: ...)`` with every option the train step's graphs compile with (``core.compile``; a step
+    with ``collectives``, data parallel or sharded, keeps the Python wrapper)."""
     if not cfg.compile:
         return "compile=False"
-    return f"compile=True (the eval step {'too' if eval_compiled(cfg) else 'eager'})"
+    options = inductor_options(device_type, cpp_wrapper(device_type, collectives))
+    return (f"compile=True (the eval step {'too' if eval_compiled(cfg) else 'eager'}; inductor options: "
+            f"{describe_options(options)})")
 
 
 def compile_mode(cfg, device: torch.device) -> str:

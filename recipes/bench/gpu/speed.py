@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from purestep import optim
-from purestep.core.compile import enable_caches
 from purestep.core.state import init_state
 from purestep.core.step import Compile, make_train_step
 from purestep.core.io.telemetry import GPU_PEAK_FLOPS, flops_per_token
@@ -212,7 +211,6 @@ def run_speed(report: Report, device: torch.device, shapes: tuple[str, ...], com
     """The matmul peak, then per shape both variants (functional first) and their ratios; with ``gate`` a ratio
     item fails when the functional step is slower or peaks higher than plain; with ``profile`` each variant's
     profile (:func:`profile_steps`) is written beside the report."""
-    enable_caches()
     peak = None
     with report.item("speed", "matmul_peak") as item:
         peak = matmul_peak(device, 8192 if device.type == "cuda" else 512)
