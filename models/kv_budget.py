@@ -14,10 +14,13 @@ rest of the budget on two spectra per layer: the no-RoPE score's (step 2 there: 
 scores, ||W^T (M - A^T B) W||^2 = its tail sum) and the values' (step 3: the SVD of W_v W, SVD-LLM's). A layer's
 width applies to all its KV heads, so unit k of a layer removes the sum over its heads of their k-th squared singular
 values, and a key dim and a value dim cost the same bytes (n_kv_heads values a token). The two spectra are in other
-units (score energy over token pairs, value energy over tokens), so each is taken as a share of its own total over
-all layers; one greedy over all 2 L sequences then minimises E_key / T_key + E_value / T_value (the relative tail
-energies, each summed over the layers), optimal for that sum as each sequence is sorted, and within one kind it
-still compares the layers' absolute errors, as CARE's single spectrum does.
+units (score energy over token pairs, value energy over tokens), so each is taken as a share of its own layer's total
+energy, as CARE's public code scores a rank unit (FutureMLS-Lab/CARE, ``src/lora_qkv.py``,
+``_propagated_residual_gain``: sq_svals[k] / total_energy of the layer; its further factors, the share of the
+residual, a depth horizon and a rank cost, are left out, and one greedy runs over both kinds instead of CARE's half
+of the budget each). The greedy over all 2 L sequences then minimises the sum over layers of the key and the value
+relative errors (each sequence sorted, so the greedy is optimal for that sum). docs/upcycle.md compares this with
+shares of the model-wide totals, raw values and CARE's full score on SmolLM2.
 """
 from __future__ import annotations
 
@@ -51,8 +54,8 @@ def greedy(gains: list, start: list, total: int) -> list:
 def allocate_pair(key_sq: torch.Tensor, value_sq: torch.Tensor, total: int, key_minimum: int = 0,
                   value_minimum: int = MIN_RANK) -> tuple[list, list]:
     """(key widths, value widths) per layer summing to ``total`` together, from each layer's full squared singular
-    values ``key_sq`` [L, K] and ``value_sq`` [L, V] (decreasing; summed over the layer's KV heads), each divided
-    by its total over all layers (module docstring), then :func:`greedy` over the rows key 0, value 0, key 1, ...
+    values ``key_sq`` [L, K] and ``value_sq`` [L, V] (decreasing; summed over the layer's KV heads), each row divided
+    by its own sum (module docstring), then :func:`greedy` over the rows key 0, value 0, key 1, ...
     ``ValueError`` when ``total`` is outside [L (key_minimum + value_minimum), L (K + V)]."""
     L, K = key_sq.shape
     V = value_sq.shape[1]
@@ -60,7 +63,8 @@ def allocate_pair(key_sq: torch.Tensor, value_sq: torch.Tensor, total: int, key_
     if not low <= total <= high:
         raise ValueError(f"a total of {total} key + value dims over {L} layers: need {low} <= total <= {high} (at "
                          f"least {key_minimum} + {value_minimum} and at most {K} + {V} per layer)")
-    shares = [(sq.double() / sq.double().sum().clamp_min(1e-300)).cpu().tolist() for sq in (key_sq, value_sq)]
+    shares = [(sq.double() / sq.double().sum(-1, keepdim=True).clamp_min(1e-300)).cpu().tolist()
+              for sq in (key_sq, value_sq)]
     rows = [shares[kind][l] for l in range(L) for kind in (0, 1)]
     ranks = greedy(rows, [key_minimum, value_minimum] * L, total)
     return ranks[0::2], ranks[1::2]

@@ -155,14 +155,17 @@ def test_kv_budget_key_and_its_refusals(tmp_path, monkeypatch, capsys):
 # the per-head (DBA) student
 
 def test_pair_allocation_is_the_hand_greedy_over_both_spectra():
-    key_sq = torch.tensor([[6.0, 3.0, 1.0], [2.0, 1.5, 0.0]])        # shares of 13.5: .444 .222 .074 / .148 .111 0
-    value_sq = torch.tensor([[40.0, 10.0], [100.0, 50.0]])          # shares of 200: .2 .05 / .5 .25
-    # from (key, value) = (0, 1) in each layer the next shares are k0 .444, v0 .05, k1 .148, v1 .25: the units go
-    # to k0, v1, k0, k1, k1, k0, v0, k1
-    want = {2: ([0, 0], [1, 1]), 3: ([1, 0], [1, 1]), 4: ([1, 0], [1, 2]), 5: ([2, 0], [1, 2]), 6: ([2, 1], [1, 2]),
-            7: ([2, 2], [1, 2]), 8: ([3, 2], [1, 2]), 9: ([3, 2], [2, 2]), 10: ([3, 3], [2, 2])}
+    key_sq = torch.tensor([[6.0, 3.0, 1.0], [2.0, 1.5, 0.0]])        # layer shares .6 .3 .1 / .571 .429 0
+    value_sq = torch.tensor([[40.0, 10.0], [100.0, 50.0]])          # .8 .2 / .667 .333
+    # from (key, value) = (0, 1) in each layer the next shares are k0 .6, v0 .2, k1 .571, v1 .333: the units go to
+    # k0, k1, k1 (.429), v1, k0 (.3), v0, k0 (.1), k1 (0)
+    want = {2: ([0, 0], [1, 1]), 3: ([1, 0], [1, 1]), 4: ([1, 1], [1, 1]), 5: ([1, 2], [1, 1]), 6: ([1, 2], [1, 2]),
+            7: ([2, 2], [1, 2]), 8: ([2, 2], [2, 2]), 9: ([3, 2], [2, 2]), 10: ([3, 3], [2, 2])}
     for total, ranks in want.items():
         assert kv_budget.allocate_pair(key_sq, value_sq, total) == ranks
+        # each spectrum is a share of its own layer's total: a layer's scale (or a kind's units) does not matter
+        scale = torch.tensor([[1.0], [1e3]])
+        assert kv_budget.allocate_pair(key_sq * scale, value_sq * 7, total) == ranks
     # raw squared singular values would give the third unit to v1 (50 > 6): the shares put the kinds on one scale
     assert kv_budget.greedy([[6, 3, 1], [40, 10], [2, 1.5, 0], [100, 50]], [0, 1, 0, 1], 3) == [0, 1, 0, 2]
     assert kv_budget.allocate_pair(key_sq, value_sq, 4, key_minimum=1) == ([1, 1], [1, 1])
