@@ -22,7 +22,7 @@ Reading a TOML config file is ``core.cli.config_files``; the ``--help`` text and
 docs/configuration.md are ``core.cli.config_help``.
 
 ``UserError`` lives here too: the class of errors that are the user's to fix (bad config, missing file,
-bad data). ``bin/run`` prints them as one ``error:`` line and exits 2; anything else is a bug and keeps
+bad data). ``purestep`` prints them as one ``error:`` line and exits 2; anything else is a bug and keeps
 its traceback.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ import types
 import typing
 from typing import Any, Literal, Mapping, Union
 
-from core.config_bounds import Bounds, not_finite
-from core.exits import EXIT_GATE, EXIT_INCOMPLETE, GateFailed, Incomplete   # their home is core.exits (the exit-code
+from purestep.core.config_bounds import Bounds, not_finite
+from purestep.core.exits import EXIT_GATE, EXIT_INCOMPLETE, GateFailed, Incomplete   # their home is core.exits (the exit-code
 #                                                                              table); kept importable here
 
 __all__ = ["UserError", "GateFailed", "EXIT_GATE", "Incomplete", "EXIT_INCOMPLETE", "ConfigError", "option", "Bounds", "same_as", "apply_overrides", "resolve", "flatten_keys",

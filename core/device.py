@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from core.config import ConfigError
+from purestep.core.config import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 

@@ -39,8 +39,8 @@ from typing import Callable, Optional
 
 import torch
 
-from core.state import TrainState
-from core.tree import apply_updates, leaves_of, tree_leaves, tree_map
+from purestep.core.state import TrainState
+from purestep.core.tree import apply_updates, leaves_of, tree_leaves, tree_map
 
 
 def given_up(xs: list, donated: Optional[frozenset]) -> bool:

@@ -1,4 +1,4 @@
-"""The exit codes of ``bin/run``, in one table, the outcomes that are neither success nor bad input, and the exit.
+"""The exit codes of ``purestep``, in one table, the outcomes that are neither success nor bad input, and the exit.
 
 ``core.cli.command.main`` maps every way a command ends to one of ``CODES``; the exit-code table of
 docs/configuration.md is generated from it (``tests/test_exits.py`` compares them). Bad input is
@@ -16,7 +16,7 @@ docs/configuration.md is generated from it (``tests/test_exits.py`` compares the
 
 The convention (0 done, 2 bad input, 3 gate failed, one code of its own for an unfinished run) follows
 ``sysexits``' spirit without its numbers: small codes a shell script can test, each with one meaning.
-:func:`exit_process` ends ``bin/run`` with its code.
+:func:`exit_process` ends ``purestep`` with its code.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def markdown_table() -> str:
 
 
 def exit_process(code: int) -> None:
-    """End ``bin/run``'s process with ``code`` without CPython's teardown of the interpreter. When a command returns,
+    """End ``purestep``'s process with ``code`` without CPython's teardown of the interpreter. When a command returns,
     what it wrote is closed (checkpoints atomically, the run log, TensorBoard); what is left is freeing, module by
     module, every object torch, dynamo and inductor made: 1.5-1.6 s after a compiled run on this 2-core CPU, 0.08 s
     this way (docs/benchmarks.md). The exit handlers still run first (``atexit``: torch's, logging's, the thread

@@ -20,10 +20,10 @@ from typing import Callable, Optional
 
 import torch
 
-from core import rng
-from core.layers import layers_of
-from core.row_grads import RowGradients
-from core.tree import map_flat, tree_flatten, tree_map, tree_unflatten
+from purestep.core import rng
+from purestep.core.layers import layers_of
+from purestep.core.row_grads import RowGradients
+from purestep.core.tree import map_flat, tree_flatten, tree_map, tree_unflatten
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -25,7 +25,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from core.tree import unstack
+from purestep.core.tree import unstack
 
 
 def _itself(fn: Callable) -> Callable:

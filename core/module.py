@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from core.tree import flatten_dict, unflatten_dict
+from purestep.core.tree import flatten_dict, unflatten_dict
 
 
 def from_module(module: nn.Module) -> tuple[dict, Callable]:

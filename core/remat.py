@@ -13,7 +13,7 @@ from typing import Callable
 
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from core.tree import tree_flatten, tree_unflatten
+from purestep.core.tree import tree_flatten, tree_unflatten
 
 
 def checkpoint(block: Callable, params, *args, **kwargs):

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from core.tree import LayerNode, Tree, tree_unflatten, unstack
+from purestep.core.tree import LayerNode, Tree, tree_unflatten, unstack
 
 
 class _Row:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.config import option
+from purestep.core.config import option
 
 
 @dataclass

@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from core import rng
-from core.loss_scale import init_loss_scale
-from core.spike import init_monitor
+from purestep.core import rng
+from purestep.core.loss_scale import init_loss_scale
+from purestep.core.spike import init_monitor
 
 
 class TrainState(NamedTuple):
@@ -43,5 +43,5 @@ def init_state(params, optimizer, seed: int = 0, precision: str = "fp32", spike:
 
 
 def _tensors(tree):
-    from core.tree import tree_leaves
+    from purestep.core.tree import tree_leaves
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]

@@ -41,15 +41,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from core import rng
-from core.compile import BlockCompiler, cpp_wrapper, maybe_compile
-from core.donate import owned
-from core.layers import check_takes_layers, layers_of
-from core.state import TrainState
-from core.tree import leaves_of
-from core.gradients import (autocast, autograd_gradients, averaged, func_gradients, loss_caller,
+from purestep.core import rng
+from purestep.core.compile import BlockCompiler, cpp_wrapper, maybe_compile
+from purestep.core.donate import owned
+from purestep.core.layers import check_takes_layers, layers_of
+from purestep.core.state import TrainState
+from purestep.core.tree import leaves_of
+from purestep.core.gradients import (autocast, autograd_gradients, averaged, func_gradients, loss_caller,
                             make_objective, sharded_block_gradients)
-from core.update import Monitors, apply_gradients
+from purestep.core.update import Monitors, apply_gradients
 
 GRAD_MODES = ("func", "autograd")
 COMPILE_SCOPES = ("step", "block")

@@ -24,11 +24,11 @@ from typing import Callable, Optional
 
 import torch
 
-from core.donate import update_in_place, updating, write_into
-from core.loss_scale import update_loss_scale
-from core.spike import SpikeConfig, update_monitor
-from core.state import TrainState
-from core.tree import apply_updates, global_norm, leaves_of, tree_map, where
+from purestep.core.donate import update_in_place, updating, write_into
+from purestep.core.loss_scale import update_loss_scale
+from purestep.core.spike import SpikeConfig, update_monitor
+from purestep.core.state import TrainState
+from purestep.core.tree import apply_updates, global_norm, leaves_of, tree_map, where
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import torch
 
-from core.tree import unstack
-from models import dba, llama, mla
-from models.loading import module_of
-from models.llama import rms_norm
+from purestep.core.tree import unstack
+from purestep.models import dba, llama, mla
+from purestep.models.loading import module_of
+from purestep.models.llama import rms_norm
 
 LOSSES = ("l1", "mse")
 MODES = ("teacher_forced", "sequential")

@@ -65,11 +65,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from core.config import option
-from core.layers import Layers
-from models import llama, losses
-from models.sampling import decoding
-from models.llama import LlamaConfig, apply_rope, rope_frequencies
+from purestep.core.config import option
+from purestep.core.layers import Layers
+from purestep.models import llama, losses
+from purestep.models.sampling import decoding
+from purestep.models.llama import LlamaConfig, apply_rope, rope_frequencies
 
 
 @dataclass

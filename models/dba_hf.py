@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from core.io.cache import build_folder
-from core.config import UserError
-from core.tree import flatten_dict
-from models import hf
-from models.dba import DBAConfig
+from purestep.core.io.cache import build_folder
+from purestep.core.config import UserError
+from purestep.core.tree import flatten_dict
+from purestep.models import hf
+from purestep.models.dba import DBAConfig
 
 REMOTE = Path(__file__).resolve().parent / "hf_remote"
 CONFIG_FILE, MODELING_FILE = "configuration_purestep_dba.py", "modeling_purestep_dba.py"

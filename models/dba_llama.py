@@ -29,9 +29,9 @@ import math
 
 import torch
 
-from models import dba
-from models.dba import DBAConfig
-from models.llama import LlamaConfig
+from purestep.models import dba
+from purestep.models.dba import DBAConfig
+from purestep.models.llama import LlamaConfig
 
 
 def why_not_llama(cfg: DBAConfig) -> str:

@@ -31,12 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.config import UserError
-from core.data.tokenizers import BPETokenizer
-from core.tree import cast
-from models import hf
-from models.llama import LlamaConfig
-from models.tokenizer_export import bytes_to_unicode
+from purestep.core.config import UserError
+from purestep.core.data.tokenizers import BPETokenizer
+from purestep.core.tree import cast
+from purestep.models import hf
+from purestep.models.llama import LlamaConfig
+from purestep.models.tokenizer_export import bytes_to_unicode
 
 # GGUF tensor name -> Hugging Face name (llama.cpp's ``gguf-py/gguf/tensor_mapping.py``, for Llama)
 BLOCK_TENSORS = {

@@ -41,15 +41,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.io.cache import publish_file
-from core.config import UserError
-from models import hf
-from models.dba import DBAConfig
-from models.dba_llama import why_not_llama
-from models.gguf import BLOCK_TENSORS, TOP_TENSORS, _require_gguf
-from models.llama import LlamaConfig
-from models.mla import MLAConfig
-from models.tokenizer_export import adds_bos_eos, as_bpe, gguf_vocab, llama_cpp_pre
+from purestep.core.io.cache import publish_file
+from purestep.core.config import UserError
+from purestep.models import hf
+from purestep.models.dba import DBAConfig
+from purestep.models.dba_llama import why_not_llama
+from purestep.models.gguf import BLOCK_TENSORS, TOP_TENSORS, _require_gguf
+from purestep.models.llama import LlamaConfig
+from purestep.models.mla import MLAConfig
+from purestep.models.tokenizer_export import adds_bos_eos, as_bpe, gguf_vocab, llama_cpp_pre
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 HF_TO_GGUF = {v: k for k, v in TOP_TENSORS.items()}

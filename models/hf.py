@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from core.config import UserError
-from core.data.tokenizers import BPETokenizer
-from core.tree import cast, flatten_dict, unflatten_dict
-from models.llama import LlamaConfig
+from purestep.core.config import UserError
+from purestep.core.data.tokenizers import BPETokenizer
+from purestep.core.tree import cast, flatten_dict, unflatten_dict
+from purestep.models.llama import LlamaConfig
 
 # purestep leaf under "layers" -> Hugging Face name inside "model.layers.N."
 LAYER_NAMES = {

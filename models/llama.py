@@ -38,13 +38,13 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.nn.functional as F
 
-from core import rng
-from core.config import option
-from core.layers import Layers
-from core.remat import checkpoint
-from core.tree import unstack
-from models import losses
-from models.sampling import decoding
+from purestep.core import rng
+from purestep.core.config import option
+from purestep.core.layers import Layers
+from purestep.core.remat import checkpoint
+from purestep.core.tree import unstack
+from purestep.models import losses
+from purestep.models.sampling import decoding
 
 
 @dataclass
@@ -440,7 +440,7 @@ def decoder(params: dict, cfg: LlamaConfig, batch: int, max_len: int):
 
 def matmul_params(params: dict) -> int:
     """Parameters used in matrix products per token (for FLOPs/MFU): all but an untied input embedding."""
-    from core.tree import size
+    from purestep.core.tree import size
     return size(params) - (params["embed"].numel() if "lm_head" in params else 0)
 
 

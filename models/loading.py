@@ -26,11 +26,11 @@ from typing import Any, Optional
 
 import torch
 
-from core.io import checkpoint as ckpt
-from core.config import UserError, from_dict
-from core.data.tokenizers import tokenizer_from_dict
-from core.tree import cast
-from models import dba, llama, mla
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.config import UserError, from_dict
+from purestep.core.data.tokenizers import tokenizer_from_dict
+from purestep.core.tree import cast
+from purestep.models import dba, llama, mla
 
 SMOLLM2 = "smollm2"
 FORMATS = ("purestep checkpoint (.msgpack)", "GGUF file (.gguf)", "Hugging Face folder (config.json + safetensors)",
@@ -133,9 +133,9 @@ def _load_purestep(p: Path, device=None) -> LoadedModel:
 
 
 def _load_gguf(p: Path, device=None) -> LoadedModel:
-    from models.gguf import load_gguf, metadata, open_gguf
+    from purestep.models.gguf import load_gguf, metadata, open_gguf
     if metadata(open_gguf(p), "general.architecture") == "deepseek2":      # the MLA student's llama.cpp form
-        from models.mla_gguf import load_mla_gguf
+        from purestep.models.mla_gguf import load_mla_gguf
         params, cfg, tok, what = load_mla_gguf(p, device=device)
         return LoadedModel(params, cfg, tok, what, str(p), "mla")
     params, cfg, tok, what = load_gguf(p, device=device)
@@ -143,9 +143,9 @@ def _load_gguf(p: Path, device=None) -> LoadedModel:
 
 
 def _load_hf(p: Path, device=None) -> LoadedModel:
-    from models.hf import _read_json, load_hf
+    from purestep.models.hf import _read_json, load_hf
     if _read_json(p / "config.json").get("model_type") == "deepseek_v2":     # the MLA student's own format
-        from models.mla_hf import load_mla_hf
+        from purestep.models.mla_hf import load_mla_hf
         params, cfg, tok, what = load_mla_hf(p, device=device)
         return LoadedModel(params, cfg, tok, what, str(p), "mla")
     params, cfg, tok, what = load_hf(p, device=device)
@@ -153,7 +153,7 @@ def _load_hf(p: Path, device=None) -> LoadedModel:
 
 
 def _load_smollm2(device=None) -> LoadedModel:
-    from models import smollm2
+    from purestep.models import smollm2
     loaded = _load_hf(smollm2.hf_folder(), device)
     loaded.format = f"SmolLM2-135M-Instruct, cached from {smollm2.PACKAGE}'s GGUF: {loaded.format}"
     loaded.tokenizer.gguf_pre = smollm2.GGUF_PRE       # the GGUF's name, for a GGUF export (models.gguf_export)

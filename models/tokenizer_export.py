@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import json
 
-from core.config import UserError
-from core.data.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer
+from purestep.core.config import UserError
+from purestep.core.data.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer
 
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5      # llama.cpp token types (gguf.TokenType)
 # llama.cpp's names (src/llama-vocab.cpp) for the splits a byte-level BPE read by models.gguf reproduces:

@@ -1,17 +1,17 @@
 """optim: optax-shaped gradient transformations for PyTorch pytrees (see ``optim.base``)."""
-from optim.adagc import AdaGCState, adagc, adagc_metrics
-from optim.adamw import adamw, scale_by_adam
-from optim.agc import agc
-from optim.base import (EmptyState, GradientTransformation, apply_updates, chain, find_state, identity,
+from purestep.optim.adagc import AdaGCState, adagc, adagc_metrics
+from purestep.optim.adamw import adamw, scale_by_adam
+from purestep.optim.agc import agc
+from purestep.optim.base import (EmptyState, GradientTransformation, apply_updates, chain, find_state, identity,
                         partition, replace_states)
-from optim.clip import clip_by_global_norm
-from optim.health import GradientHealth
-from optim.common import (add_decayed_weights, base_lr, current_lr, decay_mask, scale_by_learning_rate,
+from purestep.optim.clip import clip_by_global_norm
+from purestep.optim.health import GradientHealth
+from purestep.optim.common import (add_decayed_weights, base_lr, current_lr, decay_mask, scale_by_learning_rate,
                           scale_lr)
-from optim.lion import lion, scale_by_lion
-from optim.muon import muon, muon_mask, orthogonalize, scale_by_muon
-from optim.sgd import sgd, trace
-from optim import schedules
+from purestep.optim.lion import lion, scale_by_lion
+from purestep.optim.muon import muon, muon_mask, orthogonalize, scale_by_muon
+from purestep.optim.sgd import sgd, trace
+from purestep.optim import schedules
 
 __all__ = [
     "GradientTransformation", "EmptyState", "identity", "chain", "partition", "apply_updates", "find_state",

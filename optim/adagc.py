@@ -39,9 +39,9 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import Tree, named_leaves, tree_flatten, tree_map_with_name, tree_unflatten
-from optim.base import GradientTransformation, counter, find_state, hparam_device, hparam_dtype, hparams
-from optim.health import Stacked, slice_norms, stacked_predicate
+from purestep.core.tree import Tree, named_leaves, tree_flatten, tree_map_with_name, tree_unflatten
+from purestep.optim.base import GradientTransformation, counter, find_state, hparam_device, hparam_dtype, hparams
+from purestep.optim.health import Stacked, slice_norms, stacked_predicate
 
 
 class AdaGCState(NamedTuple):

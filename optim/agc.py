@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from core.tree import tree_map_with_name
-from optim.base import EmptyState, GradientTransformation
-from optim.health import Stacked, stacked_predicate, wide
+from purestep.core.tree import tree_map_with_name
+from purestep.optim.base import EmptyState, GradientTransformation
+from purestep.optim.health import Stacked, stacked_predicate, wide
 
 
 def unit_norms(t: torch.Tensor, stacked: bool = False) -> torch.Tensor:

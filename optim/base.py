@@ -18,9 +18,9 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from core import tree
-from core.donate import takes
-from core.tree import Tree, tree_leaves
+from purestep.core import tree
+from purestep.core.donate import takes
+from purestep.core.tree import Tree, tree_leaves
 
 
 class GradientTransformation(NamedTuple):

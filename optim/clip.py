@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import global_norm, leaves_of, like
-from optim import foreach
-from optim.base import GradientTransformation, hparams
+from purestep.core.tree import global_norm, leaves_of, like
+from purestep.optim import foreach
+from purestep.optim.base import GradientTransformation, hparams
 
 
 class ClipState(NamedTuple):

@@ -12,11 +12,11 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import Tree, leaves_of, like, tree_map_with_name, zip_leaves
-from optim import foreach
-from optim.base import (GradientTransformation, counter, find_state, hparams, replace_states,
+from purestep.core.tree import Tree, leaves_of, like, tree_map_with_name, zip_leaves
+from purestep.optim import foreach
+from purestep.optim.base import (GradientTransformation, counter, find_state, hparams, replace_states,
                         resolve_mask)
-from optim.schedules import Schedule, constant
+from purestep.optim.schedules import Schedule, constant
 
 NO_DECAY_WORDS = ("norm", "bias", "embed")
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from core.donate import given_up
+from purestep.core.donate import given_up
 
 
 def _into(in_place, out_of_place, owned: list, other: list) -> list:

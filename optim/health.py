@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Union
 
 import torch
 
-from core.tree import Tree, named_leaves, tree_leaves
+from purestep.core.tree import Tree, named_leaves, tree_leaves
 
 COLUMNS = ("nonfinite", "zero", "grad_norm", "grad_to_weight", "update_to_weight")
 GLOBAL = "global"

@@ -10,11 +10,11 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import like, zeros_like, zip_leaves
-from optim import foreach
-from optim.base import GradientTransformation, chain, hparams
-from optim.common import add_decayed_weights, decay_mask, scale_by_learning_rate
-from optim.schedules import Schedule
+from purestep.core.tree import like, zeros_like, zip_leaves
+from purestep.optim import foreach
+from purestep.optim.base import GradientTransformation, chain, hparams
+from purestep.optim.common import add_decayed_weights, decay_mask, scale_by_learning_rate
+from purestep.optim.schedules import Schedule
 
 
 class ScaleByLionState(NamedTuple):

@@ -39,11 +39,11 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import Tree, like, tree_map_with_name, zeros_like, zip_leaves
-from optim.adamw import adamw
-from optim.base import GradientTransformation, chain, hparams, partition
-from optim.common import add_decayed_weights, decay_mask, scale_by_learning_rate
-from optim.schedules import Schedule
+from purestep.core.tree import Tree, like, tree_map_with_name, zeros_like, zip_leaves
+from purestep.optim.adamw import adamw
+from purestep.optim.base import GradientTransformation, chain, hparams, partition
+from purestep.optim.common import add_decayed_weights, decay_mask, scale_by_learning_rate
+from purestep.optim.schedules import Schedule
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # Keller Jordan's quintic, torch's DEFAULT_A, _B, _C
 NS_EPS = 1e-7                                 # torch's EPS: the norm is clamped to it

@@ -35,11 +35,11 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import tree_flatten, tree_map, tree_unflatten, zeros_like
-from optim.adamw import ScaleByAdamState, scale_by_adam
-from optim.base import GradientTransformation, counter, find_state, hparam_device, hparam_dtype, hparams
-from optim.common import LearningRateState, decay_weights, scale_by_learning_rate
-from optim.schedules import Schedule, constant
+from purestep.core.tree import tree_flatten, tree_map, tree_unflatten, zeros_like
+from purestep.optim.adamw import ScaleByAdamState, scale_by_adam
+from purestep.optim.base import GradientTransformation, counter, find_state, hparam_device, hparam_dtype, hparams
+from purestep.optim.common import LearningRateState, decay_weights, scale_by_learning_rate
+from purestep.optim.schedules import Schedule, constant
 
 SCOPES = ("global", "per_group")
 

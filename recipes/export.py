@@ -1,4 +1,4 @@
-"""Take a model elsewhere: ``bin/run recipe=export init=RUN_OR_CKPT format=hf|gguf out=DIR [dtype=...]``.
+"""Take a model elsewhere: ``purestep recipe=export init=RUN_OR_CKPT format=hf|gguf out=DIR [dtype=...]``.
 
 ``init`` is anything ``models.loading.load_model`` reads (a purestep checkpoint or run folder from any recipe, a
 Hugging Face folder, a GGUF file, ``smollm2``). What is written:
@@ -37,12 +37,12 @@ from pathlib import Path
 
 import torch
 
-from core.cli.runs import LOCK, holder
-from core.io.cache import build_folder
-from core.config import UserError, option
-from core.io.logging import progress
-from core.tree import cast
-from models.loading import LoadedModel, load_model
+from purestep.core.cli.runs import LOCK, holder
+from purestep.core.io.cache import build_folder
+from purestep.core.config import UserError, option
+from purestep.core.io.logging import progress
+from purestep.core.tree import cast
+from purestep.models.loading import LoadedModel, load_model
 
 DESCRIPTION = "a model out to a Hugging Face folder (transformers) or a GGUF file (llama.cpp)"
 FORMATS = ("hf", "gguf")
@@ -124,7 +124,7 @@ def exported_form(model: LoadedModel) -> tuple[dict, object]:
     anything else as loaded."""
     if model.arch != "dba":
         return model.params, model.config
-    from models.dba_llama import as_llama, why_not_llama
+    from purestep.models.dba_llama import as_llama, why_not_llama
     if why_not_llama(model.config):
         return model.params, model.config
     progress("the DBA student is a plain Llama (shared RoPE pairs, no semantic keys): written as one")
@@ -136,35 +136,35 @@ def _writer(model: LoadedModel, params: dict, config, cfg: Config):
     cannot be exported is refused here, first."""
     tok = model.tokenizer
     if cfg.format == "gguf" and model.arch == "mla":
-        from models.mla_gguf import check_gguf, export_mla_gguf
+        from purestep.models.mla_gguf import check_gguf, export_mla_gguf
         check_gguf(params, config)    # refuses what llama.cpp's deepseek2 cannot run before the weights are converted
         name = f"model-{cfg.dtype.upper().replace('FP32', 'F32')}.gguf"
         return lambda folder: export_mla_gguf(params, config, folder / name, tokenizer=tok,
                                               dtype=_gguf_dtype(cfg.dtype))
     if cfg.format == "gguf":
-        from models.gguf_export import export_gguf, gguf_arch
+        from purestep.models.gguf_export import export_gguf, gguf_arch
         gguf_arch(config)             # refuses a model llama.cpp cannot run before the weights are converted
         name = f"model-{cfg.dtype.upper().replace('FP32', 'F32')}.gguf"
         return lambda folder: export_gguf(params, config, folder / name, tokenizer=tok, dtype=_gguf_dtype(cfg.dtype))
-    from models.tokenizer_export import as_bpe
+    from purestep.models.tokenizer_export import as_bpe
     bpe = as_bpe(tok) if tok is not None else None
     if tok is None:
         progress(f"note: {model.source} has no tokenizer; the folder gets none")
     dtype = DTYPES[cfg.dtype]
     if model.arch == "mla":
-        from models.mla_hf import check_exportable, export_mla_hf
+        from purestep.models.mla_hf import check_exportable, export_mla_hf
         check_exportable(params, config)
         return lambda folder: export_mla_hf(params, config, folder, tokenizer=bpe, dtype=dtype)
     if _remote(config):
-        from models.dba_hf import export_dba_hf
+        from purestep.models.dba_hf import export_dba_hf
         return lambda folder: export_dba_hf(params, config, folder, tokenizer=bpe, dtype=dtype)
-    from models.hf import export_hf
+    from purestep.models.hf import export_hf
     return lambda folder: export_hf(params, config, folder, tokenizer=bpe, dtype=dtype)
 
 
 def _remote(config) -> bool:
     """Whether this (exported-form) config is written with remote code: a DBA student no format holds."""
-    from models.dba import DBAConfig
+    from purestep.models.dba import DBAConfig
     return isinstance(config, DBAConfig)
 
 

@@ -1,4 +1,4 @@
-"""Generate text from a trained model: ``bin/run recipe=generate init=PATH prompt="..."``.
+"""Generate text from a trained model: ``purestep recipe=generate init=PATH prompt="..."``.
 
 The prompt is processed once (prefill) and every new token costs one position of the KV cache
 (``models.sampling.generate``). Sampling is temperature / top-k / top-p with an explicit seed, and the
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from core.data.chat import check_messages, render, template_of
-from core.data.tokenizers import DataError
-from core.config import UserError, option
-from core.device import DEVICES, check_fits, resolve_device
-from core.io.logging import progress
-from core.gradients import autocast
-from models.loading import load_model
-from models.sampling import generate
+from purestep.core.data.chat import check_messages, render, template_of
+from purestep.core.data.tokenizers import DataError
+from purestep.core.config import UserError, option
+from purestep.core.device import DEVICES, check_fits, resolve_device
+from purestep.core.io.logging import progress
+from purestep.core.gradients import autocast
+from purestep.models.loading import load_model
+from purestep.models.sampling import generate
 
 DESCRIPTION = "generate text from a checkpoint with a KV cache (temperature, top_k, top_p)"
 

@@ -13,22 +13,22 @@ from dataclasses import dataclass
 
 import torch
 
-import optim
-from core.config import UserError, option, same_as, to_dict
-from core.data.documents import prepare_text
-from core.device import resolve_device
-from core.io.cache import write_csv
-from core.io.logging import Logger
-from core.cli.runs import claim
-from core.state import init_state
-from core.step import Gradients, make_train_step
-from core.tree import cast, clone
-from models import llama
-from models.loading import load_model, require_llama
-from recipes.standard import _model_config
-from recipes.train.config import AdaGCConfig, TrainConfig
-from recipes.train.optimizer import OptimizerSpec, make_optimizer
-from recipes.train.setup import run_folder
+from purestep import optim
+from purestep.core.config import UserError, option, same_as, to_dict
+from purestep.core.data.documents import prepare_text
+from purestep.core.device import resolve_device
+from purestep.core.io.cache import write_csv
+from purestep.core.io.logging import Logger
+from purestep.core.cli.runs import claim
+from purestep.core.state import init_state
+from purestep.core.step import Gradients, make_train_step
+from purestep.core.tree import cast, clone
+from purestep.models import llama
+from purestep.models.loading import load_model, require_llama
+from purestep.recipes.standard import _model_config
+from purestep.recipes.train.config import AdaGCConfig, TrainConfig
+from purestep.recipes.train.optimizer import OptimizerSpec, make_optimizer
+from purestep.recipes.train.setup import run_folder
 
 DESCRIPTION = "exponential learning-rate range test on a copy of the state; suggests an LR"
 

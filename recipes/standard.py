@@ -1,11 +1,11 @@
 """The standard recipe: train a Llama language model on text, from scratch or from a checkpoint.
 
-``bin/run recipe=standard`` with no keys trains a small byte-level model on this Python's own standard
+``purestep recipe=standard`` with no keys trains a small byte-level model on this Python's own standard
 library source (a real corpus on every machine) and finishes in minutes on a laptop CPU. Presets follow
 FundamentaLLM's sizes (small 128d/4h/2L, medium 512/8/6, large 768/12/12) plus ``tiny`` for a quick
 look. nanoGPT's char-level shakespeare CPU configuration is::
 
-    bin/run recipe=standard data=shakespeare.txt tokenizer=char model.n_layers=4 model.n_heads=4 \\
+    purestep recipe=standard data=shakespeare.txt tokenizer=char model.n_layers=4 model.n_heads=4 \\
         model.d_model=128 block_size=64 batch_size=12 lr=1e-3 beta2=0.99 warmup_steps=100 \\
         steps=2000 min_lr=1e-4 optimizer=muon muon.lr=0.01 muon.momentum=0.9 dtype=bf16
 
@@ -26,21 +26,21 @@ from typing import Callable, Optional
 
 import torch
 
-from core.parallel import distributed
-from core.config import UserError, option, to_dict
-from core.device import resolve_device
-from core.data.fim import FIM, fim_ids
-from core.io.telemetry import flops_per_token
-from core.tree import cast, size
-from models import llama
-from models.loading import load_model, model_entry, require_llama
-from models.sampling import generate
-from recipes.orchestrator.config import OrchestratedConfig
-from recipes.orchestrator.driver import orchestrate
-from recipes.train import backend, plan, setup
-from recipes.train.data import check_batch, describe, open_data, with_epochs
-from recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps, evaluate, fit
-from recipes.train.setup import run_folder
+from purestep.core.parallel import distributed
+from purestep.core.config import UserError, option, to_dict
+from purestep.core.device import resolve_device
+from purestep.core.data.fim import FIM, fim_ids
+from purestep.core.io.telemetry import flops_per_token
+from purestep.core.tree import cast, size
+from purestep.models import llama
+from purestep.models.loading import load_model, model_entry, require_llama
+from purestep.models.sampling import generate
+from purestep.recipes.orchestrator.config import OrchestratedConfig
+from purestep.recipes.orchestrator.driver import orchestrate
+from purestep.recipes.train import backend, plan, setup
+from purestep.recipes.train.data import check_batch, describe, open_data, with_epochs
+from purestep.recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps, evaluate, fit
+from purestep.recipes.train.setup import run_folder
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
 GRID = True                 # seed=1,2 and grid.KEY=A,B run it per cell (core.cli.grid)

@@ -78,7 +78,7 @@ def tiny_teacher(tmp_path_factory):
     tests/test_on_policy.py). Tests that use it take ``token_cache`` too (the data's tokens land there)."""
     import inspect
     import textwrap
-    from recipes import main
+    from purestep.recipes import main
     work = tmp_path_factory.mktemp("tiny_teacher")
     data = work / "text.txt"
     data.write_text(Path(textwrap.__file__).read_text() + Path(inspect.__file__).read_text())

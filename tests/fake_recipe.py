@@ -5,9 +5,9 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from core.io.checkpoint import CheckpointError
-from core.config import UserError, option, to_dict
-from core.exits import GateFailed, RunStopped
+from purestep.core.io.checkpoint import CheckpointError
+from purestep.core.config import UserError, option, to_dict
+from purestep.core.exits import GateFailed, RunStopped
 
 DESCRIPTION = "fake recipe that records its config (tests only)"
 

@@ -2,8 +2,8 @@
 folder that transformers opens as ``architecture`` with logits equal to ours."""
 import torch
 
-from models import hf, llama
-from models.loading import LoadedModel, load_model
+from purestep.models import hf, llama
+from purestep.models.loading import LoadedModel, load_model
 
 
 def tiny_config(**changes) -> llama.LlamaConfig:

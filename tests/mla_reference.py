@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models import llama
-from models.llama import LlamaConfig
-from models.mla import KV_NORM_EPS
+from purestep.models import llama
+from purestep.models.llama import LlamaConfig
+from purestep.models.mla import KV_NORM_EPS
 
 
 @dataclass

@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-import optim
-from core.compile import compile_count
-from core.state import init_state
-from core.step import make_train_step
-from core.tree import tree_map
-from models import llama
-from optim.adagc import AdaGCState, adagc, adagc_metrics, gammas
-from optim.agc import agc, unit_norms
-from optim.health import layer_stacked, stacked_predicate
+from purestep import optim
+from purestep.core.compile import compile_count
+from purestep.core.state import init_state
+from purestep.core.step import make_train_step
+from purestep.core.tree import tree_map
+from purestep.models import llama
+from purestep.optim.adagc import AdaGCState, adagc, adagc_metrics, gammas
+from purestep.optim.agc import agc, unit_norms
+from purestep.optim.health import layer_stacked, stacked_predicate
 
 
 # ------------------------------------------------------------------------------------------------ AdaGC
@@ -174,7 +174,7 @@ def test_adagc_traces_into_one_graph_and_edits_do_not_recompile():
 
 
 def test_adagc_state_survives_a_skipped_step_and_a_checkpoint(tmp_path):
-    checkpoint = pytest.importorskip("core.io.checkpoint")
+    checkpoint = pytest.importorskip("purestep.core.io.checkpoint")
     cfg = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, ffn_dim=32)
     params = llama.init(cfg, seed=0)
     opt = optim.chain(adagc(t_start=1), optim.adamw(lr=1e-2))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes import main
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.recipes import main
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "eval_batches=1", "steps=4"]

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from core.tree import max_abs_diff
-from recipes import main
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.tree import max_abs_diff
+from purestep.recipes import main
 from tests.fixtures.behaviour.state_hash import platform_key, state_hash
 
 FIXTURE = Path(__file__).parent / "fixtures" / "behaviour"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes import RECIPES, main
+from purestep.recipes import RECIPES, main
 
 BENCHES = [name for name in RECIPES if name.startswith("bench.")]
 
@@ -24,7 +24,7 @@ def test_benchmark_answers_help(name, capsys):
 
 def test_step_bench_gives_every_variant_its_own_peak_memory(capsys):
     """``isolate=true`` runs each variant in a fresh process; every row has a positive peak RSS and time."""
-    from recipes.bench import step
+    from purestep.recipes.bench import step
     cfg = step.Config(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, batch_size=2, block_size=16,
                       warmup=1, steps=2, rounds=1, compile=False, isolate=True)
     rows = step.run(cfg)
@@ -38,8 +38,8 @@ def test_step_bench_gives_every_variant_its_own_peak_memory(capsys):
 
 
 def test_step_bench_has_the_100m_preset():
-    from core.config import resolve
-    from recipes.bench import step
+    from purestep.core.config import resolve
+    from purestep.recipes.bench import step
     cfg = resolve(step.Config, presets=step.PRESETS, preset="100m", overrides={})
     assert (cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads) == (32000, 768, 12, 12, 4)
     assert (cfg.batch_size, cfg.block_size) == (2, 128)
@@ -48,8 +48,8 @@ def test_step_bench_has_the_100m_preset():
 def test_step_bench_interleaved_refuses_repeats_and_leaves_the_inductor_cache_setting(monkeypatch):
     """``repeats`` means processes (isolate=true); in one process the cold cache is a temporary one, undone after."""
     import os
-    from core.config import ConfigError
-    from recipes.bench import step
+    from purestep.core.config import ConfigError
+    from purestep.recipes.bench import step
     small = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, batch_size=2, block_size=16, warmup=1, steps=1,
                  rounds=1, compile=False, isolate=False)
     with pytest.raises(ConfigError, match="repeats=2 .* needs isolate=true"):
@@ -63,7 +63,7 @@ def test_wall_bench_times_both_whole_runs_per_cache_state(tmp_path, capsys):
     """``bench.wall`` at test size (uncompiled, 6 steps): recipe=standard's run and the plain loop's run, each a
     child process of its own, per cache state; the plain loop evaluates the windows recipe=standard evaluates, so
     at step 0 both would agree, and both end with a finite validation loss and their seconds."""
-    from recipes.bench import wall
+    from purestep.recipes.bench import wall
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     cfg = wall.Config(data=str(corpus), n_layers=1, d_model=32, steps=6, eval_every=3, eval_batches=2,
@@ -84,8 +84,9 @@ def test_wall_bench_times_both_whole_runs_per_cache_state(tmp_path, capsys):
 def test_wall_bench_runs_the_standard_docstrings_command():
     """``bench.wall``'s standard side is the command in ``recipes/standard.py``'s docstring: with ``optimizer=muon``
     its Muon keys too; with AdamW (the default, the plain loop's optimizer) none of them."""
-    import recipes.standard
-    from recipes.bench import wall
+    import purestep.recipes.standard
+    from purestep import recipes
+    from purestep.recipes.bench import wall
     command = " ".join(recipes.standard.__doc__.replace("\\", " ").split())
     args = wall.standard_args(wall.Config(optimizer="muon"), Path("out"))
     muon = [a for a in args if a.startswith(("optimizer=", "muon."))]

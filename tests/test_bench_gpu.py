@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_the_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
 
 def test_a_failing_item_is_reported_and_the_next_runs(tmp_path):
     """An exception inside an item marks it failed with its message and traceback; the report goes on."""
-    from recipes.bench.gpu.report import Report, Skip
+    from purestep.recipes.bench.gpu.report import Report, Skip
     report = Report(tmp_path, {"device": "cpu", "torch": "x", "cuda": None, "python": "3", "cpus": 1, "date": "d",
                                "command": "c"})
     with report.item("checks", "broken") as item:

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from recipes import main
-from recipes.bench import llamacpp
+from purestep.recipes import main
+from purestep.recipes.bench import llamacpp
 
 
 def test_without_llama_cpp_it_says_so_in_one_line_and_loads_nothing(monkeypatch, capsys):

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from recipes import main
-from recipes.bench import upcycle as bench
-from recipes.upcycle.phases import FINAL
+from purestep.recipes import main
+from purestep.recipes.bench import upcycle as bench
+from purestep.recipes.upcycle.phases import FINAL
 
 pytestmark = pytest.mark.usefixtures("token_cache")   # tests/conftest.py
 

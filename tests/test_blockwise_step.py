@@ -8,13 +8,13 @@ from collections import namedtuple
 import pytest
 import torch
 
-from core.compile import compile_count
-from core.io import checkpoint as ckpt
-from core.state import init_state
-from core.tree import clone, tree_leaves
-from models import blockwise, llama, surgery
-from recipes.train.optimizer import make_optimizer
-from recipes.upcycle import blockwise as bw
+from purestep.core.compile import compile_count
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.state import init_state
+from purestep.core.tree import clone, tree_leaves
+from purestep.models import blockwise, llama, surgery
+from purestep.recipes.train.optimizer import make_optimizer
+from purestep.recipes.upcycle import blockwise as bw
 
 TEACHER = llama.LlamaConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
 BLOCKS = bw.Blocks(loss="l1", mode="teacher_forced", match="block", train="attn", ema=0.5, target=0.0, patience=0,

@@ -10,9 +10,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util import tensor_util
 
-from core.io.board import board_tag
-from optim.health import COLUMNS
-from recipes import main
+from purestep.core.io.board import board_tag
+from purestep.optim.health import COLUMNS
+from purestep.recipes import main
 
 pytestmark = pytest.mark.usefixtures("token_cache", "one_thread")   # tests/conftest.py
 

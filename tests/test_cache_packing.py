@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from models import losses
-from recipes.distill import packing
+from purestep.models import losses
+from purestep.recipes.distill import packing
 
 
 @pytest.mark.parametrize("bits", [1, 3, 7, 8, 13, 16, 17])

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.io import cache
+from purestep.core.io import cache
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("core", "models", "optim", "recipes")

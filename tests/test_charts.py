@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the PNG charts need the [plot] extra (matplotlib)")
 
-from core.cli import grid_summary  # noqa: E402
-from recipes.upcycle import charts  # noqa: E402
+from purestep.core.cli import grid_summary  # noqa: E402
+from purestep.recipes.upcycle import charts  # noqa: E402
 
 NONE = ("None", "none", "", " ", None)
 

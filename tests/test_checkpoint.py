@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from core.io import cache
-from core.io import checkpoint as ckpt
-from core.io import checkpoint_format as fmt
-from core.io.checkpoint import CheckpointError, CheckpointManager
-from core.state import TrainState
+from purestep.core.io import cache
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.io import checkpoint_format as fmt
+from purestep.core.io.checkpoint import CheckpointError, CheckpointManager
+from purestep.core.state import TrainState
 
 
 class AdamLike(NamedTuple):
@@ -262,8 +262,8 @@ def test_error_while_writing_leaves_no_temp(tmp_path):
 
 CHILD = textwrap.dedent("""
     import sys, time, torch
-    from core.io import checkpoint as ckpt
-    from core.io import checkpoint_format as fmt
+    from purestep.core.io import checkpoint as ckpt
+    from purestep.core.io import checkpoint_format as fmt
     folder, marker = sys.argv[1], sys.argv[2]
     manager = ckpt.CheckpointManager(folder, keep_last=1)
     manager.save(1, {"w": torch.full((1000,), 1.0)})
@@ -411,7 +411,7 @@ def test_publish_without_hard_links_writes_a_fsynced_copy(tmp_path, monkeypatch)
 
 
 def test_checkpoint_error_is_a_user_error():
-    from core.config import UserError
+    from purestep.core.config import UserError
     assert issubclass(CheckpointError, UserError)
 
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from core.io import checkpoint_format as fmt
-from core.io.checkpoint import CheckpointError, CheckpointManager
-from core.config import UserError
-from recipes import main
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.io import checkpoint_format as fmt
+from purestep.core.io.checkpoint import CheckpointError, CheckpointManager
+from purestep.core.config import UserError
+from purestep.recipes import main
 
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "block_size=32", "batch_size=4",
         "compile=false", "sample_tokens=0", "eval_every=0", "log_every=2"]

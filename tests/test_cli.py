@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import fake_recipe
-import recipes
-from core.cli import command as cli
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep import recipes
+from purestep.core.cli import command as cli
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipe=tests.fake_recipe"           # bin/run also takes a module path as the recipe
@@ -170,8 +170,8 @@ def test_top_level_help_in_process_shows_descriptions(fake, monkeypatch, capsys)
 
 
 def test_user_error_classes():
-    from core.io.checkpoint import CheckpointError
-    from core.data.tokenizers import DataError
+    from purestep.core.io.checkpoint import CheckpointError
+    from purestep.core.data.tokenizers import DataError
 
     class CheckpointErrorLookalike(Exception):   # a user error by class, never by name
         pass

@@ -5,12 +5,12 @@ disk by inductor's FX graph cache, so a second run is fast).
 """
 import torch
 
-import optim
-from core.compile import compile_count
-from core.state import init_state
-from core.step import Gradients, make_train_step
-from core.tree import max_abs_diff
-from models import llama
+from purestep import optim
+from purestep.core.compile import compile_count
+from purestep.core.state import init_state
+from purestep.core.step import Gradients, make_train_step
+from purestep.core.tree import max_abs_diff
+from purestep.models import llama
 
 CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 

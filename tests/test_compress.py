@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-import optim
-from core.io import checkpoint as ckpt
-from recipes import main
-from core.state import init_state
-from core.step import make_train_step
-from core.data.tokenizers import make_tokenizer
-from models import compressor as C, llama
-from models.loading import load_model, model_entry
-from optim import schedules
-from recipes.compress import states as compress_states
+from purestep import optim
+from purestep.core.io import checkpoint as ckpt
+from purestep.recipes import main
+from purestep.core.state import init_state
+from purestep.core.step import make_train_step
+from purestep.core.data.tokenizers import make_tokenizer
+from purestep.models import compressor as C, llama
+from purestep.models.loading import load_model, model_entry
+from purestep.optim import schedules
+from purestep.recipes.compress import states as compress_states
 
 TEACHER_CFG = llama.LlamaConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2)
 FAST = ["block_size=16", "batch_size=8", "train_tokens=1024", "val_tokens=256", "log_every=10", "warmup_steps=5"]
@@ -312,7 +312,7 @@ def test_help_lists_the_keys(capsys):
 # ------------------------------------------------------------------------------------------------ SmolLM2
 
 def test_smollm2_states_and_exact_full_width():
-    from models import smollm2
+    from purestep.models import smollm2
     if smollm2.find_gguf() is None:
         pytest.skip(f"SmolLM2 is not installed ({smollm2.INSTALL})")
     full = load_model("smollm2")

@@ -7,10 +7,10 @@ from typing import Literal, Optional
 
 import pytest
 
-from core.config import ConfigError, UserError, apply_overrides, from_dict, option, resolve, to_dict
-from core.cli.config_files import load_toml
-from core.cli.config_help import describe, format_help
-from models.llama import LlamaConfig
+from purestep.core.config import ConfigError, UserError, apply_overrides, from_dict, option, resolve, to_dict
+from purestep.core.cli.config_files import load_toml
+from purestep.core.cli.config_help import describe, format_help
+from purestep.models.llama import LlamaConfig
 
 
 @dataclass

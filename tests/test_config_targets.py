@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import fake_recipe
-import recipes
-from core.config import ConfigError
-from core.cli.config_files import load_toml
+from purestep import recipes
+from purestep.core.config import ConfigError
+from purestep.core.cli.config_files import load_toml
 
 STUDY = '''
 recipe = "fake"
@@ -125,8 +125,8 @@ def test_target_is_reserved_and_may_not_nest_file_tables(tmp_path):
 def test_the_documented_study_resolves_to_the_values_it_documents(tmp_path):
     import re
     import documentation
-    from core.config import resolve
-    from recipes import standard
+    from purestep.core.config import resolve
+    from purestep.recipes import standard
     block = re.search(r"```toml\n(.*?)```", documentation.block("study-example")[1], re.S).group(1)
     path = write(tmp_path, block)
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-import core.data.text as data
-from core.data.text import Batches, DataError, eval_batches, find_source, prepare, split_files
-from core.data.tokenizers import ByteTokenizer
+import purestep.core.data.text as data
+from purestep.core.data.text import Batches, DataError, eval_batches, find_source, prepare, split_files
+from purestep.core.data.tokenizers import ByteTokenizer
 
 
 def _corpus_folder(tmp_path, n=20):

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from core.config import from_dict, to_dict
-from core.tree import max_abs_diff, names, tree_leaves
-from models import dba, llama, surgery
-from models.sampling import generate
+from purestep.core.config import from_dict, to_dict
+from purestep.core.tree import max_abs_diff, names, tree_leaves
+from purestep.models import dba, llama, surgery
+from purestep.models.sampling import generate
 
 CFG = llama.LlamaConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16)
 METHODS = surgery.METHODS
@@ -352,9 +352,9 @@ def test_config_rejects_bad_shapes(bad, match):
 # real weights
 
 def smollm2_gguf():
-    if importlib.util.find_spec("models.smollm2") is None:
+    if importlib.util.find_spec("purestep.models.smollm2") is None:
         pytest.skip("models/smollm2.py is not there yet")
-    from models import smollm2
+    from purestep.models import smollm2
     if smollm2.find_gguf() is None:
         pytest.skip(f"SmolLM2 is not installed: {smollm2.INSTALL}")
 
@@ -365,7 +365,7 @@ def test_smollm2_exact_surgery_keeps_the_logits():
     In float64: in float32 the student differs by about 7e-5 (the value fold's basis change rounds every weight),
     about the teacher's own float32 error against float64 (5e-5), so 1e-4 would test rounding, not the surgery."""
     smollm2_gguf()
-    from models.loading import load_model
+    from purestep.models.loading import load_model
     loaded = load_model("smollm2", dtype=torch.float64)
     params, cfg = loaded.params, loaded.config
     text = ("The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun.\n"

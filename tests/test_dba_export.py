@@ -12,10 +12,10 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the reference implementation: pip install purestep[reference]")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs the 'hf' extra: pip install purestep[hf]")
 
-from core.config import UserError  # noqa: E402
-from models import dba, llama, surgery  # noqa: E402
-from models.dba_hf import export_dba_hf, state_dict  # noqa: E402
-from models.sampling import generate  # noqa: E402
+from purestep.core.config import UserError  # noqa: E402
+from purestep.models import dba, llama, surgery  # noqa: E402
+from purestep.models.dba_hf import export_dba_hf, state_dict  # noqa: E402
+from purestep.models.sampling import generate  # noqa: E402
 
 PAIRS = [[[7, 1, 3, 0], [2, 5, 6, 4]], [[0, 6, 1, 7], [3, 2, 4, 5]]]   # not the uniform default [0, 2, 4, 6]
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -216,12 +216,12 @@ def test_remote_code_is_self_contained():
             assert name.split(".")[0] in ("torch", "transformers", "typing", "models"), (path.name, name)
             assert not name.startswith("models.") or name.startswith("models.hf_remote."), (path.name, name)
     assert not [m for m, edges in import_graph().items()
-                if not m.startswith("models.hf_remote") and any(t.startswith("models.hf_remote") for t in edges)]
+                if not m.startswith("purestep.models.hf_remote") and any(t.startswith("purestep.models.hf_remote") for t in edges)]
 
 
 def test_tokenizer_files_travel(tmp_path):
     tokenizers = pytest.importorskip("tokenizers", reason="needs the 'hf' extra: pip install purestep[hf]")
-    from core.data.tokenizers import BPETokenizer
+    from purestep.core.data.tokenizers import BPETokenizer
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
     bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
     alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()[:60]

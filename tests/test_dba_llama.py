@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from core.config import UserError
-from core.io import checkpoint as ckpt
-from models import dba, dba_llama, llama, surgery
-from models.loading import load_model, model_entry
+from purestep.core.config import UserError
+from purestep.core.io import checkpoint as ckpt
+from purestep.models import dba, dba_llama, llama, surgery
+from purestep.models.loading import load_model, model_entry
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}     # with head_dim 16 the kept pairs fall into all three bands
@@ -82,7 +82,7 @@ def test_plain_student_to_hf_without_remote_code(checkpoint, tmp_path, bias):
     transformers = pytest.importorskip("transformers", reason="the reference implementation: "
                                                               "pip install purestep[reference]")
     pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
-    from recipes.export import Config, run
+    from purestep.recipes.export import Config, run
     path, student, scfg = checkpoint(qkv_bias=bias)
     result = run(Config(init=str(path), format="hf", out=str(tmp_path / "hf")))
     assert result["max_logit_diff"] < 1e-4 and not any(name.endswith(".py") for name in result["files"])
@@ -99,7 +99,7 @@ def test_plain_student_to_hf_without_remote_code(checkpoint, tmp_path, bias):
 
 def test_plain_student_to_gguf_reads_back(checkpoint, tmp_path, capsys):
     gguf = pytest.importorskip("gguf", reason="needs the 'hf' extra: pip install purestep[hf]")
-    from recipes.export import Config, run
+    from purestep.recipes.export import Config, run
     path, student, scfg = checkpoint()
     result = run(Config(init=str(path), format="gguf", out=str(tmp_path / "g")))
     assert result["max_logit_diff"] < 1e-4
@@ -117,7 +117,7 @@ def test_plain_student_to_gguf_reads_back(checkpoint, tmp_path, capsys):
 
 def test_other_students_keep_remote_code_and_gguf_refuses_them(tmp_path):
     pytest.importorskip("gguf", reason="needs the 'hf' extra: pip install purestep[hf]")
-    from models.gguf_export import export_gguf
+    from purestep.models.gguf_export import export_gguf
     params, cfg = teacher()
     student, scfg, _ = surgery.surgery(params, cfg, tokens(64, seed=1), sem_dim=0, geo_dim=8, v_dim=8)
     with pytest.raises(UserError, match=r"DBA student .*with RoPE pairs chosen per layer and KV head has no GGUF "

@@ -41,8 +41,8 @@ from pathlib import Path
 import pytest
 
 import documentation
-from core.cli.command import merge_args
-from core.io import checkpoint as ckpt
+from purestep.core.cli.command import merge_args
+from purestep.core.io import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "bin" / "run"
@@ -61,28 +61,28 @@ UPCYCLE = ["preset=ci", "calib_tokens=256", "blockwise.steps=4", "blockwise.log_
            "benchmark.repeats=1", "benchmark.new_tokens=2", "benchmark.ppl_contexts=16",
            "benchmark.ppl_tokens=128", "benchmark.passkey_contexts=64", "benchmark.passkey_trials=1"]
 
-STANDARD = "bin/run recipe=standard data=shakespeare.txt tokenizer=char name=shakes preset=small"
-DISTILL = "bin/run recipe=distill teacher=runs/standard-shakes data=shakespeare.txt"
-DISTILL_DROP = "bin/run recipe=distill teacher=smollm2 student=drop_layers"
-DISTILL_GKD = "bin/run recipe=distill teacher=runs/standard-shakes data=shakespeare.txt kl=jsd beta=0.5 on_policy=0.5"
-DISTILL_HIDDEN = ("bin/run recipe=distill teacher=runs/standard-shakes data=shakespeare.txt model.d_model=64 "
+STANDARD = "purestep recipe=standard data=shakespeare.txt tokenizer=char name=shakes preset=small"
+DISTILL = "purestep recipe=distill teacher=runs/standard-shakes data=shakespeare.txt"
+DISTILL_DROP = "purestep recipe=distill teacher=smollm2 student=drop_layers"
+DISTILL_GKD = "purestep recipe=distill teacher=runs/standard-shakes data=shakespeare.txt kl=jsd beta=0.5 on_policy=0.5"
+DISTILL_HIDDEN = ("purestep recipe=distill teacher=runs/standard-shakes data=shakespeare.txt model.d_model=64 "
                   "model.n_layers=2 hidden=")
-DDP = "torchrun --standalone --nproc_per_node=2 bin/run recipe=standard name=ddp"
-FSDP = "torchrun --standalone --nproc_per_node=8 bin/run recipe=standard parallel=fsdp"
-EXPORTS = {"bin/run recipe=export init=runs/standard-shakes format=hf": "config.json",
-           "bin/run recipe=export init=runs/distill-smol format=gguf": "*.gguf",
-           "bin/run recipe=export init=runs/upcycle-smol/global format=hf": "config.json"}
+DDP = "torchrun --standalone --nproc_per_node=2 -m purestep recipe=standard name=ddp"
+FSDP = "torchrun --standalone --nproc_per_node=8 -m purestep recipe=standard parallel=fsdp"
+EXPORTS = {"purestep recipe=export init=runs/standard-shakes format=hf": "config.json",
+           "purestep recipe=export init=runs/distill-smol format=gguf": "*.gguf",
+           "purestep recipe=export init=runs/upcycle-smol/global format=hf": "config.json"}
 
 # The README commands these tests run (scaled down), by their first words; tests/test_readme.py reads this.
 README_RUNS = {
     STANDARD: "test_standard",
-    "bin/run recipe=generate init=runs/standard-shakes": "test_generate",
-    "bin/run recipe=lr_find data=shakespeare.txt tokenizer=char": "test_lr_find",
+    "purestep recipe=generate init=runs/standard-shakes": "test_generate",
+    "purestep recipe=lr_find data=shakespeare.txt tokenizer=char": "test_lr_find",
     DISTILL: "test_distill_online_and_from_a_cache",
     DISTILL_DROP: "test_distill_under_torchrun",
     DISTILL_GKD: "test_distill_on_policy_jsd",
     DISTILL_HIDDEN: "test_distill_hidden_targets",
-    "bin/run recipe=compress teacher=smollm2": "test_compress",
+    "purestep recipe=compress teacher=smollm2": "test_compress",
     **{words: "test_export" for words in EXPORTS},
     DDP: "test_standard_under_torchrun",
     FSDP: "test_standard_under_torchrun",
@@ -232,12 +232,12 @@ def bpe_teacher(run):
 @job
 def generate(run):
     run.get("shakes")
-    return run(*readme("bin/run recipe=generate init=runs/standard-shakes"), "max_new_tokens=24")
+    return run(*readme("purestep recipe=generate init=runs/standard-shakes"), "max_new_tokens=24")
 
 
 @job
 def lr_find(run):
-    return run(*readme("bin/run recipe=lr_find data=shakespeare.txt tokenizer=char"), "model.d_model=32",
+    return run(*readme("purestep recipe=lr_find data=shakespeare.txt tokenizer=char"), "model.d_model=32",
                "model.n_layers=1", "batch_size=4", "block_size=32", "num_steps=8", "name=lr")
 
 
@@ -295,7 +295,7 @@ def upcycle_bpe(run):
 @job
 def compress(run):
     run.get("shakes")
-    return run(*readme("bin/run recipe=compress teacher=smollm2"), "teacher=runs/standard-shakes",
+    return run(*readme("purestep recipe=compress teacher=smollm2"), "teacher=runs/standard-shakes",
                "data=shakespeare.txt", "sweep=8,16", "train_tokens=2048", "val_tokens=512", "block_size=32",
                "batch_size=4", "steps=6", "warmup_steps=1", "eval_every=3")
 

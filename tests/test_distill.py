@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.io import checkpoint as ckpt
-from recipes import main
-from core.tree import tree_leaves
-from models import losses
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.io import checkpoint as ckpt
+from purestep.recipes import main
+from purestep.core.tree import tree_leaves
+from purestep.models import losses
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -225,15 +225,15 @@ def metrics(out) -> list[dict]:
 
 
 def config(corpus, teacher, *extra):
-    from core.config import resolve
-    from recipes.distill import recipe
+    from purestep.core.config import resolve
+    from purestep.recipes.distill import recipe
     overrides = dict(a.split("=", 1) for a in [f"data={corpus}", f"teacher={teacher}", *COMMON, *STUDENT, *extra])
     return resolve(recipe.Config, overrides=overrides)
 
 
 def test_teacher_is_frozen_and_an_input_of_the_step(corpus, teacher):
-    from core.tree import clone, tree_map
-    from recipes.distill.recipe import prepare_run
+    from purestep.core.tree import clone, tree_map
+    from purestep.recipes.distill.recipe import prepare_run
     p = prepare_run(config(corpus, teacher, "steps=3"))
     before, start = clone(p.frozen["teacher"]), clone(p.state.params)   # the step donates p.state: copy first
     state = p.state
@@ -249,7 +249,7 @@ def test_teacher_is_frozen_and_an_input_of_the_step(corpus, teacher):
 
 
 def test_learnable_temperature_run_and_its_checkpoint(corpus, teacher, tmp_path, capsys):
-    from optim.common import decay_mask
+    from purestep.optim.common import decay_mask
     out = distill(corpus, teacher, tmp_path / "run", "steps=40", "warmup_steps=4", "lr=1e-2", "log_every=2",
                   "temperature_mode=learnable", "temperature=2", "temperature_ramp_steps=10", "eval_every=0",
                   "temperature_min=1.5", "temperature_max=11")
@@ -315,7 +315,7 @@ def test_orchestrated_distillation_branches_on_the_same_batches_and_resumes_exac
 
 def test_torchrun_two_ranks_equal_one_process(corpus, teacher, tmp_path):
     """Data-parallel distillation: each rank runs the teacher on its rows; 2 x 8 rows == 1 x 16 rows."""
-    from core.tree import max_abs_diff
+    from purestep.core.tree import max_abs_diff
     common = [f"data={corpus}", f"teacher={teacher}", *COMMON, *STUDENT, "steps=4", "eval_every=4", "warmup_steps=1",
               "temperature_mode=learnable", "temperature=2"]
     assert main(["recipe=distill", *common, f"out={tmp_path / 'one'}"]) == 0
@@ -331,9 +331,9 @@ def test_torchrun_two_ranks_equal_one_process(corpus, teacher, tmp_path):
 
 def test_students(corpus, teacher, tmp_path):
     from dataclasses import asdict
-    from models import llama
-    from models.loading import load_model, model_entry
-    from recipes.distill.recipe import build_student
+    from purestep.models import llama
+    from purestep.models.loading import load_model, model_entry
+    from purestep.recipes.distill.recipe import build_student
     tcfg = llama.LlamaConfig(vocab_size=256, d_model=48, n_layers=5, n_heads=6, n_kv_heads=2, rope_theta=5e4)
     tparams = llama.init(tcfg, seed=7)
     path = tmp_path / "five.msgpack"
@@ -392,7 +392,7 @@ def test_cache_layout_and_atomic_build(corpus, teacher, caches, capsys):
     distill(corpus, teacher, caches / "topk", "mode=topk", "k=8", "steps=60", recipe="distill_cache")
     assert "nothing to do" in capsys.readouterr().err       # progress goes to stderr
     # the cached targets are the teacher's: top-k log-probs sorted, counts summing to the draws
-    from recipes.distill.cache import TeacherCache
+    from purestep.recipes.distill.cache import TeacherCache
     t = TeacherCache.open(caches / "topk").targets(3)
     assert t["topk_ids"].shape == (16, 32, 8) and (t["topk_logprobs"].diff(dim=-1) <= 0).all()
     assert ((t["topk_logprobs"].float().exp().sum(-1) + t["topk_missing"] - 1).abs() < 5e-3).all()
@@ -428,7 +428,7 @@ def test_training_from_a_cache_matches_online(corpus, teacher, caches, tmp_path,
         cached = final_val(distill(corpus, teacher, tmp_path / mode, *CACHE_STEPS, f"cache={caches / mode}"))
         print(f"{mode} cache: val {cached:.4f} against online {online:.4f}")
         assert abs(cached - online) <= 0.02 * online, (mode, cached, online)
-    from recipes.bench.distill import step_time_ratio
+    from purestep.recipes.bench.distill import step_time_ratio
     ratio = step_time_ratio(config(corpus, teacher, *CACHE_STEPS), config(corpus, teacher, *CACHE_STEPS,
                                                                            f"cache={caches / 'topk'}"), steps=10)
     print(capsys.readouterr().out)

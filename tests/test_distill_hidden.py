@@ -5,12 +5,12 @@ it, compiled, it is tests/test_default_paths.py's ``test_distill_hidden_targets`
 import pytest
 import torch
 
-from core.config import resolve
-from models import llama, losses
-from models.loading import load_model
-from recipes import main
-from recipes.distill import hidden as hidden_targets, recipe
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.config import resolve
+from purestep.models import llama, losses
+from purestep.models.loading import load_model
+from purestep.recipes import main
+from purestep.recipes.distill import hidden as hidden_targets, recipe
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 TINY = ["block_size=16", "batch_size=4", "sample_tokens=0", "save_every=0", "eval_batches=1", "eval_every=0",
         "warmup_steps=1", "log_every=1", "model.n_layers=2", "model.n_heads=2", "compile=false"]
@@ -97,8 +97,8 @@ def test_two_sharded_ranks_equal_one_process_with_a_projection(tiny_teacher, tok
     import subprocess
     import sys
     from pathlib import Path
-    from core.io import checkpoint as ckpt
-    from core.tree import max_abs_diff
+    from purestep.core.io import checkpoint as ckpt
+    from purestep.core.tree import max_abs_diff
     teacher, data = tiny_teacher
     common = ["recipe=distill", f"teacher={teacher}", f"data={data}", *TINY, "model.d_model=16", "hidden=1:1,2:1",
               "steps=3"]

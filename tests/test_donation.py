@@ -12,18 +12,18 @@ import math
 import pytest
 import torch
 
-import optim
-from core.compile import BlockCompiler, compile_count
-from core.donate import owned
-from core.layers import Layers
-from core.spike import SpikeConfig
-from core.state import init_state
-from core.step import Compile, make_train_step
-from core.tree import clone, leaves_of, max_abs_diff, tree_flatten, tree_map, tree_unflatten
-from models import llama
-from optim.health import GradientHealth, computed
-from optim.swats import swats
-from core.update import Monitors
+from purestep import optim
+from purestep.core.compile import BlockCompiler, compile_count
+from purestep.core.donate import owned
+from purestep.core.layers import Layers
+from purestep.core.spike import SpikeConfig
+from purestep.core.state import init_state
+from purestep.core.step import Compile, make_train_step
+from purestep.core.tree import clone, leaves_of, max_abs_diff, tree_flatten, tree_map, tree_unflatten
+from purestep.models import llama
+from purestep.optim.health import GradientHealth, computed
+from purestep.optim.swats import swats
+from purestep.core.update import Monitors
 
 CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from recipes import main
+from purestep.recipes import main
 
 pytestmark = pytest.mark.usefixtures("token_cache", "one_thread")   # tests/conftest.py
 

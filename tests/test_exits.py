@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import exits
-from core.io import checkpoint as ckpt
-from recipes import main
+from purestep.core import exits
+from purestep.core.io import checkpoint as ckpt
+from purestep.recipes import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["recipe=standard", "preset=tiny", "compile=false", "block_size=32", "batch_size=4", "model.d_model=32",
@@ -68,7 +68,8 @@ def test_a_run_at_its_rollback_cap_exits_4_and_is_not_final_and_a_rerun_says_so(
 
 def test_a_non_finite_validation_loss_stops_the_run_as_diverged(corpus, tmp_path, capsys, monkeypatch):
     """Evaluation sees NaN (weights broken beyond what the step's non-finite skip guards): stop, not final."""
-    import recipes.standard
+    import purestep.recipes.standard
+    from purestep import recipes
     monkeypatch.setattr(recipes.standard, "evaluate", lambda *a, **k: float("nan"))
     out = tmp_path / "run"
     assert main([*TINY, f"data={corpus}", "eval_every=10", "spike.enabled=false", f"out={out}"]) == exits.STOPPED
@@ -127,9 +128,9 @@ from pathlib import Path
 
 import torch
 
-from core.io import checkpoint as ckpt
-from core.config import option
-from core.exits import RunStopped
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.config import option
+from purestep.core.exits import RunStopped
 
 GRID = True
 
@@ -166,7 +167,7 @@ def test_parallel_grid_cells_that_stop_are_marked_failed_and_the_grid_goes_on(tm
 
 EXIT_SCRIPT = """
 import atexit, sys, threading, time
-from core.exits import exit_process
+from purestep.core.exits import exit_process
 atexit.register(lambda: open(sys.argv[1], "w").write("handlers ran"))
 print("buffered", end="")
 if sys.argv[2] == "thread":

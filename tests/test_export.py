@@ -10,12 +10,12 @@ pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install pur
 pytest.importorskip("gguf", reason="needs the 'hf' extra: pip install purestep[hf]")
 pytest.importorskip("tokenizers", reason="needs the 'hf' extra: pip install purestep[hf]")
 
-from core.io import checkpoint as ckpt  # noqa: E402
-from core.data.tokenizers import ByteTokenizer  # noqa: E402
-from models import dba  # noqa: E402
-from models.loading import load_model, model_entry  # noqa: E402
-from recipes import main  # noqa: E402
-from recipes.export import Config, run  # noqa: E402
+from purestep.core.io import checkpoint as ckpt  # noqa: E402
+from purestep.core.data.tokenizers import ByteTokenizer  # noqa: E402
+from purestep.models import dba  # noqa: E402
+from purestep.models.loading import load_model, model_entry  # noqa: E402
+from purestep.recipes import main  # noqa: E402
+from purestep.recipes.export import Config, run  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "behaviour" / "step_000000030.msgpack"   # a char-level tiny run
 TINY = ["recipe=standard", "preset=tiny", "compile=false", "steps=2", "warmup_steps=1", "sample_tokens=0",
@@ -30,7 +30,7 @@ def byte_run(tmp_path_factory, corpus):
 
 
 def equal_params(a: dict, b: dict) -> bool:
-    from core.tree import flatten_dict
+    from purestep.core.tree import flatten_dict
     fa, fb = flatten_dict(a), flatten_dict(b)
     return fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
 
@@ -120,7 +120,7 @@ def test_dba_student_to_gguf_is_refused_with_the_reason(student, tmp_path, capsy
 def test_bench_export_fine_tunes_exports_and_measures(byte_run, corpus, tmp_path):
     """``bench.export`` (docs/export.md's SmolLM2 figures) on a tiny byte-level run: the fp32 exports keep the NLL,
     q8_0 moves it a little."""
-    from recipes.bench.export import Config as Bench, run as bench
+    from purestep.recipes.bench.export import Config as Bench, run as bench
     rows = bench(Bench(init=str(byte_run), data=str(corpus), steps=1, block_size=32, gguf_dtypes=("fp32", "q8_0"),
                        out=str(tmp_path / "bench")))
     assert [r["export"] for r in rows[1:]] == ["hf fp32", "gguf fp32", "gguf q8_0"]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from core.config import ConfigError, _fields, _is_section, resolve
-from recipes import RECIPES, main
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.config import ConfigError, _fields, _is_section, resolve
+from purestep.recipes import RECIPES, main
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMED = ("standard", "distill", "upcycle", "compress")          # the four; every other recipe is checked too

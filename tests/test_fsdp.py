@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from core.parallel.shard import Layout
-from core.tree import max_abs_diff, tree_leaves, tree_map
-from models import llama
-from optim.health import stacked_predicate
-from recipes import main
-from recipes.train.optimizer import AdaGCConfig, OptimizerSpec, make_optimizer
-from core.step import Compile, Gradients, Parallel
-from core.update import Monitors
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.parallel.shard import Layout
+from purestep.core.tree import max_abs_diff, tree_leaves, tree_map
+from purestep.models import llama
+from purestep.optim.health import stacked_predicate
+from purestep.recipes import main
+from purestep.recipes.train.optimizer import AdaGCConfig, OptimizerSpec, make_optimizer
+from purestep.core.step import Compile, Gradients, Parallel
+from purestep.core.update import Monitors
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "log_every=5", "eval_every=10",
@@ -98,11 +98,11 @@ def _loaded_state(args: list, path: Path, world: int) -> dict:
     each rank's load run in this process (``recipes.train.setup.start``: the file read, then this rank's cut), the
     ranks' shards joined as ``core.parallel.shard.Layout.gather_state`` joins them. Zero params give only the
     structure."""
-    from core.cli.command import parse_args
-    from core.config import resolve
-    from core.parallel.distributed import Dist
-    from recipes import standard
-    from recipes.train import setup
+    from purestep.core.cli.command import parse_args
+    from purestep.core.config import resolve
+    from purestep.core.parallel.distributed import Dist
+    from purestep.recipes import standard
+    from purestep.recipes.train import setup
     pairs, _ = parse_args([*args, f"resume={path}"])
     del pairs["recipe"]
     cfg = resolve(standard.Config, presets=standard.PRESETS, preset=pairs.pop("preset"), overrides=pairs)
@@ -126,7 +126,7 @@ def _loaded_state(args: list, path: Path, world: int) -> dict:
 def _unequal_named(a: dict, b: dict) -> list:
     """The dotted names where two nested dicts with the same keys differ: a tensor not equal bit for bit (dtype
     included), any other value not ==."""
-    from core.tree import named_leaves
+    from purestep.core.tree import named_leaves
     na, nb = dict(named_leaves(a)), dict(named_leaves(b))
     assert na.keys() == nb.keys(), sorted(set(na) ^ set(nb))
     def same(x, y):
@@ -178,9 +178,9 @@ def test_parallel_fsdp_without_a_launcher_is_one_line_exit_2(corpus, tmp_path):
 
 
 def test_what_cannot_be_sharded_is_a_one_line_error_naming_it(corpus, tmp_path, capsys):
-    from core.config import ConfigError
-    from core.parallel.distributed import Dist
-    from recipes.train.setup import sharded_layout
+    from purestep.core.config import ConfigError
+    from purestep.core.parallel.distributed import Dist
+    from purestep.recipes.train.setup import sharded_layout
     assert main([*TINY, f"data={corpus}", "parallel=fsdp", "clipping=agc", f"out={tmp_path / 'x'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "clipping=agc with parallel=fsdp" in err[0]
@@ -285,10 +285,10 @@ def one_rank_group(tmp_path):
 
 def _sharded_run(group, *, compile, clipping, health, donate, steps=3, scope="step", explain=False):
     """A tiny Llama trained ``steps`` steps by the sharded step over ``group`` (None: the plain step)."""
-    from core.state import init_state
-    from core.step import make_train_step
-    from core.tree import clone
-    from optim.health import GradientHealth
+    from purestep.core.state import init_state
+    from purestep.core.step import make_train_step
+    from purestep.core.tree import clone
+    from purestep.optim.health import GradientHealth
     cfg = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2)
     params = llama.init(cfg, 0)
     spec = OptimizerSpec(lr=1e-2, clipping=clipping, adagc=AdaGCConfig(warmup=1))
@@ -320,10 +320,10 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
     still held): nothing autograd saved, nor under remat the checkpoint, kept a gathered layer. Two micro-batches
     reduce-scatter each layer once, in the last one's backward. Under bf16 the layers come gathered in bf16. The
     step and the per-block eval equal the plain ones (fp32; bf16: the loss to bf16 rounding)."""
-    from core.parallel import shard_blocks
-    from core.state import init_state
-    from core.step import make_eval_step, make_train_step
-    from core.tree import clone
+    from purestep.core.parallel import shard_blocks
+    from purestep.core.state import init_state
+    from purestep.core.step import make_eval_step, make_train_step
+    from purestep.core.tree import clone
     gathers, reduces, gather, reduce_rows = [], [], shard_blocks.Blocks.gather, Layout.reduce_rows
 
     def counted(self, idx, k):

@@ -18,14 +18,14 @@ import torch
 gguf = pytest.importorskip("gguf", reason="GGUF export needs the 'hf' extra: pip install purestep[hf]")
 tokenizers = pytest.importorskip("tokenizers", reason="export tokenizers need the 'hf' extra: pip install purestep[hf]")
 
-from core.config import UserError  # noqa: E402
-from core.data.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer, tokenizer_from_dict  # noqa: E402
-from core.tree import names, tree_leaves  # noqa: E402
-from models import dba, gguf_export, llama, smollm2  # noqa: E402
-from models.gguf import metadata, open_gguf, tokenizer_from_gguf  # noqa: E402
-from models.gguf_export import export_gguf  # noqa: E402
-from models.loading import load_model  # noqa: E402
-from models.tokenizer_export import adds_bos_eos, as_bpe, bytes_to_unicode, gguf_vocab, inert_merge  # noqa: E402
+from purestep.core.config import UserError  # noqa: E402
+from purestep.core.data.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer, tokenizer_from_dict  # noqa: E402
+from purestep.core.tree import names, tree_leaves  # noqa: E402
+from purestep.models import dba, gguf_export, llama, smollm2  # noqa: E402
+from purestep.models.gguf import metadata, open_gguf, tokenizer_from_gguf  # noqa: E402
+from purestep.models.gguf_export import export_gguf  # noqa: E402
+from purestep.models.loading import load_model  # noqa: E402
+from purestep.models.tokenizer_export import adds_bos_eos, as_bpe, bytes_to_unicode, gguf_vocab, inert_merge  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TEXT = "Hello, wörld! Ünïcödé ✓ 🙂 — tabs\tand\nnewlines, 'quotes' and 12345 digits.  Spaces  "

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from core.io import checkpoint as ckpt
-from core.config import ConfigError, option
-from core.cli.grid import alternatives, cell_name, plan, split_grid
-from recipes import main
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.config import ConfigError, option
+from purestep.core.cli.grid import alternatives, cell_name, plan, split_grid
+from purestep.recipes import main
 
 pytestmark = pytest.mark.usefixtures("token_cache", "one_thread")   # tests/conftest.py
 

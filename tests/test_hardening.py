@@ -1,7 +1,7 @@
 """Hostile input that used to get through: recipe modules from config files, names that leave the run root."""
 import pytest
 
-from recipes import main
+from purestep.recipes import main
 
 
 def test_a_config_file_recipe_must_define_config_and_run_before_it_is_imported(tmp_path, monkeypatch, capsys):
@@ -62,7 +62,7 @@ def test_the_printed_resume_command_survives_a_shell(monkeypatch, tmp_path):
     import subprocess
     import sys
 
-    from recipes.train.checkpointing import resume_command
+    from purestep.recipes.train.checkpointing import resume_command
     argv = ["recipe=standard", "sample_prompt=it's a b", 'name=x"y', "lr=1e-3"]
     monkeypatch.setattr(sys, "argv", ["bin/run", *argv, "out=old"])
     command = resume_command(tmp_path / "my run")

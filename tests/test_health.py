@@ -4,14 +4,14 @@ import math
 import pytest
 import torch
 
-import optim
-from core.compile import compile_count
-from core.state import init_state
-from core.step import make_train_step
-from core.tree import named_leaves, tree_map
-from models import llama
-from optim.health import COLUMNS, GradientHealth, computed
-from core.update import Monitors
+from purestep import optim
+from purestep.core.compile import compile_count
+from purestep.core.state import init_state
+from purestep.core.step import make_train_step
+from purestep.core.tree import named_leaves, tree_map
+from purestep.models import llama
+from purestep.optim.health import COLUMNS, GradientHealth, computed
+from purestep.core.update import Monitors
 
 CFG = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, ffn_dim=32)
 
@@ -155,7 +155,7 @@ def test_with_every_only_due_steps_compute_the_statistics():
 def test_the_loop_logs_the_newest_computed_statistics_at_their_own_step():
     """``recipes.train.metrics.pull``: at a log step that was not due (a run's last step) the interval's newest
     computed statistics, and how many steps before the last they came from; none when the interval has none."""
-    from recipes.train.metrics import pull
+    from purestep.recipes.train.metrics import pull
     params, grads, new_params = setup()
     health = GradientHealth(params, every=4)
     done = health.metrics(grads=grads, params=params, new_params=new_params)["health"]
@@ -169,7 +169,7 @@ def test_the_loop_logs_the_newest_computed_statistics_at_their_own_step():
 def test_the_host_knows_the_step_count_without_reading_the_device(monkeypatch):
     """A step that asks ``due`` on the host reads ``state.step`` once for a state it did not return (a fresh,
     resumed or rolled-back one) and never for the one it returned; health is still due where it should be."""
-    from core.step import HostDue
+    from purestep.core.step import HostDue
     reads = []
     monkeypatch.setattr(HostDue, "read", staticmethod(lambda step: reads.append(1) or int(step)))
     params, opt = llama.init(CFG, seed=0), optim.adamw(1e-3)

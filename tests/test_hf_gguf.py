@@ -19,13 +19,13 @@ pytest.importorskip("tokenizers", reason="needs the 'hf' extra: pip install pure
 
 import safetensors.torch  # noqa: E402
 
-from core.io import checkpoint as ckpt  # noqa: E402
-from core.config import UserError  # noqa: E402
-from core.tree import cast, max_abs_diff, names, tree_leaves  # noqa: E402
-from models import hf, llama, smollm2  # noqa: E402
-from models.gguf_export import llama3_rope_factors  # noqa: E402 - convert_hf_to_gguf.py's llama3 rule
-from models.loading import load_model, model_entry  # noqa: E402
-from models.sampling import generate  # noqa: E402
+from purestep.core.io import checkpoint as ckpt  # noqa: E402
+from purestep.core.config import UserError  # noqa: E402
+from purestep.core.tree import cast, max_abs_diff, names, tree_leaves  # noqa: E402
+from purestep.models import hf, llama, smollm2  # noqa: E402
+from purestep.models.gguf_export import llama3_rope_factors  # noqa: E402 - convert_hf_to_gguf.py's llama3 rule
+from purestep.models.loading import load_model, model_entry  # noqa: E402
+from purestep.models.sampling import generate  # noqa: E402
 
 REFERENCE = Path(__file__).parent / "fixtures" / "smollm2_reference.json"
 needs_smollm2 = pytest.mark.skipif(smollm2.find_gguf() is None,
@@ -161,7 +161,7 @@ def test_missing_smollm2_package_says_how_to_install(monkeypatch, tmp_path):
 
 
 def test_publish_replaces_a_stale_cache(tmp_path):
-    from core.io.cache import build_folder
+    from purestep.core.io.cache import build_folder
     target = tmp_path / "models" / "smollm2"
     target.mkdir(parents=True)
     (target / "old.txt").write_text("stale")

@@ -7,13 +7,13 @@ import textwrap
 import pytest
 import torch
 
-from core import host_memory
-from recipes.train import backend
-from recipes.train.config import TrainConfig
+from purestep.core import host_memory
+from purestep.recipes.train import backend
+from purestep.recipes.train.config import TrainConfig
 
 PROBE = textwrap.dedent("""
     import resource, sys, torch
-    from core.host_memory import set_host_memory
+    from purestep.core.host_memory import set_host_memory
     assert set_host_memory(sys.argv[1])
     def faults():
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

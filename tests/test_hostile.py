@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from core.cli.runs import claim
-from recipes import main
+from purestep.core.cli.runs import claim
+from purestep.recipes import main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "behaviour" / "step_000000030.msgpack"   # a char-level tiny run
 
@@ -95,7 +95,7 @@ def test_a_diverged_run_stops_with_exit_4_and_is_never_final(corpus, tmp_path, c
     skipped. With the detector off the log's weight check stops the run at the first pull; with a detector that
     never flags a hard spike the skip count does, after max_skipped_steps=25 (at the pull of step 30: 29 in a
     row). Either way exit 4, stopped.msgpack, no final."""
-    from core.io import checkpoint as ckpt
+    from purestep.core.io import checkpoint as ckpt
     out = tmp_path / "run"
     assert main([*TINY, *keys, f"data={corpus}", f"out={out}"]) == 4
     err = capsys.readouterr().err.strip().splitlines()
@@ -107,7 +107,7 @@ def test_a_diverged_run_stops_with_exit_4_and_is_never_final(corpus, tmp_path, c
 @pytest.mark.usefixtures("token_cache")
 def test_one_skipped_step_is_ridden_out(corpus, tmp_path, capsys):
     """A single NaN batch is skipped and the run finishes: the check counts steps in a row, not any skip."""
-    from core.io import checkpoint as ckpt
+    from purestep.core.io import checkpoint as ckpt
     out = tmp_path / "run"
     assert main([*TINY[:-1], "steps=12", "lr=1e-3", "spike.enabled=false", "max_skipped_steps=1",
                  "fault.inject_nan_at=3", f"data={corpus}", f"out={out}"]) == 0
@@ -141,7 +141,8 @@ def test_a_hostile_chat_template_is_one_error_line_within_its_budget(hf_folder, 
     default core.data.sandbox.RENDER_SECONDS) and size, and include/import have nothing to load."""
     import json
     import time
-    import core.data.sandbox
+    import purestep.core.data.sandbox
+    from purestep import core
     monkeypatch.setattr(core.data.sandbox, "RENDER_SECONDS", 0.3)
     conf = json.loads((hf_folder / "tokenizer_config.json").read_text())
     (hf_folder / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": HOSTILE_TEMPLATES[what]}))
@@ -200,7 +201,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, corpus):
 def chunked_claim(path: Path, claim: int) -> Path:
     """A checkpoint whose one chunked array claims ``claim`` float32 elements and holds one 4-byte chunk."""
     import msgpack
-    from core.io import checkpoint_format as fmt
+    from purestep.core.io import checkpoint_format as fmt
     chunk = msgpack.ExtType(1, msgpack.packb(([1], "float32", b"\0\0\0\0")))
     array = {fmt.CHUNKED: True, "shape": {"0": claim}, "chunks": {"0": chunk}}
     path.write_bytes(msgpack.packb({"format": fmt.FORMAT, "step": 0, "state": {"params": {"w": array}}}))
@@ -209,7 +210,7 @@ def chunked_claim(path: Path, claim: int) -> Path:
 
 @pytest.mark.parametrize("claim", [10**14, 2**28])
 def test_a_checkpoint_claiming_more_than_it_holds_is_refused_before_allocating(tmp_path, claim):
-    from core.io import checkpoint_format as fmt
+    from purestep.core.io import checkpoint_format as fmt
     path = chunked_claim(tmp_path / "bomb.msgpack", claim)
     for state in ("load", "check"):
         with pytest.raises(fmt.CheckpointError, match="truncated: the file ends at byte"):
@@ -217,7 +218,7 @@ def test_a_checkpoint_claiming_more_than_it_holds_is_refused_before_allocating(t
 
 
 def test_a_string_claiming_more_than_the_file_holds_is_refused(tmp_path):
-    from core.io import checkpoint_format as fmt
+    from purestep.core.io import checkpoint_format as fmt
     path = tmp_path / "s.msgpack"
     path.write_bytes(b"\x81\xdb\xff\xff\xff\xf0")          # a map whose key claims a 4 GiB string
     with pytest.raises(fmt.CheckpointError, match="truncated"):
@@ -259,8 +260,8 @@ def test_a_run_never_writes_through_a_planted_symlink(corpus, tmp_path, capsys, 
 def test_reports_replace_a_planted_symlink_and_leave_its_target(tmp_path):
     """Reports, charts and CSVs are written by rename (core.io.cache.write_file): a link at the name is replaced,
     never written through; an append (core.io.cache.open_append) refuses it."""
-    from core.config import UserError
-    from core.io.cache import open_append, write_csv, write_text
+    from purestep.core.config import UserError
+    from purestep.core.io.cache import open_append, write_csv, write_text
     target = tmp_path / "outside.txt"
     target.write_text("mine")
     for name in ("results.md", "summary.csv", "log.jsonl"):
@@ -279,7 +280,7 @@ def test_a_key_given_twice_on_the_command_line_is_an_error_naming_it(tmp_path, c
     an earlier one (recipes.main in-process, core.cli.command.merge_args for a child's command line)."""
     import subprocess
     import sys
-    from core.cli.command import merge_args
+    from purestep.core.cli.command import merge_args
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, str(repo / "bin" / "run"), "recipe=standard", "steps=1", "steps=2"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
@@ -298,7 +299,8 @@ def test_a_full_width_digit_is_not_a_number(capsys):
 def test_jsonl_training_with_a_hostile_template_is_one_error_line(hf_folder, tmp_path, capsys, monkeypatch):
     """The same bounded render tokenizes JSONL chats with the init model's template (reproduction 3's second half)."""
     import json
-    import core.data.sandbox
+    import purestep.core.data.sandbox
+    from purestep import core
     monkeypatch.setattr(core.data.sandbox, "RENDER_SECONDS", 0.3)
     conf = json.loads((hf_folder / "tokenizer_config.json").read_text())
     (hf_folder / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template":
@@ -318,10 +320,10 @@ def test_the_blockwise_log_stops_a_phase_whose_steps_are_all_skipped(tmp_path, s
     skipped stops it unfinished at the pull of step 30 (30 in a row); five skipped steps in a row do not."""
     from types import SimpleNamespace
     import torch
-    from core.io.logging import Logger
-    from recipes.train.hooks import StepContext
-    from recipes.train.loop import LoopState
-    from recipes.upcycle.blockwise import BlockConvergence
+    from purestep.core.io.logging import Logger
+    from purestep.recipes.train.hooks import StepContext
+    from purestep.recipes.train.loop import LoopState
+    from purestep.recipes.upcycle.blockwise import BlockConvergence
     state = SimpleNamespace(monitor={"blocks": {"active": torch.ones(2, dtype=torch.bool)}}, step=torch.tensor(0))
     with Logger(tmp_path, tensorboard=False, console=False) as logger:
         hook = BlockConvergence(state, 40, 10, logger, max_skipped=25)

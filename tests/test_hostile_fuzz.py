@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import UserError
+from purestep.core.config import UserError
 
 pytest.importorskip("gguf", reason="needs the 'hf' extra: pip install purestep[hf]")
 
@@ -66,8 +66,8 @@ def peak_rss():
 
 
 def test_fuzzed_checkpoints(tmp_path, peak_rss):
-    from core.io import checkpoint as ckpt
-    from core.io.checkpoint_format import read
+    from purestep.core.io import checkpoint as ckpt
+    from purestep.core.io.checkpoint_format import read
     tree = {"params": {"w": torch.randn(8, 4), "b": torch.zeros(3, dtype=torch.bfloat16)}, "step": torch.tensor(3)}
     ckpt.save(tmp_path / "c.msgpack", tree, step=3, extra={"note": "x" * 40})
     path = tmp_path / "m.msgpack"
@@ -79,10 +79,10 @@ def test_fuzzed_checkpoints(tmp_path, peak_rss):
 
 
 def test_fuzzed_gguf_files(tmp_path, peak_rss):
-    from core.data.tokenizers import ByteTokenizer
-    from models import llama
-    from models.gguf_export import export_gguf
-    from models.loading import load_model
+    from purestep.core.data.tokenizers import ByteTokenizer
+    from purestep.models import llama
+    from purestep.models.gguf_export import export_gguf
+    from purestep.models.loading import load_model
     cfg = llama.LlamaConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64,
                             max_context=64)
     source = export_gguf(llama.init(cfg, seed=0), cfg, tmp_path / "src.gguf", tokenizer=ByteTokenizer())
@@ -95,9 +95,9 @@ def test_fuzzed_gguf_files(tmp_path, peak_rss):
 
 
 def test_fuzzed_jsonl_chats(tmp_path, peak_rss):
-    from core.data.chat import ChatTemplate, segments
-    from core.data.jsonl import encode_record, lines, parse
-    from core.data.tokenizers import ByteTokenizer
+    from purestep.core.data.chat import ChatTemplate, segments
+    from purestep.core.data.jsonl import encode_record, lines, parse
+    from purestep.core.data.tokenizers import ByteTokenizer
     chats = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "yes"}]}
              for i in range(5)]
     import json
@@ -113,8 +113,9 @@ def test_fuzzed_jsonl_chats(tmp_path, peak_rss):
 
 
 def test_fuzzed_chat_templates(peak_rss, monkeypatch):
-    import core.data.sandbox
-    from core.data.chat import render
+    import purestep.core.data.sandbox
+    from purestep import core
+    from purestep.core.data.chat import render
     monkeypatch.setattr(core.data.sandbox, "RENDER_SECONDS", 1.0)
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert render(TEMPLATE, messages).startswith("<|im_start|>system\nbe brief")

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from core.data import chat
-from core.data.documents import prepare_data
-from models import llama
-from recipes import main
+from purestep.core.data import chat
+from purestep.core.data.documents import prepare_data
+from purestep.models import llama
+from purestep.recipes import main
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "block_size=48", "batch_size=4",
@@ -72,7 +72,7 @@ def test_chat_sft_masks_exactly_the_assistant_tokens(tmp_path):
     out = tmp_path / "run"
     assert main(["recipe=standard", f"data={data}", "loss_on=assistant", "pack=false", f"out={out}", "steps=10",
                  "lr=3e-3", "warmup_steps=0", *TINY]) == 0
-    from models.loading import load_model
+    from purestep.models.loading import load_model
     trained = load_model(str(out / "final.msgpack"))
     params, cfg = trained.params, trained.config
 
@@ -129,7 +129,7 @@ def test_packed_documents_do_not_see_each_other(tmp_path):
 MEASURE = """
 import json, os, resource, sys
 sys.path.insert(0, {repo!r})
-from core.data.documents import prepare_data
+from purestep.core.data.documents import prepare_data
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 corpus = prepare_data({path!r}, "byte")
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -205,7 +205,7 @@ def test_ranks_epochs_and_val_data(tmp_path):
     out = tmp_path / "run"
     assert main(["recipe=standard", f"data={data}", f"val_data={held}", "epochs=2", f"out={out}", *TINY,
                  "block_size=16"]) == 0
-    from core.io import checkpoint as ckpt
+    from purestep.core.io import checkpoint as ckpt
     packed = prepare_data(str(data), "byte", val_data=str(held)).rows("train", 16).n
     assert ckpt.read_meta(out / "final.msgpack")["step"] == -(-2 * packed // 4)
 
@@ -223,7 +223,7 @@ def test_distill_trains_on_packed_chats(tmp_path, capsys):
 
 def test_val_fraction_on_raw_text(tmp_path):
     """val_fraction= moves the split of raw text too; the default keeps the cache key (and tokens) of before."""
-    from core.data import text as text_data
+    from purestep.core.data import text as text_data
     text = tmp_path / "plain.txt"
     text.write_text("0123456789" * 100)
     default, quarter = prepare_data(str(text), "byte"), prepare_data(str(text), "byte", val_fraction=0.25)

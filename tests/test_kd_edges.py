@@ -4,7 +4,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from models import losses
+from purestep.models import losses
 
 
 def _logits(*shape, seed=0):

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from models import losses
-from recipes import main
+from purestep.models import losses
+from purestep.recipes import main
 
 
 def hand_jsd(teacher, student, beta, T=1.0, mask=None):

@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-import optim
-from core.state import init_state
-from core.step import make_train_step
-from models import dba, kv_budget, llama, mla, mla_surgery as ms, surgery
-from models.loading import load_model
-from recipes import main
+from purestep import optim
+from purestep.core.state import init_state
+from purestep.core.step import make_train_step
+from purestep.models import dba, kv_budget, llama, mla, mla_surgery as ms, surgery
+from purestep.models.loading import load_model
+from purestep.recipes import main
 
 TOKENS = torch.randint(0, 61, (4, 24), generator=torch.Generator().manual_seed(1))
 
@@ -276,7 +276,7 @@ def test_dba_budget_student_exports_to_hf(tmp_path):
     transformers = pytest.importorskip("transformers", reason="the reference implementation: pip install "
                                        "purestep[reference]")
     pytest.importorskip("safetensors.torch", reason="needs the 'hf' extra: pip install purestep[hf]")
-    from models.dba_hf import export_dba_hf
+    from purestep.models.dba_hf import export_dba_hf
     _, _, student, scfg, _ = dba_budget_student(30)
     student = {k: v.float() if torch.is_tensor(v) else {kk: (vv.float() if torch.is_tensor(vv) else
                {n: t.float() for n, t in vv.items()}) for kk, vv in v.items()} for k, v in student.items()}

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core import rng
-from core.tree import max_abs_diff, names
-from models import llama
-from models.llama_module import LlamaModule, grads_as_params, load_params
+from purestep.core import rng
+from purestep.core.tree import max_abs_diff, names
+from purestep.models import llama
+from purestep.models.llama_module import LlamaModule, grads_as_params, load_params
 
 CONFIGS = {
     "gqa_tied": llama.LlamaConfig(vocab_size=97, d_model=48, n_layers=3, n_heads=6, n_kv_heads=2, tie_embeddings=True),

@@ -9,9 +9,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the reference implementation: pip install purestep[reference]")
 pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
 
-from models import llama  # noqa: E402
-from models.loading import load_model  # noqa: E402
-from models.sampling import generate  # noqa: E402
+from purestep.models import llama  # noqa: E402
+from purestep.models.loading import load_model  # noqa: E402
+from purestep.models.sampling import generate  # noqa: E402
 from tests.hf_reference import export_and_read_back  # noqa: E402
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

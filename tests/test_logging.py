@@ -11,8 +11,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.util import tensor_util
 
-from core.io import logging as log
-from core.io.logging import Logger, format_duration, to_floats
+from purestep.core.io import logging as log
+from purestep.core.io.logging import Logger, format_duration, to_floats
 
 
 def read_events(folder) -> EventAccumulator:
@@ -200,7 +200,7 @@ def test_memory_and_durations():
 
 def test_scalars_of_one_step_are_one_event_that_tensorboard_reads_as_separate_tags(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from core.io.logging import Logger
+    from purestep.core.io.logging import Logger
     logger = Logger(tmp_path, console=False)
     logger.scalars(10, {"train/loss": 1.5, "health/a/norm": 2.0})
     logger.scalars(20, {"train/loss": 1.25, "health/a/norm": float("nan")})

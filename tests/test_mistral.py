@@ -8,10 +8,10 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the reference implementation: pip install purestep[reference]")
 pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
 
-from models import llama  # noqa: E402
-from models.llama_module import LlamaModule, load_params  # noqa: E402
-from models.loading import load_model  # noqa: E402
-from models.sampling import generate  # noqa: E402
+from purestep.models import llama  # noqa: E402
+from purestep.models.llama_module import LlamaModule, load_params  # noqa: E402
+from purestep.models.loading import load_model  # noqa: E402
+from purestep.models.sampling import generate  # noqa: E402
 from tests.hf_reference import export_and_read_back, tiny_config  # noqa: E402
 
 WINDOW = 8

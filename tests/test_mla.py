@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from core.config import UserError
-from core.io import checkpoint as ckpt
-from models import dba, llama, mla
-from models.loading import arch_of, load_model, model_entry
+from purestep.core.config import UserError
+from purestep.core.io import checkpoint as ckpt
+from purestep.models import dba, llama, mla
+from purestep.models.loading import arch_of, load_model, model_entry
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}     # with qk_rope_head_dim 8 the pairs fall into all three bands
@@ -160,8 +160,8 @@ def test_transformers_computes_the_exported_folder_and_it_reads_back_bit_equal(t
     transformers = pytest.importorskip("transformers", reason="the reference implementation: pip install "
                                                               "purestep[reference]")
     pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
-    from core.tree import flatten_dict
-    from models.mla_hf import export_mla_hf
+    from purestep.core.tree import flatten_dict
+    from purestep.models.mla_hf import export_mla_hf
     tok = tokens()
     for i, changes in enumerate([{}, {"rope_scaling": LLAMA3, "tie_embeddings": False}, {"qk_nope_head_dim": 0}]):
         cfg, folder = config(**changes, n_kv_heads=4), tmp_path / f"mla{i}"
@@ -183,7 +183,7 @@ def test_transformers_computes_the_exported_folder_and_it_reads_back_bit_equal(t
 
 def test_a_folder_of_another_deepseek_v2_is_refused_by_name(tmp_path):
     pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
-    from models.mla_hf import config_to_hf
+    from purestep.models.mla_hf import config_to_hf
     base = config_to_hf(config(n_kv_heads=4), torch.float32, 128)
     for changes, message in [({"q_lora_rank": 32}, "q_lora_rank=32: a compressed query"),
                              ({"n_routed_experts": 8, "first_k_dense_replace": 1}, "mixture-of-experts"),
@@ -195,8 +195,8 @@ def test_a_folder_of_another_deepseek_v2_is_refused_by_name(tmp_path):
 
 def test_the_deepseek2_gguf_holds_llama_cpps_keys_and_reads_back(tmp_path):
     gguf = pytest.importorskip("gguf", reason="needs the 'hf' extra: pip install purestep[hf]")
-    from models import gguf_export
-    from models.mla_gguf import check_gguf, export_mla_gguf
+    from purestep.models import gguf_export
+    from purestep.models.mla_gguf import check_gguf, export_mla_gguf
     tok = tokens()
     for i, changes in enumerate([{}, {"qk_nope_head_dim": 0, "tie_embeddings": False, "norm_eps": 1e-6}]):
         cfg = config(**changes, n_kv_heads=4)
@@ -223,7 +223,7 @@ def test_the_deepseek2_gguf_holds_llama_cpps_keys_and_reads_back(tmp_path):
 def test_recipe_export_writes_an_mla_checkpoint_in_deepseek_v2s_formats(tmp_path, capsys):
     pytest.importorskip("gguf", reason="needs the 'hf' extra: pip install purestep[hf]")
     pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
-    from recipes import main
+    from purestep.recipes import main
     cfg = config(n_kv_heads=4)
     ckpt.save(tmp_path / "mla.msgpack", {"params": peaky(cfg)}, step=0, extra={"model": model_entry(cfg)})
     assert main(["recipe=export", f"init={tmp_path / 'mla.msgpack'}", "format=gguf", f"out={tmp_path / 'g'}"]) == 0

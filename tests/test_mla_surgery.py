@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from models import llama, mla, mla_surgery as ms
-from models.loading import load_model
-from recipes import main
+from purestep.core.io import checkpoint as ckpt
+from purestep.models import llama, mla, mla_surgery as ms
+from purestep.models.loading import load_model
+from purestep.recipes import main
 from tests.mla_reference import RefConfig, apply as mla_apply
 
 
@@ -115,7 +115,7 @@ def test_below_full_rank_no_worse_than_plain_svd():
 
 def _act_error(params, cfg, rank):
     """The relative calibration error of the stacked [K_nope; V] for plain weight-SVD's rank-``rank`` latent."""
-    from models.surgery import calibration_inputs, teacher_weights
+    from purestep.models.surgery import calibration_inputs, teacher_weights
     x = calibration_inputs(params, cfg, TOKENS).double()
     _, Wk, Wv = teacher_weights(params["layers"]["attn"], cfg, torch.device("cpu"))
     nope = torch.tensor([1, 2, 3, 5, 6, 7]); nope = torch.cat([nope, nope + 8])
@@ -130,7 +130,7 @@ def test_rope_pca_exact_for_one_head_and_better_than_head_zero():
     assert ms.surgery(params, cfg, TOKENS, kv_lora_rank=8, qk_rope_head_dim=4)[2]["rope_kept"] == \
         pytest.approx([1.0, 1.0], abs=1e-12)
     params, cfg = teacher(G=4, H=4, d=32)
-    from models.surgery import calibration_inputs, teacher_weights
+    from purestep.models.surgery import calibration_inputs, teacher_weights
     x = calibration_inputs(params, cfg, TOKENS).double()
     gram = x.mT @ x
     Wq, Wk, _ = teacher_weights(params["layers"]["attn"], cfg, torch.device("cpu"))

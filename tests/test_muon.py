@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import optim
-from core.tree import named_leaves, tree_map
-from models import llama
-from models.llama_module import LlamaModule, load_params
-from optim.muon import orthogonalize
-from recipes import main
+from purestep import optim
+from purestep.core.tree import named_leaves, tree_map
+from purestep.models import llama
+from purestep.models.llama_module import LlamaModule, load_params
+from purestep.optim.muon import orthogonalize
+from purestep.recipes import main
 from test_optim import CFG, batches, load_params_back, run_functional
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 HIDDEN = {"attn": ("wq", "wk", "wv", "wo"), "mlp": ("w_gate", "w_up", "w_down")}
@@ -166,8 +166,8 @@ def test_parallel_fsdp_refuses_muon_on_every_rank_and_the_orchestrator_too(corpu
 def test_muon_steps_compile_on_cuda_without_mixed_order_reduction():
     """Inductor's mixed-order reduction failed a compiled Muon step on an H100 (torch 2.11): Muon asks for it off
     through chain and partition, on CUDA only; AdamW's steps keep it (it saves memory there)."""
-    from core.compile import _compile_kwargs
-    from optim.muon import NO_MIXED_ORDER_REDUCTION
+    from purestep.core.compile import _compile_kwargs
+    from purestep.optim.muon import NO_MIXED_ORDER_REDUCTION
     muon = optim.chain(optim.clip_by_global_norm(1.0), optim.muon())
     assert muon.cuda_inductor == NO_MIXED_ORDER_REDUCTION
     assert optim.chain(optim.clip_by_global_norm(1.0), optim.adamw()).cuda_inductor == ()

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from core.io import checkpoint as ckpt
-from models import losses
-from models.loading import model_entry
-from recipes import generate
-from recipes import main
+from purestep.core.io import checkpoint as ckpt
+from purestep.models import losses
+from purestep.models.loading import model_entry
+from purestep.recipes import generate
+from purestep.recipes import main
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["block_size=16", "batch_size=4", "sample_tokens=0", "save_every=0", "eval_batches=1", "eval_every=0",
@@ -20,8 +20,8 @@ TINY = ["block_size=16", "batch_size=4", "sample_tokens=0", "save_every=0", "eva
 
 
 def prepared(teacher, data, *extra):
-    from core.config import resolve
-    from recipes.distill import recipe
+    from purestep.core.config import resolve
+    from purestep.recipes.distill import recipe
     overrides = dict(a.split("=", 1) for a in [f"teacher={teacher}", f"data={data}", *TINY, "compile=false", *extra])
     return recipe.prepare_run(resolve(recipe.Config, overrides=overrides), None)
 
@@ -62,8 +62,8 @@ def test_a_rolled_out_row_is_what_recipe_generate_writes(tiny_teacher, token_cac
 def test_the_rollout_stops_at_eos_and_the_kl_stops_with_it():
     """With an EOS in the vocabulary the KL counts an on-policy row's positions up to the one that predicts the first
     EOS it wrote (TRL masks after the first EOS), and the CE none of its generated positions."""
-    from models import llama
-    from recipes.distill.on_policy import OnPolicy
+    from purestep.models import llama
+    from purestep.recipes.distill.on_policy import OnPolicy
     cfg = llama.LlamaConfig(vocab_size=6, d_model=8, n_layers=1, n_heads=2, init_std=0.1)   # near uniform: EOS often drawn
     params = llama.init(cfg, 0)
     rollout = OnPolicy(1.0, 3, 1.0, 0, 0, cfg, eos_id=5, precision="fp32")
@@ -83,7 +83,7 @@ def test_the_rollout_stops_at_eos_and_the_kl_stops_with_it():
 def test_resume_rolls_out_what_the_straight_run_did(tiny_teacher, token_cache, tmp_path):
     """The rollouts are a function of (seed, cursor, rank) and the params: 2 steps, then resumed to 4, end bitwise where
     4 straight steps end (with micro-batches: the rows of both are rolled out)."""
-    from core.tree import tree_leaves
+    from purestep.core.tree import tree_leaves
     teacher, data = tiny_teacher
     common = ["recipe=distill", f"teacher={teacher}", f"data={data}", *TINY, "compile=false", "on_policy=0.5",
               "grad_accum=2", "decay_steps=4"]
@@ -111,7 +111,7 @@ def test_the_policy_bench_scores_a_student_on_its_own_samples_and_on_the_data(ti
     distilled student of another shape has KL > 0."""
     import math
     import re
-    from recipes.bench import policy
+    from purestep.recipes.bench import policy
     teacher, data = tiny_teacher
     assert main(["recipe=distill", f"teacher={teacher}", f"data={data}", f"out={tmp_path / 'student'}", *TINY,
                  "steps=2", "compile=false"]) == 0

@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import optim
-from core.tree import max_abs_diff, tree_map
-from models import llama
-from models.llama_module import LlamaModule, load_params
-from optim import schedules
+from purestep import optim
+from purestep.core.tree import max_abs_diff, tree_map
+from purestep.models import llama
+from purestep.models.llama_module import LlamaModule, load_params
+from purestep.optim import schedules
 
 CFG = llama.LlamaConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
                         tie_embeddings=False)

@@ -11,12 +11,12 @@ from typing import Optional
 
 import pytest
 
-from core.cli import command as cli
-from core.config import ConfigError, UserError, _fields, _is_section, option, resolve, same_as
-from core.cli.config_help import describe
-from core.data.text import prepare
-from core.data.tokenizers import DataError
-from recipes import RECIPES, main
+from purestep.core.cli import command as cli
+from purestep.core.config import ConfigError, UserError, _fields, _is_section, option, resolve, same_as
+from purestep.core.cli.config_help import describe
+from purestep.core.data.text import prepare
+from purestep.core.data.tokenizers import DataError
+from purestep.recipes import RECIPES, main
 
 
 @dataclasses.dataclass
@@ -104,14 +104,14 @@ def test_os_errors_on_the_run_folder_are_one_line_with_the_path(code, tmp_path, 
 
     def fails(cfg):
         raise OSError(code, __import__("os").strerror(code), str(folder / "final.msgpack"))
-    monkeypatch.setattr(importlib.import_module("recipes.standard"), "run", fails)
+    monkeypatch.setattr(importlib.import_module("purestep.recipes.standard"), "run", fails)
     assert main(["recipe=standard", f"out={folder}"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {folder / 'final.msgpack'}: ") and "out=" in lines[0]
 
 
 def test_a_real_enotdir_from_the_run_folder_lock_is_a_user_error(tmp_path):
-    from core.cli.runs import claim
+    from purestep.core.cli.runs import claim
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(UserError) as e:
         with claim(tmp_path / "a_file" / "run"):
@@ -139,7 +139,7 @@ def test_a_real_name_too_long_is_one_line_before_any_work(tmp_path, capsys):
 def test_other_os_errors_stay_bugs(monkeypatch, capsys):
     def fails(cfg):
         raise OSError(errno.ECONNRESET, "Connection reset by peer")
-    monkeypatch.setattr(importlib.import_module("recipes.standard"), "run", fails)
+    monkeypatch.setattr(importlib.import_module("purestep.recipes.standard"), "run", fails)
     assert main(["recipe=standard"]) == 1
     assert "Traceback" in capsys.readouterr().err
 
@@ -171,7 +171,8 @@ def test_a_damaged_token_cache_is_rebuilt(small_text, damage):
 
 
 def test_a_token_cache_that_stays_unreadable_is_one_error_naming_it(small_text, monkeypatch):
-    import core.data.text
+    import purestep.core.data.text
+    from purestep import core
     folder = prepare(str(small_text)).path
 
     def unreadable(d):

@@ -12,28 +12,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from recipes import main
-from core.io.logging import Logger
-from core.spike import SpikeConfig
-from core.state import init_state
-from core.step import make_eval_step, make_train_step
-from core.tree import apply_updates, clone, tree_leaves
-from models import llama
-from recipes.orchestrator import strategies
-from optim.adamw import ScaleByAdamState
-from optim.base import find_state
-from optim.common import LearningRateState
-from recipes.orchestrator.bandit import DiscountedUCB, Telemetry, normalized_rewards
-from recipes.orchestrator.nowcast import extrapolate
-from optim.sgd import TraceState
-from optim.swats import SwatsState, swats
-from recipes.train.optimizer import make_optimizer
-from recipes.orchestrator.driver import Orchestrator
-from recipes.orchestrator.config import NowcastConfig, OrchestratorConfig
-from recipes.standard import Config
-from core.update import Monitors
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.io import checkpoint as ckpt
+from purestep.recipes import main
+from purestep.core.io.logging import Logger
+from purestep.core.spike import SpikeConfig
+from purestep.core.state import init_state
+from purestep.core.step import make_eval_step, make_train_step
+from purestep.core.tree import apply_updates, clone, tree_leaves
+from purestep.models import llama
+from purestep.recipes.orchestrator import strategies
+from purestep.optim.adamw import ScaleByAdamState
+from purestep.optim.base import find_state
+from purestep.optim.common import LearningRateState
+from purestep.recipes.orchestrator.bandit import DiscountedUCB, Telemetry, normalized_rewards
+from purestep.recipes.orchestrator.nowcast import extrapolate
+from purestep.optim.sgd import TraceState
+from purestep.optim.swats import SwatsState, swats
+from purestep.recipes.train.optimizer import make_optimizer
+from purestep.recipes.orchestrator.driver import Orchestrator
+from purestep.recipes.orchestrator.config import NowcastConfig, OrchestratorConfig
+from purestep.recipes.standard import Config
+from purestep.core.update import Monitors
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -92,7 +92,7 @@ def test_swats_per_group_switches_each_tensor_on_its_own():
 
 
 def test_swats_before_its_switch_is_adamw():
-    from optim.adamw import adamw
+    from purestep.optim.adamw import adamw
     params = {"w": torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),
               "norm": torch.ones(4, dtype=torch.float64)}
     a_opt = swats(lr=1e-2, weight_decay=0.1, switch_eps=0.0, mask={"w": True, "norm": False})
@@ -365,7 +365,7 @@ def test_an_unstable_run_finishes_far_better_than_its_fixed_strategy(corpus, tmp
     """lr=1.0 on a tiny model: the fixed run's rollbacks hit their cap and it stops (exit 4); the orchestrated run
     rolls back onto the safety strategy (or switches at its first decision) and finishes, finite, with a
     validation loss more than 10% lower. (The tiny-preset figures: ``bin/run recipe=bench.orchestrator``.)"""
-    from recipes.bench.orchestrator import final_val
+    from purestep.recipes.bench.orchestrator import final_val
     common = ["recipe=standard", f"data={corpus}", *TINY_RUN, "lr=1.0", "steps=80", "eval_every=80",
               "spike.snapshot_every=10", "spike.rollback_back=10", "spike.skip_ahead=10",
               "orchestrator.decision_interval=10"]

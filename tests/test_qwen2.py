@@ -8,9 +8,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the reference implementation: pip install purestep[reference]")
 pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
 
-from core.config import UserError  # noqa: E402
-from models import hf, llama  # noqa: E402
-from models.loading import load_model  # noqa: E402
+from purestep.core.config import UserError  # noqa: E402
+from purestep.models import hf, llama  # noqa: E402
+from purestep.models.loading import load_model  # noqa: E402
 from tests.hf_reference import export_and_read_back, random_qwen2 as qwen2, tiny_config  # noqa: E402
 
 

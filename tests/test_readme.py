@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import documentation
-from core.cli.config_help import markdown_table
-from recipes import RECIPES
+from purestep.core.cli.config_help import markdown_table
+from purestep.recipes import RECIPES
 
 REPO = documentation.REPO
 README = documentation.README.read_text()
@@ -79,90 +79,90 @@ def test_each_recipe_has_one_documented_command_in_the_table():
 RUN_ELSEWHERE = {
     "pip install -e . && bin/run recipe=standard": ".ci/run part 1, verbatim, in a new venv",
     'pip install -e ".[test]" && python -m pytest -q': ".ci/run part 1, verbatim, in a new venv",
-    "bin/run recipe=standard --help": "tests/test_readme.py::test_help_lists_every_key",
-    "bin/run recipe=standard config=my_run.toml lr=3e-4": "tests/test_cli.py::test_later_arguments_win",
-    "bin/run recipe=standard init=smollm2 data=chats.jsonl loss_on=assistant":
+    "purestep recipe=standard --help": "tests/test_readme.py::test_help_lists_every_key",
+    "purestep recipe=standard config=my_run.toml lr=3e-4": "tests/test_cli.py::test_later_arguments_win",
+    "purestep recipe=standard init=smollm2 data=chats.jsonl loss_on=assistant":
         "tests/test_jsonl_runs.py::test_smollm2_learns_a_made_up_fact_from_chats",
-    "bin/run recipe=generate init=runs/standard-<timestamp> chat=true":
+    "purestep recipe=generate init=runs/standard-<timestamp> chat=true":
         "tests/test_jsonl_runs.py::test_smollm2_learns_a_made_up_fact_from_chats",
-    "bin/run recipe=bench.export init=smollm2":
+    "purestep recipe=bench.export init=smollm2":
         "tests/test_export.py::test_bench_export_fine_tunes_exports_and_measures",
-    "bin/run recipe=standard name=spot cost_per_hour=1.2 budget=50":
+    "purestep recipe=standard name=spot cost_per_hour=1.2 budget=50":
         "tests/test_scale.py::test_telemetry_in_tensorboard_and_budget_stop",
-    "bin/run config=stages.toml name=progressive":
+    "purestep config=stages.toml name=progressive":
         "tests/test_scale.py::test_two_stage_config_continues_from_the_first_stage",
-    "torchrun --standalone --nproc_per_node=2 bin/run recipe=standard preset=tiny parallel=fsdp steps=20":
+    "torchrun --standalone --nproc_per_node=2 -m purestep recipe=standard preset=tiny parallel=fsdp steps=20":
         "tests/test_fsdp.py::test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_counts",
-    "bin/run recipe=standard preset=tiny compile=false name=look cost_per_hour=1.2 dry_run=true":
+    "purestep recipe=standard preset=tiny compile=false name=look cost_per_hour=1.2 dry_run=true":
         "tests/test_dry_run.py::test_dry_run_prints_the_plan_and_creates_no_run_folder",
-    "bin/run recipe=standard data=shakespeare.txt name=lr preset=tiny seed=1,2 grid.lr=1e-3,3e-3 grid.parallel=2":
+    "purestep recipe=standard data=shakespeare.txt name=lr preset=tiny seed=1,2 grid.lr=1e-3,3e-3 grid.parallel=2":
         "tests/test_grid.py::test_parallel_cells_run_as_subprocesses_and_a_failed_cell_resumes_after_the_fix",
-    "bin/run recipe=upcycle teacher=runs/standard-shakes data=shakespeare.txt":
+    "purestep recipe=upcycle teacher=runs/standard-shakes data=shakespeare.txt":
         "tests/test_default_paths.py::test_upcycle_every_phase",
-    "bin/run recipe=bench.kv": "tests/test_upcycle_bench.py::"
+    "purestep recipe=bench.kv": "tests/test_upcycle_bench.py::"
                                "test_bench_kv_compares_two_checkpoints_and_records_cells_that_do_not_fit",
-    "bin/run recipe=bench.upcycle": "tests/test_bench_upcycle.py::"
+    "purestep recipe=bench.upcycle": "tests/test_bench_upcycle.py::"
                                     "test_every_arm_starts_from_one_surgery_and_trains_its_budget",
-    "bin/run recipe=bench.policy": "tests/test_on_policy.py::"
+    "purestep recipe=bench.policy": "tests/test_on_policy.py::"
                                    "test_the_policy_bench_scores_a_student_on_its_own_samples_and_on_the_data",
-    "bin/run recipe=bench.gpu device=cpu": "tests/test_bench_gpu.py::test_the_gpu_bench_runs_every_section_on_the_cpu",
-    "bin/run recipe=export init=STUDENT": "tests/test_mla.py::"
+    "purestep recipe=bench.gpu device=cpu": "tests/test_bench_gpu.py::test_the_gpu_bench_runs_every_section_on_the_cpu",
+    "purestep recipe=export init=STUDENT": "tests/test_mla.py::"
                                           "test_recipe_export_writes_an_mla_checkpoint_in_deepseek_v2s_formats",
-    "bin/run recipe=eval init=smollm2": "tests/test_eval.py::test_the_default_command_through_bin_run",
-    "bin/run recipe=eval init=runs/upcycle-smol/global":
+    "purestep recipe=eval init=smollm2": "tests/test_eval.py::test_the_default_command_through_bin_run",
+    "purestep recipe=eval init=runs/upcycle-smol/global":
         "tests/test_eval.py::test_paired_comparison_of_two_runs_matches_the_hand_formulas",
 }
 NOT_RUN = {
-    "bin/run recipe=eval init=runs/smol-mla-4x/surgery": "scores SmolLM2's MLA student, a surgery of minutes (paired "
+    "purestep recipe=eval init=runs/smol-mla-4x/surgery": "scores SmolLM2's MLA student, a surgery of minutes (paired "
                                                        "scoring at test size: tests/test_eval.py)",
-    "bin/run recipe=export init=runs/smol-mla-4x/surgery": "SmolLM2's MLA student, from a surgery of minutes "
+    "purestep recipe=export init=runs/smol-mla-4x/surgery": "SmolLM2's MLA student, from a surgery of minutes "
                                                          "(the same export at test size: tests/test_mla.py)",
     "tensorboard --logdir runs": "a server that runs until stopped (the event files it reads: tests/test_board.py)",
     "python - <<'PY'": "writes a 1 GB corpus (the streaming tokenizer at test size: tests/test_jsonl.py)",
     "/usr/bin/time -v python -c": "tokenizes that 1 GB corpus for minutes (tests/test_jsonl.py at test size)",
     "mkdir -p ~/pydoc": "downloads a Debian package",
-    "bin/run recipe=upcycle teacher=smollm2": "SmolLM2-135M for ~11 minutes and more (the pipeline at test size: "
+    "purestep recipe=upcycle teacher=smollm2": "SmolLM2-135M for ~11 minutes and more (the pipeline at test size: "
                                              "tests/test_default_paths.py::test_upcycle_every_phase)",
-    "OMP_NUM_THREADS=1 bin/run recipe=upcycle teacher=smollm2": "SmolLM2-135M for ~11 minutes and more",
-    "bin/run recipe=export init=runs/smol-up/global": "exports the SmolLM2 student of the upcycle command before it "
+    "OMP_NUM_THREADS=1 purestep recipe=upcycle teacher=smollm2": "SmolLM2-135M for ~11 minutes and more",
+    "purestep recipe=export init=runs/smol-up/global": "exports the SmolLM2 student of the upcycle command before it "
                                                       "(the same exports of a tiny student: tests/test_dba_llama.py)",
-    "bin/run recipe=distill preset=smollm2": "SmolLM2-135M as the teacher for ~4 minutes (the recipe at test size: "
+    "purestep recipe=distill preset=smollm2": "SmolLM2-135M as the teacher for ~4 minutes (the recipe at test size: "
                                              "tests/test_default_paths.py::test_distill_online_and_from_a_cache)",
     "torchrun --nnodes=2": "two nodes",
-    "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bin/run recipe=standard parallel=fsdp":
+    "OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m purestep recipe=standard parallel=fsdp":
         "a memory measurement at d=512, 8 layers (the sharded step at test size: tests/test_fsdp.py)",
-    "bin/run recipe=standard data=tinyshakespeare.txt tokenizer=char model.vocab_size=32000":
+    "purestep recipe=standard data=tinyshakespeare.txt tokenizer=char model.vocab_size=32000":
         "a memory measurement at 100M parameters",
-    "bin/run recipe=standard data=/work/shared/data/tinyshakespeare.txt tokenizer=char model.n_layers=4":
+    "purestep recipe=standard data=/work/shared/data/tinyshakespeare.txt tokenizer=char model.n_layers=4":
         "nanoGPT's configuration, 2000 compiled steps timed (Muon at test size: tests/test_default_paths.py::test_standard_with_muon; the AdamW run's "
         "first 800 steps: tests/test_shakespeare.py)",
-    "bin/run recipe=bench.llamacpp": "llama-cpp-python, built from its sdist for many minutes, is not a dependency "
+    "purestep recipe=bench.llamacpp": "llama-cpp-python, built from its sdist for many minutes, is not a dependency "
                                      "(the benchmark's own logic without it: tests/test_bench_llamacpp.py)",
-    "bin/run recipe=standard data=tinyshakespeare.txt tokenizer=byte preset=tiny steps=500 out=runs/byte-tiny":
+    "purestep recipe=standard data=tinyshakespeare.txt tokenizer=byte preset=tiny steps=500 out=runs/byte-tiny":
         "the model that benchmark runs in llama.cpp (the byte model's GGUF at test size: tests/test_gguf_export.py)",
-    "bin/run recipe=distill_cache teacher=smollm2": "SmolLM2-135M over 100 batches (a cache at test size: "
+    "purestep recipe=distill_cache teacher=smollm2": "SmolLM2-135M over 100 batches (a cache at test size: "
                                                     "tests/test_default_paths.py::"
                                                     "test_distill_online_and_from_a_cache)",
-    "bin/run recipe=bench.step": "compiles every variant cold in processes of its own, for many minutes at 100M (the "
+    "purestep recipe=bench.step": "compiles every variant cold in processes of its own, for many minutes at 100M (the "
                                  "bench at test size: tests/test_bench.py)",
-    "bin/run recipe=bench.speed": "interleaved timed rounds for minutes (the bench at test size: tests/test_speed.py)",
-    "bin/run recipe=bench.wall": "eight whole 2000-step runs, two of them compiling cold (the bench at test size: "
+    "purestep recipe=bench.speed": "interleaved timed rounds for minutes (the bench at test size: tests/test_speed.py)",
+    "purestep recipe=bench.wall": "eight whole 2000-step runs, two of them compiling cold (the bench at test size: "
                                  "tests/test_bench.py::test_wall_bench_times_both_whole_runs_per_cache_state)",
-    "bin/run recipe=bench.health": "a timing (what it times: tests/test_health.py, tests/test_adagc.py; its keys: "
+    "purestep recipe=bench.health": "a timing (what it times: tests/test_health.py, tests/test_adagc.py; its keys: "
                                    "tests/test_bench.py)",
-    "bin/run recipe=bench.checkpoint": "writes and reads a 398 MB state a dozen times (checkpoints: "
+    "purestep recipe=bench.checkpoint": "writes and reads a 398 MB state a dozen times (checkpoints: "
                                        "tests/test_checkpoint.py, tests/test_checkpoint_integrity.py)",
-    "OMP_NUM_THREADS=1 bin/run recipe=bench.orchestrator": "300- and 1000-step runs (the unstable run at test size: "
+    "OMP_NUM_THREADS=1 purestep recipe=bench.orchestrator": "300- and 1000-step runs (the unstable run at test size: "
                                                            "tests/test_orchestrator.py)",
-    "bin/run recipe=bench.distill": "SmolLM2-135M as the teacher (the bench at test size: "
+    "purestep recipe=bench.distill": "SmolLM2-135M as the teacher (the bench at test size: "
                                     "tests/test_distill.py::test_the_cache_benchmark_command)",
-    "bin/run recipe=bench.gpu out=gpu-report": "a CUDA machine for about 8 minutes (its CPU mode: "
+    "purestep recipe=bench.gpu out=gpu-report": "a CUDA machine for about 8 minutes (its CPU mode: "
                                                "tests/test_bench_gpu.py)",
-    "bin/run recipe=standard data=tinyshakespeare.txt tokenizer=char out=runs/tiny-teacher":
+    "purestep recipe=standard data=tinyshakespeare.txt tokenizer=char out=runs/tiny-teacher":
         "600 steps of the quality-per-token table's teacher (char runs at test size: tests/test_shakespeare.py)",
     "pip download --no-deps": "downloads wheels for the GPU machine",
-    "timeout 900 bin/run recipe=bench.eval": "the measurements of docs/eval.md, 5 to 9 minutes each (as the next one)",
-    "bin/run recipe=bench.eval": "SmolLM2 through recipe=eval and lm-evaluation-harness's HF backend for ~9 minutes "
+    "timeout 900 purestep recipe=bench.eval": "the measurements of docs/eval.md, 5 to 9 minutes each (as the next one)",
+    "purestep recipe=bench.eval": "SmolLM2 through recipe=eval and lm-evaluation-harness's HF backend for ~9 minutes "
                                  "(lm-eval is no dependency; the comparison itself: tests/test_eval.py::"
                                  "test_the_harness_comparison_counts_same_choices_and_the_largest_difference)",
     "python3 -m pip install -q --no-index": "installs those wheels on the GPU machine",
@@ -221,8 +221,8 @@ def test_the_tests_named_for_readme_commands_exist():
 
 
 def test_help_lists_every_key(capsys):
-    from recipes import main
-    from recipes.standard import Config
+    from purestep.recipes import main
+    from purestep.recipes.standard import Config
     keys = re.findall(r"^\| `([^`]+)` \|", markdown_table(Config), re.M)
     assert main(["recipe=standard", "--help"]) == 0
     out = capsys.readouterr().out

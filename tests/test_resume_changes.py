@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-import optim
-from core.config import ConfigError, to_dict
-from core.state import init_state
-from recipes.standard import Config
-from recipes.train import changes
+from purestep import optim
+from purestep.core.config import ConfigError, to_dict
+from purestep.core.state import init_state
+from purestep.recipes.standard import Config
+from purestep.recipes.train import changes
 
 
 def test_changed_keys_are_found_and_the_fixed_ones_refused():
@@ -45,8 +45,8 @@ def test_a_resumed_run_takes_the_new_lr_and_says_so(tmp_path, corpus, token_cach
     """The issue's case: 40 steps, then the same out= with lr=0.3 and a constant schedule continued at the
     checkpoint's lr 0.001 without a word. Now the new lr is in the state from step 40 and the log says so;
     a changed model is refused by name before anything is written."""
-    from core.io import checkpoint as ckpt
-    from recipes import main
+    from purestep.core.io import checkpoint as ckpt
+    from purestep.recipes import main
     args = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "eval_batches=1", f"data={corpus}",
             "tokenizer=char", "spike.enabled=false", f"out={tmp_path}"]
     assert main([*args, "steps=40"]) == 0

@@ -7,17 +7,17 @@ import json
 import pytest
 import torch
 
-import optim
-from core.io import checkpoint as ckpt
-from core.io.logging import Logger
-from core.spike import SpikeConfig
-from core.state import init_state
-from core.tree import clone, max_abs_diff, tree_map
-from models import llama
-from recipes import main
-from recipes.train import rollback
-from recipes.train.hooks import Jump, StepContext
-from recipes.train.loop import LoopState
+from purestep import optim
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.io.logging import Logger
+from purestep.core.spike import SpikeConfig
+from purestep.core.state import init_state
+from purestep.core.tree import clone, max_abs_diff, tree_map
+from purestep.models import llama
+from purestep.recipes import main
+from purestep.recipes.train import rollback
+from purestep.recipes.train.hooks import Jump, StepContext
+from purestep.recipes.train.loop import LoopState
 
 
 CFG = llama.LlamaConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2)

@@ -3,12 +3,12 @@ micro-batches and remat, while no layer's gradient outlives its landing."""
 import pytest
 import torch
 
-from core.layers import Layers
-from core.row_grads import RowGradients
-from core.gradients import autograd_gradients, loss_caller, make_objective
-from core import rng
-from core.tree import leaves_of, named_leaves, tree_flatten, tree_map, tree_unflatten
-from models import llama
+from purestep.core.layers import Layers
+from purestep.core.row_grads import RowGradients
+from purestep.core.gradients import autograd_gradients, loss_caller, make_objective
+from purestep.core import rng
+from purestep.core.tree import leaves_of, named_leaves, tree_flatten, tree_map, tree_unflatten
+from purestep.models import llama
 
 CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64)
 

@@ -11,19 +11,19 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from core.config import ConfigError, UserError, to_dict
-from models import llama
-from optim.base import find_state
-from optim.common import LearningRateState
-from recipes.orchestrator.config import OrchestratorConfig
-from recipes.orchestrator.strategies import strategy_of
-from recipes.standard import Config
-from recipes.train import plan, setup
-from recipes.train.config import TrainConfig
-from recipes.train.hooks import RunHook
-from recipes.train.loop import LoopIO, Steps, fit
-from recipes.train.optimizer import OptimizerSpec, make_optimizer
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.config import ConfigError, UserError, to_dict
+from purestep.models import llama
+from purestep.optim.base import find_state
+from purestep.optim.common import LearningRateState
+from purestep.recipes.orchestrator.config import OrchestratorConfig
+from purestep.recipes.orchestrator.strategies import strategy_of
+from purestep.recipes.standard import Config
+from purestep.recipes.train import plan, setup
+from purestep.recipes.train.config import TrainConfig
+from purestep.recipes.train.hooks import RunHook
+from purestep.recipes.train.loop import LoopIO, Steps, fit
+from purestep.recipes.train.optimizer import OptimizerSpec, make_optimizer
 from tests.test_layout import REPO, import_graph
 
 CPU = torch.device("cpu")
@@ -32,13 +32,13 @@ TINY = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2)
 
 def test_the_trainer_imports_and_names_nothing_of_the_orchestrator():
     graph = import_graph()
-    reached, todo = set(), [m for m in graph if m == "recipes.train" or m.startswith("recipes.train.")]
+    reached, todo = set(), [m for m in graph if m == "purestep.recipes.train" or m.startswith("recipes.train.")]
     while todo:                                   # everything recipes/train imports, directly or through others
         module = todo.pop()
         if module not in reached:
             reached.add(module)
             todo += graph[module]
-    assert sorted(m for m in reached if m.startswith("recipes.orchestrator")) == []
+    assert sorted(m for m in reached if m.startswith("purestep.recipes.orchestrator")) == []
     named = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "recipes" / "train").rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if re.search("orchestrat", line, re.I)]
     assert named == []                            # not in code, strings, comments or docstrings either

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.io.logging import Logger
-from recipes import main
-from recipes.train.checkpointing import Checkpointing
-from recipes.train.hooks import StepContext
-from recipes.train.loop import LoopState
-from core.step import Compile
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.io.logging import Logger
+from purestep.recipes import main
+from purestep.recipes.train.checkpointing import Checkpointing
+from purestep.recipes.train.hooks import StepContext
+from purestep.recipes.train.loop import LoopState
+from purestep.core.step import Compile
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 pytestmark = pytest.mark.usefixtures("token_cache")   # tests/conftest.py
 
@@ -116,10 +116,10 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     built apart from the kernels at -O0; no loop reordering after fusion on CUDA: ``core.compile.inductor_options``)
     as the mode's options plus those."""
     from torch._inductor import list_mode_options
-    from core import compile as compile_module
-    from core.step import Gradients, Parallel, _train_step
-    from core.update import Monitors
-    from optim.adamw import adamw
+    from purestep.core import compile as compile_module
+    from purestep.core.step import Gradients, Parallel, _train_step
+    from purestep.core.update import Monitors
+    from purestep.optim.adamw import adamw
     seen = []
 
     def fake_compile(fn, **kwargs):
@@ -147,8 +147,8 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
 
 
 def test_cpu_ignores_tf32_and_reduce_overhead_with_a_warning(capsys):
-    from recipes.train.backend import configure
-    from recipes.train.config import TrainConfig
+    from purestep.recipes.train.backend import configure
+    from purestep.recipes.train.config import TrainConfig
     before = torch.backends.cuda.matmul.allow_tf32
     mode = configure(TrainConfig(tf32=True, compile_mode="reduce-overhead"), torch.device("cpu"))
     err = capsys.readouterr().err
@@ -163,8 +163,8 @@ def test_eval_compile_auto_compiles_only_runs_that_evaluate_many_batches():
     """``eval_compile=auto`` compiles the eval step when the run evaluates >= ``EVAL_COMPILE_BATCHES`` batches
     (evaluations every ``eval_every`` steps and at the end, once where the two meet, ``eval_batches`` each);
     true/false force it; nothing compiles under compile=false."""
-    from recipes.train.backend import EVAL_COMPILE_BATCHES, eval_compiled
-    from recipes.train.config import TrainConfig
+    from purestep.recipes.train.backend import EVAL_COMPILE_BATCHES, eval_compiled
+    from purestep.recipes.train.config import TrainConfig
     nanogpt = TrainConfig(steps=2000, eval_every=250, eval_batches=20)      # 8 evaluations (step 2000 once), 160
     assert not eval_compiled(nanogpt)
     per_eval = EVAL_COMPILE_BATCHES // 8
@@ -181,8 +181,8 @@ def test_eval_compile_auto_compiles_only_runs_that_evaluate_many_batches():
 def test_bf16_on_a_cpu_without_native_bf16_warns(capsys, monkeypatch):
     """dtype=bf16 on a CPU that has neither avx512_bf16 nor AMX's bf16 (its /proc/cpuinfo flags) warns that fp32 is
     likely faster; with either, at fp32, or where the flags cannot be read, no warning."""
-    from recipes.train import backend
-    from recipes.train.config import TrainConfig
+    from purestep.recipes.train import backend
+    from purestep.recipes.train.config import TrainConfig
     flags = backend.cpu_flags()
     assert flags is None or (isinstance(flags, set) and flags), flags   # Linux's flags, or None where it cannot say
     for flags, warned in (({"avx2"}, True), ({"avx2", "avx512_bf16"}, False), ({"amx_bf16"}, False), (None, False)):

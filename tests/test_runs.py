@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 
-from core.config import ConfigError
-from core.cli.runs import RunFolderLocked, claim, run_folder
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.config import ConfigError
+from purestep.core.cli.runs import RunFolderLocked, claim, run_folder
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 
 @pytest.mark.parametrize("name", ["../../../x", "a/b", "..", "."])
@@ -20,7 +20,7 @@ def test_a_name_cannot_leave_the_runs_folder(name):
 def test_a_second_process_cannot_claim_a_held_folder_and_the_lock_dies_with_its_holder(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from core.cli.runs import claim
+        from purestep.core.cli.runs import claim
         with claim({str(tmp_path)!r}):
             print("held", flush=True)
             time.sleep(60)

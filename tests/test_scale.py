@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from recipes import main
-from core.data.fim import FIM, fim_ids
-from core.data.tokenizers import ByteTokenizer
-from core.tree import max_abs_diff, tree_leaves
-from core.step import Parallel
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.io import checkpoint as ckpt
+from purestep.recipes import main
+from purestep.core.data.fim import FIM, fim_ids
+from purestep.core.data.tokenizers import ByteTokenizer
+from purestep.core.tree import max_abs_diff, tree_leaves
+from purestep.core.step import Parallel
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["recipe=standard", "preset=tiny", "compile=false", "sample_tokens=0", "log_every=2"]
@@ -154,10 +154,10 @@ def test_the_compiled_step_traces_with_a_cross_rank_reduce(monkeypatch):
     process, with a reduce shaped like ``Dist.all_reduce_mean``; the metrics and state equal the uncompiled step."""
     import functools
 
-    import optim
-    from core.state import init_state
-    from core.step import make_train_step
-    from models import llama
+    from purestep import optim
+    from purestep.core.state import init_state
+    from purestep.core.step import make_train_step
+    from purestep.models import llama
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     cfg = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2)
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-2))

@@ -10,8 +10,8 @@ cores. Needs ``tinyshakespeare.txt`` from the shared data (skips with the reason
 """
 import pytest
 
-from core.io import checkpoint as ckpt
-from recipes import main
+from purestep.core.io import checkpoint as ckpt
+from purestep.recipes import main
 from conftest import shared_data
 
 

@@ -7,14 +7,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from core.config import ConfigError
-from core.state import init_state
-from core.step import make_train_step
-from optim import adamw
-from recipes.bench import speed
-from recipes.train import backend
-from recipes.train.config import TrainConfig
-from core.update import Monitors
+from purestep.core.config import ConfigError
+from purestep.core.state import init_state
+from purestep.core.step import make_train_step
+from purestep.optim import adamw
+from purestep.recipes.bench import speed
+from purestep.recipes.train import backend
+from purestep.recipes.train.config import TrainConfig
+from purestep.core.update import Monitors
 
 
 def test_bench_speed_times_every_variant(tmp_path, monkeypatch, capsys):

@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import optim
-from core.io import checkpoint as ckpt
-from recipes import main
-from core.loss_scale import init_loss_scale, update_loss_scale
-from core.state import init_state
-from core.step import Gradients, make_train_step
-from core.tree import max_abs_diff
-from models import llama
+from purestep import optim
+from purestep.core.io import checkpoint as ckpt
+from purestep.recipes import main
+from purestep.core.loss_scale import init_loss_scale, update_loss_scale
+from purestep.core.state import init_state
+from purestep.core.step import Gradients, make_train_step
+from purestep.core.tree import max_abs_diff
+from purestep.models import llama
 
 
 pytestmark = pytest.mark.usefixtures("token_cache")   # corpus and token_cache: tests/conftest.py
@@ -160,7 +160,7 @@ def test_stability_keys_reach_the_step_and_the_checkpoint(corpus, tmp_path):
 
 
 def test_faults_wrap_every_loss_signature_the_step_takes():
-    from recipes.train.faults import with_faults
+    from purestep.recipes.train.faults import with_faults
     params, frozen = torch.ones(2), torch.tensor(2.0)
     losses = [lambda p, b: p.sum(), lambda p, b, key: p.sum(), lambda p, b, frozen=None: p.sum() + frozen,
               lambda p, b, key, frozen: (p.sum() + frozen, {"aux": frozen})]

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from recipes import main
-from core.tree import tree_leaves
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.io import checkpoint as ckpt
+from purestep.recipes import main
+from purestep.core.tree import tree_leaves
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "block_size=32", "batch_size=4",
@@ -145,13 +145,13 @@ def test_generate_recipe(existing_run, capsys):
 
 
 def test_lr_find_leaves_the_state_untouched(corpus, tmp_path):
-    import optim
-    from core.data.text import prepare
-    from core.state import init_state
-    from core.step import make_train_step
-    from core.tree import clone
-    from models import llama
-    from recipes.lr_find import lr_range_test, suggest
+    from purestep import optim
+    from purestep.core.data.text import prepare
+    from purestep.core.state import init_state
+    from purestep.core.step import make_train_step
+    from purestep.core.tree import clone
+    from purestep.models import llama
+    from purestep.recipes.lr_find import lr_range_test, suggest
 
     cfg = llama.LlamaConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2)
     batches = prepare(str(corpus)).batches(4, 32, seed=0)
@@ -172,9 +172,9 @@ def test_lr_find_leaves_the_state_untouched(corpus, tmp_path):
 def test_device_choices_come_from_core_device():
     import dataclasses
 
-    from core.device import DEVICES
-    from recipes import generate
-    from recipes.train.config import TrainConfig
+    from purestep.core.device import DEVICES
+    from purestep.recipes import generate
+    from purestep.recipes.train.config import TrainConfig
     for cls in (TrainConfig, generate.Config):
         (field,) = [f for f in dataclasses.fields(cls) if f.name == "device"]
         assert field.metadata["choices"] == DEVICES == ("auto", "cpu", "cuda", "mps")

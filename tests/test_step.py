@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import optim
-from core.module import from_module
-from core.state import init_state
-from core.step import Gradients, make_eval_step, make_train_step
-from core.tree import flatten_dict, max_abs_diff, tree_map
-from models import llama
+from purestep import optim
+from purestep.core.module import from_module
+from purestep.core.state import init_state
+from purestep.core.step import Gradients, make_eval_step, make_train_step
+from purestep.core.tree import flatten_dict, max_abs_diff, tree_map
+from purestep.models import llama
 
 TINY = llama.LlamaConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
@@ -166,7 +166,8 @@ def test_an_eager_step_hands_its_gradient_norm_to_the_clip(monkeypatch, donate):
     """The step's gradient-norm metric reaches the clip as the chain's ``grad_norm`` extra argument
     (``core.donate.updating``): two global norms a step (the gradients', the params'), not three; and the clip
     scales by the norm it is given."""
-    import core.tree
+    import purestep.core.tree
+    from purestep import core
     opt = optim.chain(optim.clip_by_global_norm(0.1), optim.adamw(lr=1e-2))
     step = make_train_step(lambda p, b: llama.loss(p, b, TINY), opt, donate=donate)
     state = init_state(llama.init(TINY), opt)
@@ -190,9 +191,9 @@ def test_make_train_step_takes_at_most_eight_parameters():
 def test_the_public_pieces_compose_into_make_train_steps_step():
     """A step composed by hand from the public pieces (``core.gradients``' objective and engine, ``averaged``,
     ``core.update.apply_gradients``) equals ``make_train_step``'s bitwise, on both engines."""
-    from core import rng
-    from core.gradients import autograd_gradients, averaged, func_gradients, loss_caller, make_objective
-    from core.update import apply_gradients
+    from purestep.core import rng
+    from purestep.core.gradients import autograd_gradients, averaged, func_gradients, loss_caller, make_objective
+    from purestep.core.update import apply_gradients
     batch = batch_of(TINY, 4, 16)
     opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-2))
     loss = lambda p, b: llama.loss(p, b, TINY)   # noqa: E731

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from core.tree import tree_leaves
-from models.loading import load_model
-from recipes import main
-from recipes.distill.teacher import held_dtype_hint, load_teacher, resolve_teacher_dtype
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.tree import tree_leaves
+from purestep.models.loading import load_model
+from purestep.recipes import main
+from purestep.recipes.distill.teacher import held_dtype_hint, load_teacher, resolve_teacher_dtype
 
 pytestmark = pytest.mark.usefixtures("token_cache")   # tests/conftest.py
 

@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from core.data.fim import fim_ids
-from core.data.tokenizers import (SENTINELS, BPETokenizer, ByteTokenizer, CharTokenizer, DataError, make_tokenizer,
+from purestep.core.data.fim import fim_ids
+from purestep.core.data.tokenizers import (SENTINELS, BPETokenizer, ByteTokenizer, CharTokenizer, DataError, make_tokenizer,
                              tokenizer_from_dict)
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"

@@ -161,7 +161,7 @@ def test_inductor_config_and_mode_options():
     assert hasattr(inductor_config.cpp, "enable_kernel_profile")
     for mode in ("default", "reduce-overhead", "max-autotune"):
         assert isinstance(list_mode_options(mode), dict), mode
-    from core.compile import SEPARATE_WRAPPER_BUILD, _compile_kwargs
+    from purestep.core.compile import SEPARATE_WRAPPER_BUILD, _compile_kwargs
     assert _compile_kwargs("default", cpp=True) == {"options": {**list_mode_options("default"), "cpp_wrapper": True,
                                                                 **dict(SEPARATE_WRAPPER_BUILD)}}
 
@@ -172,7 +172,7 @@ def test_objects_build_together_then_link(tmp_path):
     after another would time out), the existing one is skipped, the link comes last; a list of one (a
     precompiled header) goes to inductor's own worker, which builds it."""
     from torch._inductor import codecache
-    from core.compile import build_objects_together
+    from purestep.core.compile import build_objects_together
     assert build_objects_together() and build_objects_together()
     worker = codecache._worker_compile_cpp
     assert worker.builds_objects_together and codecache.LOCK_TIMEOUT > 0
@@ -203,7 +203,7 @@ def test_objects_build_together_then_link(tmp_path):
 
 COLD_CPP_GRAPH = """
 import torch
-from core.compile import maybe_compile, probe_vector_isa, VECTOR_ISA_PROBE
+from purestep.core.compile import maybe_compile, probe_vector_isa, VECTOR_ISA_PROBE
 import threading
 f = maybe_compile(lambda x, y: (x @ y).relu().sum(0) * 2, cpp=True)
 probing = [t.name for t in threading.enumerate() if t.name == VECTOR_ISA_PROBE]
@@ -228,7 +228,7 @@ def test_a_cold_cpp_wrapper_graph_probes_in_the_background(tmp_path):
 
 
 def test_compile_count_reads_dynamos_counter():
-    from core.compile import compile_count
+    from purestep.core.compile import compile_count
     before = compile_count()
     f = torch.compile(lambda x: x * 2 + 1, fullgraph=True, dynamic=False, backend="eager")
     f(torch.ones(3))
@@ -239,7 +239,7 @@ def test_compile_count_reads_dynamos_counter():
 
 
 def test_compile_seconds_reads_dynamos_timers():
-    from core.compile import COMPILE_TIMERS, compile_seconds
+    from purestep.core.compile import COMPILE_TIMERS, compile_seconds
     from torch._dynamo.utils import compilation_time_metrics
     before = compile_seconds()
     f = torch.compile(lambda x: x * 3 - 1, fullgraph=True, dynamic=False, backend="eager")
@@ -251,7 +251,7 @@ def test_compile_seconds_reads_dynamos_timers():
 COND_TWICE = """
 import torch
 from torch._dynamo.utils import counters
-from core.compile import enable_caches
+from purestep.core.compile import enable_caches
 enable_caches()
 def f(x, flag):
     return torch.cond(flag, lambda x: x.sin() * 2, lambda x: x.cos() + 1, (x,))
@@ -279,7 +279,7 @@ def test_functional_collectives_on_one_rank(tmp_path):
     and their numbers: ``tests/test_fsdp.py``, ``tests/test_scale.py``."""
     script = textwrap.dedent(f"""
         import torch, torch.distributed as dist
-        from core.parallel.distributed import all_gather, all_reduce_sum, reduce_scatter_sum, wait
+        from purestep.core.parallel.distributed import all_gather, all_reduce_sum, reduce_scatter_sum, wait
         dist.init_process_group("gloo", init_method="file://{tmp_path / 'pg'}", rank=0, world_size=1)
         group = dist.group.WORLD
         x = torch.arange(6.0)

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from recipes import main
-from core.data.text import prepare
-from core.tree import cast, fingerprint, tree_leaves
-from models import blockwise, dba, llama, surgery
-from models.loading import load_model
-from recipes.train.optimizer import make_optimizer
-from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw
-from recipes.upcycle.teacher_io import BlockIOCache, TeacherSource
-from core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
+from purestep.core.io import checkpoint as ckpt
+from purestep.recipes import main
+from purestep.core.data.text import prepare
+from purestep.core.tree import cast, fingerprint, tree_leaves
+from purestep.models import blockwise, dba, llama, surgery
+from purestep.models.loading import load_model
+from purestep.recipes.train.optimizer import make_optimizer
+from purestep.recipes.upcycle import benchmark as upcycle_bench, blockwise as bw
+from purestep.recipes.upcycle.teacher_io import BlockIOCache, TeacherSource
+from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 REPO = Path(__file__).resolve().parent.parent
 DIMS = ["sem_dim=2", "geo_dim=6", "v_dim=8"]       # head_dim 16: 2 * (2 + 6 + 8) = half of 2 * 2 * 16
@@ -82,7 +82,7 @@ def test_blockwise_step_skips_a_non_finite_step_and_reports_health(teacher, corp
     """The blockwise step is the shared update (core.update.apply_gradients): a batch whose targets hold NaN leaves
     the student, the optimizer state and the convergence state as they were (the step counter and cursor advance,
     ``skipped`` says so), and gradient health of the trainable part comes out on its due step."""
-    from optim.health import GradientHealth, computed
+    from purestep.optim.health import GradientHealth, computed
     t, data, scfg, _, state, source, _ = setup_blockwise(teacher, corpus)
     health = GradientHealth(bw.split(state.params, "attn")[0], every=1)
     _, _, _, step, state, _, _ = setup_blockwise(teacher, corpus, health=health)
@@ -396,9 +396,9 @@ def test_shared_pairs_student_exports_as_a_plain_llama(teacher, corpus, tmp_path
 
 
 def test_a_config_file_lists_phases_with_their_own_steps_and_lr(tmp_path):
-    from core.config import resolve
-    from core.cli.config_files import load_toml
-    from recipes.upcycle.recipe import Config, PRESETS
+    from purestep.core.config import resolve
+    from purestep.core.cli.config_files import load_toml
+    from purestep.recipes.upcycle.recipe import Config, PRESETS
     path = tmp_path / "up.toml"
     path.write_text('recipe = "upcycle"\nteacher = "smollm2"\nphases = ["blockwise", "global"]\n'
                     '[blockwise]\nsteps = 150\nlr = 1e-3\nmatch = "attention"\n'
@@ -409,7 +409,7 @@ def test_a_config_file_lists_phases_with_their_own_steps_and_lr(tmp_path):
     assert cfg.phases == ("blockwise", "global") and cfg.blockwise.steps == 150 and cfg.blockwise.lr == 1e-3
     g = cfg.global_phase
     assert (g.steps, g.lr, g.kd_alpha) == (12, 2e-4, 0.7)
-    from recipes.upcycle.config import global_train_config
+    from purestep.recipes.upcycle.config import global_train_config
     tc = global_train_config(cfg, "x")
     assert (tc.steps, tc.lr, tc.batch_size, tc.block_size) == (12, 2e-4, g.batch_size, cfg.block_size)
 

@@ -9,13 +9,13 @@ import statistics
 import pytest
 import torch
 
-from core.config import EXIT_GATE
-from core.data.text import prepare
-from models import dba, llama, surgery
-from models.loading import load_model
-from recipes import main
-from recipes.upcycle import passkey, quality, sweep
-from recipes.upcycle.sweep import Model
+from purestep.core.config import EXIT_GATE
+from purestep.core.data.text import prepare
+from purestep.models import dba, llama, surgery
+from purestep.models.loading import load_model
+from purestep.recipes import main
+from purestep.recipes.upcycle import passkey, quality, sweep
+from purestep.recipes.upcycle.sweep import Model
 from tests.test_upcycle import corpus, teacher  # noqa: F401  (module fixtures: the tiny corpus and teacher)
 
 pytestmark = pytest.mark.usefixtures("token_cache")
@@ -210,7 +210,7 @@ def test_passkey_prompts_fit_hold_the_key_and_repeat(teacher):  # noqa: F811
 
 
 def test_an_out_of_memory_cell_is_recorded_and_the_sweep_goes_on(teacher, monkeypatch):  # noqa: F811
-    from recipes.upcycle.config import BenchmarkConfig
+    from purestep.recipes.upcycle.config import BenchmarkConfig
     t = load_model(str(teacher))
     calls = []
 

@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from core.io import checkpoint as ckpt
-from core.tree import max_abs_diff
-from models import dba, llama, surgery
-from optim.common import decay_mask
-from recipes import main
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.tree import max_abs_diff
+from purestep.models import dba, llama, surgery
+from purestep.optim.common import decay_mask
+from purestep.recipes import main
 
 HD = 16
 BIASES = ("q_bias", "k_bias", "v_bias")
@@ -180,7 +180,7 @@ def test_a_transformers_qwen2_folder_is_a_teacher(tmp_path):
     pytest.importorskip("transformers", reason="the reference implementation: pip install "
                                                               "purestep[reference]")
     pytest.importorskip("safetensors", reason="needs the 'hf' extra: pip install purestep[hf]")
-    from models.loading import load_model
+    from purestep.models.loading import load_model
     from tests.hf_reference import random_qwen2
     model = random_qwen2()
     model.save_pretrained(tmp_path)
@@ -234,7 +234,7 @@ def test_upcycle_a_biased_teacher_trains_the_student_biases(tmp_path, monkeypatc
 def test_blockwise_targets_of_a_biased_teacher_line_up_with_an_exact_student(match):
     """teacher_io runs the teacher with its biases and the student's blocks run with theirs: an exact student has
     ~0 loss on every block (teacher-forced and sequential); with its biases zeroed it does not."""
-    from models import blockwise
+    from purestep.models import blockwise
     cfg, tok = config(), tokens()
     params = teacher(cfg)
     student, scfg, _ = surgery.surgery(params, cfg, CALIB, sem_dim=0, geo_dim=HD, v_dim=HD)

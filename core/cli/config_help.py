@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from core.config import _default, _fields, _is_section, flatten_keys, show_value, type_str
+from purestep.core.config import _default, _fields, _is_section, flatten_keys, show_value, type_str
 
 __all__ = ["describe", "format_help", "markdown_table"]
 

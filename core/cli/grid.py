@@ -1,4 +1,4 @@
-"""Seed lists and grids for any training recipe: ``seed=1,2,3`` and ``grid.KEY=A,B`` on ``bin/run``.
+"""Seed lists and grids for any training recipe: ``seed=1,2,3`` and ``grid.KEY=A,B`` on ``purestep``.
 
 ``split_grid`` takes the grid's axes out of the command line's ``key=value`` pairs before the config is
 resolved; ``run_grid`` then runs the cross product of the axes, one cell after another, each in its own run
@@ -38,11 +38,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping, Sequence
 
-from core.io.checkpoint import FINAL, stopped_run
-from core.config import ConfigError, resolve, show_value
-from core.exits import RunStopped
-from core.io.logging import progress
-from core.cli.runs import make_folder, run_folder
+from purestep.core.io.checkpoint import FINAL, stopped_run
+from purestep.core.config import ConfigError, resolve, show_value
+from purestep.core.exits import RunStopped
+from purestep.core.io.logging import progress
+from purestep.core.cli.runs import make_folder, run_folder
 
 PREFIX = "grid."
 PARALLEL = "grid.parallel"                      # cells at once (core.cli.grid_parallel); never an axis
@@ -169,10 +169,10 @@ def plan(name: str, module: ModuleType, preset, toml: dict, pairs: dict, axes: M
 def run_grid(name: str, module: ModuleType, preset, toml: dict, pairs: dict, axes: Mapping[str, list[str]],
              base, parallel: int = 1, argv: Sequence[str] = ()) -> int:
     """Run every cell of the grid (finished ones skipped): one after another in this process, or with
-    ``parallel`` > 1 that many at once as ``bin/run`` subprocesses given ``argv`` (this command's arguments)
+    ``parallel`` > 1 that many at once as ``purestep`` subprocesses given ``argv`` (this command's arguments)
     for the cell; then write the summary in the run root."""
-    from core.cli.grid_parallel import run_parallel
-    from core.cli.grid_summary import write_summary
+    from purestep.core.cli.grid_parallel import run_parallel
+    from purestep.core.cli.grid_summary import write_summary
     root = run_folder(getattr(base, "out", ""), getattr(base, "name", ""), name)
     cells = plan(name, module, preset, toml, pairs, axes, root)
     make_folder(root)

@@ -1,11 +1,11 @@
-"""``grid.parallel=N``: a grid's cells run N at once, each as its own ``bin/run`` process (``core.cli.grid``).
+"""``grid.parallel=N``: a grid's cells run N at once, each as its own ``purestep`` process (``core.cli.grid``).
 
 A cell's command is this command's arguments without the grid (``grid.*``, the seed list) and without
 ``out=``/``name=``, followed by the cell's values and ``out=<cell folder>``; it runs from the same working
 directory with this checkout first on ``PYTHONPATH``, so it imports the code that planned it. Its console
 output goes to ``<cell folder>/grid.log`` (appended to on a rerun); one line here says when each cell starts
 and ends. Every process keeps its own thread settings (``OMP_NUM_THREADS``): on a small machine give each
-cell fewer threads (``OMP_NUM_THREADS=1 bin/run ... grid.parallel=2``).
+cell fewer threads (``OMP_NUM_THREADS=1 purestep ... grid.parallel=2``).
 
 A cell that stops without finishing (exit code 4, ``core.exits.STOPPED``: diverged, too many rollbacks) is
 reported and the grid goes on. A cell that fails otherwise lets the running ones finish and starts no new one; the
@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from core.config import UserError
-from core.exits import STOPPED
-from core.io.logging import progress
+from purestep.core.config import UserError
+from purestep.core.exits import STOPPED
+from purestep.core.io.logging import progress
 
 LOG = "grid.log"
 REPO = Path(__file__).resolve().parents[2]
@@ -33,11 +33,11 @@ DROP = ("out", "name")
 
 
 def child_argv(argv: Sequence[str], axes: Sequence[str], cell) -> list[str]:
-    """``bin/run`` arguments for one cell: ``argv`` without the grid, its values, and its folder as ``out=``."""
+    """``purestep`` arguments for one cell: ``argv`` without the grid, its values, and its folder as ``out=``."""
     keep = []
     for token in argv:
         key = token.partition("=")[0].strip()
-        if key.startswith("grid.") or key in DROP or key in axes:   # each key once: bin/run refuses a repeat
+        if key.startswith("grid.") or key in DROP or key in axes:   # each key once: purestep refuses a repeat
             continue
         keep.append(token)
     return [*keep, *(f"{k}={v}" for k, v in cell.values.items()), f"out={cell.folder}"]

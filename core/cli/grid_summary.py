@@ -26,7 +26,7 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from core.io.checkpoint import FINAL, STOPPED
+from purestep.core.io.checkpoint import FINAL, STOPPED
 
 METRICS = ("final_val_loss", "best_val_loss", "tokens_per_sec", "wall_seconds")
 

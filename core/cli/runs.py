@@ -17,8 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
-from core.config import ConfigError, UserError
-from core.io.cache import refuse_link
+from purestep.core.config import ConfigError, UserError
+from purestep.core.io.cache import refuse_link
 
 LOCK = ".lock"
 

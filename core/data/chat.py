@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import time
 
-from core.data.tokenizers import DataError
+from purestep.core.data.tokenizers import DataError
 
 PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -35,7 +35,7 @@ PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }
 def _environment():
     from jinja2.ext import loopcontrols
 
-    from core.data.sandbox import BoundedSandbox
+    from purestep.core.data.sandbox import BoundedSandbox
 
     def raise_exception(message):
         raise DataError(f"chat template: {message}")

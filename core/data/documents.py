@@ -34,9 +34,9 @@ import os
 import numpy as np
 import torch
 
-from core.data import text as text_data
-from core.data.jsonl import find_jsonl, shard
-from core.data.tokenizers import DataError, make_tokenizer
+from purestep.core.data import text as text_data
+from purestep.core.data.jsonl import find_jsonl, shard
+from purestep.core.data.tokenizers import DataError, make_tokenizer
 
 LOSS_ON = ("all", "assistant")
 

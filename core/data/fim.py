@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.data.tokenizers import SENTINELS
+from purestep.core.data.tokenizers import SENTINELS
 
 
 @dataclass(frozen=True)

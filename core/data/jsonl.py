@@ -32,10 +32,10 @@ from array import array
 
 import numpy as np
 
-from core.io import cache
-from core.data.chat import ChatTemplate, check_messages, segments, template_of
-from core.io.logging import progress
-from core.data.tokenizers import DataError
+from purestep.core.io import cache
+from purestep.core.data.chat import ChatTemplate, check_messages, segments, template_of
+from purestep.core.io.logging import progress
+from purestep.core.data.tokenizers import DataError
 
 VERSION = 1
 SUFFIXES = (".jsonl", ".jsonl.gz")

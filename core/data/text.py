@@ -46,9 +46,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.io import cache
-from core.io.logging import progress
-from core.data.tokenizers import CharTokenizer, DataError, decode_utf8, make_tokenizer, tokenizer_from_dict
+from purestep.core.io import cache
+from purestep.core.io.logging import progress
+from purestep.core.data.tokenizers import CharTokenizer, DataError, decode_utf8, make_tokenizer, tokenizer_from_dict
 
 __all__ = ["DataError", "Source", "find_source", "Corpus", "prepare", "Batches", "EvalBatches",
            "eval_batches", "cache_root"]

@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from core.config import UserError
+from purestep.core.config import UserError
 
 
 class DataError(UserError, ValueError):

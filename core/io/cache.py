@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from core.config import UserError
+from purestep.core.config import UserError
 
 META = "meta.json"
 

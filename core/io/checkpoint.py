@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from core.io.cache import fsync_path, publish_file, write_file
-from core.io.checkpoint_checksums import Checksums
-from core.io.checkpoint_format import (_NAMES, CHECKSUMS, CHUNKED, DTYPES, FORMAT, MAX_CHUNK_SIZE, CheckpointError,
+from purestep.core.io.cache import fsync_path, publish_file, write_file
+from purestep.core.io.checkpoint_checksums import Checksums
+from purestep.core.io.checkpoint_format import (_NAMES, CHECKSUMS, CHUNKED, DTYPES, FORMAT, MAX_CHUNK_SIZE, CheckpointError,
                                     Writer, read)
-from core.exits import RunStopped
-from core.io.logging import progress
+from purestep.core.exits import RunStopped
+from purestep.core.io.logging import progress
 
 __all__ = ["CHUNKED", "DTYPES", "FORMAT", "MAX_CHUNK_SIZE", "CheckpointError", "CheckpointSaveError",
            "from_state_dict", "to_state_dict", "Deferred", "make_deferred", "fsync_path", "save", "load",

@@ -35,8 +35,8 @@ from pathlib import Path
 import msgpack
 import torch
 
-from core.io.checkpoint_checksums import Checksums, check_checksums
-from core.config import UserError
+from purestep.core.io.checkpoint_checksums import Checksums, check_checksums
+from purestep.core.config import UserError
 
 FORMAT = "purestep-checkpoint-1"
 MAX_CHUNK_SIZE = 2 ** 30          # bytes; flax.serialization.MAX_CHUNK_SIZE

@@ -35,9 +35,9 @@ from typing import Any, Mapping
 import click
 import torch
 
-from core.io.board import board_tag, layout_of
-from core.io.cache import open_append, refuse_link
-from core.config import flatten_keys
+from purestep.core.io.board import board_tag, layout_of
+from purestep.core.io.cache import open_append, refuse_link
+from purestep.core.config import flatten_keys
 
 EVENTS = "events.out.tfevents"    # the prefix of SummaryWriter's event files
 

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from core.config import ConfigError, UserError
+from purestep.core.config import ConfigError, UserError
 
 PARALLEL = ("auto", "none", "ddp", "fsdp")
 PG_TIMEOUT = 45.0     # seconds a collective waits for a peer before the survivors stop (a dead rank)
@@ -213,7 +213,7 @@ def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEO
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if parallel in ("ddp", "fsdp") and not launched:
         raise ConfigError(f"parallel={parallel} needs a launcher: run it under torchrun "
-                          f"(torchrun --nproc_per_node=N bin/run ...), or use parallel=none")
+                          f"(torchrun --nproc_per_node=N purestep ...), or use parallel=none")
     if parallel == "none" and world > 1:
         raise ConfigError(f"parallel=none under a launcher with {world} ranks; use parallel=ddp or parallel=fsdp")
     sharded = parallel == "fsdp"

@@ -59,9 +59,9 @@ from typing import Callable, Optional
 
 import torch
 
-from core.io.checkpoint import Deferred
-from core.parallel.distributed import all_gather, all_reduce_sum, mean_over_ranks, reduce_scatter_sum, split_mean, wait
-from core.tree import leaves_of, like, tree_map, tree_map_with_name, zip_leaves
+from purestep.core.io.checkpoint import Deferred
+from purestep.core.parallel.distributed import all_gather, all_reduce_sum, mean_over_ranks, reduce_scatter_sum, split_mean, wait
+from purestep.core.tree import leaves_of, like, tree_map, tree_map_with_name, zip_leaves
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ class Layout:
 
     def blocks(self, shards, train: bool = True):
         """A step's per-block gathering of ``shards`` (``core.parallel.shard_blocks.Blocks``)."""
-        from core.parallel.shard_blocks import Blocks
+        from purestep.core.parallel.shard_blocks import Blocks
         return Blocks(self, shards, train)
 
     # ------------------------------------------------------------------------- checkpoints

@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from core.tree import LayerNode, Tree, like, tree_unflatten, unstack, zip_leaves
+from purestep.core.tree import LayerNode, Tree, like, tree_unflatten, unstack, zip_leaves
 
 
 class _Saved:

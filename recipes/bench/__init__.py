@@ -1,1 +1,1 @@
-"""recipes.bench: benchmarks, each a recipe: bin/run recipe=bench.NAME."""
+"""recipes.bench: benchmarks, each a recipe: purestep recipe=bench.NAME."""

@@ -1,6 +1,6 @@
 """Checkpoint throughput and memory: :mod:`core.io.checkpoint` against ``torch.save`` / ``torch.load``.
 
-Run ``bin/run recipe=bench.checkpoint [n_params=100000000] [repeats=3] [folder=PATH]``. Both formats write
+Run ``purestep recipe=bench.checkpoint [n_params=100000000] [repeats=3] [folder=PATH]``. Both formats write
 the same float32 state dict (a Llama-shaped model, one tensor per weight) to the same folder; after an
 untimed warm-up round, each measurement is repeated, the order of the contenders rotating, and the median
 kept (these machines are noisy and shared, so only ratios measured in one process mean anything). Our save
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from core.io import checkpoint
-from core.config import UserError, option
+from purestep.core.io import checkpoint
+from purestep.core.config import UserError, option
 
 DESCRIPTION = "time durable msgpack checkpoints against torch.save/torch.load (MB/s ratios, peak memory)"
 MB = 1e6

@@ -8,11 +8,11 @@ import time
 
 import torch
 
-from core.config import option, same_as
-from core.device import DEVICES, resolve_device
-from core.io.logging import progress
-from core.tree import size
-from models import llama
+from purestep.core.config import option, same_as
+from purestep.core.device import DEVICES, resolve_device
+from purestep.core.io.logging import progress
+from purestep.core.tree import size
+from purestep.models import llama
 
 
 @dataclass

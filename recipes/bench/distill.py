@@ -1,6 +1,6 @@
 """Benchmark: the step time of distillation from an offline teacher cache against the online teacher.
 
-``bin/run recipe=bench.distill [teacher=smollm2] data=PATH [k=32] [steps=12]`` builds a top-``k``
+``purestep recipe=bench.distill [teacher=smollm2] data=PATH [k=32] [steps=12]`` builds a top-``k``
 cache (``recipe=distill_cache``) of ``steps + warmup`` batches in a temporary folder, prepares both distill
 runs with the same settings (``preset=smollm2`` shapes: a 16M student, 4 x 64 tokens) in this process and
 times them step by step, interleaved (A B A B ...), so machine noise hits both alike. It prints the median
@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.config import UserError, option, resolve
-from core.device import synchronize
-from recipes.distill import cache as distill_cache, recipe as distill
+from purestep.core.config import UserError, option, resolve
+from purestep.core.device import synchronize
+from purestep.recipes.distill import cache as distill_cache, recipe as distill
 
 DESCRIPTION = "time distillation from a top-k teacher cache against the online teacher (ratio, same process)"
 

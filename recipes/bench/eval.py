@@ -1,4 +1,4 @@
-"""``bin/run recipe=bench.eval``: ``recipe=eval`` against EleutherAI's lm-evaluation-harness itself, question by
+"""``purestep recipe=bench.eval``: ``recipe=eval`` against EleutherAI's lm-evaluation-harness itself, question by
 question.
 
 Both sides score the same model (a Hugging Face folder: ``init=`` names one, ``smollm2`` is
@@ -19,14 +19,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.cli import runs
-from core.config import ConfigError, UserError, option, to_dict
-from core.io.cache import write_json
-from core.io.logging import progress
-from models.loading import SMOLLM2, load_model
-from recipes.eval.report import per_question
-from recipes.eval.run import FEWSHOT_SEED, evaluate, task_texts
-from recipes.eval.tasks import SIX, TASKS, data_root, split_files, unknown_task
+from purestep.core.cli import runs
+from purestep.core.config import ConfigError, UserError, option, to_dict
+from purestep.core.io.cache import write_json
+from purestep.core.io.logging import progress
+from purestep.models.loading import SMOLLM2, load_model
+from purestep.recipes.eval.report import per_question
+from purestep.recipes.eval.run import FEWSHOT_SEED, evaluate, task_texts
+from purestep.recipes.eval.tasks import SIX, TASKS, data_root, split_files, unknown_task
 
 DESCRIPTION = "recipe=eval against lm-evaluation-harness's HF backend: the same choice per question, log-likelihoods"
 
@@ -66,13 +66,13 @@ def hf_folder(init: str, folder: Path) -> Path:
     if (p / "config.json").is_file():
         return p
     if init == SMOLLM2 and not p.exists():
-        from models import smollm2
+        from purestep.models import smollm2
         return Path(smollm2.hf_folder())
     model = load_model(init)
     if model.arch != "llama" or getattr(model.tokenizer, "name", "") != "bpe":
         raise UserError(f"init={init}: the harness loads a Hugging Face Llama folder with a tokenizer.json; this is a "
                         f"{model.arch} model with a {getattr(model.tokenizer, 'name', 'missing')} tokenizer")
-    from models.hf import export_hf
+    from purestep.models.hf import export_hf
     export_hf(model.params, model.config, folder / "hf", tokenizer=model.tokenizer)
     return folder / "hf"
 

@@ -1,4 +1,4 @@
-"""Fine-tune, then export, then measure what the export costs: ``bin/run recipe=bench.export [init=smollm2]``.
+"""Fine-tune, then export, then measure what the export costs: ``purestep recipe=bench.export [init=smollm2]``.
 
 The path a user takes, end to end: ``recipe=standard init=INIT`` for ``steps`` steps on ``data``, then
 ``recipe=export`` of the result to an HF folder (fp32, read back through transformers when it is installed) and to
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from core.config import UserError, option, same_as
-from core.data.documents import prepare_text
-from core.io.logging import progress
-from core.cli.runs import run_folder
-from models.loading import load_model
-from recipes.export import Config as ExportConfig, run as export
-from recipes.train.config import TrainConfig
+from purestep.core.config import UserError, option, same_as
+from purestep.core.data.documents import prepare_text
+from purestep.core.io.logging import progress
+from purestep.core.cli.runs import run_folder
+from purestep.models.loading import load_model
+from purestep.recipes.export import Config as ExportConfig, run as export
+from purestep.recipes.train.config import TrainConfig
 
 DESCRIPTION = "fine-tune a model a few steps, export it to HF and GGUF, compare logits and held-out NLL"
 GGUF_DTYPES = ("fp32", "f16", "bf16", "q8_0")
@@ -64,12 +64,12 @@ def run(cfg: Config) -> list[dict]:
 
 
 def _fine_tune(cfg: Config, root: Path) -> str:
-    from recipes import main
+    from purestep.recipes import main
     folder = root / "run"
     args = ["recipe=standard", f"init={cfg.init}", f"data={cfg.data}", f"steps={cfg.steps}", f"lr={cfg.lr}",
             f"batch_size={cfg.batch_size}", f"block_size={cfg.block_size}", "warmup_steps=0", "compile=false",
             "sample_tokens=0", "eval_every=0", "eval_batches=1", "save_every=0", f"out={folder}"]
-    progress(f"fine-tuning: bin/run {' '.join(args)}")
+    progress(f"fine-tuning: purestep {' '.join(args)}")
     if main(args) != 0:
         raise UserError(f"the fine-tuning run in {folder} failed (its error is above)")
     return str(folder)

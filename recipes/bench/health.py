@@ -1,6 +1,6 @@
 """Benchmark: what AdaGC and the gradient health statistics add to the compiled train step.
 
-``bin/run recipe=bench.health [key=value ...]`` (``--help`` lists the keys).
+``purestep recipe=bench.health [key=value ...]`` (``--help`` lists the keys).
 
 Variants, all on the same tiny Llama and the same batch, in one process:
 
@@ -30,14 +30,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import optim
-from core.config import option
-from recipes.bench.common import StepBench, model_and_batch, warm_up
-from core.state import init_state
-from core.step import make_train_step
-from core.update import Monitors
-from models import llama
-from models.llama_module import LlamaModule, load_params
+from purestep import optim
+from purestep.core.config import option
+from purestep.recipes.bench.common import StepBench, model_and_batch, warm_up
+from purestep.core.state import init_state
+from purestep.core.step import make_train_step
+from purestep.core.update import Monitors
+from purestep.models import llama
+from purestep.models.llama_module import LlamaModule, load_params
 
 DESCRIPTION = "time AdaGC + gradient health statistics in the compiled step against global clipping (ratios)"
 

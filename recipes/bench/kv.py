@@ -1,6 +1,6 @@
 """Benchmark: any two checkpoints, teacher against student, with the upcycle recipe's benchmark phase.
 
-``bin/run recipe=bench.kv teacher=PATH student=PATH [data=TEXT] [benchmark.prompt_tokens=256,1024,2048]
+``purestep recipe=bench.kv teacher=PATH student=PATH [data=TEXT] [benchmark.prompt_tokens=256,1024,2048]
 [benchmark.batches=1,4] ...``: both models (purestep checkpoints or run folders, Hugging Face folders, .gguf,
 ``smollm2``; the student typically an upcycle phase's folder, e.g. ``RUN/global``) are loaded in this process;
 ``data=`` is tokenized with the teacher's tokenizer (the student must share its vocabulary) and every held-out
@@ -13,17 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.config import UserError, option
-from core.data.text import EvalBatches, prepare
-from core.device import DEVICES, resolve_device
-from core.io.logging import progress
-from core.cli.runs import run_folder
-from models.loading import load_model
-from recipes.distill.teacher import load_teacher
-from recipes.upcycle import benchmark, report
-from recipes.upcycle.config import BenchmarkConfig
-from recipes.upcycle.phases import heldout_loss
-from recipes.upcycle.sweep import Model
+from purestep.core.config import UserError, option
+from purestep.core.data.text import EvalBatches, prepare
+from purestep.core.device import DEVICES, resolve_device
+from purestep.core.io.logging import progress
+from purestep.core.cli.runs import run_folder
+from purestep.models.loading import load_model
+from purestep.recipes.distill.teacher import load_teacher
+from purestep.recipes.upcycle import benchmark, report
+from purestep.recipes.upcycle.config import BenchmarkConfig
+from purestep.recipes.upcycle.phases import heldout_loss
+from purestep.recipes.upcycle.sweep import Model
 
 DESCRIPTION = "teacher vs student (any two checkpoints): latency/KV sweep, perplexity, passkey, behaviour"
 

@@ -1,4 +1,4 @@
-"""Does llama.cpp compute what purestep computes? ``bin/run recipe=bench.llamacpp [init=smollm2] [data=TEXT]``.
+"""Does llama.cpp compute what purestep computes? ``purestep recipe=bench.llamacpp [init=smollm2] [data=TEXT]``.
 
 ``recipe=export format=gguf`` writes ``init`` at each of ``dtypes`` (a Llama as llama.cpp's ``llama`` or ``qwen2``,
 an MLA student, arch ``mla``, as its ``deepseek2``: ``models.mla_gguf``); llama.cpp (its Python binding,
@@ -30,14 +30,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.config import UserError, option, same_as
-from core.data.documents import prepare_text
-from core.io.logging import progress
-from core.cli.runs import run_folder
-from models.loading import load_model
-from models.sampling import generate
-from recipes.export import Config as ExportConfig, run as export
-from recipes.train.config import TrainConfig
+from purestep.core.config import UserError, option, same_as
+from purestep.core.data.documents import prepare_text
+from purestep.core.io.logging import progress
+from purestep.core.cli.runs import run_folder
+from purestep.models.loading import load_model
+from purestep.models.sampling import generate
+from purestep.recipes.export import Config as ExportConfig, run as export
+from purestep.recipes.train.config import TrainConfig
 
 DESCRIPTION = "export to GGUF, run it in llama.cpp (llama-cpp-python), compare logits, greedy tokens and NLL"
 DTYPES = ("fp32", "f16", "bf16", "q8_0")

@@ -1,6 +1,6 @@
 """The orchestrator's acceptance figures, measured in one process (ratios against a baseline run here).
 
-    bin/run recipe=bench.orchestrator [data=PATH] [steps=300] [only=unstable,healthy,nowcast]
+    purestep recipe=bench.orchestrator [data=PATH] [steps=300] [only=unstable,healthy,nowcast]
                                       [healthy_steps=1000] [repeats=3]
 
 Runs the standard recipe's ``tiny`` preset (char tokens; an empty ``data`` means the shared tiny-shakespeare
@@ -14,7 +14,7 @@ file when ``PURESTEP_SHARED_DATA`` or ``../shared/data`` has it, else this Pytho
 - nowcast: the same healthy run with nowcasting on (no strategy decisions) vs off: acceptance rate and
   validation loss.
 
-Every run is a ``bin/run`` equivalent in a temporary folder, ``compile=false``, ``OMP_NUM_THREADS`` as set.
+Every run is a ``purestep`` equivalent in a temporary folder, ``compile=false``, ``OMP_NUM_THREADS`` as set.
 """
 from __future__ import annotations
 
@@ -27,15 +27,15 @@ from pathlib import Path
 
 import torch
 
-from recipes import main as run_main
-from core import exits
-from core.config import ConfigError, UserError, option
-from core.data.documents import prepare_text
-from core.step import make_eval_step
-from core.tree import tree_leaves
-from models import llama
-from models.loading import load_model
-from recipes.train.loop import evaluate
+from purestep.recipes import main as run_main
+from purestep.core import exits
+from purestep.core.config import ConfigError, UserError, option
+from purestep.core.data.documents import prepare_text
+from purestep.core.step import make_eval_step
+from purestep.core.tree import tree_leaves
+from purestep.models import llama
+from purestep.models.loading import load_model
+from purestep.recipes.train.loop import evaluate
 
 DESCRIPTION = "the orchestrator's figures: unstable, healthy and nowcast runs against fixed strategies"
 PARTS = ("unstable", "healthy", "nowcast")
@@ -68,7 +68,7 @@ def train(out: Path, data: str, steps: int, *extra: str, may_stop: bool = False)
 def final_val(out: Path, data: str, batch_size: int = 16, block_size: int = 64, batches: int = 10):
     """Validation loss of the newest state in ``out`` (default: the tiny preset's 10 validation batches),
     its step, and whether every parameter is finite."""
-    from core.io import checkpoint as ckpt
+    from purestep.core.io import checkpoint as ckpt
     path = ckpt.latest(out)
     model = load_model(str(path))
     corpus = prepare_text(data, model.tokenizer)

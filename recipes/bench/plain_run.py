@@ -25,11 +25,11 @@ START = time.perf_counter()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from core.compile import compile_seconds, enable_caches  # noqa: E402
-from core.gradients import autocast  # noqa: E402
-from core.data.documents import prepare_data  # noqa: E402
-from models import llama  # noqa: E402
-from models.llama_module import LlamaModule, load_params  # noqa: E402
+from purestep.core.compile import compile_seconds, enable_caches  # noqa: E402
+from purestep.core.gradients import autocast  # noqa: E402
+from purestep.core.data.documents import prepare_data  # noqa: E402
+from purestep.models import llama  # noqa: E402
+from purestep.models.llama_module import LlamaModule, load_params  # noqa: E402
 
 MARK = "PLAIN_RUN "
 

@@ -1,6 +1,6 @@
 """Benchmark: distilled students scored on their own samples, GKD's question, and on the data.
 
-``bin/run recipe=bench.policy teacher=smollm2 students=runs/distill-off,runs/distill-on data=PATH`` cuts held-out
+``purestep recipe=bench.policy teacher=smollm2 students=runs/distill-off,runs/distill-on data=PATH`` cuts held-out
 windows of ``data`` (its validation split, the teacher's tokenizer), keeps the first ``prompt`` tokens of each as
 a prompt and, per student:
 
@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from core.config import UserError, option
-from core.device import DEVICES, resolve_device
-from core.gradients import autocast
-from core.io.logging import progress
-from models import llama
-from models.loading import load_model, require_llama
-from recipes.distill.on_policy import OnPolicy
-from recipes.distill.teacher import load_teacher, teacher_data
-from recipes.train.config import TrainConfig
+from purestep.core.config import UserError, option
+from purestep.core.device import DEVICES, resolve_device
+from purestep.core.gradients import autocast
+from purestep.core.io.logging import progress
+from purestep.models import llama
+from purestep.models.loading import load_model, require_llama
+from purestep.recipes.distill.on_policy import OnPolicy
+from purestep.recipes.distill.teacher import load_teacher, teacher_data
+from purestep.recipes.train.config import TrainConfig
 
 DESCRIPTION = "distilled students on their own samples (KL to the teacher, teacher NLL) and on the data (GKD)"
 

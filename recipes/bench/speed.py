@@ -1,6 +1,6 @@
 """Benchmark: the standard recipe's training loop against nanoGPT's plain PyTorch loop, tokens per second.
 
-``bin/run recipe=bench.speed data=tinyshakespeare.txt`` (``--help`` lists the keys). The defaults are nanoGPT's
+``purestep recipe=bench.speed data=tinyshakespeare.txt`` (``--help`` lists the keys). The defaults are nanoGPT's
 CPU shakespeare-char configuration (``config/train_shakespeare_char.py`` with its CPU settings: 4 layers, 4
 heads, d=128, block 64, batch 12, lr 1e-3, beta2 0.99, 100 warmup steps, cosine to 1e-4).
 
@@ -12,7 +12,7 @@ In one process, on the same Llama (the same initial weights), the same data and 
   synchronously, ``loss.item()`` every ``log_every`` steps.
 - ``standard``: ``recipes.standard.prepare_run`` (the recipe's own config, data, state and steps, every default
   on: gradient health, spike detection with its snapshot ring, the non-finite skip) driven by
-  ``recipes.train.loop.fit``, the loop ``bin/run recipe=standard`` runs (prefetch, metric pulls, TensorBoard
+  ``recipes.train.loop.fit``, the loop ``purestep recipe=standard`` runs (prefetch, metric pulls, TensorBoard
   and JSONL logging into a temporary folder).
 - with ``overhead=true`` also ``standard`` without each default (``health=false``, ``spike.enabled=false``, the
   step without its non-finite select), for what each costs; ``without=`` names a subset. These variants step
@@ -50,21 +50,21 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from core.config import ConfigError, option
-from core.io.logging import Logger, progress
-from core.spike import SpikeConfig
-from core.io.telemetry import flops_per_token
-from optim.health import computed
-from models import llama
-from models.llama_module import LlamaModule, load_params
-from recipes import standard
-from recipes.bench.plain_run import nanogpt_lr
-from recipes.train import backend
-from recipes.train.backend import SCOPES
-from recipes.train.hooks import Hook
-from recipes.train.loop import LoopIO, LoopState, Measures, fit
-from recipes.train.metrics import write_health
-from recipes.train.rollback import ring_gap, state_copy
+from purestep.core.config import ConfigError, option
+from purestep.core.io.logging import Logger, progress
+from purestep.core.spike import SpikeConfig
+from purestep.core.io.telemetry import flops_per_token
+from purestep.optim.health import computed
+from purestep.models import llama
+from purestep.models.llama_module import LlamaModule, load_params
+from purestep.recipes import standard
+from purestep.recipes.bench.plain_run import nanogpt_lr
+from purestep.recipes.train import backend
+from purestep.recipes.train.backend import SCOPES
+from purestep.recipes.train.hooks import Hook
+from purestep.recipes.train.loop import LoopIO, LoopState, Measures, fit
+from purestep.recipes.train.metrics import write_health
+from purestep.recipes.train.rollback import ring_gap, state_copy
 
 DEFAULTS = ("health", "spike", "skip")   # what overhead=true times standard without
 WITHOUT = {"health": "standard, health=false", "spike": "standard, spike.enabled=false",
@@ -72,7 +72,7 @@ WITHOUT = {"health": "standard, health=false", "spike": "standard, spike.enabled
 DEFAULTS_TEXT = ",".join(DEFAULTS)
 PAIRS = 20   # step pairs per default (overhead=true)
 
-DESCRIPTION = ("tokens/s of bin/run recipe=standard's loop against nanoGPT's plain loop (torch.compile(module) + "
+DESCRIPTION = ("tokens/s of purestep recipe=standard's loop against nanoGPT's plain loop (torch.compile(module) + "
                "torch.optim.AdamW), interleaved; FLOP/s against a measured matmul peak; the defaults' costs")
 
 

@@ -1,6 +1,6 @@
 """Benchmark: the functional train step against the plain PyTorch loop: time, peak memory, compile time.
 
-``bin/run recipe=bench.step [key=value ...]`` (``--help`` lists the keys).
+``purestep recipe=bench.step [key=value ...]`` (``--help`` lists the keys).
 
 Four ways to take the same training step on the same Llama and the same batch:
 
@@ -45,14 +45,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import optim
-from core.config import ConfigError, option
-from core.io.logging import memory_mb, progress, reset_peak_memory
-from recipes.bench.common import StepBench, model_and_batch, warm_up
-from core.state import init_state
-from core.step import COMPILE_SCOPES, Compile, make_train_step
-from models import llama
-from models.llama_module import LlamaModule, load_params
+from purestep import optim
+from purestep.core.config import ConfigError, option
+from purestep.core.io.logging import memory_mb, progress, reset_peak_memory
+from purestep.recipes.bench.common import StepBench, model_and_batch, warm_up
+from purestep.core.state import init_state
+from purestep.core.step import COMPILE_SCOPES, Compile, make_train_step
+from purestep.models import llama
+from purestep.models.llama_module import LlamaModule, load_params
 
 DESCRIPTION = ("time, peak memory and compile time of the functional step against nn.Module + torch.optim.AdamW "
                "(one process per variant)")

@@ -1,6 +1,6 @@
 """Benchmark: quality per training token of the upcycle recipe against end-to-end fine-tuning, from one surgery.
 
-``bin/run recipe=bench.upcycle teacher=PATH [data=TEXT] [kv_reduction=4] [budgets=100000,300000,1000000]``
+``purestep recipe=bench.upcycle teacher=PATH [data=TEXT] [kv_reduction=4] [budgets=100000,300000,1000000]``
 runs the surgery of ``recipe=upcycle`` once, then, for every token budget, trains the same surgery-made student
 by each arm and scores it on the same held-out windows (the test half of the validation split):
 
@@ -30,20 +30,20 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from core.config import ConfigError, UserError, option, resolve, same_as
-from core.cli.runs import run_folder
-from core.device import resolve_device
-from core.spike import SpikeConfig
-from core.io.logging import progress
-from models import llama
-from models.loading import module_of
-from recipes.distill.teacher import load_teacher
-from recipes.upcycle import passkey, recipe as upcycle
-from recipes.upcycle import six_tasks
-from recipes.upcycle.config import BenchmarkConfig, BlockwiseConfig, Config as UpcycleConfig, GlobalConfig, \
+from purestep.core.config import ConfigError, UserError, option, resolve, same_as
+from purestep.core.cli.runs import run_folder
+from purestep.core.device import resolve_device
+from purestep.core.spike import SpikeConfig
+from purestep.core.io.logging import progress
+from purestep.models import llama
+from purestep.models.loading import module_of
+from purestep.recipes.distill.teacher import load_teacher
+from purestep.recipes.upcycle import passkey, recipe as upcycle
+from purestep.recipes.upcycle import six_tasks
+from purestep.recipes.upcycle.config import BenchmarkConfig, BlockwiseConfig, Config as UpcycleConfig, GlobalConfig, \
     checked_tasks
-from recipes.upcycle.phases import FINAL, load_student, ppl
-from recipes.upcycle.sweep import Model
+from purestep.recipes.upcycle.phases import FINAL, load_student, ppl
+from purestep.recipes.upcycle.sweep import Model
 
 DESCRIPTION = "upcycle quality per training token: blockwise + global against end-to-end, equal budgets, one surgery"
 ARMS = ("ours", "e2e", "kd")
@@ -110,7 +110,7 @@ class Config:
 
 
 def arm_keys(cfg: Config, arm: str, budget: int) -> dict:
-    """``recipe=upcycle`` keys of one arm at one budget (strings, as bin/run gives them)."""
+    """``recipe=upcycle`` keys of one arm at one budget (strings, as purestep gives them)."""
     g, bw, block = cfg.fine_tune, cfg.blockwise, cfg.block_size
     share = cfg.blockwise_share if arm == "ours" else 0.0
     keys = {"global.kd_alpha": str(0.0 if arm == "e2e" else g.kd_alpha), "global.batch_size": str(g.batch_size),

@@ -1,6 +1,6 @@
-"""Benchmark: a whole run, compile included: ``bin/run recipe=standard`` against the plain PyTorch loop's whole run.
+"""Benchmark: a whole run, compile included: ``purestep recipe=standard`` against the plain PyTorch loop's whole run.
 
-``bin/run recipe=bench.wall data=tinyshakespeare.txt`` (``--help`` lists the keys). The defaults are nanoGPT's CPU
+``purestep recipe=bench.wall data=tinyshakespeare.txt`` (``--help`` lists the keys). The defaults are nanoGPT's CPU
 shakespeare-char configuration, the command in ``recipes/standard.py``'s docstring (4 layers, 4 heads, d=128,
 block 64, batch 12, 2000 steps, lr 1e-3 with 100 warmup steps and cosine to 1e-4, beta2 0.99, an evaluation of 20
 batches every 250 steps), with ``optimizer=`` as given: ``adamw`` by default, the plain loop's own optimizer, so both
@@ -9,7 +9,7 @@ sides run the same algorithm; ``optimizer=muon`` runs the docstring's command it
 Every run is a child process, timed from its start to its exit (interpreter start-up, imports, the data, every
 compile, the steps, the evaluations, the checkpoints):
 
-- ``standard``: ``bin/run recipe=standard`` with those keys, every other key at its default (samples at each
+- ``standard``: ``purestep recipe=standard`` with those keys, every other key at its default (samples at each
   evaluation, gradient health, spike detection, checkpoints every 500 steps and the best): what users run.
 - ``plain``: ``python -m recipes.bench.plain_run`` (``recipes/bench/plain_run.py``): nanoGPT's ``train.py`` loop over
   the same Llama as an ``nn.Module``: ``torch.compile(module)``, fused AdamW, the same evaluations (the same windows,
@@ -34,18 +34,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from core.cli.command import merge_args
-from core.config import UserError, option
-from core.gradients import PRECISIONS
-from core.io.logging import progress
-from core.cli.runs import make_folder, run_folder
-from recipes.bench.plain_run import MARK, PlainRun
-from recipes.train.optimizer import OPTIMIZERS
+from purestep.core.cli.command import merge_args
+from purestep.core.config import UserError, option
+from purestep.core.gradients import PRECISIONS
+from purestep.core.io.logging import progress
+from purestep.core.cli.runs import make_folder, run_folder
+from purestep.recipes.bench.plain_run import MARK, PlainRun
+from purestep.recipes.train.optimizer import OPTIMIZERS
 
 REPO = Path(__file__).resolve().parents[2]
 CACHES = ("cold", "warm")
 MUON_KEYS = ("muon.lr=0.01", "muon.momentum=0.9")   # recipes/standard.py's docstring command for this configuration
-DESCRIPTION = ("wall time of a whole bin/run recipe=standard run (compile, steps, evaluations, checkpoints) against "
+DESCRIPTION = ("wall time of a whole purestep recipe=standard run (compile, steps, evaluations, checkpoints) against "
                "nanoGPT's plain loop's whole run, cold and warm inductor cache")
 
 
@@ -79,7 +79,7 @@ class Config:
 
 
 def standard_args(cfg: Config, folder: Path) -> list[str]:
-    """``bin/run recipe=standard``'s keys for this configuration (``recipes/standard.py``'s docstring)."""
+    """``purestep recipe=standard``'s keys for this configuration (``recipes/standard.py``'s docstring)."""
     return ["recipe=standard", f"data={cfg.data}", f"tokenizer={cfg.tokenizer}", f"model.n_layers={cfg.n_layers}",
             f"model.n_heads={cfg.n_heads}", f"model.d_model={cfg.d_model}", f"block_size={cfg.block_size}",
             f"batch_size={cfg.batch_size}", "lr=1e-3", "beta2=0.99", "warmup_steps=100", f"steps={cfg.steps}",
@@ -118,7 +118,7 @@ def run_standard(cfg: Config, folder: Path, cache: Path) -> dict:
 
 
 def run_plain(cfg: Config, folder: Path, cache: Path) -> dict:
-    argv = [sys.executable, "-m", "recipes.bench.plain_run", json.dumps(asdict(plain_config(cfg, folder)))]
+    argv = [sys.executable, "-m", "purestep.recipes.bench.plain_run", json.dumps(asdict(plain_config(cfg, folder)))]
     seconds, text = timed(argv, cache, folder.with_suffix(".log"))
     result = json.loads(next(line[len(MARK):] for line in text.splitlines() if line.startswith(MARK)))
     return {"wall_s": seconds, "val_loss": result["val_loss"], "compile_s": result["compile_s"],

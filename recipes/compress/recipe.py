@@ -1,4 +1,4 @@
-"""Hidden-state compression: ``bin/run recipe=compress teacher=PATH d_compressed=D'`` (or ``sweep=D'1,D'2,...``).
+"""Hidden-state compression: ``purestep recipe=compress teacher=PATH d_compressed=D'`` (or ``sweep=D'1,D'2,...``).
 
 Trains the weight-tied linear compressor of ``models.compressor`` (``z = (x - mu) W``, ``x_hat = z W^T + mu``)
 to reconstruct a frozen teacher's hidden states (``layer=``, default the last block's output), and measures
@@ -31,24 +31,24 @@ from pathlib import Path
 
 import click
 
-from core.io import checkpoint as ckpt
-from core.io.cache import write_csv, write_file, write_text
-from core.parallel import distributed
-from core.config import ConfigError, UserError, option, same_as, to_dict
-from core.data.documents import prepare_text
-from core.device import resolve_device
-from core.parallel.distributed import Dist
-from core.io.logging import progress
-from core.cli.runs import claim
-from core.spike import SpikeConfig
-from core.state import init_state
-from models import compressor
-from recipes.compress import states
-from recipes.distill.teacher import teacher_dtype_option
-from recipes.train.config import TrainConfig, train_config
-from recipes.train.loop import LoopIO, Measures, Validation, build_steps, fit
-from recipes.train import setup
-from recipes.train.setup import run_folder
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.io.cache import write_csv, write_file, write_text
+from purestep.core.parallel import distributed
+from purestep.core.config import ConfigError, UserError, option, same_as, to_dict
+from purestep.core.data.documents import prepare_text
+from purestep.core.device import resolve_device
+from purestep.core.parallel.distributed import Dist
+from purestep.core.io.logging import progress
+from purestep.core.cli.runs import claim
+from purestep.core.spike import SpikeConfig
+from purestep.core.state import init_state
+from purestep.models import compressor
+from purestep.recipes.compress import states
+from purestep.recipes.distill.teacher import teacher_dtype_option
+from purestep.recipes.train.config import TrainConfig, train_config
+from purestep.recipes.train.loop import LoopIO, Measures, Validation, build_steps, fit
+from purestep.recipes.train import setup
+from purestep.recipes.train.setup import run_folder
 
 DESCRIPTION = "compress a teacher's hidden states with a weight-tied linear map, against PCA (stages 1a/1b, sweeps)"
 

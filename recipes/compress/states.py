@@ -27,15 +27,15 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from core.io.cache import FolderBuilder, open_or_build
-from core.config import UserError
-from core.data.text import cache_root, eval_batches
-from core.tree import fingerprint, tree_map
-from core.io.logging import progress
-from models import llama
-from models.compressor import Moments
-from models.loading import require_llama
-from recipes.distill.teacher import load_teacher
+from purestep.core.io.cache import FolderBuilder, open_or_build
+from purestep.core.config import UserError
+from purestep.core.data.text import cache_root, eval_batches
+from purestep.core.tree import fingerprint, tree_map
+from purestep.core.io.logging import progress
+from purestep.models import llama
+from purestep.models.compressor import Moments
+from purestep.models.loading import require_llama
+from purestep.recipes.distill.teacher import load_teacher
 
 FORMAT = "purestep-states-1"
 

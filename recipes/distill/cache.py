@@ -1,4 +1,4 @@
-"""Offline teacher cache: ``bin/run recipe=distill_cache teacher=PATH out=CACHE``, then ``recipe=distill cache=CACHE``.
+"""Offline teacher cache: ``purestep recipe=distill_cache teacher=PATH out=CACHE``, then ``recipe=distill cache=CACHE``.
 
 Runs the teacher once over the training batches a distill run will see (``batches.get(cursor)`` for cursor
 0 .. steps-1 with the same data, seed, batch_size, block_size and grad_accum, so the cache is keyed by
@@ -39,17 +39,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.io import cache
-from core.config import ConfigError, UserError, option, same_as
-from core.device import resolve_device
-from core.gradients import autocast
-from core.io.logging import progress
-from models import llama, losses
-from models.loading import require_llama
-from recipes.distill import packing
-from recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, teacher_data,
+from purestep.core.io import cache
+from purestep.core.config import ConfigError, UserError, option, same_as
+from purestep.core.device import resolve_device
+from purestep.core.gradients import autocast
+from purestep.core.io.logging import progress
+from purestep.models import llama, losses
+from purestep.models.loading import require_llama
+from purestep.recipes.distill import packing
+from purestep.recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, teacher_data,
                                      teacher_dtype_option, teacher_identity, teacher_option)
-from recipes.train.config import TrainConfig
+from purestep.recipes.train.config import TrainConfig
 
 DESCRIPTION = "run a teacher once over a distill run's batches and cache top-k or sampled targets"
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from core.config import ConfigError
-from models import llama
+from purestep.core.config import ConfigError
+from purestep.models import llama
 
 PROJ = "hidden_proj"          # the projections' subtree of the params pytree (never the student's)
 LOSSES = ("mse", "cosine")

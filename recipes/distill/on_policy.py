@@ -36,10 +36,10 @@ from typing import Callable, Optional
 
 import torch
 
-from core import rng
-from core.gradients import autocast
-from models import llama, losses
-from models.sampling import generate
+from purestep.core import rng
+from purestep.core.gradients import autocast
+from purestep.models import llama, losses
+from purestep.models.sampling import generate
 
 SALT = 0x6F6E706F            # "onpo": the rollouts' keys apart from the run's other streams of the same seed
 

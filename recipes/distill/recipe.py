@@ -1,4 +1,4 @@
-"""Knowledge distillation: ``bin/run recipe=distill teacher=PATH``: a frozen teacher teaches a smaller student.
+"""Knowledge distillation: ``purestep recipe=distill teacher=PATH``: a frozen teacher teaches a smaller student.
 
 The objective is Hinton's ``alpha * T**2 * KL_T(teacher || student) + (1 - alpha) * CE`` (Hinton, Vinyals &
 Dean 2015) with forward, reverse or DistiLLM's symmetric KL, or GKD's generalized JSD (``kl=jsd beta=``, Agarwal
@@ -41,7 +41,7 @@ batches, and its probe is the student's CE on held-out windows.
 
 ``preset=smollm2`` is the short SmolLM2-135M-Instruct configuration::
 
-    bin/run recipe=distill preset=smollm2 data=/path/to/tinyshakespeare.txt
+    purestep recipe=distill preset=smollm2 data=/path/to/tinyshakespeare.txt
 
 (100 steps of 4 x 64 tokens into a 16M-parameter student; 4m05s of wall time on this 2-core machine with
 2 threads; student val loss 6.11 against the teacher's 4.56.)
@@ -55,29 +55,29 @@ from typing import Callable, Optional
 
 import torch
 
-from core.parallel import distributed
-from core.config import ConfigError, UserError, option, same_as, to_dict
-from core.device import resolve_device
-from core.parallel.distributed import Dist
-from core.step import Compile, make_eval_step
-from core.data.documents import DocCorpus
-from core.io.telemetry import flops_per_token
-from core.tree import size
-from models import llama, losses
-from models.loading import LoadedModel, model_entry, require_llama
-from recipes import standard
-from recipes.distill.cache import TOPK, TeacherCache
-from recipes.distill.on_policy import OnPolicy, on_policy_step
-from recipes.distill import hidden as hidden_targets
-from recipes.distill.student import NOT_STUDENT, STUDENTS, THETA, StudentModel, build_student
-from recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, shard_teacher,
+from purestep.core.parallel import distributed
+from purestep.core.config import ConfigError, UserError, option, same_as, to_dict
+from purestep.core.device import resolve_device
+from purestep.core.parallel.distributed import Dist
+from purestep.core.step import Compile, make_eval_step
+from purestep.core.data.documents import DocCorpus
+from purestep.core.io.telemetry import flops_per_token
+from purestep.core.tree import size
+from purestep.models import llama, losses
+from purestep.models.loading import LoadedModel, model_entry, require_llama
+from purestep.recipes import standard
+from purestep.recipes.distill.cache import TOPK, TeacherCache
+from purestep.recipes.distill.on_policy import OnPolicy, on_policy_step
+from purestep.recipes.distill import hidden as hidden_targets
+from purestep.recipes.distill.student import NOT_STUDENT, STUDENTS, THETA, StudentModel, build_student
+from purestep.recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, shard_teacher,
                                      teacher_data, teacher_dtype_option, teacher_identity, teacher_option)
-from recipes.orchestrator.config import OrchestratedConfig
-from recipes.orchestrator.driver import orchestrate
-from recipes.train import backend, plan, setup
-from recipes.train.data import check_batch, describe, with_epochs
-from recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps, evaluate, fit, gathering
-from recipes.train.setup import RunSetup, run_folder
+from purestep.recipes.orchestrator.config import OrchestratedConfig
+from purestep.recipes.orchestrator.driver import orchestrate
+from purestep.recipes.train import backend, plan, setup
+from purestep.recipes.train.data import check_batch, describe, with_epochs
+from purestep.recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps, evaluate, fit, gathering
+from purestep.recipes.train.setup import RunSetup, run_folder
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
 GRID = True                 # seed=1,2 and grid.KEY=A,B run it per cell (core.cli.grid)

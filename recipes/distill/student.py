@@ -9,12 +9,12 @@ import typing
 from dataclasses import replace
 from typing import Optional
 
-from core.config import UserError, option
-from core.tree import cast, tree_map
-from models import llama
-from models.loading import LoadedModel, load_model, require_llama
-from recipes.distill.hidden import PROJ
-from recipes.distill.teacher import compute_view
+from purestep.core.config import UserError, option
+from purestep.core.tree import cast, tree_map
+from purestep.models import llama
+from purestep.models.loading import LoadedModel, load_model, require_llama
+from purestep.recipes.distill.hidden import PROJ
+from purestep.recipes.distill.teacher import compute_view
 
 STUDENTS = ("config", "drop_layers", "shrink")
 THETA = "kd_temperature"          # the learnable temperature's logit in the params pytree (never the student's)

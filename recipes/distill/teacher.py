@@ -17,15 +17,15 @@ import os
 
 import torch
 
-from core.config import UserError, option
-from core.parallel.distributed import Dist
-from core.data.documents import prepare_text
-from core.tree import cast, fingerprint
-from models import llama
-from models.loading import LoadedModel, load_model
-from recipes.train.config import TrainConfig
-from recipes.train.data import open_data
-from recipes.train.setup import sharded_layout
+from purestep.core.config import UserError, option
+from purestep.core.parallel.distributed import Dist
+from purestep.core.data.documents import prepare_text
+from purestep.core.tree import cast, fingerprint
+from purestep.models import llama
+from purestep.models.loading import LoadedModel, load_model
+from purestep.recipes.train.config import TrainConfig
+from purestep.recipes.train.data import open_data
+from purestep.recipes.train.setup import sharded_layout
 
 
 def teacher_option():

@@ -1,4 +1,4 @@
-"""``bin/run recipe=eval init=MODEL``: multiple-choice accuracy (ARC-E/C, HellaSwag, PIQA, OpenBookQA, WinoGrande,
+"""``purestep recipe=eval init=MODEL``: multiple-choice accuracy (ARC-E/C, HellaSwag, PIQA, OpenBookQA, WinoGrande,
 and BoolQ, SciQ, COPA, Social IQa, CommonsenseQA) scored as EleutherAI's lm-evaluation-harness scores it.
 
 ``init=`` is anything ``models.loading.load_model`` loads (run folder, checkpoint, HF folder, GGUF, ``smollm2``, an
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.cli import runs
-from core.config import ConfigError, UserError, option, to_dict
-from core.device import DEVICES, resolve_device
-from core.io.logging import progress
-from models.loading import load_model
-from recipes.eval.report import compare, load_results, write
-from recipes.eval.run import FEWSHOT_SEED, evaluate
-from recipes.eval.tasks import SIX, TASKS, data_root, resolve_tasks, split_files, unknown_task
+from purestep.core.cli import runs
+from purestep.core.config import ConfigError, UserError, option, to_dict
+from purestep.core.device import DEVICES, resolve_device
+from purestep.core.io.logging import progress
+from purestep.models.loading import load_model
+from purestep.recipes.eval.report import compare, load_results, write
+from purestep.recipes.eval.run import FEWSHOT_SEED, evaluate
+from purestep.recipes.eval.tasks import SIX, TASKS, data_root, resolve_tasks, split_files, unknown_task
 
 DESCRIPTION = "multiple-choice accuracy (ARC, HellaSwag, PIQA, OpenBookQA, WinoGrande...) as lm-eval-harness scores it"
 

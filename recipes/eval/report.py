@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.config import UserError
-from core.io.cache import write_json
-from core.io.logging import Logger
-from recipes.eval import stats
+from purestep.core.config import UserError
+from purestep.core.io.cache import write_json
+from purestep.core.io.logging import Logger
+from purestep.recipes.eval import stats
 
 METRICS = ("acc", "acc_norm", "acc_bytes")
 

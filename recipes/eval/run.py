@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from core.config import UserError
-from core.io.logging import progress
-from recipes.eval import stats
-from recipes.eval.scoring import encode_pair, harness_encoder, loglikelihoods, progress_reporter
-from recipes.eval.tasks import SIX, TARGET_DELIMITER, Task, data_root, fewshot_indices, fewshot_prefix, load_docs, \
+from purestep.core.config import UserError
+from purestep.core.io.logging import progress
+from purestep.recipes.eval import stats
+from purestep.recipes.eval.scoring import encode_pair, harness_encoder, loglikelihoods, progress_reporter
+from purestep.recipes.eval.tasks import SIX, TARGET_DELIMITER, Task, data_root, fewshot_indices, fewshot_prefix, load_docs, \
     resolve_tasks, split_files
 
 DEFAULT_LENGTH = 2048            # the harness's max_length for a model whose config states none

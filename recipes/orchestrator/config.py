@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.config import ConfigError, option
-from recipes.orchestrator.driver import OrchestratorRunHook
-from recipes.orchestrator.strategies import NAMES
-from recipes.train.config import TrainConfig
-from optim.swats import SCOPES
+from purestep.core.config import ConfigError, option
+from purestep.recipes.orchestrator.driver import OrchestratorRunHook
+from purestep.recipes.orchestrator.strategies import NAMES
+from purestep.recipes.train.config import TrainConfig
+from purestep.optim.swats import SCOPES
 
 
 @dataclass

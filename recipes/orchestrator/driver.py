@@ -49,14 +49,14 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from core.data.text import eval_batches
-from core.io.cache import open_append
-from core.state import TrainState
-from core.tree import clone
-from recipes.orchestrator.bandit import PHASES, DiscountedUCB, Telemetry, normalized_rewards
-from recipes.orchestrator.nowcast import extrapolate
-from recipes.orchestrator.strategies import NAMES, build, strategy_of, strategy_spec, transfer
-from recipes.train.hooks import Hook, Jump, RunHook, StepContext
+from purestep.core.data.text import eval_batches
+from purestep.core.io.cache import open_append
+from purestep.core.state import TrainState
+from purestep.core.tree import clone
+from purestep.recipes.orchestrator.bandit import PHASES, DiscountedUCB, Telemetry, normalized_rewards
+from purestep.recipes.orchestrator.nowcast import extrapolate
+from purestep.recipes.orchestrator.strategies import NAMES, build, strategy_of, strategy_spec, transfer
+from purestep.recipes.train.hooks import Hook, Jump, RunHook, StepContext
 
 KEY = "orchestrator"   # its config section, and its state's entry in every checkpoint
 

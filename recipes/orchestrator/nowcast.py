@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from core.tree import Tree, tree_map
+from purestep.core.tree import Tree, tree_map
 
 
 def extrapolate(steps: Sequence[int], snapshots: Sequence[Tree], horizon: int) -> Tree:

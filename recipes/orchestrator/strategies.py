@@ -47,16 +47,16 @@ from typing import NamedTuple
 
 import torch
 
-from core.tree import clone, tree_flatten, tree_map, tree_unflatten
-from optim.adagc import AdaGCState
-from optim.adamw import ScaleByAdamState, adamw
-from optim.base import GradientTransformation, chain, find_state, hparam_device, replace_states
-from optim.clip import clip_by_global_norm
-from optim.common import LearningRateState, decay_mask, scale_by_learning_rate
-from optim.lion import ScaleByLionState, lion
-from optim.sgd import TraceState, trace
-from optim.swats import SwatsState, swats
-from recipes.train.optimizer import (OptimizerSpec, adagc_transform, clip_transform, make_schedule, optimizer_spec,
+from purestep.core.tree import clone, tree_flatten, tree_map, tree_unflatten
+from purestep.optim.adagc import AdaGCState
+from purestep.optim.adamw import ScaleByAdamState, adamw
+from purestep.optim.base import GradientTransformation, chain, find_state, hparam_device, replace_states
+from purestep.optim.clip import clip_by_global_norm
+from purestep.optim.common import LearningRateState, decay_mask, scale_by_learning_rate
+from purestep.optim.lion import ScaleByLionState, lion
+from purestep.optim.sgd import TraceState, trace
+from purestep.optim.swats import SwatsState, swats
+from purestep.recipes.train.optimizer import (OptimizerSpec, adagc_transform, clip_transform, make_schedule, optimizer_spec,
                                      warmup_schedule)
 
 SGD_LR = 30.0          # SGD's step is lr * |g| (clipped to 1), Adam's ~ lr per coordinate: it needs a larger lr

@@ -25,10 +25,10 @@ from typing import Optional
 
 import torch
 
-from core.host_memory import set_host_memory
-from core.io.logging import progress
-from core.step import COMPILE_SCOPES
-from core.tree import named_leaves
+from purestep.core.host_memory import set_host_memory
+from purestep.core.io.logging import progress
+from purestep.core.step import COMPILE_SCOPES
+from purestep.core.tree import named_leaves
 
 SCOPES = ("auto", *COMPILE_SCOPES)
 AUTO_STEP_LAYERS = 4

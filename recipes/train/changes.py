@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 import torch
 
-from core.config import ConfigError, flatten_keys, show_value, to_dict
-from core.tree import tree_leaves, tree_map
+from purestep.core.config import ConfigError, flatten_keys, show_value, to_dict
+from purestep.core.tree import tree_leaves, tree_map
 
 FIXED = ("model", "student", "teacher", "tokenizer", "data", "seed", "init", "fim_rate", "dtype", "clipping",
          "optimizer", "health", "spike.enabled", "cache",

@@ -17,16 +17,16 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from core.io import checkpoint as ckpt
-from core.parallel.distributed import Dist
-from core.io.logging import Logger
-from recipes.train.hooks import Hook, StepContext, Stop
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.parallel.distributed import Dist
+from purestep.core.io.logging import Logger
+from purestep.recipes.train.hooks import Hook, StepContext, Stop
 
 
 def resume_command(folder: Path) -> str:
     """This process's own command line, pointed at ``folder`` (what to run to continue this run)."""
     args = [a for a in sys.argv[1:] if not a.startswith(("out=", "resume="))]
-    return shlex.join(["bin/run", *args, f"out={folder}"])     # quoted: "sample_prompt=it's a b" survives a shell
+    return shlex.join(["purestep", *args, f"out={folder}"])     # quoted: "sample_prompt=it's a b" survives a shell
 
 
 class Checkpointing(Hook):

@@ -1,7 +1,7 @@
 """The keys every training recipe takes (names fixed so scripts and docs can rely on them).
 
 Recipe configs subclass ``TrainConfig`` and add their own keys. Defaults live here, once; the key table
-of docs/configuration.md is generated from these declarations (``bin/run recipe=standard --help`` prints the same).
+of docs/configuration.md is generated from these declarations (``purestep recipe=standard --help`` prints the same).
 A config that adds a layer with its own section (a strategy layer, say) lists it in :meth:`TrainConfig.run_hooks`
 (``recipes.train.hooks.RunHook``): that is all the shared trainer knows of it.
 """
@@ -11,17 +11,17 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.compile import COMPILE_MODES
-from core.config import ConfigError, option
-from core.device import DEVICES
-from core.parallel.distributed import PARALLEL
-from core.host_memory import MODES as HOST_MEMORY
-from core.spike import SpikeConfig
-from core.gradients import PRECISIONS
-from optim.schedules import KINDS
-from recipes.train.backend import EVAL_COMPILES, SCOPES
-from recipes.train.faults import FaultConfig
-from recipes.train.optimizer import OPTIMIZERS, AdaGCConfig, MuonConfig   # declared with the optimizer factory
+from purestep.core.compile import COMPILE_MODES
+from purestep.core.config import ConfigError, option
+from purestep.core.device import DEVICES
+from purestep.core.parallel.distributed import PARALLEL
+from purestep.core.host_memory import MODES as HOST_MEMORY
+from purestep.core.spike import SpikeConfig
+from purestep.core.gradients import PRECISIONS
+from purestep.optim.schedules import KINDS
+from purestep.recipes.train.backend import EVAL_COMPILES, SCOPES
+from purestep.recipes.train.faults import FaultConfig
+from purestep.recipes.train.optimizer import OPTIMIZERS, AdaGCConfig, MuonConfig   # declared with the optimizer factory
 
 CLIPPING = ("global", "adagc", "agc", "none")
 

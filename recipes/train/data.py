@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from core.config import ConfigError
-from core.device import check_fits
-from core.data.documents import DocCorpus, prepare_data
+from purestep.core.config import ConfigError
+from purestep.core.device import check_fits
+from purestep.core.data.documents import DocCorpus, prepare_data
 
 MAX_STEPS = 2**63 - 1          # the train state's step and data cursor are int64 tensors
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from core.config import option
-from core.layers import takes_layers
-from core.gradients import loss_caller
+from purestep.core.config import option
+from purestep.core.layers import takes_layers
+from purestep.core.gradients import loss_caller
 
 
 @dataclass

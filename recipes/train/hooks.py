@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from optim.base import GradientTransformation
+from purestep.optim.base import GradientTransformation
 
 
 @dataclass

@@ -19,26 +19,26 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from core.compile import compile_seconds
-from core.io import checkpoint as ckpt
-from core.config import UserError, to_dict
-from core.parallel.distributed import Dist
-from core.exits import RunStopped
-from core.io.logging import Logger, memory_mb, reset_peak_memory
-from core.parallel.shard import Layout, full_bytes, state_bytes
-from core.state import TrainState
-from core.io.telemetry import Preemption
-from core.step import Compile, Gradients, Parallel, make_eval_step, make_train_step, per_block
-from optim.health import GradientHealth
-from recipes.train import backend
-from recipes.train.checkpointing import Checkpointing, Stopping
-from recipes.train.config import TrainConfig
-from recipes.train.faults import FaultyBatches, with_faults
-from recipes.train.hooks import Hook, Jump, StepContext, Stop
-from recipes.train.metrics import Evaluation, FirstStepCheck, TrainLog
-from recipes.train.prefetch import Prefetch
-from recipes.train.rollback import Rollback
-from core.update import Monitors
+from purestep.core.compile import compile_seconds
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.config import UserError, to_dict
+from purestep.core.parallel.distributed import Dist
+from purestep.core.exits import RunStopped
+from purestep.core.io.logging import Logger, memory_mb, reset_peak_memory
+from purestep.core.parallel.shard import Layout, full_bytes, state_bytes
+from purestep.core.state import TrainState
+from purestep.core.io.telemetry import Preemption
+from purestep.core.step import Compile, Gradients, Parallel, make_eval_step, make_train_step, per_block
+from purestep.optim.health import GradientHealth
+from purestep.recipes.train import backend
+from purestep.recipes.train.checkpointing import Checkpointing, Stopping
+from purestep.recipes.train.config import TrainConfig
+from purestep.recipes.train.faults import FaultyBatches, with_faults
+from purestep.recipes.train.hooks import Hook, Jump, StepContext, Stop
+from purestep.recipes.train.metrics import Evaluation, FirstStepCheck, TrainLog
+from purestep.recipes.train.prefetch import Prefetch
+from purestep.recipes.train.rollback import Rollback
+from purestep.core.update import Monitors
 
 
 def evaluate(eval_step: Callable, params, batches, frozen=None, dist: Dist = Dist()) -> float:

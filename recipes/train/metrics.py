@@ -22,11 +22,11 @@ from typing import Callable, Optional
 
 import torch
 
-from core.io.board import board_tag, exact, training_charts
-from core.io.logging import Logger, memory_mb
-from core.io.telemetry import peak_flops
-from optim.health import COLUMNS, GLOBAL, GradientHealth, computed
-from recipes.train.hooks import Hook, StepContext, Stop
+from purestep.core.io.board import board_tag, exact, training_charts
+from purestep.core.io.logging import Logger, memory_mb
+from purestep.core.io.telemetry import peak_flops
+from purestep.optim.health import COLUMNS, GLOBAL, GradientHealth, computed
+from purestep.recipes.train.hooks import Hook, StepContext, Stop
 
 LAST_VALUE = ("lr", "muon_lr", "loss_scale", "spike", "z_loss", "z_grad")
 

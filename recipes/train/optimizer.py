@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import optim
-from core.config import option
-from optim import schedules
-from optim.base import GradientTransformation
-from optim.muon import ADJUST_LR
-from optim.schedules import Schedule
+from purestep import optim
+from purestep.core.config import option
+from purestep.optim import schedules
+from purestep.optim.base import GradientTransformation
+from purestep.optim.muon import ADJUST_LR
+from purestep.optim.schedules import Schedule
 
 
 @dataclass

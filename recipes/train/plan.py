@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 import torch
 
-from core.io import checkpoint as ckpt
-from core.config import UserError
-from core.device import synchronize
-from core.tree import size, tree_leaves
-from recipes.train.loop import Steps
-from recipes.train.setup import resolve_run_folder
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.config import UserError
+from purestep.core.device import synchronize
+from purestep.core.tree import size, tree_leaves
+from purestep.recipes.train.loop import Steps
+from purestep.recipes.train.setup import resolve_run_folder
 
 PROBE_WARMUP = 2          # eager steps before timing (allocator, first-call caches)
 PROBE_STEPS = 8           # timed steps at most ...

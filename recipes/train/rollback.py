@@ -37,13 +37,13 @@ from typing import Optional
 
 import torch
 
-import optim
-from core.io import checkpoint as ckpt
-from core.io.logging import Logger
-from core.spike import SpikeConfig, clear as clear_monitor
-from core.state import TrainState
-from core.tree import tree_map
-from recipes.train.hooks import Hook, Jump, StepContext, Stop
+from purestep import optim
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.io.logging import Logger
+from purestep.core.spike import SpikeConfig, clear as clear_monitor
+from purestep.core.state import TrainState
+from purestep.core.tree import tree_map
+from purestep.recipes.train.hooks import Hook, Jump, StepContext, Stop
 
 
 def state_copy(state: TrainState, device="cpu") -> TrainState:

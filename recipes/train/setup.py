@@ -16,20 +16,20 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from core.io import checkpoint as ckpt
-from core.cli import runs
-from core.config import ConfigError, UserError, apply_overrides
-from core.parallel.distributed import Dist, all_reduce_sum
-from core.io.logging import Logger
-from core.parallel.shard import Layout, LayoutError
-from core.state import TrainState, init_state
-from core.tree import cast
-from optim.health import stacked_predicate
-from optim.base import GradientTransformation
-from recipes.train import backend, changes
-from recipes.train.config import TrainConfig
-from recipes.train.loop import LoopState
-from recipes.train.optimizer import make_optimizer, optimizer_spec
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.cli import runs
+from purestep.core.config import ConfigError, UserError, apply_overrides
+from purestep.core.parallel.distributed import Dist, all_reduce_sum
+from purestep.core.io.logging import Logger
+from purestep.core.parallel.shard import Layout, LayoutError
+from purestep.core.state import TrainState, init_state
+from purestep.core.tree import cast
+from purestep.optim.health import stacked_predicate
+from purestep.optim.base import GradientTransformation
+from purestep.recipes.train import backend, changes
+from purestep.recipes.train.config import TrainConfig
+from purestep.recipes.train.loop import LoopState
+from purestep.recipes.train.optimizer import make_optimizer, optimizer_spec
 
 
 def run_folder(cfg, recipe: str) -> Path:

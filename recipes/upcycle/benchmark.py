@@ -28,13 +28,13 @@ import traceback
 
 import torch
 
-from core.config import Incomplete, UserError, to_dict
-from core.tree import cast, size
-from models import hf, llama
-from models.loading import module_of
-from recipes.upcycle import passkey, quality, report, six_tasks, sweep
-from recipes.upcycle.phases import Context, ppl
-from recipes.upcycle.sweep import Model
+from purestep.core.config import Incomplete, UserError, to_dict
+from purestep.core.tree import cast, size
+from purestep.models import hf, llama
+from purestep.models.loading import module_of
+from purestep.recipes.upcycle import passkey, quality, report, six_tasks, sweep
+from purestep.recipes.upcycle.phases import Context, ppl
+from purestep.recipes.upcycle.sweep import Model
 
 cache_bytes = sweep.cache_bytes
 

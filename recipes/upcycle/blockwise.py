@@ -36,28 +36,28 @@ from typing import Callable, Optional
 
 import torch
 
-from core import state as core_state
-from core.compile import cpp_wrapper, maybe_compile
-from core.donate import donate as core_donate, owned as core_owned
-from core.io import checkpoint as ckpt
-from core.io.logging import Logger
-from core.parallel.distributed import Dist
-from core.spike import SpikeConfig
-from core.gradients import autocast
-from core.state import TrainState
-from core.step import Parallel
-from core.tree import map_flat, tree_map
-from core.update import Monitors, apply_gradients, if_finite, scale_loss
-from models import blockwise
-from optim.common import current_lr
-from optim.health import computed
-from recipes.train.config import TrainConfig
-from recipes.train.hooks import Hook, StepContext, Stop
-from recipes.train.loop import LoopIO, LoopState, Steps, fit
-from recipes.train.metrics import skipped_run, too_many_skipped, write_health
-from recipes.train.optimizer import OptimizerSpec
-from recipes.train.setup import checkpoint_manager
-from recipes.upcycle.teacher_io import TeacherSource
+from purestep.core import state as core_state
+from purestep.core.compile import cpp_wrapper, maybe_compile
+from purestep.core.donate import donate as core_donate, owned as core_owned
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.io.logging import Logger
+from purestep.core.parallel.distributed import Dist
+from purestep.core.spike import SpikeConfig
+from purestep.core.gradients import autocast
+from purestep.core.state import TrainState
+from purestep.core.step import Parallel
+from purestep.core.tree import map_flat, tree_map
+from purestep.core.update import Monitors, apply_gradients, if_finite, scale_loss
+from purestep.models import blockwise
+from purestep.optim.common import current_lr
+from purestep.optim.health import computed
+from purestep.recipes.train.config import TrainConfig
+from purestep.recipes.train.hooks import Hook, StepContext, Stop
+from purestep.recipes.train.loop import LoopIO, LoopState, Steps, fit
+from purestep.recipes.train.metrics import skipped_run, too_many_skipped, write_health
+from purestep.recipes.train.optimizer import OptimizerSpec
+from purestep.recipes.train.setup import checkpoint_manager
+from purestep.recipes.upcycle.teacher_io import TeacherSource
 
 
 # ----------------------------------------------------------------------------------------------------------

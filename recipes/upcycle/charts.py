@@ -10,7 +10,7 @@ first, wide, solid and with large open markers, the student on top of it, thin, 
 """
 from __future__ import annotations
 
-from core.io.cache import write_file
+from purestep.core.io.cache import write_file
 
 STYLE = {"teacher": dict(linestyle="-", linewidth=3.5, alpha=0.55, marker="o", markersize=9,
                          markerfacecolor="none", markeredgewidth=1.8, zorder=2),

@@ -1,4 +1,4 @@
-"""The keys of ``bin/run recipe=upcycle``: pipeline, surgery, and one section per phase.
+"""The keys of ``purestep recipe=upcycle``: pipeline, surgery, and one section per phase.
 
 ``global`` is a Python keyword, so no generated ``__init__`` can take it as a parameter; the top-level
 ``Config`` is therefore declared with :func:`keyword_dataclass` (fields and defaults exactly as a dataclass,
@@ -13,16 +13,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from core.config import ConfigError, option, same_as
-from core.spike import SpikeConfig
-from core.step import COMPILE_SCOPES
-from models.blockwise import LOSSES, MODES, TARGETS
-from models.mla_surgery import LATENT_WEIGHTS
-from models.surgery import METHODS
-from recipes.distill.teacher import teacher_dtype_option
-from recipes.eval.tasks import SIX, TASKS, unknown_task
-from recipes.orchestrator.config import OrchestratedConfig, OrchestratorConfig
-from recipes.train.config import TrainConfig, train_config
+from purestep.core.config import ConfigError, option, same_as
+from purestep.core.spike import SpikeConfig
+from purestep.core.step import COMPILE_SCOPES
+from purestep.models.blockwise import LOSSES, MODES, TARGETS
+from purestep.models.mla_surgery import LATENT_WEIGHTS
+from purestep.models.surgery import METHODS
+from purestep.recipes.distill.teacher import teacher_dtype_option
+from purestep.recipes.eval.tasks import SIX, TASKS, unknown_task
+from purestep.recipes.orchestrator.config import OrchestratedConfig, OrchestratorConfig
+from purestep.recipes.train.config import TrainConfig, train_config
 
 PHASES = ("blockwise", "global", "verify", "benchmark")
 STUDENTS = ("dba", "mla")

@@ -11,9 +11,9 @@ bad input's 2), with ``warn`` it prints a warning. The verdicts go to ``gates.js
 """
 from __future__ import annotations
 
-from core.io.cache import write_json
-from core.config import GateFailed
-from recipes.upcycle.phases import ppl
+from purestep.core.io.cache import write_json
+from purestep.core.config import GateFailed
+from purestep.recipes.upcycle.phases import ppl
 
 GATES = ("max_ppl_ratio", "max_delta_nll", "min_kv_reduction", "max_accuracy_drop")
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from recipes.upcycle.spelling import adapt, describe, spell
-from recipes.upcycle.sweep import greedy
+from purestep.recipes.upcycle.spelling import adapt, describe, spell
+from purestep.recipes.upcycle.sweep import greedy
 
 INTRO = "There is a pass key hidden inside a lot of irrelevant text. Find it and remember it.\n"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"

@@ -18,19 +18,19 @@ from typing import Callable
 
 import torch
 
-from core.io import checkpoint as ckpt
-from core.io.cache import write_json
-from core.config import UserError, to_dict
-from core.data.text import Corpus, EvalBatches
-from core.parallel.distributed import Dist
-from core.step import make_eval_step
-from models import blockwise, kv_budget, llama, losses, mla, mla_surgery, surgery
-from models.loading import ARCHS, LoadedModel, model_entry, module_of
-from recipes.distill.teacher import compute_view
-from recipes.orchestrator.driver import orchestrate
-from recipes.train import setup
-from recipes.train.loop import LoopIO, Measures, Validation, build_steps, evaluate, fit
-from recipes.upcycle.config import Config, global_train_config
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.io.cache import write_json
+from purestep.core.config import UserError, to_dict
+from purestep.core.data.text import Corpus, EvalBatches
+from purestep.core.parallel.distributed import Dist
+from purestep.core.step import make_eval_step
+from purestep.models import blockwise, kv_budget, llama, losses, mla, mla_surgery, surgery
+from purestep.models.loading import ARCHS, LoadedModel, model_entry, module_of
+from purestep.recipes.distill.teacher import compute_view
+from purestep.recipes.orchestrator.driver import orchestrate
+from purestep.recipes.train import setup
+from purestep.recipes.train.loop import LoopIO, Measures, Validation, build_steps, evaluate, fit
+from purestep.recipes.upcycle.config import Config, global_train_config
 
 FINAL = "final.msgpack"
 
@@ -99,7 +99,7 @@ def finished(ctx: Context, phase: str, steps: int) -> bool:
 
 
 def load_student(path: Path, device) -> tuple[dict, object]:
-    from core.config import from_dict
+    from purestep.core.config import from_dict
     top = ckpt.load(path, device=device)
     return top["state"]["params"], from_dict(ARCHS[top["model"]["arch"]][1], top["model"]["config"])
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from core.data import jsonl
-from core.config import UserError
-from models import llama
-from recipes.upcycle.spelling import spell
-from recipes.upcycle.sweep import greedy
+from purestep.core.data import jsonl
+from purestep.core.config import UserError
+from purestep.models import llama
+from purestep.recipes.upcycle.spelling import spell
+from purestep.recipes.upcycle.sweep import greedy
 
 BUILTIN = [
     {"type": "choice_logprob", "prompt": "The capital of France is", "choices": [" Paris", " London", " Berlin"],

@@ -1,4 +1,4 @@
-"""Upcycling: ``bin/run recipe=upcycle teacher=PATH``: a Llama teacher becomes a student with a smaller KV cache.
+"""Upcycling: ``purestep recipe=upcycle teacher=PATH``: a Llama teacher becomes a student with a smaller KV cache.
 
 Pipeline: load the teacher -> build the student by **surgery** (``student=dba``: decoupled bottleneck attention,
 GQA-aware, partial RoPE at the teacher's own frequencies, exact at full rank: ``models/dba.py``, ``models/surgery.py``;
@@ -24,27 +24,27 @@ import time
 from contextlib import nullcontext
 
 
-from core.io import checkpoint as ckpt
-from core.config import GateFailed, UserError
-from core.data.text import EvalBatches
-from core.data.documents import prepare_text
-from core.parallel import distributed
-from core.device import resolve_device
-from core.io.logging import Logger, format_duration, progress
-from core.step import Parallel
-from core.cli.runs import claim, run_folder
-from core.tree import cast, fingerprint, size
-from models import dba, kv_budget, llama, mla_surgery
-from models.loading import module_of
-from recipes.distill.teacher import load_teacher
-from recipes.train.loop import donates
-from recipes.train.optimizer import make_optimizer
-from recipes.train.setup import sharded_layout
-from optim.health import GradientHealth
-from recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop, gates, report
-from recipes.upcycle.teacher_io import BlockIOCache, TeacherSource
-from recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for bin/run)
-from recipes.upcycle.phases import (FINAL, Context, finished, load_student, phase_summary, run_global, run_surgery,
+from purestep.core.io import checkpoint as ckpt
+from purestep.core.config import GateFailed, UserError
+from purestep.core.data.text import EvalBatches
+from purestep.core.data.documents import prepare_text
+from purestep.core.parallel import distributed
+from purestep.core.device import resolve_device
+from purestep.core.io.logging import Logger, format_duration, progress
+from purestep.core.step import Parallel
+from purestep.core.cli.runs import claim, run_folder
+from purestep.core.tree import cast, fingerprint, size
+from purestep.models import dba, kv_budget, llama, mla_surgery
+from purestep.models.loading import module_of
+from purestep.recipes.distill.teacher import load_teacher
+from purestep.recipes.train.loop import donates
+from purestep.recipes.train.optimizer import make_optimizer
+from purestep.recipes.train.setup import sharded_layout
+from purestep.optim.health import GradientHealth
+from purestep.recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop, gates, report
+from purestep.recipes.upcycle.teacher_io import BlockIOCache, TeacherSource
+from purestep.recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for purestep)
+from purestep.recipes.upcycle.phases import (FINAL, Context, finished, load_student, phase_summary, run_global, run_surgery,
                                     run_verify, surgery_settings, write_json)
 
 DESCRIPTION = "teacher -> DBA or MLA student (small KV cache): surgery, blockwise, global, verify, benchmark"

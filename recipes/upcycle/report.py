@@ -22,10 +22,10 @@ from __future__ import annotations
 import importlib.util
 import traceback
 
-from core.io.cache import write_csv, write_json, write_text
-from core.io.logging import Logger, progress
-from recipes.upcycle.phases import ppl
-from recipes.upcycle.sweep import COLUMNS
+from purestep.core.io.cache import write_csv, write_json, write_text
+from purestep.core.io.logging import Logger, progress
+from purestep.recipes.upcycle.phases import ppl
+from purestep.recipes.upcycle.sweep import COLUMNS
 
 SUMMARY = [("perplexity", "held-out perplexity", "{:.3f}"), ("loss", "held-out loss (nats/token)", "{:.4f}"),
            ("prefill_ms", "prefill, ms (first cell)", "{:.2f}"),
@@ -158,7 +158,7 @@ def write(folder, results: dict, say=progress) -> None:
     the measurements are written all the same."""
     folder.mkdir(parents=True, exist_ok=True)
     if importlib.util.find_spec("matplotlib") is not None:
-        from recipes.upcycle import charts
+        from purestep.recipes.upcycle import charts
         failed = [f for f in results.get("failed") or [] if f["item"] != "charts"]
         try:
             charts.draw(folder, results)

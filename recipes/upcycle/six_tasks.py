@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from core.config import UserError
-from models.loading import LoadedModel, arch_of
-from recipes.eval import stats
-from recipes.eval.report import per_question
-from recipes.eval.run import evaluate, task_texts
-from recipes.eval.scoring import harness_encoder
-from recipes.eval.tasks import data_root, resolve_tasks, split_files
+from purestep.core.config import UserError
+from purestep.models.loading import LoadedModel, arch_of
+from purestep.recipes.eval import stats
+from purestep.recipes.eval.report import per_question
+from purestep.recipes.eval.run import evaluate, task_texts
+from purestep.recipes.eval.scoring import harness_encoder
+from purestep.recipes.eval.tasks import data_root, resolve_tasks, split_files
 
 
 def unrunnable(tokenizer, names: Sequence[str], limit: int, fewshot: int, seed: int, data: str = "") -> str:

@@ -8,7 +8,7 @@ break as a space, else left out), for the passkey's texts, whose wording is not 
 """
 from __future__ import annotations
 
-from core.config import UserError
+from purestep.core.config import UserError
 
 
 def spell(tokenizer, text: str) -> tuple[list[int] | None, str]:

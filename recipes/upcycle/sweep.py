@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core.device import synchronize
-from models import llama
+from purestep.core.device import synchronize
+from purestep.models import llama
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (column, unit): the schema of results.csv and of every cell row in results.json

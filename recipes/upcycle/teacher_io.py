@@ -19,10 +19,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from core.data.text import cache_root
-from core.io import cache
-from core.io.logging import format_duration
-from models import blockwise
+from purestep.core.data.text import cache_root
+from purestep.core.io import cache
+from purestep.core.io.logging import format_duration
+from purestep.models import blockwise
 
 
 class TeacherSource:

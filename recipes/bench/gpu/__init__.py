@@ -1,4 +1,4 @@
-"""Benchmark: every recipe right and fast on one GPU, in one prepared command: ``bin/run recipe=bench.gpu out=DIR``.
+"""Benchmark: every recipe right and fast on one GPU, in one prepared command: ``purestep recipe=bench.gpu out=DIR``.
 
 In about 8 minutes on one H100 (``budget_s``), writing ``DIR/report.json`` and ``DIR/report.md`` after every item:
 
@@ -28,15 +28,15 @@ from pathlib import Path
 
 import torch
 
-from core.config import GateFailed, UserError, option
-from core.exits import GATE
-from core.device import resolve_device
-from core.io.logging import progress
-from core.cli.runs import run_folder
-from recipes.bench.gpu import commands, jobs
-from recipes.bench.gpu.checks import run_checks
-from recipes.bench.gpu.report import Report, Skip, machine
-from recipes.bench.gpu.speed import SHAPES, VARIANTS, run_speed
+from purestep.core.config import GateFailed, UserError, option
+from purestep.core.exits import GATE
+from purestep.core.device import resolve_device
+from purestep.core.io.logging import progress
+from purestep.core.cli.runs import run_folder
+from purestep.recipes.bench.gpu import commands, jobs
+from purestep.recipes.bench.gpu.checks import run_checks
+from purestep.recipes.bench.gpu.report import Report, Skip, machine
+from purestep.recipes.bench.gpu.speed import SHAPES, VARIANTS, run_speed
 
 DESCRIPTION = "correctness, every recipe, speed and memory against plain PyTorch, and the SmolLM2 upcycle on a GPU"
 SECTIONS = ("checks", "recipes", "upcycle", "speed")
@@ -138,7 +138,7 @@ def _background_jobs(cfg: Config, device: torch.device, tiny: bool, folder: Path
 def _teacher(name: str) -> str | None:
     """``name`` as the upcycle's teacher= when it can load here (smollm2: its GGUF, ``models.smollm2``), else None."""
     if name == "smollm2":
-        from models import smollm2
+        from purestep.models import smollm2
         return name if smollm2.find_gguf() is not None and smollm2.find_gguf().is_file() else None
     return name if Path(name).exists() else None
 

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import torch
 
-import optim
-from core.io import checkpoint
-from core.state import init_state
-from core.step import make_train_step
-from core.tree import leaves_of, tree_map
-from models import llama
-from models.sampling import generate
-from recipes.bench.gpu.report import Report, Skip
-from recipes.train.backend import efficient_attention
+from purestep import optim
+from purestep.core.io import checkpoint
+from purestep.core.state import init_state
+from purestep.core.step import make_train_step
+from purestep.core.tree import leaves_of, tree_map
+from purestep.models import llama
+from purestep.models.sampling import generate
+from purestep.recipes.bench.gpu.report import Report, Skip
+from purestep.recipes.train.backend import efficient_attention
 
 MODEL = dict(vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2)
 STATE_HEAVY = dict(MODEL, d_model=512, n_layers=4)   # the donation check's: ~13M params, the state dominates the peak

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from recipes.bench.gpu.jobs import Job, bin_run, torchrun
+from purestep.recipes.bench.gpu.jobs import Job, bin_run, torchrun
 
 UPCYCLE_BATCH = 8   # windows per blockwise and global step of the SmolLM2 upcycle
 

@@ -1,4 +1,4 @@
-"""Commands run as users run them: ``bin/run`` (and ``torchrun``) in child processes, several at a time, each
+"""Commands run as users run them: ``purestep`` (and ``torchrun``) in child processes, several at a time, each
 started once the commands it needs have succeeded, each stopped at a shared deadline.
 
 A job's output goes to ``<folder>/<name>.log``; its report item holds the command, the exit code, the wall time
@@ -15,20 +15,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.cli.command import merge_args
-from recipes.bench.gpu.report import Report
+from purestep.core.cli.command import merge_args
+from purestep.recipes.bench.gpu.report import Report
 
 REPO = Path(__file__).resolve().parents[3]
 BIN_RUN = str(REPO / "bin" / "run")
 
 
 def bin_run(*args: str) -> list[str]:
-    """``bin/run ARGS`` through this Python (a later key laid over an earlier one: ``merge_args``)."""
+    """``purestep ARGS`` through this Python (a later key laid over an earlier one: ``merge_args``)."""
     return [sys.executable, BIN_RUN, *merge_args(*args)]
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
-    """``torchrun --standalone --nproc_per_node=N bin/run ARGS`` through this Python (``merge_args``)."""
+    """``torchrun --standalone --nproc_per_node=N purestep ARGS`` through this Python (``merge_args``)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", BIN_RUN,
             *merge_args(*args)]
 

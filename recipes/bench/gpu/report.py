@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from core.io.cache import write_file
-from core.io.logging import progress
+from purestep.core.io.cache import write_file
+from purestep.core.io.logging import progress
 
 
 def machine(device: torch.device) -> dict:
@@ -28,7 +28,7 @@ def machine(device: torch.device) -> dict:
     info = {"device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda,
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": " ".join(["bin/run", *sys.argv[1:]])}
+            "command": " ".join(["purestep", *sys.argv[1:]])}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(card=props.name, memory_gib=round(props.total_memory / 2**30, 1),

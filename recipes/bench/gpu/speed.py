@@ -4,7 +4,7 @@ the same batch, in one process, and the card's bf16 matmul peak measured in the 
 - ``functional``: ``core.step.make_train_step`` over ``llama.loss`` with ``optim.chain(clip_by_global_norm(1.0),
   adamw(weight_decay=0.1))``, bf16 autocast over fp32 master weights, compiled with the recipes' ``compile_scope``
   rule (``recipes.train.backend.auto_scope``: one graph on CUDA; on a CPU one block graph beyond 4 layers), the
-  state donated, as ``bin/run`` runs it.
+  state donated, as ``purestep`` runs it.
 - ``plain``: ``models.llama_module.LlamaModule`` (the same weights) under ``torch.compile(module)``, bf16 autocast,
   ``loss.backward()``, ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW(fused=True, weight_decay=0.1)``: nanoGPT's loop,
   the cross entropy taken eagerly on the compiled module's logits. ``plain_loss`` compiles it with the module, as
@@ -25,16 +25,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import optim
-from core.compile import enable_caches
-from core.state import init_state
-from core.step import Compile, make_train_step
-from core.io.telemetry import GPU_PEAK_FLOPS, flops_per_token
-from core.tree import size
-from models import llama
-from models.llama_module import LlamaModule, load_params
-from recipes.bench.gpu.report import Report
-from recipes.train.backend import auto_scope
+from purestep import optim
+from purestep.core.compile import enable_caches
+from purestep.core.state import init_state
+from purestep.core.step import Compile, make_train_step
+from purestep.core.io.telemetry import GPU_PEAK_FLOPS, flops_per_token
+from purestep.core.tree import size
+from purestep.models import llama
+from purestep.models.llama_module import LlamaModule, load_params
+from purestep.recipes.bench.gpu.report import Report
+from purestep.recipes.train.backend import auto_scope
 
 
 @dataclass(frozen=True)
