@@ -72,6 +72,13 @@ def pytest_collectreport(report):
 
 
 @pytest.fixture(scope="session")
+def installed_site(tmp_path_factory):
+    """This checkout installed non-editable into a folder (tests/installed.py): the folder for PYTHONPATH."""
+    import installed
+    return installed.install(tmp_path_factory.mktemp("installed"))
+
+
+@pytest.fixture(scope="session")
 def tiny_teacher(tmp_path_factory):
     """``(teacher run folder, data file)``: a char-level Llama of one layer (d=32) after two eager steps on ~130k
     characters of stdlib text, in seconds: a teacher for the distillation recipe's own paths (tests/test_kd_jsd.py,

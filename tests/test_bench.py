@@ -18,7 +18,7 @@ def test_there_are_benchmarks():
 def test_benchmark_answers_help(name, capsys):
     assert main([f"recipe={name}", "--help"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"usage: bin/run recipe={name} ") and "\nkeys:\n" in out
+    assert out.startswith(f"usage: purestep recipe={name} ") and "\nkeys:\n" in out
     assert importlib.import_module(RECIPES[name]).DESCRIPTION in out
 
 

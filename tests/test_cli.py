@@ -126,7 +126,7 @@ def test_help_with_settings_shows_the_resolved_values():
 
 def test_top_level_help_lists_recipes():
     proc = run("--help")
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: bin/run recipe=NAME")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: purestep recipe=NAME")
     for name in recipes.RECIPES:
         assert f"\n  {name}" in proc.stdout
 

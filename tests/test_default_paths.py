@@ -96,7 +96,7 @@ def readme(first_words: str) -> list[str]:
     lines = [line.strip() for line in text.splitlines() if line.strip().startswith(first_words)]
     assert lines, f"README.md and docs/*.md have no command starting with {first_words!r}"
     words = shlex.split(lines[0], comments=True)
-    return words[words.index("bin/run") + 1:]
+    return words[words.index("purestep") + 1:]
 
 
 def torchrun() -> list[str]:

@@ -67,4 +67,4 @@ def test_the_printed_resume_command_survives_a_shell(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["bin/run", *argv, "out=old"])
     command = resume_command(tmp_path / "my run")
     shown = subprocess.run(["bash", "-c", f"printf '%s\\n' {command}"], capture_output=True, text=True, check=True)
-    assert shown.stdout.splitlines() == ["bin/run", *argv, f"out={tmp_path / 'my run'}"]
+    assert shown.stdout.splitlines() == ["purestep", *argv, f"out={tmp_path / 'my run'}"]

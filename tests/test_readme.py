@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import documentation
+import installed
 from purestep.core.cli.config_help import markdown_table
 from purestep.recipes import RECIPES
 
@@ -24,19 +25,26 @@ def _python_block(name: str) -> str:
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
-def test_research_examples_run_verbatim(tmp_path):
+def test_research_examples_run_verbatim(tmp_path, installed_site):
     """The README's research script (a step built from the public pieces, compiled and donated from outside) and
-    the swap example after it (a custom transform in the chain), run verbatim in one process."""
+    the swap example after it (a custom transform in the chain), run verbatim in one process: purestep installed
+    non-editable (``pip install .`` into a folder), run from a project with its own ``models``, ``core`` and ``optim``
+    packages, which stay the project's."""
     script, swap = _python_block("research-script"), _python_block("research-swap")
     lines = script.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("grad_fn ="))
     end = next(i for i, line in enumerate(lines) if line.startswith("step = torch.compile("))
     assert end - start + 1 <= 12, "the step from the pieces takes at most 12 lines (the issue's acceptance)"
-    assert "core/" not in swap and "import core." not in swap.replace("from core.tree", "")
-    env = {**os.environ, "PURESTEP_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-c", script + swap], cwd=tmp_path, env=env, capture_output=True,
+    assert "core/" not in swap and "import purestep.core." not in swap.replace("from purestep.core.tree", "")
+    project = installed.collision_project(tmp_path / "project")
+    where = ("\nimport core, models, purestep\n"
+             "print('purestep from', purestep.core.__file__, '| models from', models.__file__)\n")
+    env = {**os.environ, "PURESTEP_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(installed_site)}
+    proc = subprocess.run([sys.executable, "-c", script + swap + where], cwd=project, env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
+    assert f"purestep from {installed_site / 'purestep' / 'core'}" in proc.stdout, proc.stdout
+    assert f"models from {project / 'models'}" in proc.stdout, proc.stdout
     losses = [float(x) for x in re.findall(r"step \d+: loss (\d+\.\d+)", proc.stdout)]
     val = float(re.search(r"validation loss (\d+\.\d+)", proc.stdout).group(1))
     assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.5 and val < 4.0, proc.stdout
@@ -68,7 +76,7 @@ def test_each_recipe_has_one_documented_command_in_the_table():
     rows = {row.split("`")[1]: row for row in recipes_table().splitlines() if row.startswith("| `")}
     assert set(rows) == set(RECIPES)
     for name, row in rows.items():
-        commands = [c for c in re.findall(r"`([^`]*bin/run [^`]*)`", row)]
+        commands = [c for c in re.findall(r"`([^`]*purestep [^`]*)`", row)]
         assert len(commands) == 1 and f"recipe={name} " in f"{commands[0]} ", row
         assert commands[0] in documented, f"{commands[0]!r} is in no shell block of README.md or docs/*.md"
 
@@ -77,7 +85,7 @@ def test_each_recipe_has_one_documented_command_in_the_table():
 # by its first words: the test that runs it at test size, or why none does. Commands run by
 # tests/test_default_paths.py are its README_RUNS (read from these pages there, so a broken command fails that test).
 RUN_ELSEWHERE = {
-    "pip install -e . && bin/run recipe=standard": ".ci/run part 1, verbatim, in a new venv",
+    "pip install -e . && purestep recipe=standard": ".ci/run part 1, verbatim, in a new venv",
     'pip install -e ".[test]" && python -m pytest -q': ".ci/run part 1, verbatim, in a new venv",
     "purestep recipe=standard --help": "tests/test_readme.py::test_help_lists_every_key",
     "purestep recipe=standard config=my_run.toml lr=3e-4": "tests/test_cli.py::test_later_arguments_win",
@@ -266,7 +274,7 @@ def test_the_readme_is_a_guide_of_at_most_300_lines_with_the_two_commands_on_its
     lines = README.splitlines()
     assert len(lines) <= 300, f"README.md has {len(lines)} lines; move reference material to docs/"
     first_screen = "\n".join(lines[:24])
-    assert "pip install -e . && bin/run recipe=standard" in first_screen
+    assert "pip install -e . && purestep recipe=standard" in first_screen
     assert 'pip install -e ".[test]" && python -m pytest -q' in first_screen
 
 

@@ -54,7 +54,7 @@ def test_sigterm_checkpoints_exits_zero_and_resumes_exactly(corpus, tmp_path, on
     child.send_signal(signal.SIGTERM)
     rest = child.stderr.read()
     assert child.wait(timeout=120) == 0, rest
-    assert "SIGTERM at step" in rest and "to resume, run again: bin/run" in rest
+    assert "SIGTERM at step" in rest and "to resume, run again: purestep" in rest
     stopped = ckpt.latest(tmp_path / "run")
     step = ckpt.read_meta(stopped)["step"]
     assert 3 <= step < 40 and not (tmp_path / "run" / "final.msgpack").exists()

@@ -2,7 +2,8 @@
 
 A cell's command is this command's arguments without the grid (``grid.*``, the seed list) and without
 ``out=``/``name=``, followed by the cell's values and ``out=<cell folder>``; it runs from the same working
-directory with this checkout first on ``PYTHONPATH``, so it imports the code that planned it. Its console
+directory as ``python -m purestep`` with the copy of purestep that planned it first on ``PYTHONPATH`` (a checkout or
+an installed package), so it imports the code that planned it. Its console
 output goes to ``<cell folder>/grid.log`` (appended to on a rerun); one line here says when each cell starts
 and ends. Every process keeps its own thread settings (``OMP_NUM_THREADS``): on a small machine give each
 cell fewer threads (``OMP_NUM_THREADS=1 purestep ... grid.parallel=2``).
@@ -23,12 +24,13 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import purestep
 from purestep.core.config import UserError
 from purestep.core.exits import STOPPED
 from purestep.core.io.logging import progress
 
 LOG = "grid.log"
-REPO = Path(__file__).resolve().parents[2]
+PACKAGE_ROOT = Path(purestep.__file__).resolve().parents[1]   # the folder ``import purestep`` found it in
 DROP = ("out", "name")
 
 
@@ -45,9 +47,9 @@ def child_argv(argv: Sequence[str], axes: Sequence[str], cell) -> list[str]:
 
 def _start(cell, args: list[str]) -> subprocess.Popen:
     cell.folder.mkdir(parents=True, exist_ok=True)
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     with open(cell.folder / LOG, "ab") as log:
-        return subprocess.Popen([sys.executable, str(REPO / "bin" / "run"), *args], stdout=log,
+        return subprocess.Popen([sys.executable, "-m", "purestep", *args], stdout=log,
                                 stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": path})
 
 

@@ -1,0 +1,30 @@
+"""The package as pip installs it: one ``purestep`` namespace over the repository's top-level folders (setup.cfg's
+``package_dir``), and the ``purestep`` command. The README's research script runs from a non-editable install in a
+project with its own ``models``/``core``/``optim``: tests/test_readme.py::test_research_examples_run_verbatim."""
+import subprocess
+import sys
+
+import installed
+
+REPO = installed.REPO
+
+
+def test_setup_cfg_lists_every_package_folder():
+    """``packages`` is listed by hand (``find:`` cannot prefix the folders with ``purestep.``): a new subpackage
+    missing from it would be left out of every wheel."""
+    folders = sorted("purestep." + ".".join(p.parent.relative_to(REPO).parts) if p.parts[-2] != "purestep"
+                     else "purestep" for top in ("purestep", "core", "models", "optim", "recipes")
+                     for p in (REPO / top).rglob("__init__.py") if "__pycache__" not in p.parts)
+    assert sorted(installed.declared_packages()) == folders
+
+
+def test_the_installed_command_and_module_answer(tmp_path, installed_site):
+    """The console script and ``python -m purestep`` of a non-editable install, from a folder with a ``models``
+    package of its own: both print a recipe's keys."""
+    project = installed.collision_project(tmp_path / "project")
+    env = {"PYTHONPATH": str(installed_site), "PATH": "/usr/bin:/bin"}
+    for command in ([sys.executable, str(installed_site / "bin" / "purestep")], [sys.executable, "-m", "purestep"]):
+        proc = subprocess.run([*command, "recipe=standard", "--help"], cwd=project, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage: purestep recipe=standard"), proc.stderr
+        assert "model.d_model" in proc.stdout
