@@ -42,9 +42,19 @@ exactly the teacher's names and shapes, so surgery copies it)::
     layers.attn.k_g_bias  [L, n_kv_heads * geo_dim]     "bias" in the name keeps them out of weight decay)
     layers.attn.v_bias    [L, n_kv_heads * v_dim]
 
+A per-layer KV budget (``sem_dims``, ``v_dims``: each layer's live widths, ``models/kv_budget.py``, built by
+``models.surgery``) keeps these stacked shapes at sem_dim = max(sem_dims), v_dim = max(v_dims) (geo_dim stays one
+width: the RoPE pairs are uniform per layer). In layer l, the rows past sem_dims[l] of every head's wq_s and wk_s
+slice (and their biases) and the rows past v_dims[l] of every KV head's wv slice (its bias) and those columns of
+W_o are zero: the dead key dims add 0 to every score and the dead value dims carry 0 into W_o, so the layer computes
+what a layer of the live widths computes. Their gradients are exactly zero (a dead query row's is the dead key dim,
+0, times x, and the reverse; a dead wv row's is W_o's dead column, 0, times the output gradient; a dead W_o column's
+is the dead value, 0), and AdamW keeps them zero (zero moments; decoupled decay of zero is zero).
+
 KV cache per layer: ``k`` = [k_s | k_g (rotated)] of shape [B, n_kv_heads, max_len, sem_dim + geo_dim] and
 ``v`` [B, n_kv_heads, max_len, v_dim]: n_kv_heads * (sem_dim + geo_dim + v_dim) values per token and layer,
-against the teacher's 2 * n_kv_heads * head_dim (``kv_bytes_per_token``).
+against the teacher's 2 * n_kv_heads * head_dim (``kv_bytes_per_token``, which counts the live widths; the cache
+of :func:`new_cache`, and the HF export, hold the padded ones).
 """
 from __future__ import annotations
 
@@ -55,6 +65,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from purestep.core.config import option
 from purestep.core.layers import Layers
 from purestep.models import llama, losses
 from purestep.models.sampling import decoding
@@ -68,6 +79,9 @@ class DBAConfig(LlamaConfig):
     geo_dim: int = 16            # per head, RoPE; even, <= head_dim; 0 = pure semantic attention
     v_dim: int = 32              # per KV head
     rope_pairs: list = field(default_factory=list)  # [L][n_kv_heads][geo_dim/2] teacher pair indices; [] = uniform
+    sem_dims: tuple[int, ...] = option((), "per-layer live sem_dim, each at most sem_dim (a per-layer KV budget, "
+                                       "models/kv_budget.py; empty: every layer sem_dim)", min=0)
+    v_dims: tuple[int, ...] = option((), "per-layer live v_dim, each at most v_dim (empty: every layer v_dim)", min=1)
 
     def __post_init__(self):
         super().__post_init__()
@@ -92,12 +106,24 @@ class DBAConfig(LlamaConfig):
             for pairs in layer:
                 if len(set(pairs)) != len(pairs) or any(not 0 <= int(f) < n_pairs for f in pairs):
                     raise ValueError(f"rope_pairs entry {pairs}: need distinct pair indices in [0, {n_pairs})")
+        self.sem_dims, self.v_dims = tuple(self.sem_dims), tuple(self.v_dims)
+        for key, dims, low, high in [("sem_dims", self.sem_dims, 0 if self.geo_dim else 1, self.sem_dim),
+                                     ("v_dims", self.v_dims, 1, self.v_dim)]:
+            if dims and (len(dims) != self.n_layers or not all(low <= w <= high for w in dims)):
+                raise ValueError(f"{key}={dims}: need one live width per layer ({self.n_layers}), each in "
+                                 f"[{low}, {key[:-1]}={high}]")
 
     @classmethod
     def from_teacher(cls, teacher: LlamaConfig, *, sem_dim: int, geo_dim: int, v_dim: int,
-                     rope_pairs: Optional[list] = None) -> "DBAConfig":
+                     rope_pairs: Optional[list] = None, sem_dims: tuple = (), v_dims: tuple = ()) -> "DBAConfig":
         base = {k: v for k, v in asdict(teacher).items() if k in LlamaConfig.__dataclass_fields__}
-        return cls(**base, sem_dim=sem_dim, geo_dim=geo_dim, v_dim=v_dim, rope_pairs=rope_pairs or [])
+        return cls(**base, sem_dim=sem_dim, geo_dim=geo_dim, v_dim=v_dim, rope_pairs=rope_pairs or [],
+                   sem_dims=tuple(sem_dims), v_dims=tuple(v_dims))
+
+
+def live_dims(cfg: DBAConfig) -> tuple[list, list]:
+    """Each layer's live (sem_dim, v_dim) widths: ``sem_dims`` / ``v_dims``, or the stacked width in every layer."""
+    return (list(cfg.sem_dims) or [cfg.sem_dim] * cfg.n_layers, list(cfg.v_dims) or [cfg.v_dim] * cfg.n_layers)
 
 
 def dims_for_reduction(head_dim: int, kv_reduction: float = 2.0, plain: bool = False) -> tuple[int, int, int]:
@@ -236,6 +262,8 @@ def decoder(params: dict, cfg: DBAConfig, batch: int, max_len: int):
 
 
 def kv_bytes_per_token(cfg: DBAConfig, dtype_bytes: int = 2) -> int:
-    """Cached bytes per token over all layers: n_kv_heads * (sem_dim + geo_dim + v_dim) per layer (the teacher:
-    ``llama.kv_bytes_per_token``, 2 * n_kv_heads * head_dim)."""
-    return cfg.n_layers * cfg.n_kv_heads * (cfg.sem_dim + cfg.geo_dim + cfg.v_dim) * dtype_bytes
+    """Cached bytes per token over all layers: n_kv_heads * (sem_dim + geo_dim + v_dim) per layer at the live widths
+    (:func:`live_dims`; the teacher: ``llama.kv_bytes_per_token``, 2 * n_kv_heads * head_dim). With ``sem_dims`` /
+    ``v_dims`` this is what a cache of live widths holds; :func:`new_cache` holds the padded widths in every layer."""
+    sem, v = live_dims(cfg)
+    return cfg.n_kv_heads * (sum(sem) + cfg.n_layers * cfg.geo_dim + sum(v)) * dtype_bytes

@@ -15,6 +15,11 @@ cannot express are refused with a ``UserError``: RoPE scaling other than llama3 
 ``factors``), params whose attention leaves do not match the config (biases without ``qkv_bias`` or the reverse),
 a head that contradicts ``tie_embeddings``.
 
+A student with a per-layer KV budget (``DBAConfig.sem_dims`` / ``v_dims``) is written at its padded widths: the
+modeling file has one sem_dim and v_dim for every layer, so the folder carries their max with each layer's dead dims
+as zero rows/columns (the same function; its cache holds the padded widths), and ``config.json`` has no per-layer
+widths.
+
 The folder is written whole or not at all (``core.io.cache.build_folder``: a temporary sibling folder, fsynced,
 then renamed into place). An existing folder is replaced only if it is empty or an earlier DBA export (its
 ``config.json`` says ``model_type: purestep_dba`` and it holds nothing but the files an export writes); anything

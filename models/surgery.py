@@ -35,6 +35,12 @@ Steps (per layer l and KV head g; query heads h of g's group, n = n_heads / n_kv
    up-projection U_r is folded into the W_o columns of **every** query head of the group, W_o,h <- W_o,h U_r.
    Exact at r = head_dim (U_r U_r^T = I), optimal in Frobenius norm below it (Eckart-Young).
 
+   **A per-layer budget** (``dims_total``, :func:`bottlenecks`): steps 2 and 3 run at full rank, their squared
+   singular values summed over each layer's KV heads go to ``models.kv_budget.allocate_pair`` (CARE's greedy, ICLR
+   2026, over both spectra; geo_dim stays uniform), and layer l keeps its leading sem_dims[l] / v_dims[l]
+   components, zero past them (the stacked shape of ``models.dba``'s note). Both truncations take a prefix of the
+   full-rank factors (the balance is per component), so each layer is exactly what a surgery at its widths builds.
+
 4. Embeddings, norms, MLPs and the head are copied. All linear algebra runs in float64; the result takes the
    teacher's dtype and device. DeepSeek-V2 (MLA with decoupled RoPE) is the architecture this mirrors.
 
@@ -50,14 +56,13 @@ pairs, the no-RoPE score, the values). A bias-free teacher keeps d columns: augm
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Literal
 
 import torch
 
 from purestep.core.tree import clone
-from purestep.models import llama
+from purestep.models import kv_budget, llama
 from purestep.models.dba import DBAConfig
 from purestep.models.llama import LlamaConfig
 
@@ -138,29 +143,53 @@ def factorize_scores(Q: torch.Tensor, K: torch.Tensor, rank: int, white: torch.T
     """Shared-key rank-``rank`` factorization of the group's no-RoPE scores M_h = Q_h^T K (module docstring).
 
     ``Q`` [L, G, n, m, d] (scale folded in), ``K`` [L, G, m, d], ``white`` [L, d, d] (``asvd``) or None.
-    Returns A [L, G, n, rank, d] (queries) and B [L, G, rank, d] (keys) with A_h^T B ~ M_h.
+    Returns A [L, G, n, rank, d] (queries), B [L, G, rank, d] (keys) with A_h^T B ~ M_h, and the squared singular
+    values [L, G, min(m, d)] of the whitened scores (their tail sum is the truncation's error; empty at rank 0).
     """
     L, G, n, m, d = Q.shape
     if rank == 0:
-        return Q.new_zeros(L, G, n, 0, d), K.new_zeros(L, G, 0, d)
+        return Q.new_zeros(L, G, n, 0, d), K.new_zeros(L, G, 0, d), Q.new_zeros(L, G, 0)
     Kw = K if white is None else K @ white[:, None]
     Qw = Q if white is None else Q @ white[:, None, None]
     U_c, s_c, _ = torch.linalg.svd(Qw.transpose(2, 3).reshape(L, G, m, n * d), full_matrices=False)
     Z = (s_c[..., :, None] * U_c.mT) @ Kw                        # same right singular vectors as S
-    _, s, Vh = torch.linalg.svd(Z, full_matrices=False)
-    P, s = _pad_rows(Vh[..., :rank, :], rank), _pad_rows(s[..., :rank, None], rank)[..., 0]
+    _, s_all, Vh = torch.linalg.svd(Z, full_matrices=False)
+    P, s = _pad_rows(Vh[..., :rank, :], rank), _pad_rows(s_all[..., :rank, None], rank)[..., 0]
     A = (P @ Kw.mT)[:, :, None] @ Q                              # A_h = P W^T K^T Q_h
     B = P if white is None else torch.linalg.solve_triangular(white[:, None], P, upper=False, left=False)
     floor = 1e-12 * s.amax(-1, keepdim=True).clamp_min(1e-300)   # zero directions: any finite balance
     balance = (s / math.sqrt(n)).clamp_min(floor).sqrt()
-    return A / balance[:, :, None, :, None], B * balance[..., None]
+    return A / balance[:, :, None, :, None], B * balance[..., None], s_all.square()
 
 
-def compress_values(Wv: torch.Tensor, rank: int, white: torch.Tensor | None = None) -> torch.Tensor:
-    """U_r [L, G, hd, rank]: the value subspace of ``Wv`` [L, G, hd, d] (of W_v W for ``asvd``); the student's
-    value weights are U_r^T W_v and its output weights W_o,h U_r."""
-    U, _, _ = torch.linalg.svd(Wv if white is None else Wv @ white[:, None], full_matrices=False)
-    return _pad_rows(U[..., :rank].mT, rank).mT
+def compress_values(Wv: torch.Tensor, rank: int, white: torch.Tensor | None = None) -> tuple:
+    """(U_r [L, G, hd, rank], squared singular values [L, G, min(hd, d)]): the value subspace of ``Wv``
+    [L, G, hd, d] (of W_v W for ``asvd``); the student's value weights are U_r^T W_v and its output weights
+    W_o,h U_r."""
+    U, s, _ = torch.linalg.svd(Wv if white is None else Wv @ white[:, None], full_matrices=False)
+    return _pad_rows(U[..., :rank].mT, rank).mT, s.square()
+
+
+def bottlenecks(Q: torch.Tensor, K: torch.Tensor, Wv: torch.Tensor, white: torch.Tensor | None, sem_dim: int | None,
+                v_dim: int | None, dims_total: int | None, geo_dim: int) -> tuple:
+    """(A, B, U, sem_dims, v_dims): steps 2 and 3 at ``sem_dim`` / ``v_dim`` in every layer (sem_dims, v_dims
+    empty), or with ``dims_total`` at the per-layer widths ``kv_budget.allocate_pair`` draws from both spectra
+    (summed over each layer's KV heads), stacked at their max with each layer's components past its width zero."""
+    if dims_total is None:
+        A, B, _ = factorize_scores(Q, K, sem_dim, white)
+        return A, B, compress_values(Wv, v_dim, white)[0], (), ()
+    A, B, key_sq = factorize_scores(Q, K, Q.shape[-2], white)
+    U, value_sq = compress_values(Wv, Wv.shape[-2], white)
+    sem_dims, v_dims = kv_budget.allocate_pair(key_sq.sum(1), value_sq.sum(1), dims_total,
+                                               key_minimum=0 if geo_dim else 1)
+    sem, v = live_mask(sem_dims, A.dtype, A.device), live_mask(v_dims, U.dtype, U.device)
+    A, B = A[..., :sem.shape[1], :] * sem[:, None, None, :, None], B[..., :sem.shape[1], :] * sem[:, None, :, None]
+    return A, B, U[..., :v.shape[1]] * v[:, None, None, :], tuple(sem_dims), tuple(v_dims)
+
+
+def live_mask(widths: list, dtype, device) -> torch.Tensor:
+    """[L, max(widths)]: 1 on layer l's first widths[l] components, 0 past them."""
+    return (torch.arange(max(widths), device=device) < torch.tensor(widths, device=device)[:, None]).to(dtype)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -210,8 +239,9 @@ def student_attention(parts: dict, wo: torch.Tensor, d: int, like: torch.Tensor)
 
 
 @torch.no_grad()
-def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_dim: int, geo_dim: int,
-            v_dim: int, method: Literal["svd", "asvd"] = "asvd", shared_pairs: bool = False):
+def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_dim: int | None = None, geo_dim: int,
+            v_dim: int | None = None, method: Literal["svd", "asvd"] = "asvd", shared_pairs: bool = False,
+            dims_total: int | None = None):
     """Teacher Llama ``params``/``cfg`` -> (student params, ``DBAConfig``, report).
 
     ``calib_tokens`` [B, T] feed the pair selection (and the whitening for ``asvd``, the default: on SmolLM2-135M
@@ -222,9 +252,11 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
     ``v_err_act`` of the value bottleneck (for a teacher with q/k/v biases: of the augmented [W | b] matrices,
     on the augmented inputs [x; 1]); and the kept pairs (also in the config). ``shared_pairs``: one set of pairs for
     all layers and KV heads; with sem_dim=0, v_dim=geo_dim the student is a plain Llama (``models.dba_llama``).
+    Either ``sem_dim`` and ``v_dim`` (every layer) or ``dims_total`` (``models/kv_budget.py``: that many no-RoPE key +
+    value dims per KV head over all layers, CARE's greedy on steps 2 and 3's spectra; the config and the report hold
+    ``sem_dims`` / ``v_dims``, sem_dim and v_dim their max).
     """
-    _check(cfg, sem_dim, geo_dim, v_dim, method)
-    student_cfg = DBAConfig.from_teacher(cfg, sem_dim=sem_dim, geo_dim=geo_dim, v_dim=v_dim)
+    _check(cfg, sem_dim, geo_dim, v_dim, method, dims_total)
     L, d, H, G, hd = cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     n = H // G
     attn = params["layers"]["attn"]
@@ -232,14 +264,7 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
     keep = select_pairs(pair_scores(params, cfg, x), geo_dim // 2, shared_pairs)   # [L, G, geo/2]
     work = torch.device("cpu") if x.device.type == "mps" else x.device       # float64 linear algebra (not on MPS)
     x, keep = x.to(work), keep.to(work)
-    student_cfg = dataclasses.replace(student_cfg, rope_pairs=keep.tolist())
-
-    pairs = torch.arange(hd // 2, device=keep.device).expand(L, G, -1)
-    dropped = torch.ones_like(pairs, dtype=torch.bool).scatter(-1, keep, False)
-    drop = pairs[dropped].view(L, G, -1)
-    keep_dims = torch.cat([keep, keep + hd // 2], dim=-1)                     # student rotate-half layout
-    drop_dims = torch.cat([drop, drop + hd // 2], dim=-1)
-
+    keep_dims, drop_dims = pair_dims(keep, hd)
     Wq, Wk, Wv = teacher_weights(attn, cfg, work)                   # [W | b] when biased: d1 = d + 1 columns
     d1 = Wq.shape[-1]
 
@@ -254,8 +279,10 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
     gram = x.mT @ x
     white = whitening(gram) if method == "asvd" else None
     Q, K = rows_q(drop_dims), rows_k(drop_dims)
-    A, B = factorize_scores(Q, K, sem_dim, white)
-    U = compress_values(Wv, v_dim, white)
+    A, B, U, sem_dims, v_dims = bottlenecks(Q, K, Wv, white, sem_dim, v_dim, dims_total, geo_dim)
+    sem_dim, v_dim = A.shape[-2], U.shape[-1]
+    student_cfg = DBAConfig.from_teacher(cfg, sem_dim=sem_dim, geo_dim=geo_dim, v_dim=v_dim, rope_pairs=keep.tolist(),
+                                         sem_dims=sem_dims, v_dims=v_dims)
     Wo = torch.einsum("ldgnh,lghr->ldgnr", attn["wo"].to(work, torch.float64).view(L, d, G, n, hd), U)  # W_o,h U_r
 
     student = clone({k: v for k, v in params.items() if k != "layers"})
@@ -266,14 +293,30 @@ def surgery(params: dict, cfg: LlamaConfig, calib_tokens: torch.Tensor, *, sem_d
          "v": (U.mT @ Wv).reshape(L, G * v_dim, d1)}, Wo.reshape(L, d, H * v_dim), d, attn["wq"])
     report = {"method": method, "shared_pairs": shared_pairs, "score_err": score_error(Q, K, A, B).tolist(),
               "score_err_act": score_error(Q, K, A, B, gram).tolist(), "v_err": value_error(Wv, U).tolist(),
-              "v_err_act": value_error(Wv, U, gram).tolist(), "rope_pairs": student_cfg.rope_pairs}
+              "v_err_act": value_error(Wv, U, gram).tolist(), "rope_pairs": student_cfg.rope_pairs,
+              **({"sem_dims": sem_dims, "v_dims": v_dims} if dims_total is not None else {})}
     return student, student_cfg, report
 
 
-def _check(cfg: LlamaConfig, sem_dim: int, geo_dim: int, v_dim: int, method: str) -> None:
+def pair_dims(keep: torch.Tensor, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept dims, dropped dims) [L, G, ...] of the kept pairs ``keep`` [L, G, P], each pair's two dims f, f + hd/2
+    (the student's rotate-half layout)."""
+    pairs = torch.arange(hd // 2, device=keep.device).expand(*keep.shape[:2], -1)
+    drop = pairs[torch.ones_like(pairs, dtype=torch.bool).scatter(-1, keep, False)].view(*keep.shape[:2], -1)
+    return torch.cat([keep, keep + hd // 2], dim=-1), torch.cat([drop, drop + hd // 2], dim=-1)
+
+
+def _check(cfg: LlamaConfig, sem_dim: int | None, geo_dim: int, v_dim: int | None, method: str,
+           dims_total: int | None = None) -> None:
     """:func:`surgery`'s arguments against the teacher's head: one ``ValueError`` naming the bad one."""
     if method not in METHODS:
         raise ValueError(f"method={method!r}; choose one of {', '.join(METHODS)}")
+    widths = (sem_dim is not None, v_dim is not None)
+    if widths != ((False, False) if dims_total is not None else (True, True)):
+        raise ValueError(f"sem_dim={sem_dim}, v_dim={v_dim}, dims_total={dims_total}: give sem_dim and v_dim, or "
+                         f"dims_total alone")
+    if dims_total is not None:
+        return
     m = cfg.head_dim - geo_dim
     if sem_dim > m:
         raise ValueError(f"sem_dim={sem_dim} > head_dim - geo_dim = {m}: the no-RoPE score has rank <= {m}")

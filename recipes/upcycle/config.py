@@ -27,7 +27,8 @@ from purestep.recipes.train.config import TrainConfig, train_config
 PHASES = ("blockwise", "global", "verify", "benchmark")
 STUDENTS = ("dba", "mla")
 DBA_KEYS = ("sem_dim", "geo_dim", "v_dim", "rope_pairs_shared")         # given (not None/False): student=dba only
-MLA_KEYS = ("kv_lora_rank", "qk_rope_head_dim", "latent_weight", "kv_budget")   # given (not None/0): student=mla only
+MLA_KEYS = ("kv_lora_rank", "qk_rope_head_dim", "latent_weight")       # given (not None): student=mla only
+BUDGET_SETS = {"mla": ("kv_lora_rank",), "dba": ("sem_dim", "v_dim", "rope_pairs_shared")}   # refused with kv_budget
 TRAIN_PARTS = ("attn", "block")
 
 
@@ -236,10 +237,11 @@ class Config:
     latent_weight: Optional[str] = option(None, "student=mla: how the joint latent weighs the keys and values it "
                                           "factors: equal (MHA2MLA) or fed (by the queries / W_o they feed; none: "
                                           "fed)", choices=LATENT_WEIGHTS)
-    kv_budget: int = option(0, "student=mla: KV cache bytes per token over all layers (bf16, 2 bytes a value), "
-                            "spread over the layers by CARE's greedy on the surgery's whitened spectra "
-                            "(models/kv_budget.py); replaces kv_lora_rank, kv_reduction still sets "
-                            "qk_rope_head_dim (0: off, every layer kv_lora_rank)", min=0)
+    kv_budget: int = option(0, "KV cache bytes per token over all layers (bf16, 2 bytes a value), spread over the "
+                            "layers by CARE's greedy on the surgery's whitened spectra (models/kv_budget.py); mla: "
+                            "replaces kv_lora_rank, kv_reduction still sets qk_rope_head_dim; dba: replaces sem_dim "
+                            "and v_dim (key and value dims drawn by one greedy), kv_reduction still sets geo_dim "
+                            "(0: off, every layer the same dims)", min=0)
     surgery_method: str = option("asvd", "activation-aware SVD (SVD-LLM whitening) or plain weight SVD",
                                  choices=METHODS)
     calib_tokens: int = option(4096, "training-split tokens for pair selection and asvd whitening", min=1)
@@ -257,9 +259,11 @@ class Config:
         if given:
             raise ConfigError(f"bad key {given[0]!r} for student={self.student}: it only means something for "
                               f"student={'dba' if other == 'mla' else 'mla'}")
-        if self.kv_budget and self.kv_lora_rank is not None:
-            raise ConfigError(f"bad key 'kv_lora_rank' with kv_budget={self.kv_budget}: the budget sets every "
-                              f"layer's latent width; give one of them")
+        given = [k for k in BUDGET_SETS[self.student] if getattr(self, k) not in (None, False)]
+        if self.kv_budget and given:
+            raise ConfigError(f"bad key {given[0]!r} with kv_budget={self.kv_budget}: the budget sets every layer's "
+                              + ("latent width" if self.student == "mla" else "no-RoPE key and value widths (and "
+                                 "keeps per-head RoPE pairs)") + "; give one of them")
         if self.kv_budget % 2:
             raise ConfigError(f"bad value for 'kv_budget': {self.kv_budget} bytes is not a whole number of bf16 "
                               f"values (2 bytes each)")

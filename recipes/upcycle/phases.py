@@ -110,9 +110,10 @@ def load_student(path: Path, device) -> tuple[dict, object]:
 def surgery_settings(cfg: Config) -> dict:
     """The keys that define the student; a rerun into the same folder must not change them."""
     dims = ({"kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-             "latent_weight": cfg.latent_weight, "kv_budget": cfg.kv_budget} if cfg.student == "mla" else {})
+             "latent_weight": cfg.latent_weight} if cfg.student == "mla" else {})
     return {"teacher": cfg.teacher, "data": cfg.data, "student": cfg.student, "sem_dim": cfg.sem_dim,
-            "geo_dim": cfg.geo_dim, "v_dim": cfg.v_dim, **dims, "surgery_method": cfg.surgery_method,
+            "geo_dim": cfg.geo_dim, "v_dim": cfg.v_dim, **dims, "kv_budget": cfg.kv_budget,
+            "surgery_method": cfg.surgery_method,
             "rope_pairs_shared": cfg.rope_pairs_shared, "calib_tokens": cfg.calib_tokens,
             "block_size": cfg.block_size, "seed": cfg.seed}
 
@@ -148,13 +149,7 @@ def run_surgery(ctx: Context) -> tuple[dict, object]:
             ctx.say(f"surgery: per-layer latent ranks (CARE's greedy) {', '.join(map(str, scfg.kv_ranks))}; "
                     f"stored padded to kv_lora_rank {scfg.kv_lora_rank}")
     else:
-        ctx.say(f"surgery: {cfg.surgery_method} on {calib.numel():,} calibration tokens (training split), sem_dim "
-                f"{cfg.sem_dim}, geo_dim {cfg.geo_dim}, v_dim {cfg.v_dim} per head"
-                + (", one set of RoPE pairs for every layer and KV head (a plain Llama)" if cfg.rope_pairs_shared
-                   else ""))
-        student, scfg, report = surgery.surgery(compute_view(t.params), t.config, calib, sem_dim=cfg.sem_dim,
-                                                geo_dim=cfg.geo_dim, v_dim=cfg.v_dim, method=cfg.surgery_method,
-                                                shared_pairs=cfg.rope_pairs_shared)
+        student, scfg, report = dba_surgery(ctx, calib)
     ctx.say("surgery: evaluating the teacher on the held-out windows")
     teacher_loss = heldout_loss(llama, t.params, t.config, ctx.heldout)
     kv_t, kv_s = llama.kv_bytes_per_token(t.config), module_of(scfg).kv_bytes_per_token(scfg)
@@ -169,6 +164,25 @@ def run_surgery(ctx: Context) -> tuple[dict, object]:
               extra={**ctx.extra("surgery", scfg), "settings": surgery_settings(cfg), "report": report})
     ctx.say(f"surgery: teacher held-out loss {teacher_loss:.4f} (perplexity {ppl(teacher_loss):.2f}); {path}")
     return student, scfg
+
+
+def dba_surgery(ctx: Context, calib: torch.Tensor) -> tuple:
+    """``models.surgery.surgery`` at the recipe's dims, or with ``kv_budget`` at the per-layer widths its greedy
+    draws (``models/kv_budget.py``)."""
+    cfg, t = ctx.cfg, ctx.teacher
+    width = (f"kv_budget {cfg.kv_budget} B" if cfg.kv_budget else f"sem_dim {cfg.sem_dim}")
+    ctx.say(f"surgery: {cfg.surgery_method} on {calib.numel():,} calibration tokens (training split), {width}, "
+            f"geo_dim {cfg.geo_dim}" + ("" if cfg.kv_budget else f", v_dim {cfg.v_dim}") + " per head"
+            + (", one set of RoPE pairs for every layer and KV head (a plain Llama)" if cfg.rope_pairs_shared else ""))
+    tc = t.config
+    width = ({"dims_total": kv_budget.budget_dba_total(cfg.kv_budget, tc.n_layers, tc.n_kv_heads, cfg.geo_dim)}
+             if cfg.kv_budget else {"sem_dim": cfg.sem_dim, "v_dim": cfg.v_dim})
+    student, scfg, report = surgery.surgery(compute_view(t.params), tc, calib, geo_dim=cfg.geo_dim,
+                                            method=cfg.surgery_method, shared_pairs=cfg.rope_pairs_shared, **width)
+    if cfg.kv_budget:
+        ctx.say(f"surgery: per-layer sem_dim (CARE's greedy) {', '.join(map(str, scfg.sem_dims))}; v_dim "
+                f"{', '.join(map(str, scfg.v_dims))}; stored padded to sem_dim {scfg.sem_dim}, v_dim {scfg.v_dim}")
+    return student, scfg, report
 
 
 # ----------------------------------------------------------------------------------------------------------

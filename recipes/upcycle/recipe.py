@@ -76,6 +76,8 @@ def resolve_dims(cfg: Config, tcfg) -> None:
         else:
             derived = dba.dims_for_reduction(tcfg.head_dim, cfg.kv_reduction, plain=cfg.rope_pairs_shared)
             keys = ("sem_dim", "geo_dim", "v_dim")
+            if cfg.kv_budget:            # the budget's greedy sets sem_dim and v_dim per layer at the surgery
+                keys, derived = keys[1:2], derived[1:2]
     except ValueError as e:
         raise UserError(f"kv_reduction={cfg.kv_reduction:g} for this teacher: {e}") from None
     for key, value in zip(keys, derived):
@@ -95,6 +97,12 @@ def dims_line(cfg: Config, tcfg) -> str:
         per_t, per_s = 2 * tcfg.n_kv_heads * tcfg.head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim
         dims = (f"kv_lora_rank={cfg.kv_lora_rank} qk_rope_head_dim={cfg.qk_rope_head_dim} (MLA; teacher "
                 f"{tcfg.n_kv_heads} KV heads x head_dim {tcfg.head_dim}")
+    elif cfg.kv_budget:
+        per_t, per_s = 2 * tcfg.n_kv_heads * tcfg.head_dim, cfg.kv_budget / 2 / tcfg.n_layers
+        total = kv_budget.budget_dba_total(cfg.kv_budget, tcfg.n_layers, tcfg.n_kv_heads, cfg.geo_dim)
+        dims = (f"kv_budget={cfg.kv_budget} B: {total} sem_dim + v_dim per KV head over {tcfg.n_layers} layers "
+                f"(per-layer widths at the surgery) + geo_dim={cfg.geo_dim} (teacher {tcfg.n_kv_heads} KV heads x "
+                f"head_dim {tcfg.head_dim}")
     else:
         per_t, per_s = 2 * tcfg.n_kv_heads * tcfg.head_dim, tcfg.n_kv_heads * (cfg.sem_dim + cfg.geo_dim + cfg.v_dim)
         dims = f"sem_dim={cfg.sem_dim} geo_dim={cfg.geo_dim} v_dim={cfg.v_dim} (teacher head_dim {tcfg.head_dim}"
@@ -118,21 +126,27 @@ def _validate_mla(cfg: Config, tcfg) -> None:
     except ValueError as e:
         raise UserError(f"kv_lora_rank/qk_rope_head_dim for this teacher: {e}") from None
     if cfg.kv_budget:
-        _validate_budget(cfg, tcfg)
+        d_r = cfg.qk_rope_head_dim
+        full = min(tcfg.n_kv_heads * (2 * tcfg.head_dim - d_r), tcfg.d_model)
+        _validate_budget(cfg, tcfg, 1, (kv_budget.MIN_RANK, full), d_r,
+                         f"{kv_budget.MIN_RANK} latent dim + qk_rope_head_dim={d_r}", f"{full} latent dims")
 
 
-def _validate_budget(cfg: Config, tcfg) -> None:
-    """kv_budget between every layer's minimum (``kv_budget.MIN_RANK`` latent dims + its RoPE key) and the
-    teacher's own cache (and at most every layer's full latent rank), as one UserError."""
-    L, d_r = tcfg.n_layers, cfg.qk_rope_head_dim
-    low = 2 * L * (kv_budget.MIN_RANK + d_r)
-    full = min(tcfg.n_kv_heads * (2 * tcfg.head_dim - d_r), tcfg.d_model)
-    high = min(llama.kv_bytes_per_token(tcfg), 2 * L * (full + d_r))
+def _validate_budget(cfg: Config, tcfg, values: int, live: tuple, rope: int, least: str, most: str) -> None:
+    """kv_budget in whole cached tokens' rows (``values`` per unit: 1 for mla, n_kv_heads for dba) between every
+    layer's minimum (``live[0]`` live units + ``rope`` RoPE dims, ``least`` in words) and the teacher's own cache
+    (and at most every layer's ``live[1]``, ``most``), as one UserError."""
+    L = tcfg.n_layers
+    if cfg.kv_budget % (2 * values):
+        raise UserError(f"kv_budget={cfg.kv_budget} is not a whole number of a layer's dims: each dim caches "
+                        f"{values} bf16 values (one per KV head, 2 bytes each): give a multiple of {2 * values}")
+    low = 2 * values * L * (live[0] + rope)
+    high = min(llama.kv_bytes_per_token(tcfg), 2 * values * L * (live[1] + rope))
     if not low <= cfg.kv_budget <= high:
+        per = f" x {values} KV heads" if values > 1 else ""
         raise UserError(f"kv_budget={cfg.kv_budget} does not fit this teacher: need {low} <= kv_budget <= {high} "
-                        f"bytes per token ({L} layers, each at least {kv_budget.MIN_RANK} latent dim + "
-                        f"qk_rope_head_dim={d_r}, at most the teacher's {llama.kv_bytes_per_token(tcfg)} B and "
-                        f"{full} latent dims a layer)")
+                        f"bytes per token ({L} layers{per}, each at least {least}, at most the teacher's "
+                        f"{llama.kv_bytes_per_token(tcfg)} B and {most} a layer)")
 
 
 def _validate(cfg: Config, teacher, corpus) -> tuple:
@@ -160,6 +174,9 @@ def _validate(cfg: Config, teacher, corpus) -> tuple:
 
 def _validate_dba(cfg: Config, tcfg) -> None:
     """student=dba's dims against the teacher's head, as one UserError."""
+    if cfg.kv_budget:
+        _validate_dba_budget(cfg, tcfg)
+        return
     try:
         dba.DBAConfig.from_teacher(tcfg, sem_dim=cfg.sem_dim, geo_dim=cfg.geo_dim, v_dim=cfg.v_dim)
     except ValueError as e:
@@ -173,6 +190,22 @@ def _validate_dba(cfg: Config, tcfg) -> None:
         raise UserError(f"rope_pairs_shared=true builds a plain Llama student: it needs sem_dim=0 and v_dim=geo_dim "
                         f"(got sem_dim={cfg.sem_dim}, geo_dim={cfg.geo_dim}, v_dim={cfg.v_dim}); leave them unset to "
                         f"derive them from kv_reduction")
+
+
+def _validate_dba_budget(cfg: Config, tcfg) -> None:
+    """student=dba with kv_budget: geo_dim against the teacher's head, the budget between one value dim (and one
+    no-RoPE key dim when geo_dim is 0) and every layer's full widths (``models.surgery``'s spectra: at most
+    min(head_dim - geo_dim, d) key and min(head_dim, d) value dims), as one UserError."""
+    key_min = 0 if cfg.geo_dim else 1
+    try:
+        dba.DBAConfig.from_teacher(tcfg, sem_dim=key_min, geo_dim=cfg.geo_dim, v_dim=1)
+    except ValueError as e:
+        raise UserError(f"geo_dim for this teacher (head_dim {tcfg.head_dim}): {e}") from None
+    hd, d, g = tcfg.head_dim, tcfg.d_model, cfg.geo_dim
+    key_max, v_max = min(hd - g, d), min(hd, d)
+    _validate_budget(cfg, tcfg, tcfg.n_kv_heads, (key_min + kv_budget.MIN_RANK, key_max + v_max), g,
+                     f"{key_min} sem_dim + {kv_budget.MIN_RANK} v_dim + geo_dim={g}",
+                     f"{key_max} sem_dim + {v_max} v_dim")
 
 
 def _check_existing(cfg: Config, folder) -> None:
