@@ -131,11 +131,16 @@ def tiny_run(tmp_path, monkeypatch) -> list:
     return common
 
 
+def upcycle_args(tmp_path, common, student: str) -> list:
+    """The upcycle recipe's surgery and verify on :func:`tiny_run`'s teacher at 4x, for ``student``."""
+    return ["recipe=upcycle", "preset=ci", *common, f"teacher={tmp_path / 'teacher'}", f"student={student}",
+            "kv_reduction=4", "phases=verify", "calib_tokens=128", "eval_windows=2", "verify.max_ppl_ratio=1e9"]
+
+
 def test_kv_budget_key_and_its_refusals(tmp_path, monkeypatch, capsys):
     common = tiny_run(tmp_path, monkeypatch)
     # teacher: 2 layers x 2 KV heads x 16 x 2 (k, v) = 128 values, 256 B; kv_reduction=4 -> qk_rope_head_dim 2
-    args = ["recipe=upcycle", "preset=ci", *common, f"teacher={tmp_path / 'teacher'}", "student=mla",
-            "kv_reduction=4", "phases=verify", "calib_tokens=128", "eval_windows=2", "verify.max_ppl_ratio=1e9"]
+    args = upcycle_args(tmp_path, common, "mla")
     assert main([*args, f"out={tmp_path / 'up'}", "kv_budget=64"]) == 0
     err = capsys.readouterr().err
     assert "kv_budget=64 B: 28 latent dims over 2 layers" in err and "4.00x smaller" in err
@@ -290,8 +295,7 @@ def test_dba_budget_student_exports_to_hf(tmp_path):
 def test_dba_kv_budget_through_the_recipe(tmp_path, monkeypatch, capsys):
     common = tiny_run(tmp_path, monkeypatch)
     # teacher 256 B; kv_reduction=4 -> geo_dim 4: 64 B leave 64 / 2 / 2 - 2 * 4 = 8 sem_dim + v_dim over 2 layers
-    args = ["recipe=upcycle", "preset=ci", *common, f"teacher={tmp_path / 'teacher'}", "student=dba",
-            "kv_reduction=4", "phases=verify", "calib_tokens=128", "eval_windows=2", "verify.max_ppl_ratio=1e9"]
+    args = upcycle_args(tmp_path, common, "dba")
     assert main([*args, f"out={tmp_path / 'up'}", "kv_budget=64"]) == 0
     err = capsys.readouterr().err
     assert "kv_budget=64 B: 8 sem_dim + v_dim per KV head over 2 layers" in err and "4.00x smaller" in err
