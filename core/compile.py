@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from purestep.core import cpu_compiles
+
 
 # Graphs holding ``torch.cond`` (gradient health's gate in the one-graph train step) cached like any other: inductor
 # bypasses its FX graph cache and AOT autograd's for a higher-order op not marked cacheable, and ``cond`` is not, so
@@ -108,7 +110,15 @@ def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True, mo
     on CUDA (:func:`inductor_options`)."""
     if not enabled:
         return fn
+    _program_speed_ups(device_type)
     return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp, device_type, cuda))
+
+
+def _program_speed_ups(device_type: str) -> None:
+    """``core.cpu_compiles``'s speed-ups before a CPU compile, where this process opted in (the ``purestep`` program
+    does; a library user's process never has them unless it asks)."""
+    if device_type == "cpu" and cpu_compiles.opted_in():
+        cpu_compiles.speed_up_cpu_compiles()
 
 
 def compile_count() -> int:
@@ -139,11 +149,13 @@ class BlockCompiler:
 
     def __init__(self, mode: str | None = None, cpp: bool = False, device_type: str = "cpu"):
         self.kwargs = _compile_kwargs(mode, cpp, device_type)
+        self.device_type = device_type
         self.compiled: dict = {}
 
     def __call__(self, fn: Callable) -> Callable:
         if torch.compiler.is_compiling():
             return fn
         if fn not in self.compiled:
+            _program_speed_ups(self.device_type)
             self.compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False, **self.kwargs)
         return self.compiled[fn]

@@ -37,7 +37,10 @@ except KeyboardInterrupt:
 @click.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def main(args):
-    """The ``purestep`` command (setup.cfg's console script), ``python -m purestep`` and ``bin/run``."""
+    """The ``purestep`` command (setup.cfg's console script), ``python -m purestep`` and ``bin/run``: the program opts
+    its own process into the CPU compile speed-ups (``core.cpu_compiles``; ``PURESTEP_CPU_COMPILES=0`` opts out),
+    then runs the recipe."""
+    os.environ.setdefault("PURESTEP_CPU_COMPILES", "1")
     exit_process(run_recipe(args, repeats=False))     # a key typed twice is an error naming it
 
 

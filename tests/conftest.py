@@ -71,6 +71,13 @@ def pytest_collectreport(report):
     _record_skip(report)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_compiles_as_the_program_has_them():
+    """The test session compiles as the ``purestep`` program does (``core.cpu_compiles``: it opts in); the library
+    alone leaves torch as it is (tests/test_torch_api.py checks that in a child process without the opt-in)."""
+    os.environ.setdefault("PURESTEP_CPU_COMPILES", "1")
+
+
 @pytest.fixture(scope="session")
 def installed_site(tmp_path_factory):
     """This checkout installed non-editable into a folder (tests/installed.py): the folder for PYTHONPATH."""

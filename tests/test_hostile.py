@@ -190,8 +190,10 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, corpus):
     import sys
     import time
     repo = Path(__file__).resolve().parents[1]
+    # as from a terminal: SIGINT at its default (a shell's background job, as `cmd &` starts CI, inherits it ignored)
     proc = subprocess.Popen([sys.executable, str(repo / "bin" / "run"), *RUN, f"data={corpus}", f"out={tmp_path}"],
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(0.5)                          # inside `import torch`
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -112,9 +112,9 @@ def test_two_ranks_save_by_wall_time_together_at_log_steps(corpus, tmp_path):
 # ---------------------------------------------------------------------------------------------- compile_mode
 
 def test_compile_mode_reaches_torch_compile(monkeypatch):
-    """The mode arrives as ``mode=``, or with inductor options (the C++ wrapper on CPU steps without collectives,
-    built apart from the kernels at -O0; no loop reordering after fusion on CUDA: ``core.compile.inductor_options``)
-    as the mode's options plus those."""
+    """The mode arrives as its options plus inductor's (``core.compile.inductor_options``: ``cond`` cacheable on every
+    graph; the C++ wrapper on CPU steps without collectives, built apart from the kernels at -O0; no loop reordering
+    after fusion on CUDA)."""
     from torch._inductor import list_mode_options
     from purestep.core import compile as compile_module
     from purestep.core.step import Gradients, Parallel, _train_step
@@ -129,17 +129,21 @@ def test_compile_mode_reaches_torch_compile(monkeypatch):
     compile_module.maybe_compile(lambda x: x, True, mode="max-autotune")
     compile_module.maybe_compile(lambda x: x, True)
     compile_module.maybe_compile(lambda x: x, True, cpp=True)
-    cpp = {"cpp_wrapper": True, **dict(compile_module.SEPARATE_WRAPPER_BUILD)}
-    assert seen == [{"mode": "max-autotune"}, {}, {"options": cpp}]   # default: torch's own
+    cond = {"unsafe_marked_cacheable_functions": compile_module.CACHEABLE}     # every graph: cond cacheable
+    cpp = {**cond, "cpp_wrapper": True, **dict(compile_module.SEPARATE_WRAPPER_BUILD)}
+    assert seen == [{"options": {**list_mode_options("max-autotune"), **cond}},
+                    {"options": {**list_mode_options("default"), **cond}},
+                    {"options": {**list_mode_options("default"), **cpp}}]
     seen.clear()
 
     def loss(p, b, k):
         return (p["w"] * b).sum(), {}
     cpu = {"options": {**list_mode_options("max-autotune"), **cpp}}
-    cuda = {"options": {**list_mode_options("max-autotune"), "loop_ordering_after_fusion": False}}
+    cuda = {"options": {**list_mode_options("max-autotune"), **cond, "loop_ordering_after_fusion": False}}
+    collectives = {"options": {**list_mode_options("max-autotune"), **cond}}
     compile = Compile(scope="step", mode="max-autotune")
     for device_type, parallel, expected in (("cpu", Parallel(), cpu), ("cuda", Parallel(), cuda),
-                                            ("cpu", Parallel(reduce=lambda ts: ts), {"mode": "max-autotune"})):
+                                            ("cpu", Parallel(reduce=lambda ts: ts), collectives)):
         # what make_train_step builds on first use for a state on that device (collectives: the Python wrapper)
         _train_step(loss, adamw(1e-3), device_type, "fp32", compile, False, Gradients(), "func", Monitors(), parallel)
         assert seen and all(s == expected for s in seen), (device_type, parallel)

@@ -40,6 +40,12 @@ PRIVATE = {
                               "aot_inductor.compile_wrapper_opt_level; passed as torch.compile options, never set), "
                               "recipes/bench/speed.py (cpp.enable_kernel_profile)",
     "torch._inductor.list_mode_options": "core/compile.py: a mode's options plus cpp_wrapper",
+    "torch._inductor.cpu_vec_isa": "core/cpu_compiles.py probe_vector_isa(): inductor's vector-ISA probes, started "
+                                   "early (the purestep program's opt-in only)",
+    "torch._inductor.codecache": "core/cpu_compiles.py build_objects_together(): _worker_compile_cpp, the list of C++ "
+                                 "builds a graph needs (its two object files built at once), and LOCK_TIMEOUT (the "
+                                 "purestep program's opt-in only)",
+    "torch.utils._filelock": "core/cpu_compiles.py build_objects_together(): the file lock inductor's builds take",
     "torch._dynamo.utils.counters": "core/compile.py compile_count(): graphs compiled in this process",
     "torch._dynamo.utils.compilation_time_metrics": "core/compile.py compile_seconds(): seconds spent compiling "
                                                     "(the run's closing line)",
@@ -164,6 +170,55 @@ def test_inductor_config_and_mode_options():
         **dict(SEPARATE_WRAPPER_BUILD)}}
 
 
+def test_objects_build_together_then_link(tmp_path):
+    """``core.cpu_compiles.build_objects_together`` (the purestep program's opt-in) puts its own
+    ``_worker_compile_cpp`` in inductor's ``codecache`` (once): a graph's object files build at once (each fake build
+    below waits at a barrier for the other, so one after another would time out), the existing one is skipped, the
+    link comes last; a list of one (a precompiled header) goes to inductor's own worker, which builds it."""
+    from torch._inductor import codecache
+    from purestep.core.cpu_compiles import build_objects_together
+    assert build_objects_together() and build_objects_together()
+    worker = codecache._worker_compile_cpp
+    assert worker.builds_objects_together and codecache.LOCK_TIMEOUT > 0
+    import inspect
+    assert list(inspect.signature(worker).parameters) == ["lock_path", "cpp_builders"]
+    barrier, built = threading.Barrier(2, timeout=60), []
+
+    class Builder:
+        def __init__(self, name, waits=False):
+            self.path, self.waits = tmp_path / name, waits
+
+        def get_target_file_path(self):
+            return str(self.path)
+
+        def build(self):
+            if self.waits:
+                barrier.wait()
+            built.append(self.path.name)
+            self.path.write_text("")
+
+    (tmp_path / "old.o").write_text("")
+    worker(str(tmp_path / "a.lock"), (Builder("main.o", True), Builder("kernels.o", True), Builder("old.o"),
+                                      Builder("lib.so")))
+    assert sorted(built[:2]) == ["kernels.o", "main.o"] and built[2:] == ["lib.so"]
+    worker(str(tmp_path / "b.lock"), (Builder("header.gch"),))
+    assert built[3:] == ["header.gch"]
+
+
+def test_the_vector_isa_probe_runs_once_in_a_thread_of_its_own():
+    """``core.cpu_compiles.probe_vector_isa`` starts inductor's probes in a daemon thread, or nothing where this
+    process already knows the answer; the ISA it finds is the one inductor picks."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa, valid_vec_isa_list
+    from purestep.core.cpu_compiles import probe_vector_isa
+    thread = probe_vector_isa()
+    if thread is not None:
+        assert thread.daemon and thread.name == "purestep-vector-isa-probe"
+        thread.join(600)
+    assert probe_vector_isa() is None
+    valid = [str(isa) for isa in valid_vec_isa_list()]
+    assert (str(pick_vec_isa()) in valid) if valid else not pick_vec_isa()
+
+
 TORCH_AS_FOUND = """
 import os, threading
 import torch
@@ -211,7 +266,8 @@ def test_a_compiled_train_step_leaves_torch_as_a_fresh_process_has_it():
     were, no ``TORCH*`` variable is set and no thread of purestep's is left behind (inductor's own, tqdm's progress
     monitor, may be). The step's inductor options (``core.compile``) go to ``torch.compile`` itself. In a child
     process, the session's inductor cache."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "PURESTEP_CPU_COMPILES"}     # a library user's process
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", TORCH_AS_FOUND], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[] []", out.stdout[-2000:]
