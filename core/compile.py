@@ -1,9 +1,11 @@
 """The compile wrapper: ``torch.compile(fullgraph=True, dynamic=False)`` with its inductor options in one place
-(:func:`inductor_options`), passed to each ``torch.compile``; nothing of torch is replaced or set globally.
+(:func:`inductor_options`), passed to each ``torch.compile``; nothing of torch is replaced or set globally (a
+process that opted into ``core.cpu_compiles``, as the ``purestep`` program does, asks for more).
 
 Compiling a small train step on a 2-core CPU takes one to two minutes cold; inductor's FX graph cache
 and AOT-autograd cache (on disk, keyed by graph and environment, on by default) make the second process start in
-seconds; graphs holding ``torch.cond`` join them through an option (``CACHEABLE``). ``compile_count()`` reads dynamo's counter of compiled graphs, so tests and benchmarks can prove
+seconds; graphs holding ``torch.cond`` join them through an option (``CACHEABLE``). ``compile_count()`` reads
+dynamo's counter of compiled graphs, so tests and benchmarks can prove
 that a changing learning rate (a 0-d tensor in the state) never recompiles.
 
 Regional compilation (torchtitan's ``apply_compile`` compiles each ``TransformerBlock`` on its own, from outside
@@ -110,15 +112,15 @@ def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True, mo
     on CUDA (:func:`inductor_options`)."""
     if not enabled:
         return fn
-    _program_speed_ups(device_type)
+    _program_speed_ups(device_type, cpp)
     return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp, device_type, cuda))
 
 
-def _program_speed_ups(device_type: str) -> None:
+def _program_speed_ups(device_type: str, cpp: bool) -> None:
     """``core.cpu_compiles``'s speed-ups before a CPU compile, where this process opted in (the ``purestep`` program
     does; a library user's process never has them unless it asks)."""
     if device_type == "cpu" and cpu_compiles.opted_in():
-        cpu_compiles.speed_up_cpu_compiles()
+        cpu_compiles.speed_up_cpu_compiles(cpp)
 
 
 def compile_count() -> int:
@@ -149,13 +151,13 @@ class BlockCompiler:
 
     def __init__(self, mode: str | None = None, cpp: bool = False, device_type: str = "cpu"):
         self.kwargs = _compile_kwargs(mode, cpp, device_type)
-        self.device_type = device_type
+        self.device_type, self.cpp = device_type, cpp
         self.compiled: dict = {}
 
     def __call__(self, fn: Callable) -> Callable:
         if torch.compiler.is_compiling():
             return fn
         if fn not in self.compiled:
-            _program_speed_ups(self.device_type)
+            _program_speed_ups(self.device_type, self.cpp)
             self.compiled[fn] = torch.compile(fn, fullgraph=True, dynamic=False, **self.kwargs)
         return self.compiled[fn]

@@ -21,11 +21,12 @@ def opted_in() -> bool:
     return os.environ.get(ENV) == "1"
 
 
-def speed_up_cpu_compiles() -> None:
-    """The vector-ISA probes started on the side (:func:`probe_vector_isa`) and a C++-wrapper graph's two object files
-    built at once (:func:`build_objects_together`)."""
+def speed_up_cpu_compiles(cpp: bool) -> None:
+    """The vector-ISA probes started on the side (:func:`probe_vector_isa`) and, for a graph through the C++ wrapper
+    (``cpp``), its two object files built at once (:func:`build_objects_together`)."""
     probe_vector_isa()
-    build_objects_together()
+    if cpp:
+        build_objects_together()
 
 
 VECTOR_ISA_PROBE = "purestep-vector-isa-probe"   # the probing thread's name
