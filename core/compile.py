@@ -36,6 +36,12 @@ CACHEABLE = {"torch.ops.higher_order.cond": torch.__version__}   # the name High
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
+# inductor's mixed-order reduction fusion fails ``get_numel_rnumel``'s assertion ("2 v.s. 1") on a compiled Muon step
+# on CUDA (torch 2.11, H100, bench.gpu's muon check). A step that runs Muon asks for it off on CUDA
+# (``core.step.Compile(cuda_options=...)``; ``purestep``'s runs: ``recipes.train.backend.cuda_options``); every other
+# step keeps it, as it saves 1.1 GB of the 124M AdamW step's 11.6 GB peak (docs/gpu.md).
+NO_MIX_ORDER_REDUCTION = (("triton.mix_order_reduction", False),)
+
 
 def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
     """Whether a graph on ``device_type`` runs through inductor's C++ wrapper (``cpp_wrapper``: the generated code
@@ -62,8 +68,8 @@ def inductor_options(device_type: str, cpp: bool = False, cuda: tuple = ()) -> d
     shakespeare-char step, bf16, took 23.4 s of g++ in one file, 8.3 + 6.1 s in two at -O1, and the same 42.2 ms a
     step, A/B interleaved in one process; docs/benchmarks.md); on CUDA no loop reordering after fusion, whose scheduler
     fails an assertion on the one-graph train step (torch 2.11, H100: ``reorder_loops_by_dep_pair`` met a fused node
-    inside a fused node; bench.gpu's report, docs/gpu.md), and the ``(name, value)`` pairs ``cuda`` asks for (an
-    optimizer's ``GradientTransformation.cuda_inductor``), those this torch has."""
+    inside a fused node; bench.gpu's report, docs/gpu.md), and the ``(name, value)`` pairs ``cuda`` asks for
+    (``core.step.Compile.cuda_options``: ``NO_MIX_ORDER_REDUCTION`` for Muon), those this torch has."""
     cacheable = _has_setting("unsafe_marked_cacheable_functions")
     options = {"unsafe_marked_cacheable_functions": dict(CACHEABLE)} if cacheable else {}
     if cpp:

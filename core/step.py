@@ -43,7 +43,7 @@ import torch
 
 from purestep.core import rng
 from purestep.core.compile import BlockCompiler, cpp_wrapper, maybe_compile
-from purestep.core.donate import owned
+from purestep.core.donate import donate as donated, owned
 from purestep.core.layers import check_takes_layers, layers_of
 from purestep.core.state import TrainState
 from purestep.core.tree import leaves_of
@@ -65,12 +65,12 @@ def per_block(shard, compile: bool, compile_scope: str = "step", grad_mode: Opti
 
 def _make_apply_gradients(optimizer, monitors: Monitors, donate: bool, psum: Optional[Callable]) -> Callable:
     """``apply(state, grads, loss, aux, due=None) -> (state, metrics)``: :func:`core.update.apply_gradients` with
-    this step's optimizer, monitors, donation and norms (a function of its own: the autograd paths compile it)."""
+    this step's optimizer, monitors and norms, donated from outside (``core.donate.donate``) when ``donate`` (a
+    function of its own: the autograd paths compile it)."""
     def apply(state: TrainState, grads, loss, aux, due: Optional[bool] = None):
-        return apply_gradients(state, grads, optimizer, loss=loss, aux=aux, monitors=monitors, psum=psum,
-                               donate=donate, due=due)
+        return apply_gradients(state, grads, optimizer, loss=loss, aux=aux, monitors=monitors, psum=psum, due=due)
 
-    return apply
+    return donated(apply) if donate else apply
 
 
 class HostDue:
@@ -132,10 +132,13 @@ class Gradients:
 class Compile:
     """``torch.compile`` applied to the step from outside it (``core.compile``). ``scope``: what one graph covers
     (``COMPILE_SCOPES``, module docstring); ``mode``: ``torch.compile``'s ``mode``. ``compile=True`` is
-    ``Compile()``; ``Compile(enabled=False)`` leaves the step eager."""
+    ``Compile()``; ``Compile(enabled=False)`` leaves the step eager. ``cuda_options``: further inductor ``(name,
+    value)`` settings for the step's graphs on CUDA (``core.compile.inductor_options``; ``NO_MIX_ORDER_REDUCTION`` for
+    a step that runs Muon)."""
     enabled: bool = True
     scope: str = "step"
     mode: str = "default"
+    cuda_options: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -160,8 +163,8 @@ def make_train_step(loss_fn: Callable, optimizer, *, precision: str = "fp32", co
     ``precision``: ``fp32``, or ``bf16``/``fp16`` autocast over fp32 master weights (fp16 with the state's dynamic
     loss scale). ``monitors`` (``core.update.Monitors``): the extra metrics (gradient health), the spike detector and
     the non-finite skip. Extra metrics with a ``due(step)`` method are asked on the host where the update runs
-    apart from the backward (eager, or ``compile_scope="block"``: ``HostDue``) and the eager donated step updates
-    in place when they are not due; the one-graph step passes ``step=`` and lets them decide inside. ``donate=True``
+    apart from the backward or eagerly (``compile_scope="block"``, eager: ``HostDue``); the one-graph compiled step
+    passes ``step=`` and lets them decide inside. ``donate=True``
     lets the step write the new params and optimizer state into the state it is given (``core.donate``: JAX's buffer
     donation; the same numbers, a lower peak); the caller must not read the old state again. The default keeps the
     step pure: research code may branch several steps from one state. On the CPU a step without collectives
@@ -190,7 +193,7 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
     by_block = compile.enabled and compile.scope == "block"
     cpp = cpp_wrapper(device_type, collectives=shard is not None or parallel.reduce is not None)
     compiled = functools.partial(maybe_compile, mode=compile.mode, cpp=cpp, device_type=device_type,
-                                 cuda=getattr(optimizer, "cuda_inductor", ()))
+                                 cuda=compile.cuda_options)
     by_layer = per_block(shard, compile.enabled, compile.scope, grad_mode)
     objective = make_objective(loss_caller(loss_fn), accum, precision, device_type,
                                 BlockCompiler(compile.mode, cpp, device_type) if by_block else None)
@@ -206,7 +209,8 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
         engine = autograd_gradients(compiled(objective, one_graph, fullgraph=False), accum, by_row=not one_graph)
         apply = compiled(apply, compile.enabled)
     extra = monitors.extra_metrics
-    host_due = HostDue(extra.due) if getattr(extra, "due", None) and grad_mode != "func" else None
+    one_graph = grad_mode == "func" and compile.enabled   # decides inside with torch.cond; elsewhere the host does
+    host_due = HostDue(extra.due) if getattr(extra, "due", None) and not one_graph else None
 
     def train_step(state: TrainState, batch, frozen=None):
         key = rng.fold_in(state.key, state.step)

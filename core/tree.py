@@ -152,37 +152,18 @@ def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None 
     norm over the ranks that hold the other shards of a sharded tree (``core.parallel.shard.Layout.psum``) before the
     root.
 
-    Leaves of one dtype take one ``torch._foreach_norm`` (one multi-tensor kernel, as
-    ``torch.nn.utils.clip_grad_norm_(foreach=True)``); the per-leaf norms are squared, summed and
-    square-rooted in the same order as :func:`squared_norms`, so the CPU result is the same to the bit
-    (CUDA's multi-tensor norm reduces in its own order, as ``clip_grad_norm_`` does). Under ``torch.compile``
-    each leaf takes a ``vector_norm`` instead: inductor has no CPU lowering of ``_foreach_norm`` (it runs
+    Each leaf takes a ``vector_norm`` (:func:`squared_norms`), compiled or not, one code path: on the CPU that is
+    what ``torch.nn.utils.clip_grad_norm_(foreach=True)``'s ``_foreach_norm`` runs leaf by leaf, the same bits;
+    inductor has no CPU lowering of ``_foreach_norm`` (it runs
     the eager op, one kernel per leaf, three times per step for the gradient norm, the clip and the parameter
     norm), while ``vector_norm`` is fused into the kernels that already read the leaf (the health statistics
-    read the same gradients and weights). Nothing is cached: an eager step hands its gradient-norm metric to the
-    clip instead (``optim.clip_by_global_norm``'s ``grad_norm``).
+    read the same gradients and weights), and the compiler merges repeated norms of the same leaves.
     """
-    leaves = tree_leaves(tree)
-    if not leaves:
+    sq = squared_norms(tree)
+    if not sq:
         return torch.zeros(())
-    if torch.compiler.is_compiling():   # the compiler merges repeated norms itself
-        sq = squared_norms(tree)
-        if len({q.dtype for q in sq}) > 1:
-            return _global_norm(tree, leaves, psum)
-        total = torch.stack(sq).sum()
-        return (total if psum is None else psum(total)).sqrt()
-    return _global_norm(tree, leaves, psum)
-
-
-def _global_norm(tree: Tree, leaves: list, psum) -> torch.Tensor:
-    dtypes = {t.dtype for t in leaves}
-    if len(dtypes) > 1:
-        sq = squared_norms(tree)
-        wide = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
-        total = torch.stack([s.to(wide) for s in sq]).sum()
-    else:
-        accumulate = torch.promote_types(leaves[0].dtype, torch.float32)
-        total = torch.stack(torch._foreach_norm(leaves, 2, dtype=accumulate)).square().sum()
+    wide = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
+    total = torch.stack([s.to(wide) for s in sq]).sum()
     return (total if psum is None else psum(total)).sqrt()
 
 

@@ -14,8 +14,9 @@ of its own that a step composes:
 - ``Monitors``: gradient health (``optim.health.GradientHealth`` or any ``extra_metrics(grads=, updates=, params=,
   new_params=)``) and the spike detector's statistics (``core.spike.update_monitor``), as metric functions.
 
-Metrics are 0-d tensors (or small packed ones): the host pulls them when it logs, never per step. ``donate=True``
-writes the new params and optimizer state into ``state``'s buffers (``core.donate``, JAX's buffer donation).
+Metrics are 0-d tensors (or small packed ones): the host pulls them when it logs, never per step. One code path,
+compiled (``fullgraph=True``) or eager, with no host sync; donation (``core.donate``) and compilation wrap it from
+outside.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from typing import Callable, Optional
 
 import torch
 
-from purestep.core.donate import update_in_place, updating, write_into
 from purestep.core.loss_scale import update_loss_scale
 from purestep.core.spike import SpikeConfig, update_monitor
 from purestep.core.state import TrainState
@@ -67,7 +67,7 @@ def if_finite(finite: torch.Tensor, new, old):
 
 
 def apply_gradients(state: TrainState, grads, optimizer, *, loss: torch.Tensor, aux: Optional[dict] = None,
-                    monitors: Monitors = Monitors(), psum: Optional[Callable] = None, donate: bool = False,
+                    monitors: Monitors = Monitors(), psum: Optional[Callable] = None,
                     due: Optional[bool] = None) -> tuple[TrainState, dict]:
     """The state after one optimizer step on ``grads`` (summed over micro-batches and averaged over ranks already),
     and the step's metrics: ``loss``, ``grad_norm``, ``skipped``, ``param_norm``, ``aux``, what the optimizer and
@@ -77,16 +77,8 @@ def apply_gradients(state: TrainState, grads, optimizer, *, loss: torch.Tensor, 
     grad_norm = global_norm(grads, psum)
     finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
     metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(), **(aux or {})}
-    in_place = donate and not torch.compiler.is_compiling() and bool(finite)   # eager: one host sync
-    if in_place:   # eager donated step: moments and (unless extra metrics read the old params) params in place
-        updates, opt_state, new_params = update_in_place(updating(optimizer), state, grads, grad_norm=grad_norm,
-                                                         keep=monitors.extra_metrics is not None and due is not False)
-    elif torch.compiler.is_compiling():   # the compiler shares the norm; no signature is traced
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_params = apply_updates(state.params, updates)
-    else:   # eager: the clip reuses the norm above (core.donate.updating passes what the transforms take)
-        updates, opt_state = updating(optimizer)(grads, state.opt_state, state.params, grad_norm=grad_norm)
-        new_params = apply_updates(state.params, updates)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_params = apply_updates(state.params, updates)
     if getattr(optimizer, "metrics", None) is not None:   # what the transforms report: lr, clip activity
         metrics.update(optimizer.metrics(opt_state))
     metrics.update(extra_metrics(monitors.extra_metrics, state, grads, updates, new_params, grad_norm, due))
@@ -95,13 +87,13 @@ def apply_gradients(state: TrainState, grads, optimizer, *, loss: torch.Tensor, 
     loss_scale = next_loss_scale(state.loss_scale, finite)
     if loss_scale:
         metrics["loss_scale"] = loss_scale["scale"]
-    keep_old = monitors.skip and not in_place
+    keep_old = monitors.skip
     kept = if_finite(finite, new_params, state.params) if keep_old else new_params
     metrics["param_norm"] = global_norm(kept, psum)   # of the params it keeps: one pass with the update
     new_state = TrainState(step=state.step + 1, params=kept,
                            opt_state=if_finite(finite, opt_state, state.opt_state) if keep_old else opt_state,
                            key=state.key, cursor=state.cursor + 1, loss_scale=loss_scale, monitor=monitor)
-    return (write_into(state, new_state) if donate else new_state), metrics
+    return new_state, metrics
 
 
 def extra_metrics(metric_fn: Optional[Callable], state: TrainState, grads, updates, new_params,
@@ -115,7 +107,7 @@ def extra_metrics(metric_fn: Optional[Callable], state: TrainState, grads, updat
         return metric_fn.skipped(grad_norm.device)
     gated = getattr(metric_fn, "due", None) is not None
     when = {"step": state.step + 1} if gated and due is None else {}
-    applied = None if torch.compiler.is_compiling() and not rounds_updates(state.params) else new_params
+    applied = new_params if rounds_updates(state.params) else None
     return metric_fn(grads=grads, updates=updates, params=state.params, new_params=applied, **when)
 
 
@@ -130,8 +122,8 @@ def spike_statistics(state: TrainState, loss: torch.Tensor, grad_norm: torch.Ten
 
 def rounds_updates(params) -> bool:
     """Whether storing an update in ``params`` can round it away (a leaf narrower than fp32). Extra metrics read what
-    was applied, ``new_params - params``, except in a compiled step over fp32 params: there they read the updates
-    (the same to fp32 rounding), so the update stores the new params once, where they belong, instead of writing
-    them out for the metrics and copying them into the donated params."""
+    was applied, ``new_params - params``, except over fp32 params: there they read the updates (the same to fp32
+    rounding), so a compiled donated update stores the new params once, where they belong, instead of writing them
+    out for the metrics and copying them into the donated params."""
     return any(leaf.dtype not in (torch.float32, torch.float64) for leaf in leaves_of(params)
                if leaf.is_floating_point())

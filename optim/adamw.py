@@ -4,12 +4,8 @@
 ``torch.optim.AdamW``: ``p <- p - lr_t * (m_hat / (sqrt(v_hat) + eps) + wd * p)`` with
 ``m_hat = m / (1 - b1**t)`` and ``v_hat = v / (1 - b2**t)``; tested against it in float64. The moments
 move as ``torch.optim``'s multi-tensor Adam moves its first one, by ``lerp`` (``m + (1 - b1) (g - m)``:
-one pass over memory instead of three); the math runs on the list of leaves (:mod:`optim.foreach`).
-
-In an eager donated step (``core.donate``) every pass writes into a buffer the step gave up: the moments
-in place, ``g * g`` into the gradients once the first moment has read them, the denominators and then the
-directions (``m / denominator / bc1``: ``m_hat / denominator`` with the bias correction last) into them again, so
-the update allocates no full-size temporary.
+one pass over memory instead of three); the math runs on the list of leaves (:mod:`optim.foreach`), out of
+place: a donated compiled step (``core.donate``) lets inductor store each result in the buffer it replaces.
 """
 from __future__ import annotations
 
@@ -31,13 +27,12 @@ class ScaleByAdamState(NamedTuple):
     hparams: dict   # b1, b2, eps as 0-d tensors
 
 
-def _adam_directions(mu: list, nu: list, bc1: torch.Tensor, bc2_sqrt: torch.Tensor, eps: torch.Tensor,
-                     spare: list, donated=None) -> list:
-    """``(m / (sqrt(v) / bc2_sqrt + eps)) / bc1`` leaf by leaf, one multi-tensor op at a time; the denominators
-    and then the directions written into ``spare`` (spent gradients) when the step donated them (``donated``)."""
+def _adam_directions(mu: list, nu: list, bc1: torch.Tensor, bc2_sqrt: torch.Tensor, eps: torch.Tensor) -> list:
+    """``(m / (sqrt(v) / bc2_sqrt + eps)) / bc1`` leaf by leaf, one multi-tensor op at a time (the bias
+    correction last, as ``m_hat / denominator``), each op after the first into the list the one before allocated."""
     if not mu:
         return []
-    denominators = foreach.roots(nu, spare, donated)
+    denominators = foreach.roots(nu)
     torch._foreach_div_(denominators, bc2_sqrt)
     foreach.add_scalar_(denominators, eps)
     directions = foreach.over(mu, denominators)
@@ -50,15 +45,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         return ScaleByAdamState(counter(params), zeros_like(params), zeros_like(params),
                                 hparams(params, b1=b1, b2=b2, eps=eps))
 
-    def update(updates, state, params=None, donated=None):
+    def update(updates, state, params=None):
         h = state.hparams
         beta1, beta2 = h["b1"], h["b2"]
         count = state.count + 1
         grads, old_mu, old_nu = zip_leaves(updates, state.mu, state.nu)
-        mu = foreach.next_lerp(old_mu, grads, 1 - beta1, donated)
-        nu = foreach.next_lerp(old_nu, foreach.squares(grads, donated), 1 - beta2, donated)   # grads' last read
-        directions = _adam_directions(mu, nu, 1 - beta1 ** count, (1 - beta2 ** count).sqrt(), h["eps"],
-                                      spare=grads, donated=donated)
+        mu = foreach.lerp(old_mu, grads, 1 - beta1)
+        nu = foreach.lerp(old_nu, foreach.squares(grads), 1 - beta2)
+        directions = _adam_directions(mu, nu, 1 - beta1 ** count, (1 - beta2 ** count).sqrt(), h["eps"])
         return (like(updates, directions),
                 ScaleByAdamState(count, like(state.mu, mu, updates), like(state.nu, nu, updates), h))
 

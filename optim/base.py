@@ -2,10 +2,9 @@
 
 ``init(params) -> state`` and ``update(updates, state, params) -> (updates, state)``, both out of place,
 composed with :func:`chain` (optax ``base.py`` / ``combine.py``), or given disjoint parts of the params by
-:func:`partition` (optax ``partition``, formerly ``multi_transform``). An ``update`` may take extra keywords, as
-optax's transforms take extra arguments (``core.donate``): ``donated``, the ids of the tensors an eager donated
-step gave up, which it may overwrite, and ``grad_norm``, the global norm of the updates it is given.
-A transform may also say what it wants logged: ``metrics(state) -> dict`` of 0-d tensors (the learning rate,
+:func:`partition` (optax ``partition``, formerly ``multi_transform``). A transform knows nothing of how the step
+runs: compiled or eager, donated or not (``core.donate``, ``core.compile``), on one rank or sharded. A transform
+may also say what it wants logged: ``metrics(state) -> dict`` of 0-d tensors (the learning rate,
 clip activity), which the train step adds to its metrics without knowing any optimizer. Hyperparameters that a
 run may change (learning rate, betas, weight decay) live in the state as 0-d tensors, as in optax's
 ``inject_hyperparams``, so a schedule or an edit never recompiles a compiled step. Their dtype follows
@@ -19,23 +18,14 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from purestep.core import tree
-from purestep.core.donate import takes
 from purestep.core.tree import Tree, tree_leaves
 
 
 class GradientTransformation(NamedTuple):
-    """optax's pair (``init``, ``update``), with ``metrics`` (state -> scalars the run logs) and ``cuda_inductor``:
-    inductor settings a compiled step that runs this transform on CUDA needs (``(name, value)`` pairs,
-    ``core.compile.inductor_options``; chain and partition pass their parts' on)."""
+    """optax's pair (``init``, ``update``), with ``metrics`` (state -> scalars the run logs)."""
     init: Callable[[Tree], Any]
     update: Callable[..., tuple[Tree, Any]]
     metrics: Optional[Callable[[Any], dict]] = None
-    cuda_inductor: tuple = ()
-
-
-def cuda_inductor(transforms) -> tuple:
-    """The ``cuda_inductor`` settings of ``transforms``, each once, in order."""
-    return tuple(dict.fromkeys(s for t in transforms for s in t.cuda_inductor))
 
 
 class EmptyState(NamedTuple):
@@ -47,24 +37,14 @@ def identity() -> GradientTransformation:
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Apply transforms in order; the state is the tuple of their states. The extra arguments (``core.donate``) are
-    handed on as optax's ``chain`` hands them, to the transforms whose ``update`` takes them: ``donated`` (the ids
-    of the tensors an eager donated step gave up) to each, ``grad_norm`` (the global norm of the updates the chain
-    is given) to the first, the one transform that sees those updates."""
-    donating = [takes(t.update, "donated") for t in transforms]
-    normed = bool(transforms) and takes(transforms[0].update, "grad_norm")
-
+    """Apply transforms in order; the state is the tuple of their states (optax's ``chain``)."""
     def init(params):
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates, state, params=None, donated: Optional[frozenset] = None,
-               grad_norm: Optional[torch.Tensor] = None):
+    def update(updates, state, params=None):
         new_state = []
-        for i, (t, s) in enumerate(zip(transforms, state)):
-            extra = {"donated": donated} if donating[i] and donated is not None else {}
-            if i == 0 and normed and grad_norm is not None:
-                extra["grad_norm"] = grad_norm
-            updates, s = t.update(updates, s, params, **extra)
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
             new_state.append(s)
         return updates, tuple(new_state)
 
@@ -75,7 +55,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 out.update(t.metrics(s))
         return out
 
-    return GradientTransformation(init, update, metrics, cuda_inductor(transforms))
+    return GradientTransformation(init, update, metrics)
 
 
 def partition(transforms: dict, labels: Callable[[Tree], Tree]) -> GradientTransformation:
@@ -84,10 +64,8 @@ def partition(transforms: dict, labels: Callable[[Tree], Tree]) -> GradientTrans
     params, updates and state of its own leaves only: the nested dicts pruned to them, with their names kept
     (masks by name, such as ``optim.common.decay_mask``, work inside). The state is a dict label -> state, in the
     order of ``transforms`` (so ``find_state`` meets the first transform's states first); a label with no leaves
-    keeps an :class:`EmptyState`. ``donated`` (``core.donate``) is handed on to each transform whose ``update``
-    takes it. ``metrics``: the first transform's under their own names (the run's ``lr``), every other's with its
+    keeps an :class:`EmptyState`. ``metrics``: the first transform's under their own names (the run's ``lr``), every other's with its
     label and ``_`` in front (``muon_lr``)."""
-    donating = {k: takes(t.update, "donated") for k, t in transforms.items()}
     first = next(iter(transforms), None)
 
     def parts(params):
@@ -102,16 +80,15 @@ def partition(transforms: dict, labels: Callable[[Tree], Tree]) -> GradientTrans
         return {k: (t.init(_select(params, keys, k)) if _has(keys, k) else EmptyState())
                 for k, t in transforms.items()}
 
-    def update(updates, state, params=None, donated: Optional[frozenset] = None):
+    def update(updates, state, params=None):
         keys = parts(params if params is not None else updates)
         out, new_state = {}, {}
         for k, t in transforms.items():
             if not _has(keys, k):
                 new_state[k] = state[k]
                 continue
-            extra = {"donated": donated} if donating[k] and donated is not None else {}
             sub_params = None if params is None else _select(params, keys, k)
-            sub, new_state[k] = t.update(_select(updates, keys, k), state[k], sub_params, **extra)
+            sub, new_state[k] = t.update(_select(updates, keys, k), state[k], sub_params)
             out.update(tree.flatten_dict(sub))
         return tree.tree_map_with_name(lambda name, _: out[name], updates), new_state
 
@@ -122,7 +99,7 @@ def partition(transforms: dict, labels: Callable[[Tree], Tree]) -> GradientTrans
                 found.update({(m if k == first else f"{k}_{m}"): v for m, v in t.metrics(state[k]).items()})
         return found
 
-    return GradientTransformation(init, update, metrics, cuda_inductor(transforms.values()))
+    return GradientTransformation(init, update, metrics)
 
 
 def _labels(keys: dict) -> list:

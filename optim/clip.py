@@ -25,17 +25,13 @@ def clip_factor(norm, max_norm):
 
 def clip_by_global_norm(max_norm: float, psum=None) -> GradientTransformation:
     """``psum``: sums a squared norm over the ranks holding the other shards (``core.parallel.shard``), else None.
-
-    ``update(..., grad_norm=)``: the global norm of ``updates`` (over the ranks, as ``psum`` sums it) when the
-    caller has it: the train step computed it for its metrics, and an eager step reuses it rather than read every
-    gradient again (one ``_foreach_norm``: 15-17 ms alone on a 100M model's gradients, 2 CPU threads, against a
-    1.4-1.5 s step). A compiled step computes it again and the compiler merges the two."""
+    The norm is the transform's own: a compiled step that also reports the gradients' norm computes it once (the
+    compiler merges the two reductions)."""
     def init(params):
         return ClipState(hparams(params, max_norm=max_norm))
 
-    def update(updates, state, params=None, donated=None, grad_norm=None):
-        known = grad_norm is not None and not torch.compiler.is_compiling()
-        factor = clip_factor(grad_norm if known else global_norm(updates, psum), state.hparams["max_norm"])
-        return like(updates, foreach.rescale(leaves_of(updates), factor, donated)), state   # in place when donated
+    def update(updates, state, params=None):
+        factor = clip_factor(global_norm(updates, psum), state.hparams["max_norm"])
+        return like(updates, foreach.scale(leaves_of(updates), factor)), state
 
     return GradientTransformation(init, update)

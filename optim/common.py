@@ -31,10 +31,9 @@ def decay_mask(params: Tree) -> Tree:
         params)
 
 
-def decay_weights(updates: Tree, params: Tree, rate: torch.Tensor, mask=None, donated=None) -> Tree:
+def decay_weights(updates: Tree, params: Tree, rate: torch.Tensor, mask=None) -> Tree:
     """``u + rate * p`` on the leaves ``mask`` keeps (every leaf if None): the term of
-    :func:`add_decayed_weights`, shared with transforms that decay inside their own update (SWATS); written into
-    the updates when the step donated them (``donated``, ``core.donate``)."""
+    :func:`add_decayed_weights`, shared with transforms that decay inside their own update (SWATS)."""
     keep = resolve_mask(mask, params)
     if keep is None:
         us, ps = zip_leaves(updates, params)
@@ -42,7 +41,7 @@ def decay_weights(updates: Tree, params: Tree, rate: torch.Tensor, mask=None, do
     else:
         us, ps, kept = zip_leaves(updates, params, keep)
         chosen = [i for i, k in enumerate(kept) if k]
-    decayed = foreach.add_scaled([us[i] for i in chosen], [ps[i] for i in chosen], rate, donated)
+    decayed = foreach.add_scaled([us[i] for i in chosen], [ps[i] for i in chosen], rate)
     for i, u in zip(chosen, decayed):
         us[i] = u
     return like(updates, us)
@@ -56,8 +55,8 @@ def add_decayed_weights(weight_decay: float, mask=None) -> GradientTransformatio
     def init(params):
         return DecayState(hparams(params, weight_decay=weight_decay))
 
-    def update(updates, state, params=None, donated=None):
-        return decay_weights(updates, params, state.hparams["weight_decay"], mask, donated), state
+    def update(updates, state, params=None):
+        return decay_weights(updates, params, state.hparams["weight_decay"], mask), state
 
     return GradientTransformation(init, update)
 
@@ -75,10 +74,10 @@ def scale_by_learning_rate(lr: float, schedule: Schedule | None = None) -> Gradi
         h = hparams(params, lr=lr)
         return LearningRateState(counter(params), h["lr"], torch.zeros_like(h["lr"]))
 
-    def update(updates, state, params=None, donated=None):
+    def update(updates, state, params=None):
         count = state.count + 1
         current = state.lr * schedule(count).to(state.lr.dtype)
-        steps = foreach.rescale(leaves_of(updates), -current, donated)   # in place when donated
+        steps = foreach.scale(leaves_of(updates), -current)
         return like(updates, steps), LearningRateState(count, state.lr, current)
 
     return GradientTransformation(init, update, lambda state: {"lr": state.current.float()})

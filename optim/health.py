@@ -142,8 +142,8 @@ class GradientHealth:
                 updates: Tree | None = None, step: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """``{"health": packed}``; traceable, no host sync in a graph. The update ratio uses ``new_params - params``
         (what the step applied), or ``updates`` when ``new_params`` is not given. With ``every`` and ``step`` (the
-        count after this step, a tensor), a step that is not :meth:`due` skips the per-leaf work (``torch.cond``
-        in a compiled graph, a host check eagerly) and returns :meth:`skipped`'s tensor. A step whose update is
+        count after this step, a tensor), a step that is not :meth:`due` skips the per-leaf work (``torch.cond``,
+        compiled or eager) and returns :meth:`skipped`'s tensor. A step whose update is
         not inside the same graph as its backward asks :meth:`due` on the host instead and calls this only when
         due (``core.step``): in a graph of its own, inductor writes out the new params the branch reads and
         copies them into the donated params afterwards instead of storing each where it belongs in one pass, on
@@ -160,10 +160,8 @@ class GradientHealth:
         want = None if self.every is None or step is None else self.due(step)
         if want is None:
             raw = statistics(g_leaves, w_leaves, d_leaves)
-        elif torch.compiler.is_compiling():   # one graph, and only the due steps run the reductions
+        else:   # only the due steps run the reductions (a host check when eager: torch.cond's own)
             raw = torch.cond(want, statistics, self._not_computed, (g_leaves, w_leaves, d_leaves))
-        else:
-            raw = statistics(g_leaves, w_leaves, d_leaves) if bool(want) else self._not_computed(g_leaves)
         if self.psum is not None:   # counts add up, norms add up as squares: one collective for every row
             counts, norms = raw.split([1, 3], dim=-1)
             counts, norms = self.psum(torch.cat([counts, norms.square()], dim=-1)).split([1, 3], dim=-1)

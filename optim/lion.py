@@ -26,13 +26,13 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     def init(params):
         return ScaleByLionState(zeros_like(params), hparams(params, b1=b1, b2=b2))
 
-    def update(updates, state, params=None, donated=None):
+    def update(updates, state, params=None):
         beta1, beta2 = state.hparams["b1"], state.hparams["b2"]
         grads, old = zip_leaves(updates, state.mu)
         direction = foreach.moving_average(old, grads, beta1)
         if direction:
             torch._foreach_sign_(direction)
-        mu = foreach.next_moving_average(old, grads, beta2, donated)   # old read above: last
+        mu = foreach.moving_average(old, grads, beta2)
         return like(updates, direction), ScaleByLionState(like(state.mu, mu, updates), state.hparams)
 
     return GradientTransformation(init, update)

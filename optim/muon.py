@@ -48,10 +48,6 @@ from purestep.optim.schedules import Schedule
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)   # Keller Jordan's quintic, torch's DEFAULT_A, _B, _C
 NS_EPS = 1e-7                                 # torch's EPS: the norm is clamped to it
 ADJUST_LR = ("original", "match_rms_adamw", "spectral_unclamped")
-# inductor's mixed-order reduction fusion fails ``get_numel_rnumel``'s assertion ("2 v.s. 1") on a compiled Muon step
-# on CUDA (torch 2.11, H100, bench.gpu's muon check); off for Muon's steps only, as it saves 1.1 GB of the 124M step's
-# 11.6 GB peak elsewhere (docs/gpu.md)
-NO_MIXED_ORDER_REDUCTION = (("triton.mix_order_reduction", False),)
 
 
 def lr_ratio(adjust_lr: str, shape) -> float:
@@ -111,7 +107,7 @@ def scale_by_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int =
                for d, g in zip(directions, grads)]
         return like(updates, out), ScaleByMuonState(like(state.mu, mu, updates), state.hparams)
 
-    return GradientTransformation(init, update, cuda_inductor=NO_MIXED_ORDER_REDUCTION)
+    return GradientTransformation(init, update)
 
 
 def muon_mask(params: Tree) -> Tree:

@@ -25,11 +25,11 @@ def trace(momentum: float, nesterov: bool = False) -> GradientTransformation:
     def init(params):
         return TraceState(zeros_like(params), hparams(params, momentum=momentum))
 
-    def update(updates, state, params=None, donated=None):
+    def update(updates, state, params=None):
         mu = state.hparams["momentum"]
         grads, old = zip_leaves(updates, state.trace)
         buf = foreach.add_into(foreach.scale(old, mu), grads)
-        out = foreach.add_scaled(grads, buf, mu, donated) if nesterov else buf
+        out = foreach.add_scaled(grads, buf, mu) if nesterov else buf
         return like(updates, out), TraceState(like(state.trace, buf, updates), state.hparams)
 
     return GradientTransformation(init, update)

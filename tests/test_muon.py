@@ -163,16 +163,18 @@ def test_parallel_fsdp_refuses_muon_on_every_rank_and_the_orchestrator_too(corpu
     assert len(err) == 1 and "orchestrator.enabled=true with optimizer=muon" in err[0], err
 
 
-def test_muon_steps_compile_on_cuda_without_mixed_order_reduction():
-    """Inductor's mixed-order reduction failed a compiled Muon step on an H100 (torch 2.11): Muon asks for it off
-    through chain and partition, on CUDA only; AdamW's steps keep it (it saves memory there)."""
-    from purestep.core.compile import _compile_kwargs
-    from purestep.optim.muon import NO_MIXED_ORDER_REDUCTION
-    muon = optim.chain(optim.clip_by_global_norm(1.0), optim.muon())
-    assert muon.cuda_inductor == NO_MIXED_ORDER_REDUCTION
-    assert optim.chain(optim.clip_by_global_norm(1.0), optim.adamw()).cuda_inductor == ()
-    cuda = _compile_kwargs(None, False, "cuda", muon.cuda_inductor)["options"]
+def test_muon_runs_compile_on_cuda_without_mixed_order_reduction():
+    """Inductor's mixed-order reduction failed a compiled Muon step on an H100 (torch 2.11): a run with
+    optimizer=muon compiles with it off, on CUDA only (``Compile.cuda_options``, decided by the recipe, not by the
+    transform); AdamW's runs keep it (it saves memory there)."""
+    from purestep.core.compile import NO_MIX_ORDER_REDUCTION, _compile_kwargs
+    from purestep.recipes.standard import Config
+    from purestep.recipes.train import backend
+    muon = backend.cuda_options(Config(optimizer="muon"))
+    assert muon == NO_MIX_ORDER_REDUCTION and backend.cuda_options(Config()) == ()
+    assert optim.muon()._fields == ("init", "update", "metrics")   # a transform carries no compiler settings
+    cuda = _compile_kwargs(None, False, "cuda", muon)["options"]
     assert cuda["loop_ordering_after_fusion"] is False
     assert cuda.get("triton.mix_order_reduction", False) is False
     assert "triton.mix_order_reduction" not in _compile_kwargs(None, False, "cuda", ())["options"]
-    assert _compile_kwargs(None, True, "cpu", muon.cuda_inductor) == _compile_kwargs(None, True, "cpu")
+    assert _compile_kwargs(None, True, "cpu", muon) == _compile_kwargs(None, True, "cpu")

@@ -161,25 +161,38 @@ def test_eval_step_equals_loss():
     assert torch.equal(metrics["loss"], llama.loss(params, batch, TINY))
 
 
-@pytest.mark.parametrize("donate", [False, True])
-def test_an_eager_step_hands_its_gradient_norm_to_the_clip(monkeypatch, donate):
-    """The step's gradient-norm metric reaches the clip as the chain's ``grad_norm`` extra argument
-    (``core.donate.updating``): two global norms a step (the gradients', the params'), not three; and the clip
-    scales by the norm it is given."""
-    import purestep.core.tree
-    from purestep import core
+def test_the_library_keeps_at_most_two_compiler_branches():
+    """What a function computes does not depend on whether it is traced: ``torch.compiler.is_compiling()`` is
+    asked in two places of core/ and optim/ only, each for a reason it states (a compiled block called inside a
+    whole-step graph is traced through; ``foreach.add_scaled``'s one-pass eager form reads a 0-d tensor on the
+    host, which a graph cannot)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    found = sorted(f"{p.relative_to(root)}:{i}" for d in ("core", "optim") for p in (root / d).rglob("*.py")
+                   for i, line in enumerate(p.read_text().splitlines(), 1)
+                   if "is_compiling()" in line and "``" not in line)
+    assert [f.split(":")[0] for f in found] == ["core/compile.py", "optim/foreach.py"], found
+
+
+def test_apply_gradients_compiles_whole_and_runs_eagerly_through_the_same_code():
+    """``core.update.apply_gradients`` under ``torch.compile(fullgraph=True)`` (no graph break, no host sync) gives
+    the eager call's new state and metrics, a non-finite step's skip included."""
+    from purestep.core.update import apply_gradients
     opt = optim.chain(optim.clip_by_global_norm(0.1), optim.adamw(lr=1e-2))
-    step = make_train_step(lambda p, b: llama.loss(p, b, TINY), opt, donate=donate)
-    state = init_state(llama.init(TINY), opt)
-    norms, real = [], core.tree._global_norm
-    monkeypatch.setattr(core.tree, "_global_norm", lambda *a: norms.append(1) or real(*a))
-    step(state, batch_of(TINY, 2, 8))
-    assert len(norms) == 2
-    grads = tree_map(lambda p: torch.full_like(p, 0.5), llama.init(TINY))
-    clip = optim.clip_by_global_norm(0.1)
-    given, _ = clip.update(grads, clip.init(grads), grad_norm=torch.tensor(4.0))
-    factor = optim.clip.clip_factor(torch.tensor(4.0), torch.tensor(0.1))
-    assert all(torch.equal(a, b * factor) for a, b in zip(core.tree.leaves_of(given), core.tree.leaves_of(grads)))
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, generator=g), "norm": torch.randn(3, generator=g)}
+    state = init_state(params, opt)
+    grads = tree_map(lambda p: torch.randn(p.shape, generator=g), params)
+
+    def apply(state, grads, loss):
+        return apply_gradients(state, grads, opt, loss=loss)
+
+    compiled = torch.compile(apply, fullgraph=True, dynamic=False)
+    for loss in (torch.tensor(2.0), torch.tensor(float("nan"))):
+        (eager, em), (graph, gm) = apply(state, grads, loss), compiled(state, grads, loss)
+        assert max_abs_diff(eager.params, graph.params) < 1e-6
+        assert max_abs_diff(eager.opt_state, graph.opt_state) < 1e-6
+        assert all(torch.allclose(em[k], gm[k], equal_nan=True) for k in em)
 
 
 def test_make_train_step_takes_at_most_eight_parameters():

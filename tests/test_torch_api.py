@@ -26,13 +26,10 @@ SOURCES = ["core", "models", "optim", "recipes", "bin"]
 # name -> where it is used (and why no public API serves)
 PRIVATE = {
     "torch._foreach_add": "optim/foreach.py, core/tree.py: multi-tensor kernels, as torch.optim's foreach path",
-    "torch._foreach_add_": "optim/foreach.py, core/donate.py",
-    "torch._foreach_copy_": "core/donate.py: the donated step's one copy per leaf",
+    "torch._foreach_add_": "optim/foreach.py",
     "torch._foreach_div": "optim/foreach.py",
     "torch._foreach_div_": "optim/foreach.py, optim/adamw.py",
     "torch._foreach_mul": "optim/foreach.py",
-    "torch._foreach_mul_": "optim/foreach.py",
-    "torch._foreach_norm": "core/tree.py: global norms, one kernel per dtype",
     "torch._foreach_sign_": "optim/lion.py",
     "torch._foreach_sqrt": "optim/foreach.py",
     "torch._inductor.config": "core/compile.py: which options this torch has (unsafe_marked_cacheable_functions, "

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from purestep.core.compile import cpp_wrapper, describe_options, inductor_options
+from purestep.core.compile import NO_MIX_ORDER_REDUCTION, cpp_wrapper, describe_options, inductor_options
 from purestep.core.host_memory import set_host_memory
 from purestep.core.io.logging import progress
 from purestep.core.step import COMPILE_SCOPES
@@ -81,9 +81,15 @@ def describe_compile(cfg, device_type: str, collectives: bool) -> str:
     with ``collectives``, data parallel or sharded, keeps the Python wrapper)."""
     if not cfg.compile:
         return "compile=False"
-    options = inductor_options(device_type, cpp_wrapper(device_type, collectives))
+    options = inductor_options(device_type, cpp_wrapper(device_type, collectives), cuda_options(cfg))
     return (f"compile=True (the eval step {'too' if eval_compiled(cfg) else 'eager'}; inductor options: "
             f"{describe_options(options)})")
+
+
+def cuda_options(cfg) -> tuple:
+    """Further inductor settings the run's train step compiles with on CUDA (``core.step.Compile.cuda_options``):
+    ``NO_MIX_ORDER_REDUCTION`` where it runs Muon (``core.compile`` says why)."""
+    return NO_MIX_ORDER_REDUCTION if cfg.optimizer == "muon" else ()
 
 
 def compile_mode(cfg, device: torch.device) -> str:

@@ -126,7 +126,7 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
         train_loss = with_faults(loss_fn)
         batches = FaultyBatches(batches, cfg.fault, vocab_size, cfg.seed)
     train = make_train_step(train_loss, optimizer, precision=cfg.dtype,
-                            compile=Compile(cfg.compile, scope, mode), donate=donates(cfg),
+                            compile=Compile(cfg.compile, scope, mode, backend.cuda_options(cfg)), donate=donates(cfg),
                             gradients=Gradients(accum=cfg.grad_accum, remat=cfg.remat),
                             monitors=Monitors(health, cfg.spike if cfg.spike.enabled else None, skip),
                             parallel=Parallel(dist.all_reduce_mean if dist.enabled and layout is None else None,

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from purestep import optim
+from purestep.core.compile import NO_MIX_ORDER_REDUCTION
 from purestep.core.io import checkpoint
 from purestep.core.state import init_state
-from purestep.core.step import make_train_step
+from purestep.core.step import Compile, make_train_step
 from purestep.core.tree import leaves_of, tree_map
 from purestep.models import llama
 from purestep.models.sampling import generate
@@ -91,7 +92,7 @@ def batches(cfg: llama.LlamaConfig, n: int = STEPS, seed: int = 0) -> list[dict]
     return [{"x": t[:, :-1].contiguous(), "y": t[:, 1:].contiguous()} for t in tok]
 
 
-def train(cfg: llama.LlamaConfig, device: torch.device, *, precision: str = "fp32", compile: bool = False,
+def train(cfg: llama.LlamaConfig, device: torch.device, *, precision: str = "fp32", compile: bool | Compile = False,
           donate: bool = False, steps: int = STEPS, peaks: dict | None = None,
           opt=None) -> tuple[list[float], object]:
     """``steps`` steps from the seeded init on ``device``: the losses and the final state. ``peaks`` (CUDA) gets
@@ -156,7 +157,7 @@ def _muon(cfg, device, compile) -> dict:
     opt = optim.muon(lr=1e-3, aux=optim.adamw(lr=1e-3))
     start = llama.init(cfg, seed=0)
     cpu_losses, cpu_state = train(cfg, torch.device("cpu"), opt=opt)
-    dev_losses, dev_state = train(cfg, device, compile=compile, opt=opt)
+    dev_losses, dev_state = train(cfg, device, compile=Compile(compile, cuda_options=NO_MIX_ORDER_REDUCTION), opt=opt)
     moved = max_diff(cpu_state.params, start)
     rel = max_diff(dev_state.params, cpu_state.params) / moved
     loss_diff = max(abs(a - b) for a, b in zip(dev_losses, cpu_losses))
