@@ -63,7 +63,7 @@ def generate(forward: Callable[[torch.Tensor, int], torch.Tensor], prompt: torch
     logits = forward(prompt, 0)[:, -1]
     past, out = prompt.shape[1], []
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         token = sample_rows(logits, temperature, top_k, top_p, generator)
         out.append(token)
         if on_token is not None:
@@ -72,6 +72,8 @@ def generate(forward: Callable[[torch.Tensor, int], torch.Tensor], prompt: torch
             done |= token == eos_id
             if bool(done.all()):
                 break
+        if i + 1 == max_new_tokens:   # the last token needs no forward pass of its own
+            break
         logits = forward(token[:, None], past)[:, -1]
         past += 1
     return torch.stack(out, dim=1) if out else prompt[:, :0]

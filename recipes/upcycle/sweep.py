@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from purestep.core.device import synchronize
 from purestep.models import llama
+from purestep.models.sampling import generate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (column, unit): the schema of results.csv and of every cell row in results.json
@@ -62,16 +63,17 @@ def prefill(m: Model, prompt: torch.Tensor, cache: list, chunk: int) -> torch.Te
 
 @torch.no_grad()
 def greedy(m: Model, prompt: torch.Tensor, n: int, chunk: int = 512) -> torch.Tensor:
-    """``n`` greedy tokens [B, n] after ``prompt`` [B, T] (chunked prefill, then the KV cache)."""
+    """``n`` greedy tokens [B, n] after ``prompt`` [B, T]: ``models.sampling.generate`` at temperature 0 over the
+    model's KV cache, the prompt prefilled ``chunk`` positions at a time (:func:`prefill`: no [T, V] logits)."""
     cache = m.module.new_cache(m.cfg, prompt.shape[0], prompt.shape[1] + n, dtype=m.params["embed"].dtype,
                                device=prompt.device)
-    logits, past, out = prefill(m, prompt, cache, chunk), prompt.shape[1], []
-    for i in range(n):
-        out.append(logits.argmax(-1, keepdim=True))
-        if i + 1 < n:
-            logits = m.module.apply(m.params, out[-1], m.cfg, cache=cache, past_len=past)[:, -1]
-            past += 1
-    return torch.cat(out, dim=1)
+
+    def forward(tokens, past_len):
+        if past_len == 0:
+            return prefill(m, tokens, cache, chunk)[:, None]
+        return m.module.apply(m.params, tokens, m.cfg, cache=cache, past_len=past_len)
+
+    return generate(forward, prompt, n, temperature=0)
 
 
 @torch.no_grad()
