@@ -4,7 +4,7 @@
 shakespeare-char configuration, the command in ``recipes/standard.py``'s docstring (4 layers, 4 heads, d=128,
 block 64, batch 12, 2000 steps, lr 1e-3 with 100 warmup steps and cosine to 1e-4, beta2 0.99, an evaluation of 20
 batches every 250 steps), with ``optimizer=`` as given: ``adamw`` by default, the plain loop's own optimizer, so both
-sides run the same algorithm; ``optimizer=muon`` runs the docstring's command itself (its ``MUON_KEYS``).
+sides run the same algorithm; ``optimizer=muon`` runs the docstring's command itself (``recipes.standard.NANOGPT_MUON``).
 
 Every run is a child process, timed from its start to its exit (interpreter start-up, imports, the data, every
 compile, the steps, the evaluations, the checkpoints):
@@ -40,11 +40,11 @@ from purestep.core.gradients import PRECISIONS
 from purestep.core.io.logging import progress
 from purestep.core.cli.runs import make_folder, run_folder
 from purestep.recipes.bench.plain_run import MARK, PlainRun
+from purestep.recipes.standard import NANOGPT_MUON
 from purestep.recipes.train.optimizer import OPTIMIZERS
 
 REPO = Path(__file__).resolve().parents[2]
 CACHES = ("cold", "warm")
-MUON_KEYS = ("muon.lr=0.01", "muon.momentum=0.9")   # recipes/standard.py's docstring command for this configuration
 DESCRIPTION = ("wall time of a whole purestep recipe=standard run (compile, steps, evaluations, checkpoints) against "
                "nanoGPT's plain loop's whole run, cold and warm inductor cache")
 
@@ -84,7 +84,7 @@ def standard_args(cfg: Config, folder: Path) -> list[str]:
             f"model.n_heads={cfg.n_heads}", f"model.d_model={cfg.d_model}", f"block_size={cfg.block_size}",
             f"batch_size={cfg.batch_size}", "lr=1e-3", "beta2=0.99", "warmup_steps=100", f"steps={cfg.steps}",
             "min_lr=1e-4", f"eval_every={cfg.eval_every}", f"eval_batches={cfg.eval_batches}",
-            f"optimizer={cfg.optimizer}", *(MUON_KEYS if cfg.optimizer == "muon" else ()), f"dtype={cfg.dtype}",
+            f"optimizer={cfg.optimizer}", *(NANOGPT_MUON[1:] if cfg.optimizer == "muon" else ()), f"dtype={cfg.dtype}",
             f"compile={str(cfg.compile).lower()}", f"out={folder}"]
 
 
