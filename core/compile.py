@@ -2,7 +2,7 @@
 (:func:`inductor_options`), passed to each ``torch.compile``; nothing of torch is replaced or set globally (a
 process that opted into ``core.cpu_compiles``, as the ``purestep`` program does, asks for more).
 
-Compiling a small train step on a 2-core CPU takes one to two minutes cold; inductor's FX graph cache
+Compiling a small train step on a CPU is slow cold (docs/benchmarks.md, "Whole runs"); inductor's FX graph cache
 and AOT-autograd cache (on disk, keyed by graph and environment, on by default) make the second process start in
 seconds; graphs holding ``torch.cond`` join them through an option (``CACHEABLE``). ``compile_count()`` reads
 dynamo's counter of compiled graphs, so tests and benchmarks can prove
@@ -26,8 +26,8 @@ from purestep.core import cpu_compiles
 
 # Graphs holding ``torch.cond`` (gradient health's gate in the one-graph train step) cached like any other: inductor
 # bypasses its FX graph cache and AOT autograd's for a higher-order op not marked cacheable, and ``cond`` is not, so
-# the train step compiled in full in every process (20 s of a 2000-step run's 118 s on this CPU with a warm cache,
-# ``recipe=bench.wall``). Its branches are traced subgraphs whose code is part of the cache key
+# the train step compiled in full in every process, warm cache or not (``recipe=bench.wall``; docs/benchmarks.md,
+# "Whole runs"). Its branches are traced subgraphs whose code is part of the cache key
 # (``FxGraphCachePickler`` pickles submodules' code). Inductor's public config names such ops
 # (``unsafe_marked_cacheable_functions``, keyed here by this torch's version); it is one of the options every graph
 # here compiles with, never set in torch's own config.
@@ -39,14 +39,15 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 # inductor's mixed-order reduction fusion fails ``get_numel_rnumel``'s assertion ("2 v.s. 1") on a compiled Muon step
 # on CUDA (torch 2.11, H100, bench.gpu's muon check). A step that runs Muon asks for it off on CUDA
 # (``core.step.Compile(cuda_options=...)``; ``purestep``'s runs: ``recipes.train.backend.cuda_options``); every other
-# step keeps it, as it saves 1.1 GB of the 124M AdamW step's 11.6 GB peak (docs/gpu.md).
+# step keeps it, as it lowers the peak memory of an AdamW step at the same speed (docs/gpu.md, "Measured: one H100,
+# 2026-11-27 (the new features)").
 NO_MIX_ORDER_REDUCTION = (("triton.mix_order_reduction", False),)
 
 
 def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
     """Whether a graph on ``device_type`` runs through inductor's C++ wrapper (``cpp_wrapper``: the generated code
     that allocates buffers and calls the kernels is C++, not Python), taking the interpreter off the path between
-    kernels (its self time in ``recipe=bench.speed``'s profile: 3.3 ms a step, then 2.4; docs/benchmarks.md).
+    kernels (its self time in ``recipe=bench.speed``'s profile shrinks; docs/design.md, 'Measured choices').
     On the CPU, for graphs without ``collectives``: in torch 2.13 the C++ wrapper does not take the functional
     collectives' ops ("arg type Any is not yet supported by custom_op_wrapper"). On CUDA the Python wrapper stays
     (CUDA graphs, ``compile_mode=reduce-overhead``, remove the launch overhead there)."""
@@ -54,21 +55,20 @@ def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
 
 
 # The C++ wrapper's two compiles (PyTorch #148773): the wrapper, which only allocates buffers and calls kernels, at -O0
-# in a file of its own (nanoGPT's shakespeare-char step: g++ 6 s against 9.5 at -O1, the same 39.5 ms a step, A/B
-# interleaved in one process; the 100M Llama's block graphs 0.992x); the kernels at -O3 in another
+# in a file of its own (less g++ time than at -O1, the step as fast: docs/design.md, 'Measured choices', and
+# docs/benchmarks.md, "Whole runs"); the kernels at -O3 in another
 SEPARATE_WRAPPER_BUILD = (("cpp_wrapper_build_separate", True), ("aot_inductor.compile_wrapper_opt_level", "O0"))
 
 
 def inductor_options(device_type: str, cpp: bool = False, cuda: tuple = ()) -> dict:
     """Inductor settings a graph on ``device_type`` compiles with (beyond its mode's), passed as ``torch.compile``'s
     ``options`` (inductor applies them while it compiles that graph; torch's global config stays as it was): ``cond``
-    cacheable (``CACHEABLE``); the C++ wrapper with ``cpp``
-    (:func:`cpp_wrapper`), built apart from the kernels and at -O0 (``SEPARATE_WRAPPER_BUILD``; in one file g++
-    compiles all at -O3, and the one-graph step's 2,300-line wrapper function is most of that: nanoGPT's
-    shakespeare-char step, bf16, took 23.4 s of g++ in one file, 8.3 + 6.1 s in two at -O1, and the same 42.2 ms a
-    step, A/B interleaved in one process; docs/benchmarks.md); on CUDA no loop reordering after fusion, whose scheduler
-    fails an assertion on the one-graph train step (torch 2.11, H100: ``reorder_loops_by_dep_pair`` met a fused node
-    inside a fused node; bench.gpu's report, docs/gpu.md), and the ``(name, value)`` pairs ``cuda`` asks for
+    cacheable (``CACHEABLE``); the C++ wrapper with ``cpp`` (:func:`cpp_wrapper`), built apart from the kernels and
+    at -O0 (``SEPARATE_WRAPPER_BUILD``; in one file g++ compiles all at -O3, and the one-graph step's 2,300-line
+    wrapper function is most of that; two files take less g++ time and the step runs as fast: docs/design.md,
+    'Measured choices'); on CUDA no loop reordering after fusion, whose scheduler fails an assertion on the
+    one-graph train step (torch 2.11, H100: ``reorder_loops_by_dep_pair`` met a fused node inside a fused node;
+    bench.gpu's report, docs/gpu.md), and the ``(name, value)`` pairs ``cuda`` asks for
     (``core.step.Compile.cuda_options``: ``NO_MIX_ORDER_REDUCTION`` for Muon), those this torch has."""
     cacheable = _has_setting("unsafe_marked_cacheable_functions")
     options = {"unsafe_marked_cacheable_functions": dict(CACHEABLE)} if cacheable else {}

@@ -4,8 +4,8 @@ Importing purestep (``make_train_step``, ``maybe_compile``) leaves torch as it i
 program (``purestep/__main__.py``) and the test session (``tests/conftest.py``), which own their processes, opt in by
 setting ``PURESTEP_CPU_COMPILES=1`` (``ENV``); then ``core.compile`` calls :func:`speed_up_cpu_compiles` before each
 CPU ``torch.compile``. ``PURESTEP_CPU_COMPILES=0`` before ``purestep`` opts its process out. Both speed-ups use
-private parts of inductor (``tests/test_torch_api.py`` pins them); what they buy is measured in docs/benchmarks.md
-("Whole runs"): without them a cold compile of nanoGPT's configuration took 26 s longer on a 2-core CPU.
+private parts of inductor (``tests/test_torch_api.py`` pins them); they shorten a cold compile on a CPU with few
+cores (docs/benchmarks.md, "Whole runs").
 """
 from __future__ import annotations
 
@@ -37,11 +37,11 @@ def probe_vector_isa() -> threading.Thread | None:
     thread, so that they run on a second core while dynamo traces and AOT autograd partitions the graph, instead of
     after it. Inductor asks which vector instructions the CPU can build and load before it generates its first C++
     kernel: it compiles a small program per candidate (AVX-512 VNNI, AVX-512, AVX2) with g++ and loads each in a
-    child Python, one after another; with an empty inductor cache that took 10.9 s of a 2-core VM's cold compile
-    (docs/benchmarks.md). Inductor keeps the answer (``functools.cache``) and each build under a file lock, so when
-    the compile asks before the probes are done it waits for the build under way and reuses it. Returns the thread,
-    or None where this process already knows the answer, a probe is already running, or this torch lacks the
-    probe."""
+    child Python, one after another, a large part of a cold compile into an empty inductor cache on a CPU with few
+    cores (docs/design.md, 'Measured choices'). Inductor keeps the answer (``functools.cache``) and each build under
+    a file lock, so when the compile asks before the probes are done it waits for the build under way and reuses it.
+    Returns the thread, or None where this process already knows the answer, a probe is already running, or this
+    torch lacks the probe."""
     try:
         from torch._inductor.cpu_vec_isa import valid_vec_isa_list
     except ImportError:
@@ -62,8 +62,8 @@ def build_objects_together() -> bool:
     builds its list of compiles one after another (``torch._inductor.codecache._worker_compile_cpp``, torch 2.11 to
     2.14), on one core while the others wait. Installed once per process in place of that function, the same
     work under the same file lock, the files that exist skipped as before; a list of fewer than three (one object,
-    a precompiled header) goes to inductor's own. nanoGPT's shakespeare-char step: g++ 6.5 s for the kernels and
-    6 s for the wrapper, one after another (docs/benchmarks.md). Returns whether it is installed (False where this
+    a precompiled header) goes to inductor's own. Side by side, the two g++ runs take about as long as the longer
+    one instead of their sum (docs/benchmarks.md, "Whole runs"). Returns whether it is installed (False where this
     torch has no such function)."""
     from torch._inductor import codecache
     original = getattr(codecache, "_worker_compile_cpp", None)

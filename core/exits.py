@@ -75,10 +75,10 @@ def markdown_table() -> str:
 def exit_process(code: int) -> None:
     """End ``purestep``'s process with ``code`` without CPython's teardown of the interpreter. When a command returns,
     what it wrote is closed (checkpoints atomically, the run log, TensorBoard); what is left is freeing, module by
-    module, every object torch, dynamo and inductor made: 1.5-1.6 s after a compiled run on this 2-core CPU, 0.08 s
-    this way (docs/benchmarks.md). The exit handlers still run first (``atexit``: torch's, logging's, the thread
-    pools'), and the output streams are flushed. Where a thread that is not a daemon is still alive, the ordinary
-    exit, which waits for it, is taken instead."""
+    module, every object torch, dynamo and inductor made, which after a compiled run takes far longer than leaving
+    this way (docs/benchmarks.md, "Whole runs"). The exit handlers still run first (``atexit``: torch's, logging's,
+    the thread pools'), and the output streams are flushed. Where a thread that is not a daemon is still alive, the
+    ordinary exit, which waits for it, is taken instead."""
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
     atexit._run_exitfuncs()

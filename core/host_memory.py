@@ -3,13 +3,12 @@
 PyTorch's CPU tensors come from the C library's ``malloc``. glibc serves a request above its mmap threshold (128
 KiB, rising to at most 32 MiB) with a fresh ``mmap`` and unmaps it on ``free``, so the next tensor of that size is
 faulted in and zeroed page by page. A training step frees and reallocates the same large tensors every step
-(gradients, the update's temporaries, a stacked leaf is every layer of one weight): ``recipe=standard`` at 100M
-parameters on a 2-core CPU ran 153-192 tokens/s with glibc's defaults and 242-283 kept, at an 8-10% higher peak
-(docs/benchmarks.md, "Host memory"). ``keep`` serves every request from the heap (``mallopt(M_MMAP_MAX, 0)``) and
-never trims it (``M_TRIM_THRESHOLD``), so freed memory is reused without faults and the resident size stays at its
-high-water mark: the trade jemalloc makes with ``dirty_decay_ms:-1`` in Intel's PyTorch CPU tuning guide. ``system``
-leaves glibc as it starts, or after ``keep`` in the same process sets its documented defaults again (mallopt(3); the
-mmap threshold no longer adapts once set).
+(gradients, the update's temporaries, a stacked leaf is every layer of one weight): kept, ``recipe=standard``'s CPU
+steps run faster at a somewhat higher peak resident size (docs/benchmarks.md, "Host memory"). ``keep`` serves every
+request from the heap (``mallopt(M_MMAP_MAX, 0)``) and never trims it (``M_TRIM_THRESHOLD``), so freed memory is
+reused without faults and the resident size stays at its high-water mark: the trade jemalloc makes with
+``dirty_decay_ms:-1`` in Intel's PyTorch CPU tuning guide. ``system`` leaves glibc as it starts, or after ``keep``
+in the same process sets its documented defaults again (mallopt(3); the mmap threshold no longer adapts once set).
 """
 from __future__ import annotations
 

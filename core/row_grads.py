@@ -3,14 +3,14 @@
 A model reaches its stacked layers through ``core.layers.Layers.unstack``. Its default, ``torch.unbind``, gives
 views whose backward is one ``stack``: every layer's gradient of a stacked leaf stays alive until backward reaches
 the first layer, then ``stack`` copies them into a fresh full-size tensor, so the peak holds one stacked leaf
-twice (75 MB for the MLP weights of a 100M Llama: the gap between the block-compiled step's peak and plain
-PyTorch's in ``recipe=bench.step``). Here :meth:`RowGradients.unstack`, which the step hands the model, gives each
-layer's rows through one autograd node per layer (``core.tree.LayerNode``, as ``core.parallel.shard_blocks`` gathers a
-layer), whose backward copies the layer's gradients into their rows of the stacked gradients as soon as
-autograd has them all, and drops them. Rows are copied on a micro-batch's first landing, added after, so the
-numbers are ``unbind``'s to the bit. (A post-accumulate-grad hook on per-layer leaf tensors frees them as early,
-but ``AccumulateGrad`` first clones a gradient whose strides differ from the leaf's, as a matmul's transposed
-product does: a second copy.)
+twice (for a 100M Llama's MLP weights, the gap between the block-compiled step's peak and plain PyTorch's in
+``recipe=bench.step``; docs/design.md, 'Measured choices'). Here :meth:`RowGradients.unstack`, which the step hands
+the model, gives each layer's rows through one autograd node per layer (``core.tree.LayerNode``, as
+``core.parallel.shard_blocks`` gathers a layer), whose backward copies the layer's gradients into their rows of the
+stacked gradients as soon as autograd has them all, and drops them. Rows are copied on a micro-batch's first
+landing, added after, so the numbers are ``unbind``'s to the bit. (A post-accumulate-grad hook on per-layer leaf
+tensors frees them as early, but ``AccumulateGrad`` first clones a gradient whose strides differ from the leaf's, as
+a matmul's transposed product does: a second copy.)
 
 Only where the model's Python loop runs eagerly (an eager step, or ``compile_scope="block"``, whose compiled
 block is called once per layer): a compiled objective keeps ``unbind``.

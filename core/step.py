@@ -15,9 +15,9 @@ Two gradient engines (``core.gradients``, public pieces of their own) give the s
   compiled step with ``Compile(scope="step")``).
 - ``Gradients(mode="autograd")``: the loss is compiled on its own, ``torch.autograd.grad`` runs outside it,
   and the update is compiled on its own. This is the path for what ``func.grad`` cannot do today,
-  activation checkpointing above all (pytorch/pytorch#122729), and the default of an eager step: on a
-  100M Llama an eager ``func.grad`` step peaked about 700 MB above the same step through
-  ``torch.autograd`` (``recipe=bench.step``).
+  activation checkpointing above all (pytorch/pytorch#122729), and the default of an eager step, whose peak
+  memory is lower through ``torch.autograd`` than through ``func.grad`` (``recipe=bench.step``; docs/design.md,
+  'The step').
 
 ``Compile(scope="step")`` compiles as above; ``"block"`` compiles the model's repeated block once for all
 its layers (``core.compile.BlockCompiler``, handed to the model as ``core.layers.Layers``: regional compilation,

@@ -194,10 +194,10 @@ def position_tables(frequencies: Callable, cfg, start: int, length: int, dtype: 
     """``rope_tables(frequencies(cfg), arange(start, start + length))`` stacked as one tensor ``[2, ..., length,
     D]`` (cos, sin), computed by one opaque op (:func:`_tables`) that a compiled graph calls once and whose result
     its kernels read. Traced inline, inductor recomputes the float64 cos and sin inside every kernel that reads the
-    tables (on the CPU it keeps only exp and sigmoid results), which cost the one-graph step at nanoGPT's shape
-    5 ms of its 40. An op rather than a trace-time constant (``torch.compiler.assume_constant_result``): dynamo
-    names such a constant after the function, so a graph holding two models (a teacher and a student) held two
-    constants of one name and failed to compile."""
+    tables (on the CPU it keeps only exp and sigmoid results), a visible part of the one-graph step at nanoGPT's
+    shape (docs/design.md, 'Measured choices'). An op rather than a trace-time constant
+    (``torch.compiler.assume_constant_result``): dynamo names such a constant after the function, so a graph holding
+    two models (a teacher and a student) held two constants of one name and failed to compile."""
     return _tables(frequencies(cfg, device), start, length, dtype).to(device)   # MPS: computed on the CPU
 
 
@@ -285,10 +285,9 @@ def _math_attention(q, k, v, mask, causal: bool, scale: Optional[float]) -> torc
 
     At short context on the CPU this is the faster attention under bf16 autocast. A compiled graph fuses the
     scaling, mask and softmax around two batched matrix products, where SDPA is a kernel apart that needs its
-    inputs in fp32 (:func:`_fp32_attention`): nanoGPT's shakespeare-char train step (bf16, 4 layers, [12, 4, 64,
-    32]) took 0.850x the time of the fp32-SDPA step, the two compiled in one process and timed taking turns (the
-    median of 30 rounds' ratios; docs/benchmarks.md); at the 100M shape (T=128, block-compiled) 0.965x the time
-    and 1.025x the peak memory (the fp32 probabilities kept for the backward). The scores are rounded to bf16
+    inputs in fp32 (:func:`_fp32_attention`): the bf16 train step takes less time than with fp32 SDPA at nanoGPT's
+    shakespeare-char shape and at 100M, for a little more peak memory (the fp32 probabilities kept for the
+    backward; docs/benchmarks.md, "Whole runs", and docs/design.md, 'Measured choices'). The scores are rounded to bf16
     before the softmax, as nanoGPT's are; SDPA in fp32 keeps them exact, and is what longer contexts take."""
     T, S = q.shape[-2], k.shape[-2]
     if k.shape[1] != q.shape[1]:
@@ -303,11 +302,9 @@ def _math_attention(q, k, v, mask, causal: bool, scale: Optional[float]) -> torc
 
 def _fp32_attention(q, k, v, mask, causal: bool, gqa: bool, scale: Optional[float]) -> torch.Tensor:
     """SDPA in fp32 under the CPU's bf16/fp16 autocast past ``MATH_ATTENTION_MAX_KEYS`` keys, the result in the
-    queries' dtype. torch's CPU flash kernel is slower in bf16 than in fp32 at short context: forward and backward
-    at [12, 4, 64, 32] (nanoGPT's shakespeare-char shape) took 3.9 ms in bf16 against 1.4 ms in fp32 (1.5 ms with
-    these casts), at T=128 10.3 against 4.1 ms, level at T=512, and 1.2x faster in bf16 only from T=1024 (torch
-    2.14.1, 2 threads, this machine's AMD EPYC with avx512_bf16; docs/benchmarks.md). fp32 scores are also the more
-    exact."""
+    queries' dtype. torch's CPU flash kernel, forward and backward, is slower in bf16 than in fp32 (casts
+    included) at short context and ahead only at long context (docs/design.md, 'Measured choices'). fp32 scores are
+    also the more exact."""
     with torch.autocast("cpu", enabled=False):
         y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
                                            enable_gqa=gqa, scale=scale)

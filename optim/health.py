@@ -20,13 +20,12 @@ Columns (``COLUMNS``)::
 Rows: one per unstacked leaf (``embed``), one per layer of a stacked leaf (``layers.attn.wq[3]``), and a
 last row ``global`` holding the same statistics over all parameters together.
 
-Per-leaf ``vector_norm`` over flattened slices was measured against ``torch._foreach_norm`` over the
-leaves and their ``unbind(0)`` slices (tiny Llama d=64 L=2, the statistics alone, CPU, one thread, 2000
-interleaved calls on a loaded machine, 10th percentile): compiled, ``vector_norm`` 0.79 ms against 0.96 ms,
-since inductor fuses a leaf's norm and non-finite count into one pass (``_foreach_norm`` cannot count
-non-finite values, so it needs that pass anyway); eager, ``_foreach_norm`` wins, 1.35 ms against 1.85 ms
-(fewer kernel launches). The step is meant to run compiled, so this file uses ``vector_norm``. The
-per-leaf work is four reductions; everything after them runs once on the concatenated ``[rows, 4]``.
+Per-leaf ``vector_norm`` over flattened slices was timed against ``torch._foreach_norm`` over the leaves and their
+``unbind(0)`` slices (docs/design.md, 'Measured choices'): compiled, ``vector_norm`` wins, since inductor fuses a
+leaf's norm and non-finite count into one pass (``_foreach_norm`` cannot count non-finite values, so it needs that
+pass anyway); eager, ``_foreach_norm`` wins (fewer kernel launches). The step is meant to run compiled, so this file
+uses ``vector_norm``. The per-leaf work is four reductions; everything after them runs once on the concatenated
+``[rows, 4]``.
 
 The stacked-leaf convention (``stacked_predicate``, ``slice_norms``) lives here and is shared by
 :mod:`optim.adagc` and :mod:`optim.agc`.
@@ -147,7 +146,8 @@ class GradientHealth:
         not inside the same graph as its backward asks :meth:`due` on the host instead and calls this only when
         due (``core.step``): in a graph of its own, inductor writes out the new params the branch reads and
         copies them into the donated params afterwards instead of storing each where it belongs in one pass, on
-        every step, taken or not (the update kernel's time doubled at 100M parameters in a kernel profile)."""
+        every step, taken or not (a much slower update kernel at 100M parameters in a kernel profile;
+        docs/design.md, 'Measured choices')."""
         g_leaves, w_leaves = tree_leaves(grads), tree_leaves(params)
         d_new = new_params is not None
         if not d_new and updates is None:

@@ -326,7 +326,7 @@ def _open_tokens(folder: str, build, description: str):
 
 def _read_tokens(meta: dict, arrays: dict, chunk: int = 1 << 24):
     """``(tokenizer, None)`` for a sound cache, ``(None, what is wrong)`` for a damaged one. Every token id is
-    checked against the vocabulary, chunk by chunk (one read of the memmaps: 0.03 s per 2**28 cached tokens)."""
+    checked against the vocabulary, chunk by chunk (one cheap read: docs/design.md, 'Measured choices')."""
     try:
         tokenizer = tokenizer_from_dict(meta["tokenizer"])
     except (KeyError, TypeError, ValueError, AttributeError, DataError) as e:

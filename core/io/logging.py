@@ -162,7 +162,8 @@ class Logger:
         values = to_floats(metrics)
         if self._tb is not None and values:
             # one event holding every value (a Summary takes many), as add_scalar would write one event per tag:
-            # gradient health's ~200 per-leaf scalars cost ~90 us each that way, 1-3% of a 40 ms step at log_every=10
+            # gradient health's ~200 per-leaf scalars made that a visible part of a small CPU step at log_every=10
+            # (docs/design.md, 'Measured choices')
             from tensorboard.compat.proto.summary_pb2 import Summary
             self._tb._get_file_writer().add_summary(
                 Summary(value=[Summary.Value(tag=board_tag(tag), simple_value=v) for tag, v in values.items()]), step)
