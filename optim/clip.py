@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
 from purestep.core.tree import global_norm, leaves_of, like
 from purestep.optim import foreach
 from purestep.optim.base import GradientTransformation, hparams

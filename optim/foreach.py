@@ -31,11 +31,6 @@ def add_into(owned: list, other: list) -> list:
     return _into(torch._foreach_add_, torch._foreach_add, owned, other)
 
 
-def div_into(owned: list, other: list) -> list:
-    """``owned[i] / other[i]``, in place into ``owned`` when exact (see :func:`_into`)."""
-    return _into(torch._foreach_div_, torch._foreach_div, owned, other)
-
-
 def add_scalar_(xs: list, value: torch.Tensor) -> list:
     """``x + value`` into every ``x`` (a list the caller allocated; ``value`` a 0-d tensor, on the right), passed
     once per leaf: dynamo reads a lone 0-d tensor given to ``_foreach_add_`` with ``.item()`` (a graph break)."""
