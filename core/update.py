@@ -36,8 +36,8 @@ class Monitors:
     """What a step watches besides its loss. ``extra_metrics``: gradient health (``optim.health``); with a
     ``due(step) -> bool`` method and a ``skipped(device)`` one it is computed only on due steps. ``spike``: the
     spike detector (``core.spike``; its state in ``state.monitor``, ``init_state(..., spike=True)``). ``skip``:
-    a non-finite step leaves the state untouched (:func:`if_finite`); ``False`` writes its NaNs, only for measuring
-    what the select costs (``recipes/bench/speed.py``)."""
+    a non-finite step leaves the state untouched (:func:`if_finite`); ``False`` writes its NaNs and saves the select
+    (optax without ``apply_if_finite``; a run's ``skip_nonfinite=false``)."""
     extra_metrics: Optional[Callable] = None
     spike: Optional[SpikeConfig] = None
     skip: bool = True

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -35,7 +35,7 @@ from purestep.recipes.orchestrator.config import OrchestratedConfig
 from purestep.recipes.orchestrator.driver import orchestrate
 from purestep.recipes.train import backend, plan, setup
 from purestep.recipes.train.data import check_batch, describe, open_data, with_epochs
-from purestep.recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps, evaluate, fit
+from purestep.recipes.train.loop import Loop, Measures, Steps, Validation, build_steps, evaluate
 from purestep.recipes.train.setup import run_folder
 
 DESCRIPTION = "train a Llama language model on text (from scratch or init=CHECKPOINT)"
@@ -65,20 +65,24 @@ PRESETS = {
 }
 
 
+class Data(NamedTuple):
+    """A run's data: the corpus (its tokenizer, validation tokens and sizes), the train batches this rank reads,
+    the fixed validation batches, and the ids the model must embed (the tokenizer's and the FIM sentinels)."""
+    corpus: object
+    train: object
+    val: object
+    vocab: int
+
+
 @dataclass
 class Prepared:
-    """Everything a run needs, built and checked before the run folder is touched."""
+    """A run built and checked by :func:`prepare_run` before its folder is touched."""
     cfg: Config              # the run's config, ``steps`` set from ``epochs`` when given
     folder: Path             # the run folder (``run_folder``: out=, or runs/standard-<name or timestamp>)
-    run: setup.RunSetup      # the (resumed) state and optimizer, the ranks (``run.dist``), the layout
-    device: torch.device
     start: object            # models.loading.LoadedModel of init=, or None
-    corpus: object           # the data: its tokenizer, validation tokens and sizes
     model_cfg: llama.LlamaConfig
-    params: dict             # the full params (parallel=fsdp: their shapes only; the state holds the shards)
-    val_batches: object
-    steps: Steps
-    make_steps: Callable[..., Steps]   # (optimizer, skip=True) -> this run's steps for another optimizer
+    data: Data
+    run: setup.RunSetup      # the (resumed) state and optimizer, the ranks (``run.dist``), the layout
 
 
 def prepare_run(cfg: Config, write: bool = True) -> Prepared:
@@ -103,63 +107,77 @@ def prepare_run(cfg: Config, write: bool = True) -> Prepared:
     val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
                                       device=device)
     cfg = with_epochs(cfg, corpus, batches)
-
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     run_setup = setup.start(cfg, folder if write else None, params, device=device, dist=dist, tokenizer=tok)
-    params = run_setup.layout.full_shapes() if run_setup.layout else params   # fsdp: only shards stay alive
+    return Prepared(cfg, folder, start, model_cfg, Data(corpus, batches, val_batches, vocab), run_setup)
+
+
+def full_params(p: Prepared) -> dict:
+    """The run's params whole (parallel=fsdp: their shapes only; the state holds this rank's shards)."""
+    return p.run.layout.full_shapes() if p.run.layout else p.run.state.params
+
+
+def train_steps(p: Prepared, optimizer) -> Steps:
+    """The run's train and eval steps (``recipes.train.loop.build_steps``) for ``optimizer``: the run's own
+    (``p.run.optimizer``), or a strategy's when the orchestrator switches."""
+    cfg, model_cfg = p.cfg, p.model_cfg
 
     def loss_fn(params, batch, key, layers=None):
         return llama.loss(params, batch, model_cfg, key if model_cfg.dropout > 0 else None, remat=cfg.remat,
                           layers=layers)
 
-    def make_steps(optimizer, skip: bool = True) -> Steps:
-        return build_steps(cfg, loss_fn, optimizer, params, batches, device, vocab, dist, run_setup.layout, skip)
-
-    return Prepared(cfg, folder, run_setup, device, start, corpus, model_cfg, params, val_batches,
-                    make_steps(run_setup.optimizer), make_steps)
+    return build_steps(cfg, loss_fn, optimizer, full_params(p), p.data.train, p.run.state.step.device,
+                       p.data.vocab, p.run.dist, p.run.layout)
 
 
 def dry_run(cfg: Config) -> str:
     """``dry_run=true``: the plan of this run (``recipes.train.plan``); no run folder is created."""
     p = prepare_run(plan.probe_config(cfg), write=False)
-    m = p.model_cfg
+    m, tok = p.model_cfg, p.data.corpus.tokenizer
     return plan.describe(replace(cfg, steps=p.cfg.steps), recipe="standard", folder=p.folder,
                          model=f"llama, {m.n_layers} layers, d={m.d_model}, {m.n_heads} heads, vocab {m.vocab_size} "
-                               f"({p.corpus.tokenizer.name})" + (f"; init from {p.start.source}" if p.start else ""),
-                         data=describe(p.corpus), train_tokens=p.corpus.meta["train_tokens"], state=p.run.state,
-                         steps=p.steps, device=p.device, world_size=p.run.dist.world_size)
+                               f"({tok.name})" + (f"; init from {p.start.source}" if p.start else ""),
+                         data=describe(p.data.corpus), train_tokens=p.data.corpus.meta["train_tokens"],
+                         state=p.run.state, steps=train_steps(p, p.run.optimizer),
+                         device=p.run.state.step.device, world_size=p.run.dist.world_size)
 
 
 def run(cfg: Config):
     p = prepare_run(cfg)
-    cfg, dist, model_cfg, tok = p.cfg, p.run.dist, p.model_cfg, p.corpus.tokenizer
-    extra = {"config": to_dict(cfg), "model": model_entry(model_cfg), "tokenizer": tok.to_dict(),
+    cfg, run, dist, model_cfg, corpus = p.cfg, p.run, p.run.dist, p.model_cfg, p.data.corpus
+    device = run.state.step.device
+    steps = train_steps(p, run.optimizer)
+    extra = {"config": to_dict(cfg), "model": model_entry(model_cfg), "tokenizer": corpus.tokenizer.to_dict(),
              "recipe": "standard"}
-    with p.run.writing(to_dict(cfg)) as (checkpoints, logger):
+    measures = Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
+                        flops_per_token(llama.matmul_params(full_params(p)), model_cfg.n_layers, cfg.block_size,
+                                        model_cfg.d_model),
+                        None if (p.start or run.resume) else math.log(model_cfg.vocab_size))
+    with run.writing(to_dict(cfg)) as (checkpoints, logger):
         announce(logger, p)
         orchestrator, steps = orchestrate(
-            cfg, p.steps, val_tokens=p.corpus.val, device=p.device, logger=logger, folder=p.folder,
-            resumed=p.run.resumed, make_step=lambda opt: p.make_steps(opt).train, main_process=dist.is_main)
-        validation = Validation(lambda prm: evaluate(steps.eval, prm, p.val_batches, dist=dist),
-                                on_main(sampler(cfg, model_cfg, tok, p.corpus.val, p.device), dist, steps.layout))
-        measures = Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
-                            flops_per_token(llama.matmul_params(p.params), model_cfg.n_layers, cfg.block_size,
-                                            model_cfg.d_model),
-                            None if (p.start or p.run.resume) else math.log(model_cfg.vocab_size))
-        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra, validation=validation, measures=measures)
-        result = fit(cfg, p.run.state, steps, io, loop=p.run.loop, hooks=[orchestrator], dist=dist)
-        report(logger, result, p.folder)
+            cfg, steps, val_tokens=corpus.val, device=device, logger=logger, folder=p.folder, resumed=run.resumed,
+            make_step=lambda optimizer: train_steps(p, optimizer).train, main_process=dist.is_main)
+        validation = Validation(lambda params: evaluate(steps.eval, params, p.data.val, dist=dist),
+                                on_main(sampler(cfg, model_cfg, corpus.tokenizer, corpus.val, device), dist,
+                                        steps.layout))
+        with Loop(cfg, run.state, steps, logger, checkpoints, counters=run.loop, hooks=[orchestrator],
+                  validation=validation, measures=measures, extra=lambda: extra, dist=dist) as loop:
+            for batch in loop:
+                loop.stepped(*steps.train(loop.state, batch))
+        report(logger, loop.result, p.folder)
     distributed.shutdown(dist)
-    return result
+    return loop.result
 
 
 def announce(logger, p: Prepared) -> None:
     """The run log's first lines: the model, the data, where it runs, what it starts from."""
-    cfg, m, state = p.cfg, p.model_cfg, p.run.state
-    compiles = backend.describe_compile(cfg, p.device.type, collectives=p.run.dist.world_size > 1)
-    logger.print(f"standard: {size(p.params) / 1e6:.2f}M params, {m.n_layers} layers, d={m.d_model}, "
-                 f"vocab {p.corpus.tokenizer.vocab_size} ({p.corpus.tokenizer.name}); data {describe(p.corpus)}; "
-                 f"device {p.device}, {cfg.dtype}, {compiles}; run folder {p.folder}")
+    cfg, m, state, corpus = p.cfg, p.model_cfg, p.run.state, p.data.corpus
+    device = state.step.device
+    compiles = backend.describe_compile(cfg, device.type, collectives=p.run.dist.world_size > 1)
+    logger.print(f"standard: {size(full_params(p)) / 1e6:.2f}M params, {m.n_layers} layers, d={m.d_model}, "
+                 f"vocab {corpus.tokenizer.vocab_size} ({corpus.tokenizer.name}); data {describe(corpus)}; "
+                 f"device {device}, {cfg.dtype}, {compiles}; run folder {p.folder}")
     if p.start:
         logger.print(f"init from {p.start.source} ({p.start.format})")
     if p.run.resume is not None:
@@ -168,7 +186,7 @@ def announce(logger, p: Prepared) -> None:
 
 def report(logger, result, folder, label: str = "val loss", suffix: str = "") -> None:
     """The run's last line: its validation loss and perplexity, or that there was nothing to do (when it
-    stopped early, ``fit`` has already said why and how to resume)."""
+    stopped early, the loop has already said why and how to resume)."""
     if result.stop_reason:
         return
     step = int(result.state.step)

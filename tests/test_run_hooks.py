@@ -22,7 +22,7 @@ from purestep.recipes.standard import Config
 from purestep.recipes.train import plan, setup
 from purestep.recipes.train.config import TrainConfig
 from purestep.recipes.train.hooks import RunHook
-from purestep.recipes.train.loop import LoopIO, Steps, fit
+from purestep.recipes.train.loop import Loop, Steps
 from purestep.recipes.train.optimizer import OptimizerSpec, make_optimizer
 from tests.test_layout import REPO, import_graph
 
@@ -90,7 +90,7 @@ def test_the_trainer_asks_a_run_hook_and_never_ignores_it(tmp_path):
         plan.probe_config(cfg)
     steps = Steps(train=None, eval=None, health=None, batches=None)
     with pytest.raises(UserError, match="'layer' hook"):
-        fit(cfg, run.state, steps, LoopIO(logger=None, checkpoints=None))
+        Loop(cfg, run.state, steps, logger=None)
     manager = ckpt.CheckpointManager(tmp_path, keep_last=1, save_every=0)
     manager.save(1, run.state, extra={"train": to_dict(cfg)})
     with pytest.raises(ConfigError, match="beta1"):                             # the hook's fixed key

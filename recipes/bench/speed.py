@@ -10,20 +10,20 @@ In one process, on the same Llama (the same initial weights), the same data and 
   ``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW`` (``plain_optimizer``: fused or foreach; weight
   decay on the 2-D weights, nanoGPT's groups), the learning rate set every step, the batch fetched
   synchronously, ``loss.item()`` every ``log_every`` steps.
-- ``standard``: ``recipes.standard.prepare_run`` (the recipe's own config, data, state and steps, every default
-  on: gradient health, spike detection with its snapshot ring, the non-finite skip) driven by
-  ``recipes.train.loop.fit``, the loop ``purestep recipe=standard`` runs (prefetch, metric pulls, TensorBoard
+- ``standard``: ``recipes.standard.prepare_run`` and ``train_steps`` (the recipe's own config, data, state and
+  steps, every default on: gradient health, spike detection with its snapshot ring, the non-finite skip) driven by
+  ``recipes.train.loop.Loop``, the loop ``purestep recipe=standard`` runs (prefetch, metric pulls, TensorBoard
   and JSONL logging into a temporary folder).
-- with ``overhead=true`` also ``standard`` without each default (``health=false``, ``spike.enabled=false``, the
-  step without its non-finite select), for what each costs; ``without=`` names a subset. These variants step
+- with ``overhead=true`` also ``standard`` without each default (``health=false``, ``spike.enabled=false``,
+  ``skip_nonfinite=false``), for what each costs; ``without=`` names a subset. These variants step
   ``standard``'s own state in turn (params, optimizer state, data cursor; each keeps its spike detector's
   state), so one model is resident however many variants run, and every variant times the same model at the
   same point of training. ``steps`` and ``warmup`` are then multiples of ``log_every``: each variant's timed
   steps hold the same number of gradient-health steps.
 
-The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (``fit`` resumed; each
+The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (the loop resumed; each
 round starts with the next variant: the one after the round's matmul ran apart), timed from the end of a round's
-second step to the end of its last (what ``fit`` does once per call stays out, as a run calls it once: the
+second step to the end of its last (what the loop does once per run stays out, as a run calls it once: the
 rollback ring's starting copy, and the step after it, 2x slower at 100M); the median round is the time; "paired"
 is the median of each round's ratio to ``standard``'s time in it. Every round also times a ``peak_size``-square
 fp32 matmul (the measured peak, 2 n^3 FLOPs); the step's FLOP/s is tokens/s times PaLM's training FLOPs per
@@ -32,7 +32,7 @@ its due steps against the other steps of their call. Ratios are the result: this
 
 What each default costs (``overhead=true``) is then measured step by step, as rounds cannot resolve a few
 percent (at 100M this VM's speed drifted up to 50% between rounds): ``pairs`` times per default, ``standard``'s
-train step, then the variant's, alone (outside ``fit``), on the shared state, neither due for gradient health;
+train step, then the variant's, alone (outside the loop), on the shared state, neither due for gradient health;
 the median of 1 - variant / standard is its share inside every step. Added: health's due steps (above) and what
 its log steps write (scalars and histograms, timed), the spike ring's copy of the state every ``ring_gap``
 steps (``recipes.train.rollback``; a copy is timed).
@@ -62,7 +62,7 @@ from purestep.recipes.bench.plain_run import nanogpt_lr
 from purestep.recipes.train import backend
 from purestep.recipes.train.backend import SCOPES
 from purestep.recipes.train.hooks import Hook
-from purestep.recipes.train.loop import LoopIO, LoopState, Measures, fit
+from purestep.recipes.train.loop import Loop, LoopState, Measures
 from purestep.recipes.train.metrics import write_health
 from purestep.recipes.train.rollback import ring_gap, state_copy
 
@@ -138,38 +138,42 @@ def standard_config(cfg: Config, sharing: int = 1, **changes) -> standard.Config
 
 
 class Standard:
-    """recipe=standard's run (``prepare_run``) stepped ``n`` steps at a time through ``fit``; with ``owner``, the
+    """recipe=standard's run (``prepare_run``) stepped ``n`` steps at a time through its loop; with ``owner``, the
     steps go on from ``owner``'s state (this variant keeps only its spike detector's state, ``monitor``)."""
 
-    def __init__(self, cfg: standard.Config, folder: Path, skip: bool = True, owner: Optional["Standard"] = None):
+    def __init__(self, cfg: standard.Config, folder: Path, owner: Optional["Standard"] = None):
         p = standard.prepare_run(cfg, write=False)
         self.cfg, self.loop, self.owner = p.cfg, LoopState(), owner or self
         self.state = None if owner else p.run.state
         self.monitor = p.run.state.monitor
-        self.steps = p.steps if skip else p.make_steps(p.run.optimizer, skip=False)
+        self.steps = standard.train_steps(p, p.run.optimizer)
         self.logger = Logger(folder, console=False)
-        self.io = LoopIO(self.logger, None, measures=Measures(tokens_per_step=cfg.batch_size * cfg.block_size))
-        self.params = None if owner else p.params
+        self.measures = Measures(tokens_per_step=cfg.batch_size * cfg.block_size)
+        self.params = None if owner else standard.full_params(p)
         self.model_cfg = p.model_cfg
         self.health_excess: list[float] = []   # seconds a timed health step took beyond the call's others
         self.health_packed = None              # the statistics of the newest due step_once
 
     def __call__(self, n: int) -> float:
         """Run ``n`` more steps; returns seconds per step from the end of the second to the end of the last (what
-        ``fit`` does once per call stays out, as a run calls it once: the rollback ring's starting copy of the
+        the loop does once per call stays out, as a run calls it once: the rollback ring's starting copy of the
         state, and the step after it, 2x slower at 100M)."""
         state = self.owner.state._replace(monitor=self.monitor)
         first = int(state.step) + 1
         cfg = replace(self.cfg, steps=first - 1 + n)
         clock = _Clock()
-        result = fit(cfg, state, self.steps, self.io, loop=self.loop, hooks=[clock])
+        with Loop(cfg, state, self.steps, self.logger, counters=self.loop, hooks=[clock],
+                  measures=self.measures) as loop:
+            for batch in loop:
+                loop.stepped(*self.steps.train(loop.state, batch))
+        result = loop.result
         self.owner.state, self.monitor = result.state, result.state.monitor
         if self.cfg.health:
             self.health_excess += clock.due_excess(first, self.cfg.log_every)
         return clock.per_step()
 
     def step_once(self) -> float:
-        """One train step on the shared state, outside ``fit`` (the batch fetched first); returns its seconds."""
+        """One train step on the shared state, outside the loop (the batch fetched first); returns its seconds."""
         state = self.owner.state._replace(monitor=self.monitor)
         batch = self.steps.batches.get(int(state.cursor))
         start = time.perf_counter()
@@ -260,10 +264,11 @@ def build(cfg: Config, folder: Path) -> dict:
     n = 1 + len(left)
     std = Standard(standard_config(cfg, n), folder / "standard")
     variants = {"standard": std, "plain": Plain(cfg, std)}
-    changes = {"health": {"health": False}, "spike": {"spike": SpikeConfig(enabled=False)}, "skip": {}}
+    changes = {"health": {"health": False}, "spike": {"spike": SpikeConfig(enabled=False)},
+               "skip": {"skip_nonfinite": False}}
     for default in left:
         variants[WITHOUT[default]] = Standard(standard_config(cfg, n, **changes[default]), folder / f"no{default}",
-                                              skip=default != "skip", owner=std)
+                                              owner=std)
     return variants
 
 
@@ -302,7 +307,7 @@ def _rounds(cfg: Config, variants: dict) -> tuple[dict, list]:
 
 def _step_pairs(cfg: Config, variants: dict) -> dict:
     """Each default's share of standard's train step, from ``pairs`` pairs per default: standard's step, then the
-    variant's without it, on the shared state, alone (outside ``fit``), neither due for gradient health (its due
+    variant's without it, on the shared state, alone (outside the loop), neither due for gradient health (its due
     steps are ``_health_cost``'s); the median of 1 - variant / standard. Neighbouring steps run at the same machine
     speed, where ``rounds`` of many steps do not (the 100M shape drifted up to 50% between rounds)."""
     std = variants["standard"]

@@ -46,7 +46,7 @@ from purestep.models import compressor
 from purestep.recipes.compress import states
 from purestep.recipes.distill.teacher import teacher_dtype_option
 from purestep.recipes.train.config import TrainConfig, train_config
-from purestep.recipes.train.loop import LoopIO, Measures, Validation, build_steps, fit
+from purestep.recipes.train.loop import Loop, Measures, Validation, build_steps
 from purestep.recipes.train import setup
 from purestep.recipes.train.setup import run_folder
 
@@ -223,11 +223,14 @@ def train_stage(cfg: Config, data: StageData, d: int, sub: Path, teacher: states
                      f"{data.pca.explained(d):.1%} of the training variance; run folder {folder}")
         if run.resume is not None:
             logger.print(f"resuming from {run.resume} at step {int(run.state.step)}")
-        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra,
-                    validation=Validation(lambda p: held_out(run.layout.gather(p) if run.layout else p)["unexplained"],
-                                          perplexity=False),
-                    measures=Measures(tokens_per_step=cfg.batch_size * cfg.block_size * dist.world_size))
-        result = fit(tcfg, run.state, steps, io, loop=run.loop, frozen=frozen, dist=dist)
+        validation = Validation(lambda p: held_out(run.layout.gather(p) if run.layout else p)["unexplained"],
+                                perplexity=False)
+        with Loop(tcfg, run.state, steps, logger, checkpoints, counters=run.loop, frozen=frozen,
+                  validation=validation, measures=Measures(tokens_per_step=cfg.batch_size * cfg.block_size
+                                                           * dist.world_size), extra=lambda: extra, dist=dist) as loop:
+            for batch in loop:
+                loop.stepped(*steps.train(loop.state, batch, frozen))
+        result = loop.result
         best = ckpt.load(folder / ckpt.BEST, template=template, device=device)   # every rank: the file rank 0 kept
         dist.barrier()   # read by all before rank 0 replaces it (_keep_only)
         ours = held_out(best["state"].params)

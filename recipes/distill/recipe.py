@@ -76,7 +76,7 @@ from purestep.recipes.orchestrator.config import OrchestratedConfig
 from purestep.recipes.orchestrator.driver import orchestrate
 from purestep.recipes.train import backend, plan, setup
 from purestep.recipes.train.data import check_batch, describe, with_epochs
-from purestep.recipes.train.loop import LoopIO, Measures, Steps, Validation, build_steps, evaluate, fit, gathering
+from purestep.recipes.train.loop import Loop, Measures, Steps, Validation, build_steps, evaluate, gathering
 from purestep.recipes.train.setup import RunSetup, run_folder
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
@@ -423,10 +423,13 @@ def run(cfg: Config):
         validation = Validation(lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
                                 standard.on_main(standard.sampler(cfg, scfg, tok, p.corpus.val, device), dist,
                                                  p.run.layout))
-        io = LoopIO(logger, checkpoints, checkpoint_extra=lambda: extra, validation=validation,
-                    measures=Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
-                                      train_flops_per_token(p, cfg)))
-        result = fit(cfg, state, steps, io, loop=loop, frozen=p.frozen, hooks=[orchestrator], dist=dist)
+        measures = Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
+                            train_flops_per_token(p, cfg))
+        with Loop(cfg, state, steps, logger, checkpoints, counters=loop, frozen=p.frozen, hooks=[orchestrator],
+                  validation=validation, measures=measures, extra=lambda: extra, dist=dist) as training:
+            for batch in training:
+                training.stepped(*steps.train(training.state, batch, p.frozen))
+        result = training.result
         learned = f", final T {learned_temperature(result.state.params, cfg):.3f}" \
             if cfg.temperature_mode == "learnable" else ""
         standard.report(logger, result, folder, label="student val loss", suffix=learned)

@@ -1,7 +1,7 @@
 """Orchestrated training: speculative branches on the same batches, bandit selection, safety, nowcasting.
 
 The strategy layer any training recipe switches on with ``orchestrator.enabled=true``. It lives beside
-``recipes/train/loop.py::fit`` as one of its hooks (``recipes/train/hooks.py``): ``after_step`` once per
+``recipes/train/loop.py::Loop`` as one of its hooks (``recipes/train/hooks.py``): ``after_step`` once per
 step, ``on_rollback`` from its spike rollback, ``state_dict`` in every checkpoint; the math is beside it
 (``strategies.py``, ``bandit.py``, ``nowcast.py``) and in ``optim/`` (SWATS). In a functional design a branch is a copy of the state pytree
 (here not even a copy: steps are pure, so every branch starts from the very same state object), which
@@ -33,7 +33,7 @@ makes the following exact and cheap:
 
 Every decision, rollback and nowcast goes to ``orchestrator.jsonl`` in the run folder and to the run's
 Logger (``metrics.jsonl`` events and TensorBoard); the orchestrator's state (current strategy, bandit,
-telemetry, counters) is saved with every checkpoint (``fit`` stores :meth:`state_dict` under
+telemetry, counters) is saved with every checkpoint (the loop stores :meth:`state_dict` under
 ``"orchestrator"``), so a resumed run continues with the same strategy and statistics.
 Compiled runs (``compile=true``) compile one step function per strategy the first time it is used.
 """
@@ -64,7 +64,7 @@ KEY = "orchestrator"   # its config section, and its state's entry in every chec
 class OrchestratorRunHook(RunHook):
     """The orchestrator as the shared trainer sees it before the loop (``recipes.train.hooks.RunHook``): with
     ``orchestrator.enabled`` the run's state is built on the orchestrator's strategy, never donated (branches step
-    one state many times), not projected by ``dry_run=true``, and ``fit`` needs the :class:`Orchestrator` hook."""
+    one state many times), not projected by ``dry_run=true``, and the loop needs the :class:`Orchestrator` hook."""
     fixed_keys = (f"{KEY}.enabled",)
 
     def __init__(self, cfg):
@@ -381,7 +381,7 @@ class Orchestrator(Hook):
 
 def orchestrate(cfg, steps, *, make_step: Callable, val_tokens, device, logger, folder,
                 resumed: Optional[dict] = None, eval_step: Optional[Callable] = None, main_process: bool = True):
-    """``(orchestrator, steps)`` for ``recipes.train.loop.fit``: ``(None, steps)`` unless ``cfg.orchestrator.enabled``,
+    """``(orchestrator, steps)`` for ``recipes.train.loop.Loop``: ``(None, steps)`` unless ``cfg.orchestrator.enabled``,
     else an :class:`Orchestrator` (resuming its entry in ``resumed``, the top level of the checkpoint the run
     resumes: ``recipes.train.setup.RunSetup.resumed``) and ``steps`` whose train step is the current
     strategy's. ``make_step(optimizer)`` builds the recipe's train step for a strategy; the probe is

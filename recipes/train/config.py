@@ -60,6 +60,8 @@ class TrainConfig:
     health: bool = option(True, "gradient health statistics per tensor and layer, logged every log_every")
     remat: bool = option(False, "activation checkpointing: recompute block activations in backward")
     spike: SpikeConfig = option(SpikeConfig, "loss-spike detection and rollback (PaLM/OPT practice)")
+    skip_nonfinite: bool = option(True, "a step whose gradients are not finite leaves the params and optimizer "
+                                  "state as they were (false: it writes its NaNs, one select per leaf less)")
     max_skipped_steps: int = option(25, "stop without finishing (exit 4, stopped.msgpack) once this many steps in a "
                                         "row were non-finite and skipped, checked every log_every (0: never)", min=0)
     peak_flops: float = option(0.0, "device peak FLOP/s for MFU (0: known GPUs by name; none on CPU)", min=0)
@@ -143,7 +145,7 @@ def _check_paths(out: str, resume: str) -> None:
 
 def train_config(section, cls: type = TrainConfig, **overrides) -> TrainConfig:
     """The config (``cls``: TrainConfig or a subclass) a recipe's own config ``section`` (a dataclass) runs
-    ``recipes.train.loop.fit`` with: every key of ``section`` that ``cls`` also has, then ``overrides``; the rest
+    ``recipes.train.loop.Loop`` with: every key of ``section`` that ``cls`` also has, then ``overrides``; the rest
     ``cls``'s defaults."""
     names = {f.name for f in dataclasses.fields(cls)}
     shared = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name in names}

@@ -1,6 +1,6 @@
 """The one interface between the training loop and everything that acts on it between steps.
 
-``recipes.train.loop.fit`` steps the state and then hands a :class:`StepContext` to its hooks in order: the
+``recipes.train.loop.Loop`` steps the state and then hands a :class:`StepContext` to its hooks in order: the
 first-step checks, the recipe's own hooks (a strategy layer a recipe switches on), the metrics log, the spike
 rollback, evaluation, checkpointing and the stop conditions. A hook may move the state (return a :class:`Jump`)
 or end the run (return a :class:`Stop`); its ``state_dict`` is saved in every checkpoint under its ``key`` and
@@ -41,7 +41,7 @@ class Stop:
     """End the run after this step with a checkpoint (``final``: kept as the run's final one). ``reason`` is
     the run's stop reason ("" when it ended normally); ``announce(path)`` runs once the checkpoint is written.
     ``unfinished``: the run failed (diverged, too many rollbacks): the checkpoint is kept as ``stopped.msgpack``,
-    not final, and ``fit`` raises ``core.exits.RunStopped`` with ``reason`` (exit code 4)."""
+    not final, and the loop raises ``core.exits.RunStopped`` with ``reason`` (exit code 4)."""
     reason: str = ""
     final: bool = False
     val_loss: Optional[float] = None
@@ -76,7 +76,7 @@ class RunHook:
     docstring). A config lists its layers in ``run_hooks()`` (``TrainConfig``: none); each answers from its own
     config section, so a layer that is switched off changes nothing. Every member is optional."""
     fixed_keys: tuple[str, ...] = ()   # keys a resumed run cannot change (``recipes.train.changes``), on or off
-    loop_key: Optional[str] = None     # when on: the ``key`` of the loop Hook the recipe must hand ``fit``
+    loop_key: Optional[str] = None     # when on: the ``key`` of the loop Hook the recipe must hand the loop
     keeps_states: bool = False         # when on: the loop steps one state more than once (branches): no donation
 
     def optimizer(self, psum: Optional[Callable], resumed: dict) -> Optional[GradientTransformation]:

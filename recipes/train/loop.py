@@ -1,7 +1,7 @@
 """The training loop every recipe shares: step, log, evaluate, sample, checkpoint, stop.
 
-A recipe builds a pure ``train_step`` and hands it here with the data and the sinks. The loop is the
-only place that talks to the host: it pulls the step's 0-d metrics every ``log_every`` steps in one
+A recipe builds a pure ``train_step`` (:func:`build_steps`) and writes its loop out over :class:`Loop`, which
+holds the data, the sinks and the hooks between steps. The loop is the only place that talks to the host: it pulls the step's 0-d metrics every ``log_every`` steps in one
 transfer (Levanter's deferred metrics), evaluates on fixed validation windows, keeps checkpoints
 (every ``save_every``, the best by validation loss, a final one) and stops early after ``patience``
 evaluations without improvement. Everything needed to resume exactly is in the checkpoint: the train
@@ -109,14 +109,13 @@ def donates(cfg: TrainConfig) -> bool:
 
 
 def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches, device: torch.device,
-                vocab_size: int, dist: Dist = Dist(), layout: Optional[Layout] = None, skip: bool = True) -> Steps:
+                vocab_size: int, dist: Dist = Dist(), layout: Optional[Layout] = None) -> Steps:
     """The train and eval steps every training recipe uses, configured from the common keys.
 
     ``loss_fn(params, batch, key[, frozen])``: precision, accumulation, remat, the spike detector,
     gradient health and fault injection all come from ``cfg``; with several ranks the step averages
     gradients across them (``dist``), or with a ``layout`` (``parallel=fsdp``, ``RunSetup.layout``) takes the
     state as this rank's shards: both steps gather the params, the train step reduce-scatters the gradients.
-    ``skip=False`` (benchmarks only) drops the step's non-finite select.
     """
     psum = layout.psum if layout else None
     clip_norm = cfg.grad_clip if cfg.clipping == "global" else None
@@ -128,7 +127,7 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     train = make_train_step(train_loss, optimizer, precision=cfg.dtype,
                             compile=Compile(cfg.compile, scope, mode, backend.cuda_options(cfg)), donate=donates(cfg),
                             gradients=Gradients(accum=cfg.grad_accum, remat=cfg.remat),
-                            monitors=Monitors(health, cfg.spike if cfg.spike.enabled else None, skip),
+                            monitors=Monitors(health, cfg.spike if cfg.spike.enabled else None, cfg.skip_nonfinite),
                             parallel=Parallel(dist.all_reduce_mean if dist.enabled and layout is None else None,
                                               shard=layout))
     evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, shard=layout,
@@ -170,82 +169,111 @@ class Measures:
     expected_initial_loss: Optional[float] = None
 
 
-@dataclass
-class LoopIO:
-    """Where a run's results go: the ``logger``, the ``checkpoints`` (None on data-parallel ranks other than 0:
-    rank 0 alone writes; ``checkpoint_extra()`` adds the recipe's own entries to every checkpoint), the
-    ``validation`` (None: none), and what the loop measures it against. ``log`` replaces the standard metrics log
-    (a phase with its own metrics, e.g. the upcycle recipe's per-block convergence); ``resume_folder`` is the
-    ``out=`` that resumes the run when it is not the checkpoints' folder."""
-    logger: Logger
-    checkpoints: Optional[ckpt.CheckpointManager]
-    checkpoint_extra: Callable[[], dict] = dict
-    validation: Optional[Validation] = None
-    measures: Measures = field(default_factory=Measures)
-    log: Optional[Hook] = None
-    resume_folder: Optional[Path] = None
+class Loop:
+    """The training loop every recipe writes out, stepping ``state`` until ``cfg.steps``::
 
+        with Loop(cfg, run.state, steps, logger, checkpoints, validation=validation) as loop:
+            for batch in loop:
+                loop.stepped(*steps.train(loop.state, batch))
+        result = loop.result
 
-def fit(cfg: TrainConfig, state: TrainState, steps: Steps, io: LoopIO, *, loop: Optional[LoopState] = None,
-        frozen=None, hooks: Sequence[Optional[Hook]] = (), dist: Dist = Dist()) -> FitResult:
-    """Train ``state`` until ``cfg.steps``; returns the final state and what happened.
+    Iterating gives the batch at the state's data cursor (``steps.batches``; the next one is built while this step
+    runs) until ``cfg.steps`` or a stop; :meth:`stepped` hands the step's ``(state, metrics)`` to the hooks in order
+    (``recipes.train.hooks``): the first-step checks, the recipe's ``hooks`` (None entries skipped, so a layer
+    switched off is passed as is), the metrics log (``log`` replaces it: a phase with its own metrics), the spike
+    rollback, evaluation (``validation``), checkpointing into ``checkpoints`` (None on ranks other than 0: rank 0
+    alone writes; ``extra()`` adds the recipe's own entries to every checkpoint) and the stop conditions.
+    ``measures``: what the log measures the run against. ``dist`` makes the ranks agree on host-side stops
+    (preemption, budget) at log steps; ``resume_folder`` is the ``out=`` that resumes the run when it is not the
+    checkpoints' folder; ``counters`` are the resumed run's (``RunSetup.loop``).
 
-    After every step the hooks run in order (``recipes.train.hooks``): the first-step checks, the recipe's
-    ``hooks`` (None entries skipped, so a layer switched off is passed as is), the metrics log, the spike
-    rollback, evaluation, checkpointing and the stop conditions. ``dist`` makes the ranks agree on host-side
-    stops (preemption, budget) at log steps.
-
-    Stops early, always with a checkpoint, on: ``patience`` evaluations without improvement, SIGTERM or
-    SIGINT (preemption: finish the step, save, return so the program exits 0), the cost ``budget``, or a hook's
-    :class:`~recipes.train.hooks.Stop`. A stop without finishing (too many rollbacks, a non-finite validation
-    loss: ``Stop.unfinished``) writes ``stopped.msgpack`` instead of ``final.msgpack`` and raises
-    ``core.exits.RunStopped`` once the loop has closed its logs (exit code 4).
+    Stops early, always with a checkpoint, on: ``patience`` evaluations without improvement, SIGTERM or SIGINT
+    (preemption: finish the step, save, leave the loop so the program exits 0), the cost ``budget``, or a hook's
+    :class:`~recipes.train.hooks.Stop`. A stop without finishing (too many rollbacks, a non-finite validation loss:
+    ``Stop.unfinished``) writes ``stopped.msgpack`` instead of ``final.msgpack`` and raises
+    ``core.exits.RunStopped`` as the ``with`` block closes (exit code 4). A lost peer stops at once, naming it.
     """
-    hooks = [h for h in hooks if h is not None]
-    _check_wired(cfg, hooks)
-    loop = loop or LoopState()
-    setup_peak = _announce_parallel(io.logger, state, steps, dist)
-    compiled_before = compile_seconds()
-    ctx = StepContext(state, int(state.step), int(state.cursor), frozen=frozen, total=cfg.steps, loop=loop,
-                      result=FitResult(state, loop), tokens_per_step=io.measures.tokens_per_step,
-                      wall_before=loop.wall_seconds)
-    ctx.hooks = _pieces(cfg, io, steps, hooks, ctx, dist)
-    batches = Prefetch(steps.batches)   # the next batch is built while this step runs
-    with Preemption() as preemption:
-        ctx.preemption = preemption
-        try:
-            while ctx.step < cfg.steps:
-                t0 = time.perf_counter()
-                batch = batches.get(ctx.cursor)
-                ctx.data_seconds += time.perf_counter() - t0
-                ctx.advance(*steps.train(ctx.state, batch, frozen))
-                stop = _after_step(ctx)
-                if stop is not None:
-                    _finish(ctx, stop)
-                    break
-        except Exception as e:   # a dead peer: stop at once, naming it, without a (collective) save
-            lost = dist.lost_peer(e, io.checkpoints.latest() if io.checkpoints else None)
-            if lost is None:
-                raise
-            raise lost from None
-        finally:
-            batches.close()
-    compiling = None if compiled_before is None else compile_seconds() - compiled_before
-    io.logger.print(f"wall time {ctx.wall():.1f}s (this session {ctx.wall() - ctx.wall_before:.1f}s"
-                    + (f", of which compiling {compiling:.1f}s)" if compiling else ", compile included)"))
-    io.logger.flush()
-    ctx.result.state = ctx.state
-    if setup_peak is not None:
-        _report_peaks(io.logger, int(ctx.state.step), state.step.device, dist, setup_peak)
-    if ctx.result.unfinished:
-        where = f"{io.checkpoints.folder / ckpt.STOPPED}" if io.checkpoints else f"{ckpt.STOPPED} (written by rank 0)"
-        raise RunStopped(f"{ctx.result.stop_reason}; its last state is {where}, not final.msgpack")
-    return ctx.result
+
+    def __init__(self, cfg: TrainConfig, state: TrainState, steps: Steps, logger: Logger,
+                 checkpoints: Optional[ckpt.CheckpointManager] = None, *, counters: Optional[LoopState] = None,
+                 frozen=None, hooks: Sequence[Optional[Hook]] = (), validation: Optional[Validation] = None,
+                 measures: Measures = Measures(), extra: Callable[[], dict] = dict, log: Optional[Hook] = None,
+                 resume_folder: Optional[Path] = None, dist: Dist = Dist()):
+        hooks = [h for h in hooks if h is not None]
+        _check_wired(cfg, hooks)
+        self.cfg, self.steps, self.logger, self.checkpoints, self.dist = cfg, steps, logger, checkpoints, dist
+        counters = counters or LoopState()
+        self.ctx = StepContext(state, int(state.step), int(state.cursor), frozen=frozen, total=cfg.steps,
+                               loop=counters, result=FitResult(state, counters),
+                               tokens_per_step=measures.tokens_per_step, wall_before=counters.wall_seconds)
+        self.ctx.hooks = _pieces(cfg, logger, checkpoints, extra, validation, measures, log, resume_folder, steps,
+                                 hooks, self.ctx, dist)
+        self._stopped = False
+
+    @property
+    def state(self) -> TrainState:
+        """The state the next step starts from."""
+        return self.ctx.state
+
+    @property
+    def result(self) -> FitResult:
+        """The final state and what happened (complete once the ``with`` block has closed)."""
+        return self.ctx.result
+
+    def __enter__(self) -> "Loop":
+        self._setup_peak = _announce_parallel(self.logger, self.ctx.state, self.steps, self.dist)
+        self._compiled_before = compile_seconds()
+        self._batches = Prefetch(self.steps.batches)
+        self._preemption = Preemption()
+        self.ctx.preemption = self._preemption.__enter__()
+        return self
+
+    def __iter__(self):
+        ctx = self.ctx
+        while not self._stopped and ctx.step < self.cfg.steps:
+            t0 = time.perf_counter()
+            batch = self._batches.get(ctx.cursor)
+            ctx.data_seconds += time.perf_counter() - t0
+            yield batch
+
+    def stepped(self, state: TrainState, metrics: dict) -> None:
+        """One train step happened: its hooks run; a stop ends the iteration."""
+        self.ctx.advance(state, metrics)
+        stop = _after_step(self.ctx)
+        if stop is not None:
+            _finish(self.ctx, stop)
+            self._stopped = True
+
+    def __exit__(self, kind, error, trace) -> bool:
+        self._batches.close()
+        self._preemption.__exit__(kind, error, trace)
+        if error is not None:    # a dead peer: stop at once, naming it, without a (collective) save
+            lost = self.dist.lost_peer(error, self.checkpoints.latest() if self.checkpoints else None) \
+                if isinstance(error, Exception) else None
+            if lost is not None:
+                raise lost from None
+            return False
+        self._close()
+        return False
+
+    def _close(self) -> None:
+        ctx, logger = self.ctx, self.logger
+        compiling = None if self._compiled_before is None else compile_seconds() - self._compiled_before
+        logger.print(f"wall time {ctx.wall():.1f}s (this session {ctx.wall() - ctx.wall_before:.1f}s"
+                     + (f", of which compiling {compiling:.1f}s)" if compiling else ", compile included)"))
+        logger.flush()
+        ctx.result.state = ctx.state
+        if self._setup_peak is not None:
+            _report_peaks(logger, int(ctx.state.step), ctx.state.step.device, self.dist, self._setup_peak)
+        if ctx.result.unfinished:
+            where = f"{self.checkpoints.folder / ckpt.STOPPED}" if self.checkpoints else \
+                f"{ckpt.STOPPED} (written by rank 0)"
+            raise RunStopped(f"{ctx.result.stop_reason}; its last state is {where}, not final.msgpack")
 
 
 def _check_wired(cfg: TrainConfig, hooks: list) -> None:
     """A layer that ``cfg`` switches on (``recipes.train.hooks.RunHook``) whose loop hook the recipe did not hand
-    ``fit`` is an error naming it, never silently ignored."""
+    the loop is an error naming it, never silently ignored."""
     keys = {h.key for h in hooks}
     for run_hook in cfg.run_hooks():
         if run_hook.loop_key is not None and run_hook.loop_key not in keys:
@@ -284,22 +312,22 @@ def _announce_parallel(logger: Logger, state: TrainState, steps: Steps, dist: Di
     return setup_peak
 
 
-def _pieces(cfg: TrainConfig, io: LoopIO, steps: Steps, hooks: list, ctx: StepContext, dist: Dist) -> list:
+def _pieces(cfg: TrainConfig, logger: Logger, checkpoints, extra, validation: Optional[Validation],
+            measures: Measures, log: Optional[Hook], resume_folder, steps: Steps, hooks: list, ctx: StepContext,
+            dist: Dist) -> list:
     """The loop's hooks in the order they run after a step."""
-    measures = io.measures
-    pieces = [FirstStepCheck(io.logger, steps.health, measures.expected_initial_loss), *hooks,
-              io.log or TrainLog(cfg, io.logger, steps.health, ctx, measures.flops_per_token, _epoch_of(steps.batches))]
+    pieces = [FirstStepCheck(logger, steps.health, measures.expected_initial_loss), *hooks,
+              log or TrainLog(cfg, logger, steps.health, ctx, measures.flops_per_token, _epoch_of(steps.batches))]
     if cfg.spike.enabled:
         # the disk fallback only in one process: rank 0 alone holds the checkpoint manager
-        pieces.append(Rollback(cfg.spike, io.logger, ctx, None if dist.enabled else io.checkpoints))
-    if io.validation is not None:
-        v = io.validation
-        pieces.append(Evaluation(cfg, io.logger, v.loss, v.sample, v.perplexity))
-    saving = Checkpointing(io.checkpoints, io.checkpoint_extra, io.logger, train=to_dict(cfg),
+        pieces.append(Rollback(cfg.spike, logger, ctx, None if dist.enabled else checkpoints))
+    if validation is not None:
+        pieces.append(Evaluation(cfg, logger, validation.loss, validation.sample, validation.perplexity))
+    saving = Checkpointing(checkpoints, extra, logger, train=to_dict(cfg),
                            every_minutes=cfg.save_every_minutes, dist=dist, log_every=cfg.log_every,
                            export=steps.layout.deferred if steps.layout else None,
-                           save_every=None if io.checkpoints else cfg.save_every)
-    return [*pieces, saving, Stopping(cfg, io.logger, dist, io.resume_folder)]
+                           save_every=None if checkpoints else cfg.save_every)
+    return [*pieces, saving, Stopping(cfg, logger, dist, resume_folder)]
 
 
 def _epoch_of(batches) -> Optional[Callable[[int], float]]:

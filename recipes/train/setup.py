@@ -50,7 +50,7 @@ def resolve_run_folder(cfg: TrainConfig, folder: Path) -> Optional[Path]:
 
 @dataclass
 class RunSetup:
-    """A run ready for ``recipes.train.loop.fit``: fresh, or restored from ``resume``."""
+    """A run ready for ``recipes.train.loop.Loop``: fresh, or restored from ``resume``."""
     cfg: TrainConfig
     folder: Optional[Path]
     dist: Dist

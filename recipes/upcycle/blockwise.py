@@ -21,7 +21,7 @@ math (teacher block I/O, student blocks, per-block losses) is ``models/blockwise
   ``core.update.apply_gradients`` with the fp16 loss scale (``core.update.scale_loss``/``unscale``), the
   non-finite skip and gradient health; the step is donated (``core.donate.donate``) and compiled from outside,
   as every recipe's step.
-- The steps run through the shared training loop (``recipes.train.loop.fit``): the per-block log and the end of
+- The steps run through the shared training loop (``recipes.train.loop.Loop``): the per-block log and the end of
   the phase are its hook :class:`BlockConvergence`; checkpoints (``blockwise/step_*.msgpack``, ``final.msgpack``)
   are the loop's, written by the manager every run gets (``recipes.train.setup.checkpoint_manager``); a killed
   run continues from the newest one (:func:`restore`).
@@ -53,7 +53,7 @@ from purestep.optim.common import current_lr
 from purestep.optim.health import computed
 from purestep.recipes.train.config import TrainConfig
 from purestep.recipes.train.hooks import Hook, StepContext, Stop
-from purestep.recipes.train.loop import LoopIO, LoopState, Steps, fit
+from purestep.recipes.train.loop import Loop, LoopState, Steps
 from purestep.recipes.train.metrics import skipped_run, too_many_skipped, write_health
 from purestep.recipes.train.optimizer import OptimizerSpec
 from purestep.recipes.train.setup import checkpoint_manager
@@ -285,15 +285,17 @@ def loop_config(bw) -> TrainConfig:
 
 def run(bw, state: TrainState, step_fn, source: TeacherSource, folder: Path, extra, logger: Logger,
         resume_folder: Optional[Path] = None, dist: Dist = Dist(), layout=None, health=None):
-    """Train through the shared loop (``recipes.train.loop.fit``) until every block has stopped or ``bw.steps``,
+    """Train through the shared loop (``recipes.train.loop.Loop``) until every block has stopped or ``bw.steps``,
     checkpointing in ``folder`` (rank 0 writes; under ``layout`` every rank gathers); returns (state, stop reason
     or "")."""
     cfg = loop_config(bw)
-    steps = Steps(train=lambda s, batch, frozen=None: step_fn(s, batch), eval=None, health=None, batches=source,
-                  layout=layout)
-    io = LoopIO(logger, checkpoint_manager(cfg, folder, dist), checkpoint_extra=extra, resume_folder=resume_folder,
-                log=BlockConvergence(state, bw.steps, bw.log_every, logger, health, cfg.max_skipped_steps))
-    result = fit(cfg, state, steps, io, loop=resumed_loop(folder, int(state.step)), dist=dist)
+    steps = Steps(train=None, eval=None, health=None, batches=source, layout=layout)
+    with Loop(cfg, state, steps, logger, checkpoint_manager(cfg, folder, dist),
+              counters=resumed_loop(folder, int(state.step)), extra=extra, resume_folder=resume_folder, dist=dist,
+              log=BlockConvergence(state, bw.steps, bw.log_every, logger, health, cfg.max_skipped_steps)) as loop:
+        for batch in loop:
+            loop.stepped(*step_fn(loop.state, batch))
+    result = loop.result
     return result.state, f"blockwise: {result.stop_reason}" if result.stop_reason else ""
 
 

@@ -5,7 +5,7 @@
 with an ``__init__(**keys)``), and the phase's settings are read as ``cfg.global_phase``. Everything else is a
 plain dataclass. The global phase's training keys are TrainConfig's own declarations (``same_as``), so their
 defaults and help live in one place (the orchestrator's: ``OrchestratedConfig``'s); ``global_train_config`` turns
-them into the config that ``recipes.train.loop.fit`` runs on.
+them into the config that ``recipes.train.loop.Loop`` runs on.
 """
 from __future__ import annotations
 
@@ -287,7 +287,7 @@ Config = keyword_dataclass(Config)
 
 
 def global_train_config(cfg: Config, out: str) -> OrchestratedConfig:
-    """The config the global phase runs ``recipes.train.loop.fit`` with (every ``global.*`` key lands here: the
+    """The config the global phase runs ``recipes.train.loop.Loop`` with (every ``global.*`` key lands here: the
     shared training keys and the orchestrator's)."""
     return train_config(cfg.global_phase, OrchestratedConfig, out=out, seed=cfg.seed, device=cfg.device,
                         dtype=cfg.dtype, compile=cfg.compile, compile_scope=cfg.compile_scope,

@@ -29,7 +29,7 @@ from purestep.models.loading import ARCHS, LoadedModel, model_entry, module_of
 from purestep.recipes.distill.teacher import compute_view
 from purestep.recipes.orchestrator.driver import orchestrate
 from purestep.recipes.train import setup
-from purestep.recipes.train.loop import LoopIO, Measures, Validation, build_steps, evaluate, fit
+from purestep.recipes.train.loop import Loop, Measures, Validation, build_steps, evaluate
 from purestep.recipes.upcycle.config import Config, global_train_config
 
 FINAL = "final.msgpack"
@@ -189,7 +189,7 @@ def dba_surgery(ctx: Context, calib: torch.Tensor) -> tuple:
 # global fine-tune
 
 def run_global(ctx: Context, student: dict, scfg) -> tuple[dict, str]:
-    """Whole student, next-token CE (+ KD on the teacher's logits) through ``recipes.train.loop.fit``; with
+    """Whole student, next-token CE (+ KD on the teacher's logits) through ``recipes.train.loop.Loop``; with
     ``global.orchestrator.enabled`` its strategies are scored on the student's CE on dev windows.
     Returns (params, stop reason: "" when finished)."""
     folder, cfg, g, t = ctx.folder / "global", ctx.cfg, ctx.cfg.global_phase, ctx.teacher
@@ -229,12 +229,14 @@ def run_global(ctx: Context, student: dict, scfg) -> tuple[dict, str]:
             tc, steps, make_step=lambda opt: build_steps(tc, loss_fn, opt, student, batches, ctx.device, vocab).train,
             val_tokens=ctx.dev, device=ctx.device, logger=logger, folder=folder, resumed=run_setup.resumed,
             eval_step=student_ce)
-        io = LoopIO(logger, manager, checkpoint_extra=lambda: extra,
-                    validation=Validation(lambda p: evaluate(student_ce, p, dev, dist=dist)),
-                    measures=Measures(tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size * dist.world_size),
-                    resume_folder=ctx.folder)
-        result = fit(tc, state, steps, io, loop=loop, frozen=t.params if kd else None, hooks=[orchestrator],
-                     dist=dist)
+        frozen = t.params if kd else None
+        with Loop(tc, state, steps, logger, manager, counters=loop, frozen=frozen, hooks=[orchestrator],
+                  validation=Validation(lambda p: evaluate(student_ce, p, dev, dist=dist)),
+                  measures=Measures(tokens_per_step=g.batch_size * g.grad_accum * cfg.block_size * dist.world_size),
+                  extra=lambda: extra, resume_folder=ctx.folder, dist=dist) as training:
+            for batch in training:
+                training.stepped(*steps.train(training.state, batch, frozen))
+        result = training.result
     params = (layout.gather_state(result.state) if layout else result.state).params
     if result.stop_reason and not (folder / FINAL).exists():
         return params, f"global: {result.stop_reason}"

@@ -6,7 +6,7 @@ GQA-aware, partial RoPE at the teacher's own frequencies, exact at full rank: ``
 ``models/mla_surgery.py``; MHA2MLA, TransMLA, SVD-LLM) -> **blockwise** distillation of every block against the
 teacher's (LoLCATs' attention transfer, MOHAWK's hidden-state alignment: ``recipes/upcycle/blockwise.py``) ->
 **global** fine-tune of the whole student (next-token CE + Hinton KD on the teacher's logits, through
-``recipes.train.loop.fit``) -> **verify** against thresholds on held-out windows -> **benchmark** (perplexity, latency,
+``recipes.train.loop.Loop``) -> **verify** against thresholds on held-out windows -> **benchmark** (perplexity, latency,
 KV bytes, parameters). ``phases=`` picks the phases after the surgery (always run: it builds the student).
 
 Each phase lives in its own subfolder of the run folder (``surgery/``, ``blockwise/``, ``global/``,
