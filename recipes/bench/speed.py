@@ -24,18 +24,19 @@ In one process, on the same Llama (the same initial weights), the same data and 
 The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (the loop resumed; each
 round starts with the next variant: the one after the round's matmul ran apart), timed from the end of a round's
 second step to the end of its last (what the loop does once per run stays out, as a run calls it once: the
-rollback ring's starting copy, and the step after it, 2x slower at 100M); the median round is the time; "paired"
-is the median of each round's ratio to ``standard``'s time in it. Every round also times a ``peak_size``-square
-fp32 matmul (the measured peak, 2 n^3 FLOPs); the step's FLOP/s is tokens/s times PaLM's training FLOPs per
-token (``core.io.telemetry.flops_per_token``). Gradient health's cost is also read off ``standard``'s own steps:
-its due steps against the other steps of their call. Ratios are the result: this machine is shared and noisy.
+rollback ring's starting copy, and the step after it, much slower at 100M: docs/design.md, 'Measured choices');
+the median round is the time; "paired" is the median of each round's ratio to ``standard``'s time in it. Every
+round also times a ``peak_size``-square fp32 matmul (the measured peak, 2 n^3 FLOPs); the step's FLOP/s is
+tokens/s times PaLM's training FLOPs per token (``core.io.telemetry.flops_per_token``). Gradient health's cost is
+also read off ``standard``'s own steps: its due steps against the other steps of their call. Ratios are the
+result: this machine is shared and noisy.
 
 What each default costs (``overhead=true``) is then measured step by step, as rounds cannot resolve a few
-percent (at 100M this VM's speed drifted up to 50% between rounds): ``pairs`` times per default, ``standard``'s
-train step, then the variant's, alone (outside the loop), on the shared state, neither due for gradient health;
-the median of 1 - variant / standard is its share inside every step. Added: health's due steps (above) and what
-its log steps write (scalars and histograms, timed), the spike ring's copy of the state every ``ring_gap``
-steps (``recipes.train.rollback``; a copy is timed).
+percent (at 100M this VM's speed drifted far more than that between rounds: docs/design.md, 'Measured choices'):
+``pairs`` times per default, ``standard``'s train step, then the variant's, alone (outside the loop), on the shared
+state, neither due for gradient health; the median of 1 - variant / standard is its share inside every step.
+Added: health's due steps (above) and what its log steps write (scalars and histograms, timed), the spike ring's
+copy of the state every ``ring_gap`` steps (``recipes.train.rollback``; a copy is timed).
 """
 from __future__ import annotations
 
@@ -156,8 +157,8 @@ class Standard:
 
     def __call__(self, n: int) -> float:
         """Run ``n`` more steps; returns seconds per step from the end of the second to the end of the last (what
-        the loop does once per call stays out, as a run calls it once: the rollback ring's starting copy of the
-        state, and the step after it, 2x slower at 100M)."""
+        the loop does once per run stays out, as a run enters it once: the rollback ring's starting copy of the
+        state, and the step after it, much slower at 100M; docs/design.md, 'Measured choices')."""
         state = self.owner.state._replace(monitor=self.monitor)
         first = int(state.step) + 1
         cfg = replace(self.cfg, steps=first - 1 + n)
@@ -309,7 +310,8 @@ def _step_pairs(cfg: Config, variants: dict) -> dict:
     """Each default's share of standard's train step, from ``pairs`` pairs per default: standard's step, then the
     variant's without it, on the shared state, alone (outside the loop), neither due for gradient health (its due
     steps are ``_health_cost``'s); the median of 1 - variant / standard. Neighbouring steps run at the same machine
-    speed, where ``rounds`` of many steps do not (the 100M shape drifted up to 50% between rounds)."""
+    speed, where ``rounds`` of many steps do not (the 100M shape's drift between rounds: docs/design.md, 'Measured
+    choices')."""
     std = variants["standard"]
     due = std.steps.health.due if std.steps.health and cfg.log_every > 1 else (lambda n: False)   # 1: all are
     shares: dict = {d: [] for d in DEFAULTS if WITHOUT[d] in variants}

@@ -154,7 +154,7 @@ def measure_variant(cfg: Config, name: str) -> dict:
     device = batch["x"].device
     # torch.optim.AdamW imports torch's compiler (dynamo, inductor) as the plain variants are built, the functional
     # step at its first call: one AdamW here imports it for every variant, so the first step times compiling (a warm
-    # cache's load included), not the 1.1 s import
+    # cache's load included), not the import (docs/design.md, 'Measured choices')
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
     start = time.perf_counter()
     step().item()

@@ -11,7 +11,7 @@ vocab x 2 B = 256 TB):
 - ``mode=topk_packed`` (the default): the same targets, compact (``recipes.distill.packing``): ids bit-packed to
   ceil(log2 V) bits, log-probs as ``value_bits``-bit codes on a per-position scale, two fp16 numbers per position
   (100 bytes/token at k=32 over SmolLM2's vocabulary against 132), decoded to the top-k targets when read; at 8 bits
-  its rounding adds 1.3e-5 nats/token of KL against fp16's 8.1e-6 (SmolLM2, docs/distill.md);
+  its rounding adds KL of the same order as fp16's (SmolLM2: docs/distill.md, "Offline teacher");
 - ``mode=sample``: Random-Sampling KD (Anshumann et al., ACL 2025): ``samples`` ids drawn from the teacher
   with replacement, stored as distinct ids + uint16 counts (``models.losses.sample_teacher``); unbiased,
   unlike top-k.

@@ -7,8 +7,8 @@ load their frozen teachers through :func:`load_teacher` too, so ``teacher_dtype=
 matmuls, as Hugging Face's ``torch_dtype=torch.bfloat16``) and elsewhere in the dtype it is stored in, half
 types widened to float32, as every teacher was held before this key (a CPU run's numbers stay the same, and a
 CPU without bf16 matmul instructions runs bf16 slower). On a CPU that has them (AMX/AVX512-BF16, as this
-repository's box) ``teacher_dtype=bf16`` is the faster choice: SmolLM2-135M's forward over 4 x 64 tokens on one
-thread took 0.14 s in bf16 against 0.49 s in fp32. The params are cast once at load, on the host, then moved;
+repository's box) ``teacher_dtype=bf16`` is the faster choice: it runs SmolLM2-135M's forward several times as
+fast as fp32 (docs/distill.md, on ``teacher_dtype``). The params are cast once at load, on the host, then moved;
 ``models.llama`` keeps norms and ``models.losses`` the softmaxes in float32 whatever the dtype.
 """
 from __future__ import annotations

@@ -7,9 +7,9 @@ file serves a GPU box and a laptop. A compiled fp32 run on CUDA leaves SDPA's me
 (:func:`efficient_attention`). ``compile_scope=auto`` (the default) compiles the whole
 step as one graph (``core.step``: forward, backward and update fused, fewest kernels) on CUDA and for models of at
 most ``AUTO_STEP_LAYERS`` layers, and one block graph shared by every layer beyond (compile time flat in depth): at
-nanoGPT's 4-layer shakespeare-char shape the block graphs ran at 0.47x the plain loop's tokens/s and the one
-graph at 0.85x (``recipe=bench.speed``, docs/benchmarks.md), while at 12 layers the unrolled graph took 52 s to
-compile against 22 s (``recipe=bench.step``). ``compile_mode`` is ``torch.compile``'s ``mode`` (through
+nanoGPT's 4-layer shakespeare-char shape the one graph runs well ahead of the block graphs (``recipe=bench.speed``),
+while at 12 layers the unrolled graph takes far longer to compile (``recipe=bench.step``; docs/design.md, 'Measured
+choices'). ``compile_mode`` is ``torch.compile``'s ``mode`` (through
 ``core.compile``); ``reduce-overhead`` (CUDA graphs) is ignored with a warning off CUDA and compiles with
 the default mode; any mode other than ``default`` is ignored with a warning under ``compile=false``.
 ``host_memory`` sets how the process's C library treats freed host memory (``core.host_memory``): ``keep``
@@ -52,9 +52,10 @@ def compile_scope(cfg, params) -> str:
 def auto_scope(depth: int, device_type: str, sharded: bool = False) -> str:
     """``compile_scope=auto``: one graph up to ``AUTO_STEP_LAYERS`` layers, and beyond that on CUDA unless the params
     are sharded; else the block graph. ``torch.compile(module)`` unrolls every layer too, and on an H100 the block
-    graphs with autograd between them ran at 0.715x the plain compiled loop's tokens/s at 124M and 0.874x at 1B
-    (docs/gpu.md); on a CPU the unrolled graph's compile time dominates short runs (52 s against 22 s at 12 layers),
-    and sharded params are gathered one block at a time only when the blocks run apart (``core.step.per_block``)."""
+    graphs with autograd between them ran well behind the plain compiled loop at 124M and 1B (docs/gpu.md,
+    "Measured earlier: one H100, 2026-11-27"); on a CPU the unrolled graph's compile time dominates short runs
+    (docs/design.md, 'Measured choices'), and sharded params are gathered one block at a time only when the blocks
+    run apart (``core.step.per_block``)."""
     one_graph = depth <= AUTO_STEP_LAYERS or (device_type == "cuda" and not sharded)
     return "step" if one_graph else "block"
 
@@ -62,11 +63,11 @@ def auto_scope(depth: int, device_type: str, sharded: bool = False) -> str:
 def eval_compiled(cfg) -> bool:
     """Whether the run's eval step is compiled (``cfg.eval_compile``; never under ``compile=false``). ``auto``: when
     the run evaluates at least ``EVAL_COMPILE_BATCHES`` batches (``eval_batches`` at every ``eval_every`` steps and at
-    the end, once where the two meet). Compiling the eval graph is a cost paid once, before the first evaluation; on
-    this 2-core CPU a cold compile took 18.8 s and saved 2.7 ms a batch at nanoGPT's shakespeare-char shape (bf16;
-    11.2 ms eager, 8.5 compiled), 27.3 s and 42 ms at 100M (213 against 171 ms): it paid only beyond about 7,000 and
-    650 batches. nanoGPT's configuration evaluates 8 x 20 = 160 batches, where the compile was 15 s of a 141 s run
-    (docs/benchmarks.md, "Whole runs")."""
+    the end, once where the two meet). Compiling the eval graph is a cost paid once, before the first evaluation,
+    against a small saving per batch: on a CPU it pays only past thousands of batches at nanoGPT's shakespeare-char
+    shape and hundreds at 100M (docs/training.md, "Precision and what compiles"; the figures: docs/design.md,
+    'Measured choices'). nanoGPT's configuration evaluates 8 x 20 = 160 batches, where the compile is a visible part
+    of a cold run (docs/benchmarks.md, "Whole runs")."""
     if not cfg.compile or cfg.eval_compile == "false":
         return False
     if cfg.eval_compile == "true":
@@ -121,8 +122,8 @@ CPU_NATIVE = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_
 
 def native_cpu_matmul(dtype: str) -> bool:
     """Whether this CPU multiplies ``dtype`` (bf16/fp16) matrices in hardware (``CPU_NATIVE``'s instructions among
-    :func:`cpu_flags`): here, with avx512_bf16, a bf16 matmul at nanoGPT's shakespeare-char shapes ran 2.1-2.3x an
-    fp32 one (docs/benchmarks.md). True where the flags cannot be read."""
+    :func:`cpu_flags`): with them a bf16 matmul runs well ahead of an fp32 one, without them it converts in software
+    (docs/training.md, "Precision and what compiles"). True where the flags cannot be read."""
     flags = cpu_flags()
     return flags is None or any(name in flags for name in CPU_NATIVE[dtype])
 

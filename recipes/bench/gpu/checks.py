@@ -188,9 +188,9 @@ def _half_vs_fp32(cfg, device, precision, compile) -> dict:
 
 def _donation(cfg, device, compile) -> dict:
     """The donated step (the new state written into the old buffers) gives the pure step's numbers and, after its
-    first (compiling) step, peaks no higher. At full scale the model's state (params and Adam's moments, ~150 MB)
-    dominates the peak, so the saving of not holding two states shows: on the tiny ``MODEL`` (5 MB of state in a
-    77 MiB peak) the allocator's noise was larger (77.0 against 76.8 MiB on an H200)."""
+    first (compiling) step, peaks no higher. At full scale the model's state (params and Adam's moments of ~13M
+    params) dominates the peak, so the saving of not holding two states shows: on the tiny ``MODEL`` the
+    allocator's noise was larger than the state (docs/gpu.md, "Measured: one H200, 2026-11-27")."""
     pure_peak, don_peak = {}, {}
     pure_losses, pure_state = train(cfg, device, compile=compile, peaks=pure_peak)
     pure_params = tree_map(lambda t: t.cpu(), pure_state.params)   # nothing of the pure run stays on the device
