@@ -31,9 +31,10 @@ from purestep.core.tree import cast, size
 from purestep.models import llama
 from purestep.models.loading import load_model, model_entry, require_llama
 from purestep.models.sampling import generate
-from purestep.recipes.orchestrator.config import OrchestratedConfig
+from purestep.recipes.orchestrator.config import OrchestratorConfig, orchestrator_option
 from purestep.recipes.orchestrator.driver import orchestrate
 from purestep.recipes.train import backend, plan, setup
+from purestep.recipes.train.config import TrainConfig
 from purestep.recipes.train.data import check_batch, describe, open_data, with_epochs
 from purestep.recipes.train.loop import Loop, Measures, Steps, Validation, build_steps, evaluate
 from purestep.recipes.train.setup import run_folder
@@ -46,7 +47,8 @@ GRID = True                 # seed=1,2 and grid.KEY=A,B run it per cell (core.cl
 NANOGPT_MUON = ("optimizer=muon", "muon.lr=0.01", "muon.momentum=0.9")
 
 @dataclass
-class Config(OrchestratedConfig):
+class Config(TrainConfig):
+    orchestrator: OrchestratorConfig = orchestrator_option()
     model: llama.LlamaConfig = option(llama.LlamaConfig, "model shape (vocab_size 0: the tokenizer's)")
     sample_tokens: int = option(200, "tokens generated as a sample at each evaluation (0: no samples)", min=0)
     sample_prompt: str = option("", "prompt for samples (default: the start of the validation text)")

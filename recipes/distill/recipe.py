@@ -72,7 +72,8 @@ from purestep.recipes.distill import hidden as hidden_targets
 from purestep.recipes.distill.student import NOT_STUDENT, STUDENTS, THETA, StudentModel, build_student
 from purestep.recipes.distill.teacher import (data_identity, held_dtype_hint, load_teacher, shard_teacher,
                                      teacher_data, teacher_dtype_option, teacher_identity, teacher_option)
-from purestep.recipes.orchestrator.config import OrchestratedConfig
+from purestep.recipes.orchestrator.config import OrchestratorConfig, orchestrator_option
+from purestep.recipes.train.config import TrainConfig
 from purestep.recipes.orchestrator.driver import orchestrate
 from purestep.recipes.train import backend, plan, setup
 from purestep.recipes.train.data import check_batch, describe, with_epochs
@@ -86,7 +87,8 @@ TEMPERATURE_MODES = ("fixed", "scheduled", "learnable")
 
 
 @dataclass
-class Config(OrchestratedConfig):
+class Config(TrainConfig):
+    orchestrator: OrchestratorConfig = orchestrator_option()
     teacher: str = teacher_option()
     teacher_dtype: str = teacher_dtype_option()
     teacher_shard: bool = option(False, "parallel=fsdp: shard the frozen teacher across the ranks too (1/N of it "

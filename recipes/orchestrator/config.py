@@ -1,7 +1,7 @@
-"""The ``orchestrator.*`` keys (``recipes/orchestrator/driver.py`` says what they do), and
-:class:`OrchestratedConfig`: the shared training keys plus this section, which the configs of the recipes that
-wire the orchestrator extend (standard, distill, and upcycle's global phase). The shared trainer
-(``recipes/train/``) never names this section: it sees the layer through :meth:`OrchestratedConfig.run_hooks`.
+"""The ``orchestrator.*`` keys (``recipes/orchestrator/driver.py`` says what they do). A training config opts in by
+declaring the section (:func:`orchestrator_option`: standard, distill, upcycle's global phase); the shared trainer
+(``recipes/train/``) never names it: it sees the layer through ``TrainConfig.run_hooks``, which asks each section
+for its :meth:`OrchestratorConfig.run_hook`.
 """
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from purestep.core.config import ConfigError, option
 from purestep.recipes.orchestrator.driver import OrchestratorRunHook
 from purestep.recipes.orchestrator.strategies import NAMES
-from purestep.recipes.train.config import TrainConfig
 from purestep.optim.swats import SCOPES
 
 
@@ -80,26 +79,13 @@ class OrchestratorConfig:
     def arms(self) -> tuple:
         return tuple(n.strip() for n in self.portfolio.split(",") if n.strip())
 
+    def run_hook(self, cfg) -> OrchestratorRunHook:
+        """What this section adds to a run of ``cfg``, the config that declares it (``TrainConfig.run_hooks``)."""
+        return OrchestratorRunHook(cfg)
 
-@dataclass
-class OrchestratedConfig(TrainConfig):
-    """The keys of a training run that can switch the orchestrator on: every ``TrainConfig`` key, then
-    ``orchestrator.*``."""
-    orchestrator: OrchestratorConfig = option(OrchestratorConfig, "strategy orchestration: speculative branches, "
-                                              "bandit selection, safety rollback, nowcasting")
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.parallel == "fsdp" and self.orchestrator.enabled:
-            raise ConfigError("orchestrator.enabled=true with parallel=fsdp: the orchestrator's strategies are not "
-                              "built on sharded state; use parallel=ddp")
-        if self.orchestrator.enabled and self.optimizer != "adamw":
-            raise ConfigError(f"orchestrator.enabled=true with optimizer={self.optimizer}: the orchestrator's "
-                              f"strategies are built on AdamW (its adamw strategy is the run's own); use "
-                              f"optimizer=adamw")
-        if self.orchestrator.enabled and not self.spike.enabled:
-            raise ConfigError("orchestrator.enabled=true needs spike.enabled=true: its safety rollback is the "
-                              "spike machinery's (snapshot ring, rollback_back, max_rollbacks)")
-
-    def run_hooks(self) -> tuple:
-        return (*super().run_hooks(), OrchestratorRunHook(self))
+def orchestrator_option():
+    """The ``orchestrator`` section a training config declares to opt into the orchestrator (standard, distill,
+    upcycle's global phase): ``orchestrator: OrchestratorConfig = orchestrator_option()``."""
+    return option(OrchestratorConfig, "strategy orchestration: speculative branches, bandit selection, safety "
+                  "rollback, nowcasting")

@@ -49,6 +49,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from purestep.core.config import ConfigError
 from purestep.core.data.text import eval_batches
 from purestep.core.io.cache import open_append
 from purestep.core.state import TrainState
@@ -86,6 +87,22 @@ class OrchestratorRunHook(RunHook):
             return None
         return ("dry_run=true cannot project orchestrator.enabled=true (its branches' cost depends on the bandit's "
                 "choices); dry-run without it")
+
+    def check(self) -> None:
+        """The run's settings the orchestrator's strategies and safety rollback need."""
+        cfg = self.cfg
+        if not self.enabled:
+            return
+        if cfg.parallel == "fsdp":
+            raise ConfigError("orchestrator.enabled=true with parallel=fsdp: the orchestrator's strategies are not "
+                              "built on sharded state; use parallel=ddp")
+        if cfg.optimizer != "adamw":
+            raise ConfigError(f"orchestrator.enabled=true with optimizer={cfg.optimizer}: the orchestrator's "
+                              f"strategies are built on AdamW (its adamw strategy is the run's own); use "
+                              f"optimizer=adamw")
+        if not cfg.spike.enabled:
+            raise ConfigError("orchestrator.enabled=true needs spike.enabled=true: its safety rollback is the "
+                              "spike machinery's (snapshot ring, rollback_back, max_rollbacks)")
 
 
 def probe_batches(val_tokens, cfg, device=None):

@@ -122,11 +122,15 @@ class TrainConfig:
         if self.parallel == "fsdp" and self.optimizer == "muon":
             raise ConfigError("optimizer=muon with parallel=fsdp: Newton-Schulz orthogonalises whole matrices and "
                               "fsdp shards them; use parallel=ddp or optimizer=adamw")
+        for hook in self.run_hooks():
+            hook.check()
 
     def run_hooks(self) -> tuple:
-        """The layers this config's own sections add to a run (``recipes.train.hooks.RunHook``): none here; a
-        recipe's config that declares such a section returns its hook, switched on or off by the section."""
-        return ()
+        """The layers this config's sections add to a run (``recipes.train.hooks.RunHook``): a recipe's config opts
+        into a layer by declaring its section, whose ``run_hook(cfg)`` answers, switched on or off by the section;
+        the shared trainer never names one."""
+        sections = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return tuple(section.run_hook(self) for section in sections if hasattr(section, "run_hook"))
 
 
 def _check_paths(out: str, resume: str) -> None:

@@ -89,6 +89,10 @@ class RunHook:
         """Why ``dry_run=true`` cannot project this run (None: it can)."""
         return None
 
+    def check(self) -> None:
+        """Raise ``core.config.ConfigError`` for settings of the run this layer cannot work with (the config's
+        ``__post_init__`` asks, so a bad combination stops before anything is read)."""
+
 
 @dataclass
 class StepContext:

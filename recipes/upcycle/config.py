@@ -4,7 +4,7 @@
 ``Config`` is therefore declared with :func:`keyword_dataclass` (fields and defaults exactly as a dataclass,
 with an ``__init__(**keys)``), and the phase's settings are read as ``cfg.global_phase``. Everything else is a
 plain dataclass. The global phase's training keys are TrainConfig's own declarations (``same_as``), so their
-defaults and help live in one place (the orchestrator's: ``OrchestratedConfig``'s); ``global_train_config`` turns
+defaults and help live in one place (the orchestrator's: ``orchestrator_option``); ``global_train_config`` turns
 them into the config that ``recipes.train.loop.Loop`` runs on.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from purestep.models.mla_surgery import LATENT_WEIGHTS
 from purestep.models.surgery import METHODS
 from purestep.recipes.distill.teacher import teacher_dtype_option
 from purestep.recipes.eval.tasks import SIX, TASKS, unknown_task
-from purestep.recipes.orchestrator.config import OrchestratedConfig, OrchestratorConfig
+from purestep.recipes.orchestrator.config import OrchestratorConfig, orchestrator_option
 from purestep.recipes.train.config import TrainConfig, train_config
 
 PHASES = ("blockwise", "global", "verify", "benchmark")
@@ -74,7 +74,7 @@ class GlobalConfig:
     remat: bool = same_as(TrainConfig, "remat")
     health: bool = option(False, "gradient health statistics per tensor and layer, logged every log_every")
     spike: SpikeConfig = same_as(TrainConfig, "spike")
-    orchestrator: OrchestratorConfig = same_as(OrchestratedConfig, "orchestrator")
+    orchestrator: OrchestratorConfig = orchestrator_option()
     kd_alpha: float = option(0.5, "weight of KD from the teacher's logits: alpha*T^2*KL + (1-alpha)*CE (0: CE only)",
                              min=0, max=1)
     temperature: float = option(1.0, "KD temperature", above=0)
@@ -286,9 +286,15 @@ setattr(Config, "global", option(GlobalConfig, "global fine-tune of the whole st
 Config = keyword_dataclass(Config)
 
 
-def global_train_config(cfg: Config, out: str) -> OrchestratedConfig:
+@dataclass
+class GlobalTrainConfig(TrainConfig):
+    """The shared training keys with the orchestrator's section: what the global phase's loop runs on."""
+    orchestrator: OrchestratorConfig = orchestrator_option()
+
+
+def global_train_config(cfg: Config, out: str) -> GlobalTrainConfig:
     """The config the global phase runs ``recipes.train.loop.Loop`` with (every ``global.*`` key lands here: the
     shared training keys and the orchestrator's)."""
-    return train_config(cfg.global_phase, OrchestratedConfig, out=out, seed=cfg.seed, device=cfg.device,
+    return train_config(cfg.global_phase, GlobalTrainConfig, out=out, seed=cfg.seed, device=cfg.device,
                         dtype=cfg.dtype, compile=cfg.compile, compile_scope=cfg.compile_scope,
                         block_size=cfg.block_size, clipping="global", resume="auto", parallel=cfg.parallel)
