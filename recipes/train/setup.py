@@ -9,10 +9,10 @@ fails later on bad input leaves no trace. :meth:`RunSetup.writing` claims the fo
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -48,36 +48,64 @@ def resolve_run_folder(cfg: TrainConfig, folder: Path) -> Optional[Path]:
     return ckpt.resolve_resume(cfg.resume, folder)
 
 
+@dataclass(frozen=True)
+class RunFolder:
+    """Where a run writes: its config, its folder (None: a benchmark's or dry run's fresh state, no folder at all) and
+    its ranks (rank 0 alone writes)."""
+    cfg: TrainConfig
+    path: Optional[Path]
+    dist: Dist
+
+
+class Resumed(NamedTuple):
+    """The checkpoint a run continues: its ``path``, its top level with every loop hook's state under its key
+    (``core.io.checkpoint.read_meta``), and the keys changed since, applied from its step (words for the log)."""
+    path: Path
+    top: dict
+    changed: str
+
+
 @dataclass
 class RunSetup:
-    """A run ready for ``recipes.train.loop.Loop``: fresh, or restored from ``resume``."""
-    cfg: TrainConfig
-    folder: Optional[Path]
-    dist: Dist
-    resume: Optional[Path]              # the checkpoint this run continues, or None
+    """A run ready for its loop (``recipes.train.loop.Loop``): fresh, or restored from a checkpoint (``origin``)."""
+    where: RunFolder
     optimizer: GradientTransformation   # the run's own, or the one a run hook supplies (build_optimizer)
     state: TrainState
-    loop: LoopState
-    resumed: dict = field(default_factory=dict)   # the resumed checkpoint's top level ({} for a fresh run), with
-                                                  # every loop hook's state under its key
-    changed: str = ""                   # the keys changed since that checkpoint, applied from its step
+    loop: LoopState                     # the loop's counters: fresh, or the checkpoint's
     layout: Optional[Layout] = None     # parallel=fsdp: where each leaf of the state lives (core.parallel.shard)
+    origin: Optional[Resumed] = None    # the checkpoint this run continues, or None for a fresh run
+
+    @property
+    def dist(self) -> Dist:
+        return self.where.dist
+
+    @property
+    def resume(self) -> Optional[Path]:
+        """The checkpoint this run continues, or None."""
+        return self.origin.path if self.origin else None
+
+    @property
+    def resumed(self) -> dict:
+        """The resumed checkpoint's top level ({} for a fresh run), every loop hook's state under its key."""
+        return self.origin.top if self.origin else {}
+
+    @property
+    def changed(self) -> str:
+        """The keys changed since the resumed checkpoint ("" for a fresh run)."""
+        return self.origin.changed if self.origin else ""
 
     @contextmanager
     def writing(self, hparams: dict) -> Iterator[tuple[Optional[ckpt.CheckpointManager], Logger]]:
         """The run folder claimed for this process (``core.cli.runs.claim``: a second run on it stops, naming this
         one), then its checkpoint manager and Logger: the first writes into the folder."""
-        with runs.claim(self.folder) if self.dist.is_main else nullcontext():
+        where = self.where
+        with runs.claim(where.path) if where.dist.is_main else nullcontext():
             with self.logger(hparams) as logger:
-                yield self.checkpoints(), logger
-
-    def checkpoints(self) -> Optional[ckpt.CheckpointManager]:
-        """The run's checkpoint manager (:func:`checkpoint_manager`)."""
-        return checkpoint_manager(self.cfg, self.folder, self.dist)
+                yield checkpoint_manager(where.cfg, where.path, where.dist), logger
 
     def logger(self, hparams: dict) -> Logger:
         """The run's Logger (silent on ranks other than 0), the resolved config ``hparams`` logged."""
-        logger = Logger(self.folder, enabled=self.dist.is_main)
+        logger = Logger(self.where.path, enabled=self.dist.is_main)
         logger.hparams(hparams, {"val/loss": None})
         if self.changed:
             logger.print(f"resumed from {self.resume} with changed keys: {self.changed}")
@@ -148,25 +176,24 @@ def start(cfg: TrainConfig, folder: Optional[Path], params, *, device, dist: Dis
     optimizer = build_optimizer(cfg, sum_over_ranks(dist), meta)
     layout = sharded_layout(dist, params, optimizer.init, cfg.dtype)
     mine = layout.shard_params(params) if layout else params      # fsdp: the moments are made on the shards
-    run = RunSetup(cfg, folder, dist, resume, optimizer,
-                   init_state(mine, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled), LoopState(),
-                   layout=layout)
-    return run if resume is None else _resumed(run, params, meta, diff, tokenizer, device)
+    run = RunSetup(RunFolder(cfg, folder, dist), optimizer,
+                   init_state(mine, optimizer, cfg.seed, cfg.dtype, spike=cfg.spike.enabled), LoopState(), layout)
+    return run if resume is None else _resumed(run, resume, params, meta, diff, tokenizer, device)
 
 
-def _resumed(run: RunSetup, params, meta: dict, diff: dict, tokenizer, device) -> RunSetup:
-    """``run`` (fresh) continued from its checkpoint ``run.resume``, whose top level is ``meta`` and whose keys
+def _resumed(run: RunSetup, resume: Path, params, meta: dict, diff: dict, tokenizer, device) -> RunSetup:
+    """``run`` (fresh) continued from its checkpoint ``resume``, whose top level is ``meta`` and whose keys
     ``diff`` changes: its state (this rank's cut under fsdp), loop counters and hooks' entries."""
-    cfg, layout = run.cfg, run.layout
+    cfg, layout = run.where.cfg, run.layout
     template = run.state if layout is None else init_state(cast(params, device="meta"), run.optimizer, cfg.seed,
                                                            cfg.dtype, spike=cfg.spike.enabled)
-    loaded = ckpt.load(run.resume, template=template, device=device)   # fsdp: full leaves, then this rank's cut
+    loaded = ckpt.load(resume, template=template, device=device)   # fsdp: full leaves, then this rank's cut
     if tokenizer is not None and loaded.get("tokenizer") and loaded["tokenizer"] != tokenizer.to_dict():
-        raise UserError(f"{run.resume}: its tokenizer differs from this run's ({tokenizer.name}); use another out=")
+        raise UserError(f"{resume}: its tokenizer differs from this run's ({tokenizer.name}); use another out=")
     state = loaded["state"] if layout is None else layout.shard(loaded["state"])
     state = _apply_changes(cfg, diff, state, run.state, meta)
-    return replace(run, state=state, loop=LoopState.from_dict(loaded.get("loop")), resumed=loaded,
-                   changed=changes.describe(diff, int(state.step)))
+    return replace(run, state=state, loop=LoopState.from_dict(loaded.get("loop")),
+                   origin=Resumed(resume, loaded, changes.describe(diff, int(state.step))))
 
 
 def _changes(cfg: TrainConfig, meta: dict) -> dict:
