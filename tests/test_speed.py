@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from purestep.core.config import ConfigError
+from purestep.core.spike import SpikeConfig
 from purestep.core.state import init_state
 from purestep.core.step import make_train_step
 from purestep.optim import adamw
 from purestep.recipes.bench import speed
 from purestep.recipes.train import backend
 from purestep.recipes.train.config import TrainConfig
+from purestep.recipes.train.loop import build_steps
 from purestep.core.update import Monitors
 
 
@@ -75,6 +77,20 @@ def test_step_without_skip_writes_a_non_finite_update():
     for skip, finite in ((True, True), (False, False)):
         step = make_train_step(loss_fn, adamw(1e-2), monitors=Monitors(skip=skip))
         state, metrics = step(init_state(params, adamw(1e-2)), bad)
+        assert metrics["skipped"].item() == 1.0
+        assert bool(torch.isfinite(state.params["w"]).all()) is finite
+
+
+def test_skip_nonfinite_false_is_the_runs_key_for_the_select():
+    """``skip_nonfinite=false`` reaches the step ``build_steps`` makes: a non-finite step writes its NaNs."""
+    params = {"w": torch.ones(3)}
+    bad = torch.tensor([1.0, float("nan"), 1.0])
+    for skip, finite in ((True, True), (False, False)):
+        cfg = TrainConfig(skip_nonfinite=skip, compile=False, dtype="fp32", health=False,
+                          spike=SpikeConfig(enabled=False))
+        steps = build_steps(cfg, lambda p, batch, key: (p["w"] * batch).sum(), adamw(1e-2), params, None,
+                            torch.device("cpu"), 8)
+        state, metrics = steps.train(init_state(params, adamw(1e-2)), bad)
         assert metrics["skipped"].item() == 1.0
         assert bool(torch.isfinite(state.params["w"]).all()) is finite
 
