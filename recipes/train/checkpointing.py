@@ -69,7 +69,7 @@ class Checkpointing(Hook):
     def save(self, ctx: StepContext, val_loss: Optional[float] = None, final: bool = False,
              stopped: Optional[str] = None) -> Optional[Path]:
         t0 = time.perf_counter()
-        ctx.loop.wall_seconds = ctx.wall(t0)
+        ctx.loop.wall_seconds = ctx.clock.wall(t0)
         self.last_saved = self.clock()
         tree = ctx.state if self.export is None else self.export(ctx.state)
         if self.manager is None:
@@ -83,11 +83,11 @@ class Checkpointing(Hook):
         for hook in ctx.hooks:   # every hook's state (a strategy layer's choices and counters) resumes with the run
             if hook.key is not None:
                 extra[hook.key] = hook.state_dict()
-        ctx.checkpoint = self.manager.save(ctx.step, tree, extra=extra, val_loss=val_loss, final=final,
-                                           stopped=stopped)
+        ctx.result.checkpoint = self.manager.save(ctx.step, tree, extra=extra, val_loss=val_loss, final=final,
+                                                  stopped=stopped)
         self.dist.barrier()   # the other ranks waited here: none sits in a short-timeout collective meanwhile
-        ctx.excluded += time.perf_counter() - t0
-        return ctx.checkpoint
+        ctx.clock.excluded += time.perf_counter() - t0
+        return ctx.result.checkpoint
 
     def after_step(self, ctx: StepContext):
         val_loss = ctx.result.val_loss if ctx.evaluated else None
@@ -107,22 +107,24 @@ class Checkpointing(Hook):
 class Stopping(Hook):
     """Stops before the last step on preemption (SIGTERM/SIGINT) or once the cost reaches ``budget``."""
 
-    def __init__(self, cfg, logger: Logger, dist: Dist = Dist(), resume_folder: Optional[Path] = None):
+    def __init__(self, cfg, logger: Logger, preemption, dist: Dist = Dist(), resume_folder: Optional[Path] = None):
         self.cfg, self.logger, self.dist, self.resume_folder = cfg, logger, dist, resume_folder
+        self.preemption = preemption   # core.io.telemetry.Preemption: the signal the loop caught, if any
 
     def after_step(self, ctx: StepContext):
         cfg = self.cfg
         if ctx.last:
             return None
-        cost = ctx.wall() / 3600 * cfg.cost_per_hour
-        stop = ctx.preemption.requested or bool(cfg.budget and cost >= cfg.budget)
+        cost = ctx.clock.wall() / 3600 * cfg.cost_per_hour
+        preemption = self.preemption
+        stop = preemption.requested or bool(cfg.budget and cost >= cfg.budget)
         if self.dist.enabled:   # every rank must stop at the same step: decide together at log steps
             stop = self.dist.agree(stop) if ctx.step % cfg.log_every == 0 else False
         if not stop:
             return None
-        if ctx.preemption.requested:
-            reason = f"{ctx.preemption.signal} at step {ctx.step}"
-            event = ("preempted", {"signal": ctx.preemption.signal})
+        if preemption.requested:
+            reason = f"{preemption.signal} at step {ctx.step}"
+            event = ("preempted", {"signal": preemption.signal})
         elif cfg.budget and cost >= cfg.budget:
             reason = f"budget {cfg.budget:g} reached (cost {cost:.4g}) at step {ctx.step}"
             event = ("budget", {"budget": cfg.budget, "cost": cost})

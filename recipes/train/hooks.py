@@ -95,9 +95,33 @@ class RunHook:
 
 
 @dataclass
+class Clock:
+    """The loop's timekeeping: wall time of the whole run (its earlier sessions ``before``), and what of the time
+    since the last log step was not training (evaluating, saving: ``excluded``) or waited for data."""
+    before: float = 0.0                      # wall seconds of the run's earlier sessions
+    start: float = field(default_factory=time.perf_counter)   # this session's start
+    excluded: float = 0.0                    # seconds evaluating/saving since the last log (not throughput)
+    data_seconds: float = 0.0                # seconds the steps since the last log waited for their batch
+
+    def wall(self, now: Optional[float] = None) -> float:
+        """Wall seconds of the whole run so far, earlier sessions included."""
+        return self.before + ((time.perf_counter() if now is None else now) - self.start)
+
+    @contextmanager
+    def timed(self):
+        """Time spent inside is not training time (excluded from the throughput)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - t0
+
+
+@dataclass
 class StepContext:
-    """Where the loop is: the state after this step, its position, this step's metrics and what the hooks
-    share during the step (the pulled metrics at log steps, whether it evaluated)."""
+    """Where the loop is (the state after this step, its position, this step's metrics) and what the hooks share
+    during a run: the loop's counters and result (``recipes.train.loop``), the hooks themselves (rollback and
+    checkpointing ask every one), the metrics not yet pulled and, at log steps, the pulled ones, and the clock."""
     state: Any
     step: int
     cursor: int
@@ -110,21 +134,17 @@ class StepContext:
     hooks: list = field(default_factory=list)
     pending: list = field(default_factory=list)      # step metrics not yet pulled to the host
     values: Optional[dict] = None           # this step's pulled metrics (log steps only)
-    evaluated: bool = False                 # validation ran at this step
-    excluded: float = 0.0                   # seconds evaluating/saving since the last log (not throughput)
-    data_seconds: float = 0.0               # seconds the steps since the last log waited for their batch
-    checkpoint: Optional[Path] = None       # the newest checkpoint written
-    preemption: Any = None                  # core.io.telemetry.Preemption
-    session_start: float = field(default_factory=time.perf_counter)
-    wall_before: float = 0.0                # wall seconds of the run's earlier sessions
+    clock: Clock = field(default_factory=Clock)
 
     @property
     def last(self) -> bool:
         return self.step == self.total
 
-    def wall(self, now: Optional[float] = None) -> float:
-        """Wall seconds of the whole run so far, earlier sessions included."""
-        return self.wall_before + ((time.perf_counter() if now is None else now) - self.session_start)
+    @property
+    def evaluated(self) -> bool:
+        """Validation ran at this step (its loss is the result's newest)."""
+        history = self.result.history if self.result is not None else ()
+        return bool(history) and history[-1][0] == self.step
 
     def advance(self, state, metrics: dict) -> None:
         """One train step happened."""
@@ -133,20 +153,10 @@ class StepContext:
         self.loop.tokens += self.tokens_per_step
         self.loop.ticks += 1
         self.pending.append(metrics)
-        self.values, self.evaluated = None, False
+        self.values = None
 
     def apply(self, jump: Jump) -> None:
         self.state, self.step, self.cursor = jump.state, jump.step, jump.cursor
         self.pending.extend(jump.metrics)
         self.loop.ticks += jump.ticks
         self.loop.tokens += jump.ticks * self.tokens_per_step
-
-    @contextmanager
-    def timed(self):
-        """Time spent inside is not training time (excluded from the throughput)."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.excluded += time.perf_counter() - t0
-

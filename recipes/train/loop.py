@@ -34,7 +34,7 @@ from purestep.recipes.train import backend
 from purestep.recipes.train.checkpointing import Checkpointing, Stopping
 from purestep.recipes.train.config import TrainConfig
 from purestep.recipes.train.faults import FaultyBatches, with_faults
-from purestep.recipes.train.hooks import Hook, Jump, StepContext, Stop
+from purestep.recipes.train.hooks import Clock, Hook, Jump, StepContext, Stop
 from purestep.recipes.train.metrics import Evaluation, FirstStepCheck, TrainLog
 from purestep.recipes.train.prefetch import Prefetch
 from purestep.recipes.train.rollback import Rollback
@@ -89,6 +89,7 @@ class FitResult:
     stop_reason: str = ""
     unfinished: bool = False                       # stopped without finishing (fit raises core.exits.RunStopped)
     history: list = field(default_factory=list)   # (step, val_loss) of every evaluation
+    checkpoint: Optional[Path] = None             # the newest checkpoint written
 
 
 @dataclass
@@ -205,9 +206,11 @@ class Loop:
         counters = counters or LoopState()
         self.ctx = StepContext(state, int(state.step), int(state.cursor), frozen=frozen, total=cfg.steps,
                                loop=counters, result=FitResult(state, counters),
-                               tokens_per_step=measures.tokens_per_step, wall_before=counters.wall_seconds)
-        self.ctx.hooks = _pieces(cfg, logger, checkpoints, extra, validation, measures, log, resume_folder, steps,
-                                 hooks, self.ctx, dist)
+                               tokens_per_step=measures.tokens_per_step, clock=Clock(before=counters.wall_seconds))
+        self._preemption = Preemption()
+        self.ctx.hooks = _pieces(cfg, logger, checkpoints, extra, validation, measures, log,
+                                 Stopping(cfg, logger, self._preemption, dist, resume_folder), steps, hooks, self.ctx,
+                                 dist)
         self._stopped = False
 
     @property
@@ -224,8 +227,7 @@ class Loop:
         self._setup_peak = _announce_parallel(self.logger, self.ctx.state, self.steps, self.dist)
         self._compiled_before = compile_seconds()
         self._batches = Prefetch(self.steps.batches)
-        self._preemption = Preemption()
-        self.ctx.preemption = self._preemption.__enter__()
+        self._preemption.__enter__()
         return self
 
     def __iter__(self):
@@ -233,7 +235,7 @@ class Loop:
         while not self._stopped and ctx.step < self.cfg.steps:
             t0 = time.perf_counter()
             batch = self._batches.get(ctx.cursor)
-            ctx.data_seconds += time.perf_counter() - t0
+            ctx.clock.data_seconds += time.perf_counter() - t0
             yield batch
 
     def stepped(self, state: TrainState, metrics: dict) -> None:
@@ -259,7 +261,8 @@ class Loop:
     def _close(self) -> None:
         ctx, logger = self.ctx, self.logger
         compiling = None if self._compiled_before is None else compile_seconds() - self._compiled_before
-        logger.print(f"wall time {ctx.wall():.1f}s (this session {ctx.wall() - ctx.wall_before:.1f}s"
+        wall = ctx.clock.wall()
+        logger.print(f"wall time {wall:.1f}s (this session {wall - ctx.clock.before:.1f}s"
                      + (f", of which compiling {compiling:.1f}s)" if compiling else ", compile included)"))
         logger.flush()
         ctx.result.state = ctx.state
@@ -313,8 +316,8 @@ def _announce_parallel(logger: Logger, state: TrainState, steps: Steps, dist: Di
 
 
 def _pieces(cfg: TrainConfig, logger: Logger, checkpoints, extra, validation: Optional[Validation],
-            measures: Measures, log: Optional[Hook], resume_folder, steps: Steps, hooks: list, ctx: StepContext,
-            dist: Dist) -> list:
+            measures: Measures, log: Optional[Hook], stopping: Stopping, steps: Steps, hooks: list,
+            ctx: StepContext, dist: Dist) -> list:
     """The loop's hooks in the order they run after a step."""
     pieces = [FirstStepCheck(logger, steps.health, measures.expected_initial_loss), *hooks,
               log or TrainLog(cfg, logger, steps.health, ctx, measures.flops_per_token, _epoch_of(steps.batches))]
@@ -327,7 +330,7 @@ def _pieces(cfg: TrainConfig, logger: Logger, checkpoints, extra, validation: Op
                            every_minutes=cfg.save_every_minutes, dist=dist, log_every=cfg.log_every,
                            export=steps.layout.deferred if steps.layout else None,
                            save_every=None if checkpoints else cfg.save_every)
-    return [*pieces, saving, Stopping(cfg, logger, dist, resume_folder)]
+    return [*pieces, saving, stopping]
 
 
 def _epoch_of(batches) -> Optional[Callable[[int], float]]:
@@ -355,4 +358,4 @@ def _finish(ctx: StepContext, stop: Stop) -> None:
     for hook in ctx.hooks:
         hook.on_stop(ctx, stop)
     if stop.announce is not None:
-        stop.announce(ctx.checkpoint)
+        stop.announce(ctx.result.checkpoint)

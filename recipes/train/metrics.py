@@ -145,12 +145,13 @@ class TrainLog(Hook):
         self.skipped_run = skipped_run(skips, self.skipped_run)
         ctx.pending.clear()
         now = time.perf_counter()
-        seconds = max(now - self.last_time - ctx.excluded, 1e-9)
+        clock = ctx.clock
+        seconds = max(now - self.last_time - clock.excluded, 1e-9)
         tps = (ctx.loop.tokens - self.last_tokens) / seconds
-        wall = ctx.wall(now)
+        wall = clock.wall(now)
         values.update({"tokens_per_sec": tps, "memory_mb": memory_mb(self.device), "wall_hours": wall / 3600,
-                       "data_ms": 1000 * ctx.data_seconds / max(interval, 1)})
-        ctx.data_seconds = 0.0
+                       "data_ms": 1000 * clock.data_seconds / max(interval, 1)})
+        clock.data_seconds = 0.0
         if self.peak and self.flops_per_token:
             values["mfu"] = tps * self.flops_per_token / self.peak
         if cfg.cost_per_hour:
@@ -163,7 +164,7 @@ class TrainLog(Hook):
             write_health(logger, self.health, ctx.step - age, health)
         logger.progress(ctx.step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
                         extra={k: logged[k] for k in ("epoch", "lr", "data_ms") if k in logged} or None)
-        self.last_time, self.last_tokens, ctx.excluded = now, ctx.loop.tokens, 0.0
+        self.last_time, self.last_tokens, clock.excluded = now, ctx.loop.tokens, 0.0
         ctx.values = values
         if values.get("skipped", 0.0) > 0 and not values.get("spike", 0.0) > 0:
             logger.print(f"warning: {round(values['skipped'] * interval)} non-finite step(s) up to step {ctx.step} "
@@ -203,9 +204,8 @@ class Evaluation(Hook):
         cfg = self.cfg
         if not ((cfg.eval_every and ctx.step % cfg.eval_every == 0) or ctx.last):
             return None
-        with ctx.timed():
+        with ctx.clock.timed():
             self.evaluate(ctx)
-        ctx.evaluated = True
         loop, val = ctx.loop, ctx.result.val_loss
         if not math.isfinite(val):   # the weights are broken: training on cannot mend them, nor is this a result
             reason = f"diverged: validation loss {val} at step {ctx.step}"
