@@ -10,6 +10,7 @@ is Wang et al. 2025 (``optim.adagc``), AGC is Brock et al. 2021's unit-wise clip
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -69,11 +70,10 @@ class OptimizerSpec:
 
 
 def optimizer_spec(cfg) -> OptimizerSpec:
-    """The optimizer settings of a training run (``decay_steps`` 0 means the run's ``steps``)."""
-    return OptimizerSpec(lr=cfg.lr, min_lr=cfg.min_lr, lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
-                         decay_steps=cfg.decay_steps or cfg.steps, beta1=cfg.beta1, beta2=cfg.beta2,
-                         weight_decay=cfg.weight_decay, clipping=cfg.clipping, grad_clip=cfg.grad_clip,
-                         adagc=cfg.adagc, agc_clip=cfg.agc_clip, optimizer=cfg.optimizer, muon=cfg.muon)
+    """The optimizer settings of a training run: its keys of the same names (``decay_steps`` 0 means the run's
+    ``steps``)."""
+    keys = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(OptimizerSpec)}
+    return OptimizerSpec(**{**keys, "decay_steps": cfg.decay_steps or cfg.steps})
 
 
 def make_schedule(spec: OptimizerSpec) -> Schedule:
