@@ -233,19 +233,20 @@ def config(corpus, teacher, *extra):
 
 def test_teacher_is_frozen_and_an_input_of_the_step(corpus, teacher):
     from purestep.core.tree import clone, tree_map
-    from purestep.recipes.distill.recipe import prepare_run
+    from purestep.recipes.distill.recipe import prepare_run, train_steps
     p = prepare_run(config(corpus, teacher, "steps=3"))
-    before, start = clone(p.frozen["teacher"]), clone(p.state.params)   # the step donates p.state: copy first
-    state = p.state
+    frozen, steps = p.teacher.frozen, train_steps(p, p.run.optimizer)
+    before, start = clone(frozen["teacher"]), clone(p.run.state.params)   # the step donates the state: copy first
+    state = p.run.state
     for cursor in range(3):
-        state, m = p.steps.train(state, p.steps.batches.get(cursor), p.frozen)
-    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(before), tree_leaves(p.frozen["teacher"])))
-    assert not any(t.requires_grad for t in tree_leaves(p.frozen["teacher"]))
+        state, m = steps.train(state, steps.batches.get(cursor), frozen)
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(before), tree_leaves(frozen["teacher"])))
+    assert not any(t.requires_grad for t in tree_leaves(frozen["teacher"]))
     assert not any(torch.equal(a, b) for a, b in zip(tree_leaves(start), tree_leaves(state.params)))
     # a graph input, not a constant: another teacher through the same step gives another KL
-    other = {"teacher": tree_map(lambda t: t * 0.5, p.frozen["teacher"])}
-    batch = p.steps.batches.get(3)
-    assert p.steps.train(state, batch, p.frozen)[1]["kl"] != p.steps.train(state, batch, other)[1]["kl"]
+    other = {"teacher": tree_map(lambda t: t * 0.5, frozen["teacher"])}
+    batch = steps.batches.get(3)
+    assert steps.train(state, batch, frozen)[1]["kl"] != steps.train(state, batch, other)[1]["kl"]
 
 
 def test_learnable_temperature_run_and_its_checkpoint(corpus, teacher, tmp_path, capsys):

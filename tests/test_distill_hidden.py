@@ -33,14 +33,14 @@ def test_the_hidden_term_equals_the_hand_formula(kind, width, tiny_teacher, toke
     teacher, data = tiny_teacher
     p = prepared(teacher, data, f"model.d_model={width}", "hidden=1:1,2:0", f"hidden_loss={kind}",
                  "hidden_weight=0.7")
-    params, tparams = p.state.params, p.teacher.params
+    params, tparams, tcfg = p.run.state.params, p.teacher.model.params, p.teacher.model.config
     assert (hidden_targets.PROJ in params) == (width != 32)              # the teacher is d=32
-    pairs = hidden_targets.pairs("1:1,2:0", p.student_cfg, p.teacher.config)
-    loss_fn = recipe.make_loss(p.cfg, p.student_cfg, p.teacher.config, "", pairs)
-    batch = p.steps.batches.get(0)
+    pairs = hidden_targets.pairs("1:1,2:0", p.student, tcfg)
+    loss_fn = recipe.make_loss(p.cfg, p.student, tcfg, "", pairs)
+    batch = recipe.train_steps(p, p.run.optimizer).batches.get(0)
     loss, aux = loss_fn(params, batch, None, {"teacher": tparams})
-    logits, states = llama.apply(params, batch["x"], p.student_cfg, return_hidden=True)
-    teacher_logits, teacher_states = llama.apply(tparams, batch["x"], p.teacher.config, return_hidden=True)
+    logits, states = llama.apply(params, batch["x"], p.student, return_hidden=True)
+    teacher_logits, teacher_states = llama.apply(tparams, batch["x"], tcfg, return_hidden=True)
     mask = batch["y"] >= 0
     proj = params.get(hidden_targets.PROJ, {})
     expected = sum(hand_term(states[s], teacher_states[t], proj.get(f"{s}:{t}"), kind, mask)

@@ -28,9 +28,11 @@ def prepared(teacher, data, *extra):
 
 def test_a_rolled_out_row_is_what_recipe_generate_writes(tiny_teacher, token_cache, tmp_path, capsys):
     teacher, data = tiny_teacher
+    from purestep.recipes.distill import recipe
     p = prepared(teacher, data, "on_policy=0.5", "on_policy_prompt=5", "on_policy_temperature=0.8", "seed=3")
-    rollout, params, cursor = p.rollout, p.state.params, 2
-    batch = p.steps.batches.get(cursor)
+    rollout, params, cursor = recipe.rollout(p), p.run.state.params, 2
+    batches, tok = recipe.train_steps(p, p.run.optimizer).batches, p.data.corpus.tokenizer
+    batch = batches.get(cursor)
     out = rollout(params, batch)
     rows = rollout.chosen(cursor, 4)
     assert 0 < len(rows) < 4, rows           # this seed and cursor: some rows on-policy, some not
@@ -46,15 +48,15 @@ def test_a_rolled_out_row_is_what_recipe_generate_writes(tiny_teacher, token_cac
     # the student as a checkpoint, and recipe=generate on each rolled-out row's prompt with that row's seed
     student = tmp_path / "student.msgpack"
     ckpt.save(student, {"params": params}, step=0,
-              extra={"model": model_entry(p.student_cfg), "tokenizer": p.tok.to_dict()})
+              extra={"model": model_entry(p.student), "tokenizer": tok.to_dict()})
     for r in rows:
-        prompt = p.tok.decode(batch["x"][r, :5].tolist())
+        prompt = tok.decode(batch["x"][r, :5].tolist())
         capsys.readouterr()
         text = generate.run(generate.Config(init=str(student), prompt=prompt, max_new_tokens=11, temperature=0.8,
                                             seed=rollout.row_seed(cursor, r)))
-        assert text == p.tok.decode(x[r].tolist()), (r, text)
+        assert text == tok.decode(x[r].tolist()), (r, text)
     # another cursor draws other rows or other tokens
-    other = rollout(params, p.steps.batches.get(cursor + 1))
+    other = rollout(params, batches.get(cursor + 1))
     assert rollout.row_seed(cursor + 1, rows[0]) != rollout.row_seed(cursor, rows[0])
     assert not torch.equal(other["x"], out["x"])
 

@@ -36,20 +36,21 @@ def step_time_ratio(online: distill.Config, cached: distill.Config, steps: int =
     """Median step time of training from ``cached.cache`` over training with the online teacher, both
     prepared in this process and timed in interleaved rounds. Returns seconds and the ratio."""
     runs = {"online": distill.prepare_run(online), "cached": distill.prepare_run(cached)}
-    states = {k: r.state for k, r in runs.items()}
+    built = {k: distill.train_steps(r, r.run.optimizer) for k, r in runs.items()}
+    states = {k: r.run.state for k, r in runs.items()}
     times: dict[str, list] = {k: [] for k in runs}
     for i in range(warmup + steps):
         for name, r in runs.items():
-            batch = r.steps.batches.get(i)
+            batch = built[name].batches.get(i)
             t0 = time.perf_counter()
-            states[name], metrics = r.steps.train(states[name], batch, r.frozen)
+            states[name], metrics = built[name].train(states[name], batch, r.teacher.frozen)
             metrics["loss"].item()
-            synchronize(r.device)
+            synchronize(r.run.state.step.device)
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
     online_s, cached_s = statistics.median(times["online"]), statistics.median(times["cached"])
     out = {"online_s": online_s, "cached_s": cached_s, "ratio": cached_s / online_s}
-    print(f"step time: online teacher {online_s * 1e3:.1f} ms, {runs['cached'].cache.describe()} "
+    print(f"step time: online teacher {online_s * 1e3:.1f} ms, {runs['cached'].teacher.cache.describe()} "
           f"{cached_s * 1e3:.1f} ms: cached/online = {out['ratio']:.3f} (median of {steps}, interleaved)")
     return out
 

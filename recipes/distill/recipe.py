@@ -51,14 +51,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from purestep.core.parallel import distributed
+from purestep.core.parallel.shard import Layout
 from purestep.core.config import ConfigError, UserError, option, same_as, to_dict
 from purestep.core.device import resolve_device
-from purestep.core.parallel.distributed import Dist
 from purestep.core.step import Compile, make_eval_step
 from purestep.core.data.documents import DocCorpus
 from purestep.core.io.telemetry import flops_per_token
@@ -220,30 +220,27 @@ class DistillBatches:
 
 # ---------------------------------------------------------------------------------------------- the run
 
+class Teacher(NamedTuple):
+    """The run's frozen teacher: the loaded model (``teacher_shard=true``: its params' shapes only), its identity
+    (``teacher.teacher_identity``, what a resumed run and a cache are checked against), the train step's frozen
+    inputs (``{"teacher": params}``, this rank's shards under ``layout``; None with a cache) and, with ``cache=``,
+    the cache of its outputs that replaces its forward."""
+    model: LoadedModel
+    identity: dict
+    frozen: Optional[dict]
+    layout: Optional[Layout]          # teacher_shard=true: where the teacher's shards live (core.parallel.shard)
+    cache: Optional[TeacherCache]
+
+
 @dataclass
 class Prepared:
-    """Everything a run needs, built and checked before the run folder is touched."""
-    cfg: object            # the run's config, ``steps`` set from ``epochs`` when given
-    dist: Dist
-    device: torch.device
-    teacher: LoadedModel
-    teacher_id: dict
-    corpus: object
-    tok: object
-    student_cfg: llama.LlamaConfig
-    student_how: str
-    run: RunSetup          # the (resumed) train state, optimizer, loop counters, checkpoints, logger
-    steps: Steps           # train step, student CE eval step, health, DistillBatches
-    make_train: Callable   # optimizer -> a train step of this objective (the orchestrator's strategies)
-    val_batches: object
-    frozen: Optional[dict]
-    cache: object
-    teacher_layout: object = None   # teacher_shard=true: where the teacher's shards live (core.parallel.shard)
-    rollout: Optional[OnPolicy] = None   # on_policy > 0: the student's continuations (recipes.distill.on_policy)
-
-    @property
-    def state(self):
-        return self.run.state
+    """A run built and checked by :func:`prepare_run` before its folder is touched."""
+    cfg: Config                  # the run's config, ``steps`` set from ``epochs`` when given
+    student: llama.LlamaConfig
+    how: str                     # how the student was built (``student.build_student``)
+    teacher: Teacher
+    data: standard.Data          # the corpus (tokenized with the teacher's tokenizer), train and validation batches
+    run: RunSetup                # the (resumed) state and optimizer, the ranks (``run.dist``), the layout
 
 
 def check_keys(cfg: Config, world_size: int):
@@ -275,8 +272,8 @@ def on_policy_prompt(cfg: Config) -> int:
 
 
 def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
-    """Everything the run in ``folder`` needs (resumed from its checkpoint, ``recipes.train.setup.start``);
-    ``folder`` None: a fresh state and nothing to write (benchmarks)."""
+    """The run in ``folder`` (resumed from its checkpoint, ``recipes.train.setup.start``), or with ``folder`` None a
+    fresh state and nothing to write (``dry_run``, benchmarks). Everything that can fail on bad input happens here."""
     dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
     check_keys(cfg, dist.world_size)
     theta0 = check_temperature(cfg)
@@ -285,13 +282,7 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
         corpus, tok = teacher_data(teacher, cfg.tokenizer, cfg.data, cfg)
     student_cfg, params, how = build_student(cfg, teacher, device)
     teacher_id = teacher_identity(teacher)
-    cache = None
-    if cfg.cache:
-        if isinstance(corpus, DocCorpus):
-            raise UserError(f"cache={cfg.cache}: cached teacher targets follow a text stream's windows, not the rows "
-                            f"of JSONL data={cfg.data} (loss_on, pack); distill it online (drop cache=)")
-        cache = TeacherCache.open(cfg.cache)
-        cache.check_run(cfg, teacher_id, data_identity(corpus))
+    cache = open_cache(cfg, corpus, teacher_id)
     if cfg.on_policy > 0 and isinstance(corpus, DocCorpus):
         raise UserError(f"on_policy={cfg.on_policy:g}: the student continues a text stream's windows, not the packed "
                         f"documents of JSONL data={cfg.data}; distill it off-policy (on_policy=0)")
@@ -308,135 +299,176 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
                                       device=device)
     cfg = with_epochs(cfg, corpus, batches)
     run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
-    layout = run_setup.layout
-    params = layout.full_shapes() if layout else params    # fsdp: only the shards stay alive
-    loss_fn = make_loss(cfg, student_cfg, teacher.config, cache.mode if cache else "", layer_pairs)
+    check_resumed_teacher(run_setup, teacher_id)
+    frozen, teacher_layout = (None, None) if cache else shard_teacher(cfg.teacher_shard, dist, teacher)
+    if teacher_layout is not None:
+        teacher = replace(teacher, params=teacher_layout.full_shapes())    # only the shards stay alive
+    return Prepared(cfg, student_cfg, how, Teacher(teacher, teacher_id, frozen, teacher_layout, cache),
+                    standard.Data(corpus, batches, val_batches, student_cfg.vocab_size), run_setup)
 
-    rollout = None if cfg.on_policy == 0 else OnPolicy(
-        cfg.on_policy, on_policy_prompt(cfg), cfg.on_policy_temperature, cfg.seed, dist.rank, student_cfg, tok.eos_id,
-        cfg.dtype, layout)
 
-    def make_train(opt):   # the orchestrator's strategies roll out with their own params too
-        return on_policy_step(build_steps(cfg, loss_fn, opt, params, batches, device, student_cfg.vocab_size, dist,
-                                          layout).train, rollout)
+def open_cache(cfg: Config, corpus, teacher_id: dict) -> Optional[TeacherCache]:
+    """The offline teacher cache of ``cache=``, checked against this run's teacher and data (None without one)."""
+    if not cfg.cache:
+        return None
+    if isinstance(corpus, DocCorpus):
+        raise UserError(f"cache={cfg.cache}: cached teacher targets follow a text stream's windows, not the rows "
+                        f"of JSONL data={cfg.data} (loss_on, pack); distill it online (drop cache=)")
+    cache = TeacherCache.open(cfg.cache)
+    cache.check_run(cfg, teacher_id, data_identity(corpus))
+    return cache
 
-    steps = build_steps(cfg, loss_fn, run_setup.optimizer, params, batches, device, student_cfg.vocab_size, dist,
-                        layout)
-    steps = replace(steps, train=on_policy_step(steps.train, rollout))
-    eval_step = make_eval_step(lambda prm, b, layers=None: llama.loss(prm, b, student_cfg, layers=layers),
+
+def check_resumed_teacher(run: RunSetup, teacher_id: dict) -> None:
+    """A resumed run continues with the teacher it was distilled from (held in the same dtype)."""
+    old = run.resumed.get("teacher") or {}
+    if old.get("fingerprint") and old["fingerprint"] != teacher_id["fingerprint"]:
+        held = held_dtype_hint(old, teacher_id)
+        raise UserError(f"{run.resume}: its teacher was {held}; give that teacher_dtype or use another out=" if held
+                        else f"{run.resume}: it was distilled from another teacher ({old['source']}); use another out=")
+
+
+def rollout(p: Prepared) -> Optional[OnPolicy]:
+    """The student's continuations of ``on_policy=`` (``recipes.distill.on_policy``), None when it is 0."""
+    cfg = p.cfg
+    if cfg.on_policy == 0:
+        return None
+    return OnPolicy(cfg.on_policy, on_policy_prompt(cfg), cfg.on_policy_temperature, cfg.seed, p.run.dist.rank,
+                    p.student, p.data.corpus.tokenizer.eos_id, cfg.dtype, p.run.layout)
+
+
+def train_steps(p: Prepared, optimizer) -> Steps:
+    """The run's steps (``recipes.train.loop.build_steps``) for ``optimizer``: the run's own (``p.run.optimizer``),
+    or a strategy's when the orchestrator switches. The train step rolls out the on-policy rows first
+    (:func:`rollout`) and, with ``teacher_shard``, gathers the teacher from its shards; the eval step is the
+    student's CE; the batches carry the cursor (and the cached targets) for the objective."""
+    cfg, teacher, layout = p.cfg, p.teacher, p.run.layout
+    device, params = p.run.state.step.device, standard.full_params(p)
+    tcfg = teacher.model.config
+    loss_fn = make_loss(cfg, p.student, tcfg, teacher.cache.mode if teacher.cache else "",
+                        hidden_targets.pairs(cfg.hidden, p.student, tcfg))
+    steps = build_steps(cfg, loss_fn, optimizer, params, p.data.train, device, p.data.vocab, p.run.dist, layout)
+    train = gathering(on_policy_step(steps.train, rollout(p)), teacher.layout, frozen="teacher")
+    eval_step = make_eval_step(lambda prm, b, layers=None: llama.loss(prm, b, p.student, layers=layers),
                                precision=cfg.dtype,
                                compile=Compile(backend.eval_compiled(cfg), backend.compile_scope(cfg, params),
                                                backend.compile_mode(cfg, device)),
                                shard=layout)
-    steps = replace(steps, eval=eval_step, batches=DistillBatches(steps.batches, cache))
-    frozen, teacher_layout = (None, None) if cache else shard_teacher(cfg.teacher_shard, dist, teacher)
-    if teacher_layout is not None:   # the train step takes the whole teacher: gathered from the shards
-        steps = replace(steps, train=gathering(steps.train, teacher_layout, frozen="teacher"))
-        teacher = replace(teacher, params=teacher_layout.full_shapes())    # only the shards stay alive
-    return Prepared(cfg, dist, device, teacher, teacher_id, corpus, tok, student_cfg, how, run_setup, steps, make_train,
-                    val_batches, frozen, cache, teacher_layout, rollout)
+    return replace(steps, train=train, eval=eval_step, batches=DistillBatches(steps.batches, teacher.cache))
 
 
-
-def train_flops_per_token(p: Prepared, cfg: Config) -> float:
+def train_flops_per_token(p: Prepared) -> float:
     """The student's training FLOPs per token plus, online, the teacher's forward (a third of its training), and
     with ``on_policy`` that fraction of a student forward (the rollouts: the prompt's prefill, one per new token)."""
-    s, t = p.student_cfg, p.teacher.config
-    full = p.run.layout.full_shapes() if p.run.layout else p.state.params
-    student = {k: v for k, v in full.items() if k not in NOT_STUDENT}
+    cfg, s, t = p.cfg, p.student, p.teacher.model.config
+    student = student_params(p)
     flops = flops_per_token(llama.matmul_params(student), s.n_layers, cfg.block_size, s.d_model)
-    if p.cache is None:
-        flops += flops_per_token(llama.matmul_params(p.teacher.params), t.n_layers, cfg.block_size, t.d_model) / 3
+    if p.teacher.cache is None:
+        flops += flops_per_token(llama.matmul_params(p.teacher.model.params), t.n_layers, cfg.block_size,
+                                 t.d_model) / 3
     student_forward = flops_per_token(llama.matmul_params(student), s.n_layers, cfg.block_size, s.d_model) / 3
     return flops + cfg.on_policy * student_forward
+
+
+def student_params(p: Prepared) -> dict:
+    """The student's own params whole (``standard.full_params``), without the learnable temperature and the
+    hidden-state projections the state also trains."""
+    return {k: v for k, v in standard.full_params(p).items() if k not in NOT_STUDENT}
+
+
+def describe_teacher(p: Prepared) -> str:
+    """Where the student's targets come from: the teacher's forward online, or the cache of its outputs."""
+    if p.teacher.cache:
+        return f"outputs from the {p.teacher.cache.describe()}"
+    return "forward online (frozen, no_grad)" + (f"; teacher sharded across {p.run.dist.world_size} ranks, gathered "
+                                                 f"for every step" if p.teacher.layout else "")
 
 
 def dry_run(cfg: Config) -> str:
     """``dry_run=true``: the plan of this run (``recipes.train.plan``), the teacher's forward in the probed step
     (online) or the cache's reads; no run folder is created."""
     p = prepare_run(plan.probe_config(cfg), None)
-    s, t = p.student_cfg, p.teacher.config
-    teacher = (f"{p.teacher.format} {p.teacher.source}, {size(p.teacher.params):,} params, {t.n_layers} layers, "
-               f"d={t.d_model} ({plan.megabytes(plan.tree_bytes(p.teacher.params))} held, frozen); "
-               + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online"))
+    s, teacher, corpus = p.student, p.teacher.model, p.data.corpus
+    t = teacher.config
+    held = (f"{teacher.format} {teacher.source}, {size(teacher.params):,} params, {t.n_layers} layers, "
+            f"d={t.d_model} ({plan.megabytes(plan.tree_bytes(teacher.params))} held, frozen); "
+            + (f"outputs from the {p.teacher.cache.describe()}" if p.teacher.cache else "forward online"))
     return plan.describe(replace(cfg, steps=p.cfg.steps), recipe="distill", folder=run_folder(cfg, "distill"),
-                         model=f"student ({'init' if cfg.init else cfg.student}: {p.student_how}), {s.n_layers} "
-                               f"layers, d={s.d_model}, vocab {s.vocab_size} ({p.tok.name})",
-                         data=describe(p.corpus), train_tokens=p.corpus.meta["train_tokens"], state=p.state,
-                         steps=p.steps,
-                         device=p.device, world_size=p.dist.world_size, frozen=p.frozen,
-                         extra=(f"teacher: {teacher}",))
+                         model=f"student ({'init' if cfg.init else cfg.student}: {p.how}), {s.n_layers} "
+                               f"layers, d={s.d_model}, vocab {s.vocab_size} ({corpus.tokenizer.name})",
+                         data=describe(corpus), train_tokens=corpus.meta["train_tokens"], state=p.run.state,
+                         steps=train_steps(p, p.run.optimizer), device=p.run.state.step.device,
+                         world_size=p.run.dist.world_size, frozen=p.teacher.frozen, extra=(f"teacher: {held}",))
 
 
 def run(cfg: Config):
     folder = run_folder(cfg, "distill")
-    # everything that can fail on bad input happens before the run folder is touched
     p = prepare_run(cfg, folder)
-    cfg = p.cfg
-    state, loop, resume = p.run.state, p.run.loop, p.run.resume
-    old = p.run.resumed.get("teacher") or {}
-    if old.get("fingerprint") and old["fingerprint"] != p.teacher_id["fingerprint"]:
-        held = held_dtype_hint(old, p.teacher_id)
-        raise UserError(f"{resume}: its teacher was {held}; give that teacher_dtype or use another out=" if held
-                        else f"{resume}: it was distilled from another teacher ({old['source']}); use another out=")
-
-    scfg, tok, device, dist = p.student_cfg, p.tok, p.device, p.dist
-    extra = {"config": to_dict(cfg), "model": model_entry(scfg), "tokenizer": tok.to_dict(), "recipe": "distill",
-             "teacher": p.teacher_id}
-    student_params = {k: v for k, v in (p.run.layout.full_shapes() if p.run.layout else state.params).items()
-                      if k not in NOT_STUDENT}
-    tcfg = p.teacher.config
-    with p.run.writing(to_dict(cfg)) as (checkpoints, logger):
-        logger.print(f"distill: teacher {p.teacher.format}: {p.teacher.source} ({size(p.teacher.params) / 1e6:.2f}M "
-                     f"params, {tcfg.n_layers} layers, d={tcfg.d_model})")
-        logger.print(f"student ({'init' if cfg.init else cfg.student}: {p.student_how}): "
-                     f"{size(student_params) / 1e6:.2f}M params, {scfg.n_layers} layers, d={scfg.d_model}; "
-                     f"vocab {tcfg.vocab_size} ({tok.name}); data {describe(p.corpus)}; device {device}, {cfg.dtype}, "
-                     f"{backend.describe_compile(cfg, device.type, dist.world_size > 1)}; run folder {folder}")
-        divergence = f"generalized JSD (beta={cfg.beta:g})" if cfg.kl == "jsd" else f"{cfg.kl} KL"
-        logger.print(f"objective: {cfg.alpha:g} * T^2 * {divergence} + {1 - cfg.alpha:g} * CE, temperature "
-                     f"{_describe_temperature(cfg)}; teacher "
-                     + (f"outputs from the {p.cache.describe()}" if p.cache else "forward online (frozen, no_grad)")
-                     + (f"; teacher sharded across {dist.world_size} ranks, gathered for every step"
-                        if p.teacher_layout else ""))
-        if cfg.hidden:
-            logger.print(f"hidden-state targets: + {cfg.hidden_weight:g} * {cfg.hidden_loss} of student:teacher "
-                         f"states {cfg.hidden}" + (f" (through learned {scfg.d_model}x{tcfg.d_model} projections)"
-                                                   if scfg.d_model != tcfg.d_model else ""))
-        if p.rollout is not None:
-            r = p.rollout
-            logger.print(f"on-policy (GKD): each sequence with probability {r.fraction:g} is the first {r.prompt} "
-                         f"tokens of its window continued by the student for {cfg.block_size - r.prompt} (KV-cache "
-                         f"decode at temperature {r.temperature:g}, outside the compiled step), the {divergence} on "
-                         f"its tokens")
-        if resume is not None:
-            logger.print(f"resuming from {resume} at step {int(state.step)}")
+    cfg, run, dist, teacher, corpus = p.cfg, p.run, p.run.dist, p.teacher, p.data.corpus
+    device = run.state.step.device
+    steps = train_steps(p, run.optimizer)
+    extra = {"config": to_dict(cfg), "model": model_entry(p.student), "tokenizer": corpus.tokenizer.to_dict(),
+             "recipe": "distill", "teacher": teacher.identity}
+    measures = Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size, train_flops_per_token(p))
+    with run.writing(to_dict(cfg)) as (checkpoints, logger):
+        announce(logger, p, folder)
+        if run.resume is not None:
+            logger.print(f"resuming from {run.resume} at step {int(run.state.step)}")
         else:
-            teacher_eval = make_eval_step(lambda prm, b, layers=None: llama.loss(prm, b, tcfg, layers=layers),
-                                          precision=cfg.dtype, shard=p.teacher_layout)
-            teacher_val = evaluate(teacher_eval,
-                                   p.frozen["teacher"] if p.teacher_layout else p.teacher.params, p.val_batches,
-                                   dist=dist)
-            logger.scalars(0, {"val/teacher_loss": teacher_val})
-            logger.print(f"teacher: val loss {teacher_val:.4f}, perplexity {math.exp(min(teacher_val, 50.0)):.2f}")
-        orchestrator, steps = orchestrate(cfg, p.steps, make_step=p.make_train, val_tokens=p.corpus.val, device=device,
-                                          logger=logger, folder=folder, resumed=p.run.resumed,
-                                          main_process=dist.is_main)
-        validation = Validation(lambda prm: evaluate(p.steps.eval, prm, p.val_batches, dist=dist),
-                                standard.on_main(standard.sampler(cfg, scfg, tok, p.corpus.val, device), dist,
-                                                 p.run.layout))
-        measures = Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
-                            train_flops_per_token(p, cfg))
-        with Loop(cfg, state, steps, logger, checkpoints, counters=loop, frozen=p.frozen, hooks=[orchestrator],
-                  validation=validation, measures=measures, extra=lambda: extra, dist=dist) as training:
-            for batch in training:
-                training.stepped(*steps.train(training.state, batch, p.frozen))
-        result = training.result
-        learned = f", final T {learned_temperature(result.state.params, cfg):.3f}" \
+            teacher_baseline(logger, p)
+        orchestrator, steps = orchestrate(
+            cfg, steps, val_tokens=corpus.val, device=device, logger=logger, folder=folder, resumed=run.resumed,
+            make_step=lambda optimizer: train_steps(p, optimizer).train, main_process=dist.is_main)
+        validation = Validation(lambda params: evaluate(steps.eval, params, p.data.val, dist=dist),
+                                standard.on_main(standard.sampler(cfg, p.student, corpus.tokenizer, corpus.val, device),
+                                                 dist, run.layout))
+        with Loop(cfg, run.state, steps, logger, checkpoints, counters=run.loop, frozen=teacher.frozen,
+                  hooks=[orchestrator], validation=validation, measures=measures, extra=lambda: extra,
+                  dist=dist) as loop:
+            for batch in loop:
+                loop.stepped(*steps.train(loop.state, batch, teacher.frozen))
+        learned = f", final T {learned_temperature(loop.result.state.params, cfg):.3f}" \
             if cfg.temperature_mode == "learnable" else ""
-        standard.report(logger, result, folder, label="student val loss", suffix=learned)
+        standard.report(logger, loop.result, folder, label="student val loss", suffix=learned)
     distributed.shutdown(dist)
-    return result
+    return loop.result
+
+
+def announce(logger, p: Prepared, folder: Path) -> None:
+    """The run log's first lines: the teacher, the student, the data, where it runs, the objective."""
+    cfg, s, teacher, dist = p.cfg, p.student, p.teacher.model, p.run.dist
+    t, tok, device = teacher.config, p.data.corpus.tokenizer, p.run.state.step.device
+    logger.print(f"distill: teacher {teacher.format}: {teacher.source} ({size(teacher.params) / 1e6:.2f}M "
+                 f"params, {t.n_layers} layers, d={t.d_model})")
+    logger.print(f"student ({'init' if cfg.init else cfg.student}: {p.how}): "
+                 f"{size(student_params(p)) / 1e6:.2f}M params, {s.n_layers} layers, d={s.d_model}; "
+                 f"vocab {t.vocab_size} ({tok.name}); data {describe(p.data.corpus)}; device {device}, {cfg.dtype}, "
+                 f"{backend.describe_compile(cfg, device.type, dist.world_size > 1)}; run folder {folder}")
+    divergence = f"generalized JSD (beta={cfg.beta:g})" if cfg.kl == "jsd" else f"{cfg.kl} KL"
+    logger.print(f"objective: {cfg.alpha:g} * T^2 * {divergence} + {1 - cfg.alpha:g} * CE, temperature "
+                 f"{_describe_temperature(cfg)}; teacher {describe_teacher(p)}")
+    if cfg.hidden:
+        logger.print(f"hidden-state targets: + {cfg.hidden_weight:g} * {cfg.hidden_loss} of student:teacher "
+                     f"states {cfg.hidden}" + (f" (through learned {s.d_model}x{t.d_model} projections)"
+                                               if s.d_model != t.d_model else ""))
+    if cfg.on_policy > 0:
+        prompt = on_policy_prompt(cfg)
+        logger.print(f"on-policy (GKD): each sequence with probability {cfg.on_policy:g} is the first {prompt} "
+                     f"tokens of its window continued by the student for {cfg.block_size - prompt} (KV-cache "
+                     f"decode at temperature {cfg.on_policy_temperature:g}, outside the compiled step), the "
+                     f"{divergence} on its tokens")
+
+
+def teacher_baseline(logger, p: Prepared) -> None:
+    """A fresh run's reference line: the teacher's validation loss and perplexity on the run's validation batches."""
+    cfg, teacher = p.cfg, p.teacher
+    tcfg = teacher.model.config
+    teacher_eval = make_eval_step(lambda prm, b, layers=None: llama.loss(prm, b, tcfg, layers=layers),
+                                  precision=cfg.dtype, shard=teacher.layout)
+    loss = evaluate(teacher_eval, teacher.frozen["teacher"] if teacher.layout else teacher.model.params, p.data.val,
+                    dist=p.run.dist)
+    logger.scalars(0, {"val/teacher_loss": loss})
+    logger.print(f"teacher: val loss {loss:.4f}, perplexity {math.exp(min(loss, 50.0)):.2f}")
 
 
 def learned_temperature(params, cfg: Config) -> float:
