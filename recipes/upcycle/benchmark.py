@@ -159,11 +159,11 @@ def check_failed(results: dict, folder, also: str = "") -> None:
 
 def run_benchmark(ctx: Context, student: dict, scfg, stages: dict) -> dict:
     bc, t, folder = ctx.cfg.benchmark, ctx.teacher, ctx.folder / "benchmark"
-    # held-out losses on ctx.heldout were computed once, by the phases (the student is the last of them)
+    # held-out losses on ctx.data.heldout were computed once, by the phases (the student is the last of them)
     losses = {"teacher": stages["teacher"], "student": list(stages.values())[-1]}
     teacher = cast(t.params, student["embed"].dtype)    # timed in the student's dtype, whatever it is held in
     models = [Model("teacher", llama, teacher, t.config), Model("student", module_of(scfg), student, scfg)]
-    results = evaluate(models, ctx.corpus.tokenizer, ctx.heldout.tokens, bc, losses=losses,
+    results = evaluate(models, ctx.data.corpus.tokenizer, ctx.data.heldout.tokens, bc, losses=losses,
                        block_size=ctx.cfg.block_size, trained_context=ctx.cfg.block_size, seed=ctx.cfg.seed,
                        device=ctx.device, say=ctx.say)
     results["stages"], results["settings"] = stages, settings(bc)   # a rerun with other settings measures again

@@ -4,7 +4,7 @@
 Every phase writes into its own subfolder of the run folder and is *done* when its result file exists
 (``surgery/final.msgpack``, ``global/final.msgpack``, ``verify/report.json``); a phase that is done is skipped
 on a rerun. Held-out numbers always come from the **test half** of the validation split (the windows in
-``Context.heldout``); the global phase's periodic validation uses the other (dev) half, so nothing reported
+``Context.data.heldout``); the global phase's periodic validation uses the other (dev) half, so nothing reported
 was used to steer training or was trained on.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -22,6 +22,7 @@ from purestep.core.io import checkpoint as ckpt
 from purestep.core.io.cache import write_json
 from purestep.core.config import UserError, to_dict
 from purestep.core.data.text import Corpus, EvalBatches
+from purestep.core.io.logging import progress
 from purestep.core.parallel.distributed import Dist
 from purestep.core.step import make_eval_step
 from purestep.models import blockwise, kv_budget, llama, losses, mla, mla_surgery, surgery
@@ -35,21 +36,33 @@ from purestep.recipes.upcycle.config import Config, global_train_config
 FINAL = "final.msgpack"
 
 
+class Data(NamedTuple):
+    """The run's text, tokenized with the teacher's tokenizer: the corpus (its training split and tokenizer), the
+    first half of the validation split (``dev``: the global phase's validation) and windows of its second half
+    (``heldout``: every reported held-out number)."""
+    corpus: Corpus
+    dev: object              # token array
+    heldout: EvalBatches
+
+
 @dataclass
 class Context:
+    """What every phase reads: the run's keys, its folder, the device, the frozen teacher, the data, the ranks."""
     cfg: Config
     folder: Path
     device: torch.device
     teacher: LoadedModel
-    corpus: Corpus
-    dev: object              # token array: first half of the validation split (global phase's validation)
-    heldout: EvalBatches     # windows of the test half: every reported held-out number
-    say: Callable[[str], None]
+    data: Data
     dist: Dist = Dist()      # the ranks of a run under torchrun (parallel=ddp|fsdp: the trained phases)
+
+    def say(self, message: str) -> None:
+        """A progress line (``core.io.logging.progress``), from rank 0 only."""
+        if self.dist.is_main:
+            progress(message)
 
     def extra(self, phase: str, scfg) -> dict:
         """What every student checkpoint carries, so ``load_model``/``recipe=generate`` read it as a model."""
-        return {"model": model_entry(scfg), "tokenizer": self.corpus.tokenizer.to_dict(), "recipe": "upcycle",
+        return {"model": model_entry(scfg), "tokenizer": self.data.corpus.tokenizer.to_dict(), "recipe": "upcycle",
                 "phase": phase, "config": to_dict(self.cfg)}
 
 
@@ -69,9 +82,9 @@ def phase_summary(ctx: Context, phase: str, params: dict, scfg) -> dict:
     if path.exists():
         return json.loads(path.read_text())
     ctx.say(f"{phase}: evaluating the student on the held-out windows")
-    loss = heldout_loss(module_of(scfg), params, scfg, ctx.heldout)
-    summary = {"phase": phase, "loss": loss, "perplexity": ppl(loss), "windows": len(ctx.heldout) *
-               ctx.heldout.starts.shape[1], "block_size": ctx.cfg.block_size}
+    loss = heldout_loss(module_of(scfg), params, scfg, ctx.data.heldout)
+    summary = {"phase": phase, "loss": loss, "perplexity": ppl(loss), "windows": len(ctx.data.heldout) *
+               ctx.data.heldout.starts.shape[1], "block_size": ctx.cfg.block_size}
     write_json(path, summary)
     ctx.say(f"{phase}: held-out loss {loss:.4f}, perplexity {ppl(loss):.2f}")
     return summary
@@ -122,7 +135,7 @@ def calibration_tokens(ctx: Context) -> torch.Tensor:
     """``calib_tokens`` tokens of the training split (whole windows, their own seed stream)."""
     cfg = ctx.cfg
     windows = math.ceil(cfg.calib_tokens / cfg.block_size)
-    return ctx.corpus.batches(windows, cfg.block_size, cfg.seed + 7919, device=ctx.device).get(0)["x"]
+    return ctx.data.corpus.batches(windows, cfg.block_size, cfg.seed + 7919, device=ctx.device).get(0)["x"]
 
 
 def run_surgery(ctx: Context) -> tuple[dict, object]:
@@ -151,7 +164,7 @@ def run_surgery(ctx: Context) -> tuple[dict, object]:
     else:
         student, scfg, report = dba_surgery(ctx, calib)
     ctx.say("surgery: evaluating the teacher on the held-out windows")
-    teacher_loss = heldout_loss(llama, t.params, t.config, ctx.heldout)
+    teacher_loss = heldout_loss(llama, t.params, t.config, ctx.data.heldout)
     kv_t, kv_s = llama.kv_bytes_per_token(t.config), module_of(scfg).kv_bytes_per_token(scfg)
     ctx.say(f"surgery: KV cache per token (bf16) teacher {kv_t:,} B, student {kv_s:,} B: {kv_t / kv_s:.2f}x smaller")
     report.update({"settings": surgery_settings(cfg), "teacher_loss": teacher_loss,
@@ -212,10 +225,10 @@ def run_global(ctx: Context, student: dict, scfg) -> tuple[dict, str]:
         return losses.distill_objective(logits, batch["y"], teacher_logits, alpha=g.kd_alpha,
                                         temperature=g.temperature)
 
-    batches = ctx.corpus.batches(g.batch_size, cfg.block_size, cfg.seed + 1, grad_accum=g.grad_accum,
+    batches = ctx.data.corpus.batches(g.batch_size, cfg.block_size, cfg.seed + 1, grad_accum=g.grad_accum,
                                  device=ctx.device, rank=dist.rank, world_size=dist.world_size)
-    dev = EvalBatches(ctx.dev, g.batch_size * dist.world_size, cfg.block_size, g.eval_batches, device=ctx.device)
-    vocab = ctx.corpus.tokenizer.vocab_size
+    dev = EvalBatches(ctx.data.dev, g.batch_size * dist.world_size, cfg.block_size, g.eval_batches, device=ctx.device)
+    vocab = ctx.data.corpus.tokenizer.vocab_size
     steps = build_steps(tc, loss_fn, run_setup.optimizer, student, batches, ctx.device, vocab, dist, layout)
     # validation and the orchestrator's probe: the student's next-token CE (the training loss adds KD)
     student_ce = make_eval_step(lambda prm, b, layers=None: module.loss(prm, b, scfg, layers=layers), precision=tc.dtype,
@@ -227,7 +240,7 @@ def run_global(ctx: Context, student: dict, scfg) -> tuple[dict, str]:
                 + (f"; resuming from {resume} at step {int(state.step)}" if resume else ""))
         orchestrator, steps = orchestrate(   # strategies are scored on the student's CE on held-out windows
             tc, steps, make_step=lambda opt: build_steps(tc, loss_fn, opt, student, batches, ctx.device, vocab).train,
-            val_tokens=ctx.dev, device=ctx.device, logger=logger, folder=folder, resumed=run_setup.resumed,
+            val_tokens=ctx.data.dev, device=ctx.device, logger=logger, folder=folder, resumed=run_setup.resumed,
             eval_step=student_ce)
         frozen = t.params if kd else None
         with Loop(tc, state, steps, logger, manager, counters=loop, frozen=frozen, hooks=[orchestrator],
@@ -293,7 +306,7 @@ def run_verify(ctx: Context, student: dict, scfg, label: str) -> dict:
     A rerun reuses the stored numbers for the same student checkpoint (``label``, a path under the run folder,
     and its size and mtime) and re-applies the current thresholds."""
     vc, path = ctx.cfg.verify, ctx.folder / "verify" / "report.json"
-    windows = EvalBatches(ctx.heldout.tokens, 1, ctx.cfg.block_size, vc.windows, device=ctx.device)
+    windows = EvalBatches(ctx.data.heldout.tokens, 1, ctx.cfg.block_size, vc.windows, device=ctx.device)
     stat = (ctx.folder / label).stat()
     student_id = f"{stat.st_size}-{stat.st_mtime_ns}"
     stored = json.loads(path.read_text()) if path.exists() else None

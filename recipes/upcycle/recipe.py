@@ -44,7 +44,7 @@ from purestep.optim.health import GradientHealth
 from purestep.recipes.upcycle import benchmark as upcycle_bench, blockwise as bw_loop, gates, report
 from purestep.recipes.upcycle.teacher_io import BlockIOCache, TeacherSource
 from purestep.recipes.upcycle.config import Config, PHASES  # noqa: F401  (Config: the recipe's keys, for purestep)
-from purestep.recipes.upcycle.phases import (FINAL, Context, finished, load_student, phase_summary, run_global, run_surgery,
+from purestep.recipes.upcycle.phases import (FINAL, Context, Data, finished, load_student, phase_summary, run_global, run_surgery,
                                     run_verify, surgery_settings, write_json)
 
 DESCRIPTION = "teacher -> DBA or MLA student (small KV cache): surgery, blockwise, global, verify, benchmark"
@@ -253,7 +253,7 @@ def run(cfg: Config):
     _check_existing(cfg, folder)
     per = 4 if cfg.eval_windows % 4 == 0 else 2 if cfg.eval_windows % 2 == 0 else 1
     heldout = EvalBatches(test, per, cfg.block_size, cfg.eval_windows // per, device=device)
-    ctx = Context(cfg, folder, device, teacher, corpus, dev, heldout, progress if dist.is_main else _silent, dist)
+    ctx = Context(cfg, folder, device, teacher, Data(corpus, dev, heldout), dist)
     # the first write: a second run on this folder stops here, naming this one (rank 0 writes for every rank)
     with claim(folder) if dist.is_main else nullcontext():
         if dist.is_main:
@@ -261,10 +261,6 @@ def run(cfg: Config):
         results = _run_phases(ctx, teacher, corpus, dev, test)
     distributed.shutdown(dist)
     return results
-
-
-def _silent(message: str) -> None:
-    """``Context.say`` on ranks other than 0."""
 
 
 def _run_phases(ctx: Context, teacher, corpus, dev, test):
@@ -369,12 +365,12 @@ def run_blockwise(ctx: Context, student: dict, scfg):
         state = bw_loop.restore(resume, state if layout is None else start(cast(student, device="meta")), state,
                                 ctx.device)
         state = state if layout is None else layout.shard(state)
-    batches = ctx.corpus.batches(bw.batch_size, cfg.block_size, cfg.seed, device=ctx.device, rank=dist.rank,
+    batches = ctx.data.corpus.batches(bw.batch_size, cfg.block_size, cfg.seed, device=ctx.device, rank=dist.rank,
                                  world_size=dist.world_size)
     source = TeacherSource(t.params, t.config, batches, match=bw.match)
     if bw.cache_teacher:
         n = bw.cache_batches or bw.steps
-        identity = {"teacher": fingerprint(t.params), "data": ctx.corpus.path, "seed": cfg.seed,
+        identity = {"teacher": fingerprint(t.params), "data": ctx.data.corpus.path, "seed": cfg.seed,
                     "batch_size": bw.batch_size, "block_size": cfg.block_size}
         source.cache = BlockIOCache.open_or_build(source, n, identity, say=progress)
     health = GradientHealth(bw_loop.split(state.params, bw.train)[0], psum=layout.psum if layout else None,
