@@ -114,8 +114,9 @@ def prepare_run(cfg: Config, write: bool = True) -> Prepared:
     return Prepared(cfg, folder, start, model_cfg, Data(corpus, batches, val_batches, vocab), run_setup)
 
 
-def full_params(p: Prepared) -> dict:
-    """The run's params whole (parallel=fsdp: their shapes only; the state holds this rank's shards)."""
+def full_params(p) -> dict:
+    """The params of a prepared run ``p`` (a recipe's ``Prepared``: its ``RunSetup`` as ``p.run``) whole; under
+    parallel=fsdp their shapes only (the state holds this rank's shards)."""
     return p.run.layout.full_shapes() if p.run.layout else p.run.state.params
 
 
