@@ -323,13 +323,13 @@ def test_the_blockwise_log_stops_a_phase_whose_steps_are_all_skipped(tmp_path, s
     from types import SimpleNamespace
     import torch
     from purestep.core.io.logging import Logger
-    from purestep.recipes.train.hooks import StepContext
+    from purestep.recipes.train.hooks import Run, StepContext
     from purestep.recipes.train.loop import LoopState
     from purestep.recipes.upcycle.blockwise import BlockConvergence
     state = SimpleNamespace(monitor={"blocks": {"active": torch.ones(2, dtype=torch.bool)}}, step=torch.tensor(0))
     with Logger(tmp_path, tensorboard=False, console=False) as logger:
         hook = BlockConvergence(state, 40, 10, logger, max_skipped=25)
-        ctx = StepContext(state, 0, 0, total=40, loop=LoopState())
+        ctx = StepContext(state, 0, 0, run=Run(40, LoopState()))
         for step in range(1, 41):
             ctx.advance(state, {"loss": torch.tensor(1.0), "block_loss": torch.ones(2), "ema": torch.ones(2),
                                 "active": torch.ones(2), "lr": torch.tensor(1e-3),

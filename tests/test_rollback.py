@@ -16,7 +16,7 @@ from purestep.core.tree import clone, max_abs_diff, tree_map
 from purestep.models import llama
 from purestep.recipes import main
 from purestep.recipes.train import rollback
-from purestep.recipes.train.hooks import Jump, StepContext
+from purestep.recipes.train.hooks import Jump, Run, StepContext
 from purestep.recipes.train.loop import LoopState
 
 
@@ -31,9 +31,9 @@ def state_at(base, step: int):
 
 def hook_and_context(tmp_path, spike: SpikeConfig, manager=None):
     base = init_state(llama.init(CFG, seed=0), optim.adamw(lr=1e-3), spike=True)
-    ctx = StepContext(base, 0, 0, loop=LoopState())
+    ctx = StepContext(base, 0, 0, run=Run(loop=LoopState()))
     hook = rollback.Rollback(spike, Logger(tmp_path / "log", tensorboard=False), ctx, manager)
-    ctx.hooks = [hook]
+    ctx.run.hooks = [hook]
     return base, ctx, hook
 
 
@@ -41,7 +41,7 @@ def advance(ctx, hook, base, to: int, *, log_every: int = 5, manager=None, save_
     """Steps up to ``to`` without a spike: the hook sees each log step, the manager saves every ``save_every``."""
     for step in range(ctx.step + 1, to + 1):
         ctx.state, ctx.step, ctx.cursor = state_at(base, step), step, step
-        ctx.values = {"spike": 0.0} if step % log_every == 0 else None
+        ctx.window.values = {"spike": 0.0} if step % log_every == 0 else None
         assert hook.after_step(ctx) is None
         if manager is not None and save_every and step % save_every == 0:
             manager.save(step, ctx.state)
@@ -51,7 +51,7 @@ def spike_at(ctx, hook, step: int, onset: int):
     """A hard spike with ``onset`` detected at log step ``step``: the hook's answer."""
     monitor = {**ctx.state.monitor, "hard": torch.tensor(1), "onset": torch.tensor(onset)}
     ctx.state = ctx.state._replace(step=torch.tensor(step), monitor=monitor)
-    ctx.step, ctx.cursor, ctx.values = step, step, {"spike": 1.0}
+    ctx.step, ctx.cursor, ctx.window.values = step, step, {"spike": 1.0}
     return hook.after_step(ctx)
 
 
@@ -83,7 +83,7 @@ def test_the_ring_does_not_copy_a_state_inside_a_suspect_streak(tmp_path):
     base, ctx, hook = hook_and_context(tmp_path, SpikeConfig(snapshot_every=10, rollback_back=10))
     advance(ctx, hook, base, 15)
     streak = {**base.monitor, "streak": torch.tensor(1)}
-    ctx.state, ctx.step, ctx.values = state_at(base, 20)._replace(monitor=streak), 20, {"spike": 0.0}
+    ctx.state, ctx.step, ctx.window.values = state_at(base, 20)._replace(monitor=streak), 20, {"spike": 0.0}
     hook.after_step(ctx)
     assert hook.ring.steps() == [0]
     advance(ctx, hook, base, 25)

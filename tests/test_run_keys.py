@@ -10,7 +10,7 @@ import torch
 from purestep.core.io.logging import Logger
 from purestep.recipes import main
 from purestep.recipes.train.checkpointing import Checkpointing
-from purestep.recipes.train.hooks import StepContext
+from purestep.recipes.train.hooks import Run, StepContext
 from purestep.recipes.train.loop import FitResult, LoopState
 from purestep.core.step import Compile
 from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
@@ -61,7 +61,7 @@ def drive(hook: Checkpointing, clock: FakeClock, seconds_per_step: float, steps:
     loop = LoopState()
     for step in range(1, steps + 1):
         clock.now += seconds_per_step
-        ctx = StepContext(state=None, step=step, cursor=step, total=total, loop=loop, result=FitResult(None, loop))
+        ctx = StepContext(state=None, step=step, cursor=step, run=Run(total, loop, FitResult(None, loop)))
         hook.after_step(ctx)
 
 

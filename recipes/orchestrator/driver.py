@@ -159,7 +159,7 @@ class Orchestrator(Hook):
     # ------------------------------------------------------------------ the loop's hooks
     def after_step(self, ctx: StepContext) -> Optional[Jump]:
         """The loop's hook after every step (``recipes.train.hooks``)."""
-        return self.observe(ctx.state, ctx.metrics, step=ctx.step, cursor=ctx.cursor, frozen=ctx.frozen)
+        return self.observe(ctx.state, ctx.metrics, step=ctx.step, cursor=ctx.cursor, frozen=ctx.run.frozen)
 
     def observe(self, state: TrainState, metrics: dict, *, step: int, cursor: int, frozen=None) -> Optional[Jump]:
         """Buffers the step's metrics; at the loop's log steps it reads

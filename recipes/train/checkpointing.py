@@ -69,7 +69,7 @@ class Checkpointing(Hook):
     def save(self, ctx: StepContext, val_loss: Optional[float] = None, final: bool = False,
              stopped: Optional[str] = None) -> Optional[Path]:
         t0 = time.perf_counter()
-        ctx.loop.wall_seconds = ctx.clock.wall(t0)
+        ctx.run.loop.wall_seconds = ctx.run.meter.wall(t0)
         self.last_saved = self.clock()
         tree = ctx.state if self.export is None else self.export(ctx.state)
         if self.manager is None:
@@ -77,20 +77,20 @@ class Checkpointing(Hook):
                 ckpt.make_deferred(tree)     # the writing rank gathers each leaf now: take part
             self.dist.barrier()              # wait (patiently) for rank 0's write
             return None
-        extra = {**self.extra(), "loop": ctx.loop.to_dict()}
+        extra = {**self.extra(), "loop": ctx.run.loop.to_dict()}
         if self.train is not None:   # the training keys this run used: a resume compares them (setup.start)
             extra["train"] = self.train
-        for hook in ctx.hooks:   # every hook's state (a strategy layer's choices and counters) resumes with the run
+        for hook in ctx.run.hooks:   # every hook's state (a strategy layer's choices and counters) resumes with the run
             if hook.key is not None:
                 extra[hook.key] = hook.state_dict()
-        ctx.result.checkpoint = self.manager.save(ctx.step, tree, extra=extra, val_loss=val_loss, final=final,
+        ctx.run.result.checkpoint = self.manager.save(ctx.step, tree, extra=extra, val_loss=val_loss, final=final,
                                                   stopped=stopped)
         self.dist.barrier()   # the other ranks waited here: none sits in a short-timeout collective meanwhile
-        ctx.clock.excluded += time.perf_counter() - t0
-        return ctx.result.checkpoint
+        ctx.run.meter.excluded += time.perf_counter() - t0
+        return ctx.run.result.checkpoint
 
     def after_step(self, ctx: StepContext):
-        val_loss = ctx.result.val_loss if ctx.evaluated else None
+        val_loss = ctx.run.result.val_loss if ctx.evaluated else None
         if ctx.last:
             path = self.save(ctx, val_loss=val_loss, final=True)
             self.logger.print(f"saved final checkpoint {path}")
@@ -115,7 +115,7 @@ class Stopping(Hook):
         cfg = self.cfg
         if ctx.last:
             return None
-        cost = ctx.clock.wall() / 3600 * cfg.cost_per_hour
+        cost = ctx.run.meter.wall() / 3600 * cfg.cost_per_hour
         preemption = self.preemption
         stop = preemption.requested or bool(cfg.budget and cost >= cfg.budget)
         if self.dist.enabled:   # every rank must stop at the same step: decide together at log steps

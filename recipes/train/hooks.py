@@ -95,13 +95,15 @@ class RunHook:
 
 
 @dataclass
-class Clock:
-    """The loop's timekeeping: wall time of the whole run (its earlier sessions ``before``), and what of the time
-    since the last log step was not training (evaluating, saving: ``excluded``) or waited for data."""
+class Meter:
+    """What the loop meters: wall time of the whole run (its earlier sessions ``before``), what of the time since the
+    last log step was not training (evaluating, saving: ``excluded``) or waited for data, and the tokens a step
+    consumes over all ranks."""
     before: float = 0.0                      # wall seconds of the run's earlier sessions
     start: float = field(default_factory=time.perf_counter)   # this session's start
     excluded: float = 0.0                    # seconds evaluating/saving since the last log (not throughput)
     data_seconds: float = 0.0                # seconds the steps since the last log waited for their batch
+    tokens_per_step: int = 0
 
     def wall(self, now: Optional[float] = None) -> float:
         """Wall seconds of the whole run so far, earlier sessions included."""
@@ -118,45 +120,58 @@ class Clock:
 
 
 @dataclass
+class Run:
+    """What the loop keeps across its steps and shares with every hook: the last step, the loop's counters and its
+    result (``recipes.train.loop``: ``LoopState``, ``FitResult``), the frozen inputs every step takes (a teacher),
+    the hooks themselves (rollback and checkpointing ask every one) and the meter."""
+    total: int = 0
+    loop: Any = None
+    result: Any = None
+    frozen: Any = None
+    hooks: list = field(default_factory=list)
+    meter: Meter = field(default_factory=Meter)
+
+
+@dataclass
+class Window:
+    """The step metrics since the last log step: ``pending`` (0-d tensors not yet pulled to the host) and, at a log
+    step, the ``values`` the log hook pulled (the rollback reads them)."""
+    pending: list = field(default_factory=list)
+    values: Optional[dict] = None
+
+
+@dataclass
 class StepContext:
-    """Where the loop is (the state after this step, its position, this step's metrics) and what the hooks share
-    during a run: the loop's counters and result (``recipes.train.loop``), the hooks themselves (rollback and
-    checkpointing ask every one), the metrics not yet pulled and, at log steps, the pulled ones, and the clock."""
+    """Where the loop is after a step: the state, its step and data cursor, the step's metrics, the metrics window
+    since the last log, and the run (what lasts across steps)."""
     state: Any
     step: int
     cursor: int
     metrics: Optional[dict] = None
-    frozen: Any = None
-    total: int = 0                          # the run's last step
-    loop: Any = None                        # recipes.train.loop.LoopState
-    result: Any = None                      # recipes.train.loop.FitResult
-    tokens_per_step: int = 0
-    hooks: list = field(default_factory=list)
-    pending: list = field(default_factory=list)      # step metrics not yet pulled to the host
-    values: Optional[dict] = None           # this step's pulled metrics (log steps only)
-    clock: Clock = field(default_factory=Clock)
+    window: Window = field(default_factory=Window)
+    run: Run = field(default_factory=Run)
 
     @property
     def last(self) -> bool:
-        return self.step == self.total
+        return self.step == self.run.total
 
     @property
     def evaluated(self) -> bool:
         """Validation ran at this step (its loss is the result's newest)."""
-        history = self.result.history if self.result is not None else ()
+        history = self.run.result.history if self.run.result is not None else ()
         return bool(history) and history[-1][0] == self.step
 
     def advance(self, state, metrics: dict) -> None:
         """One train step happened."""
         self.state, self.metrics = state, metrics
         self.step, self.cursor = self.step + 1, self.cursor + 1
-        self.loop.tokens += self.tokens_per_step
-        self.loop.ticks += 1
-        self.pending.append(metrics)
-        self.values = None
+        self.run.loop.tokens += self.run.meter.tokens_per_step
+        self.run.loop.ticks += 1
+        self.window.pending.append(metrics)
+        self.window.values = None
 
     def apply(self, jump: Jump) -> None:
         self.state, self.step, self.cursor = jump.state, jump.step, jump.cursor
-        self.pending.extend(jump.metrics)
-        self.loop.ticks += jump.ticks
-        self.loop.tokens += jump.ticks * self.tokens_per_step
+        self.window.pending.extend(jump.metrics)
+        self.run.loop.ticks += jump.ticks
+        self.run.loop.tokens += jump.ticks * self.run.meter.tokens_per_step

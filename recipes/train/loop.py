@@ -34,7 +34,7 @@ from purestep.recipes.train import backend
 from purestep.recipes.train.checkpointing import Checkpointing, Stopping
 from purestep.recipes.train.config import TrainConfig
 from purestep.recipes.train.faults import FaultyBatches, with_faults
-from purestep.recipes.train.hooks import Clock, Hook, Jump, StepContext, Stop
+from purestep.recipes.train.hooks import Hook, Jump, Meter, Run, StepContext, Stop
 from purestep.recipes.train.metrics import Evaluation, FirstStepCheck, TrainLog
 from purestep.recipes.train.prefetch import Prefetch
 from purestep.recipes.train.rollback import Rollback
@@ -204,13 +204,12 @@ class Loop:
         _check_wired(cfg, hooks)
         self.cfg, self.steps, self.logger, self.checkpoints, self.dist = cfg, steps, logger, checkpoints, dist
         counters = counters or LoopState()
-        self.ctx = StepContext(state, int(state.step), int(state.cursor), frozen=frozen, total=cfg.steps,
-                               loop=counters, result=FitResult(state, counters),
-                               tokens_per_step=measures.tokens_per_step, clock=Clock(before=counters.wall_seconds))
+        run = Run(cfg.steps, counters, FitResult(state, counters), frozen,
+                  meter=Meter(before=counters.wall_seconds, tokens_per_step=measures.tokens_per_step))
+        self.ctx = StepContext(state, int(state.step), int(state.cursor), run=run)
         self._preemption = Preemption()
-        self.ctx.hooks = _pieces(cfg, logger, checkpoints, extra, validation, measures, log,
-                                 Stopping(cfg, logger, self._preemption, dist, resume_folder), steps, hooks, self.ctx,
-                                 dist)
+        run.hooks = _pieces(cfg, logger, checkpoints, extra, validation, measures, log,
+                            Stopping(cfg, logger, self._preemption, dist, resume_folder), steps, hooks, self.ctx, dist)
         self._stopped = False
 
     @property
@@ -221,7 +220,7 @@ class Loop:
     @property
     def result(self) -> FitResult:
         """The final state and what happened (complete once the ``with`` block has closed)."""
-        return self.ctx.result
+        return self.ctx.run.result
 
     def __enter__(self) -> "Loop":
         self._setup_peak = _announce_parallel(self.logger, self.ctx.state, self.steps, self.dist)
@@ -235,7 +234,7 @@ class Loop:
         while not self._stopped and ctx.step < self.cfg.steps:
             t0 = time.perf_counter()
             batch = self._batches.get(ctx.cursor)
-            ctx.clock.data_seconds += time.perf_counter() - t0
+            ctx.run.meter.data_seconds += time.perf_counter() - t0
             yield batch
 
     def stepped(self, state: TrainState, metrics: dict) -> None:
@@ -261,17 +260,17 @@ class Loop:
     def _close(self) -> None:
         ctx, logger = self.ctx, self.logger
         compiling = None if self._compiled_before is None else compile_seconds() - self._compiled_before
-        wall = ctx.clock.wall()
-        logger.print(f"wall time {wall:.1f}s (this session {wall - ctx.clock.before:.1f}s"
+        wall = ctx.run.meter.wall()
+        logger.print(f"wall time {wall:.1f}s (this session {wall - ctx.run.meter.before:.1f}s"
                      + (f", of which compiling {compiling:.1f}s)" if compiling else ", compile included)"))
         logger.flush()
-        ctx.result.state = ctx.state
+        ctx.run.result.state = ctx.state
         if self._setup_peak is not None:
             _report_peaks(logger, int(ctx.state.step), ctx.state.step.device, self.dist, self._setup_peak)
-        if ctx.result.unfinished:
+        if ctx.run.result.unfinished:
             where = f"{self.checkpoints.folder / ckpt.STOPPED}" if self.checkpoints else \
                 f"{ckpt.STOPPED} (written by rank 0)"
-            raise RunStopped(f"{ctx.result.stop_reason}; its last state is {where}, not final.msgpack")
+            raise RunStopped(f"{ctx.run.result.stop_reason}; its last state is {where}, not final.msgpack")
 
 
 def _check_wired(cfg: TrainConfig, hooks: list) -> None:
@@ -342,7 +341,7 @@ def _epoch_of(batches) -> Optional[Callable[[int], float]]:
 
 def _after_step(ctx: StepContext) -> Optional[Stop]:
     """Run the hooks on this step: apply their jumps; the first stop ends the step (and the run)."""
-    for hook in ctx.hooks:
+    for hook in ctx.run.hooks:
         outcome = hook.after_step(ctx)
         if isinstance(outcome, Stop):
             return outcome
@@ -354,8 +353,9 @@ def _after_step(ctx: StepContext) -> Optional[Stop]:
 
 
 def _finish(ctx: StepContext, stop: Stop) -> None:
-    ctx.result.stop_reason, ctx.result.stopped_early, ctx.result.unfinished = stop.reason, stop.early, stop.unfinished
-    for hook in ctx.hooks:
+    result = ctx.run.result
+    result.stop_reason, result.stopped_early, result.unfinished = stop.reason, stop.early, stop.unfinished
+    for hook in ctx.run.hooks:
         hook.on_stop(ctx, stop)
     if stop.announce is not None:
-        stop.announce(ctx.result.checkpoint)
+        stop.announce(ctx.run.result.checkpoint)

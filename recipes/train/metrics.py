@@ -105,7 +105,7 @@ class FirstStepCheck(Hook):
         self.logger, self.health, self.expected = logger, health, expected_initial_loss
 
     def after_step(self, ctx: StepContext):
-        if ctx.loop.ticks != 1:
+        if ctx.run.loop.ticks != 1:
             return None
         metrics = ctx.metrics
         if self.expected is not None:
@@ -124,7 +124,7 @@ class FirstStepCheck(Hook):
 
 class TrainLog(Hook):
     """Every ``log_every`` steps (and the last): the interval's metrics, throughput, memory, MFU, cost,
-    gradient health and the progress line. Leaves the pulled values in ``ctx.values`` for the rollback."""
+    gradient health and the progress line. Leaves the pulled values in ``ctx.window.values`` for the rollback."""
 
     def __init__(self, cfg, logger: Logger, health: Optional[GradientHealth], ctx: StepContext,
                  flops_per_token: float = 0.0, epoch_of: Optional[Callable[[int], float]] = None):
@@ -132,7 +132,7 @@ class TrainLog(Hook):
         self.epoch_of = epoch_of   # cursor -> epochs done once its batch is consumed (JSONL data), or None
         self.device = ctx.state.step.device
         self.peak = peak_flops(self.device, cfg.peak_flops)
-        self.last_time, self.last_tokens = time.perf_counter(), ctx.loop.tokens
+        self.last_time, self.last_tokens = time.perf_counter(), ctx.run.loop.tokens
         self.skipped_run = 0      # steps in a row skipped as non-finite, up to the last log step
         logger.layout(board_layout(health))
 
@@ -140,14 +140,14 @@ class TrainLog(Hook):
         cfg, logger = self.cfg, self.logger
         if ctx.step % cfg.log_every != 0 and not ctx.last:
             return None
-        values, health, age, skips = pull(ctx.pending)
-        interval = len(ctx.pending)
+        values, health, age, skips = pull(ctx.window.pending)
+        interval = len(ctx.window.pending)
         self.skipped_run = skipped_run(skips, self.skipped_run)
-        ctx.pending.clear()
+        ctx.window.pending.clear()
         now = time.perf_counter()
-        clock = ctx.clock
+        clock = ctx.run.meter
         seconds = max(now - self.last_time - clock.excluded, 1e-9)
-        tps = (ctx.loop.tokens - self.last_tokens) / seconds
+        tps = (ctx.run.loop.tokens - self.last_tokens) / seconds
         wall = clock.wall(now)
         values.update({"tokens_per_sec": tps, "memory_mb": memory_mb(self.device), "wall_hours": wall / 3600,
                        "data_ms": 1000 * clock.data_seconds / max(interval, 1)})
@@ -164,8 +164,8 @@ class TrainLog(Hook):
             write_health(logger, self.health, ctx.step - age, health)
         logger.progress(ctx.step, cfg.steps, loss=logged["train/loss"], tokens_per_sec=tps,
                         extra={k: logged[k] for k in ("epoch", "lr", "data_ms") if k in logged} or None)
-        self.last_time, self.last_tokens, clock.excluded = now, ctx.loop.tokens, 0.0
-        ctx.values = values
+        self.last_time, self.last_tokens, clock.excluded = now, ctx.run.loop.tokens, 0.0
+        ctx.window.values = values
         if values.get("skipped", 0.0) > 0 and not values.get("spike", 0.0) > 0:
             logger.print(f"warning: {round(values['skipped'] * interval)} non-finite step(s) up to step {ctx.step} "
                          f"were skipped (parameters untouched)")
@@ -204,9 +204,9 @@ class Evaluation(Hook):
         cfg = self.cfg
         if not ((cfg.eval_every and ctx.step % cfg.eval_every == 0) or ctx.last):
             return None
-        with ctx.clock.timed():
+        with ctx.run.meter.timed():
             self.evaluate(ctx)
-        loop, val = ctx.loop, ctx.result.val_loss
+        loop, val = ctx.run.loop, ctx.run.result.val_loss
         if not math.isfinite(val):   # the weights are broken: training on cannot mend them, nor is this a result
             reason = f"diverged: validation loss {val} at step {ctx.step}"
             self.logger.print(f"{reason}: stopping (lower lr, or inspect the data)")
@@ -216,14 +216,14 @@ class Evaluation(Hook):
             self.logger.print(f"early stopping at step {ctx.step}: no better validation loss in "
                               f"{cfg.patience} evaluations (best {loop.best_val:.4f})")
             self.logger.event(ctx.step, "early_stop", best_val=loop.best_val, patience=cfg.patience)
-            return Stop(early=True, final=True, val_loss=ctx.result.val_loss)
+            return Stop(early=True, final=True, val_loss=ctx.run.result.val_loss)
         return None
 
     def evaluate(self, ctx: StepContext) -> None:
-        step, loop, logger = ctx.step, ctx.loop, self.logger
+        step, loop, logger = ctx.step, ctx.run.loop, self.logger
         val = self.evaluate_fn(ctx.state.params)
-        ctx.result.val_loss = val
-        ctx.result.history.append((step, val))
+        ctx.run.result.val_loss = val
+        ctx.run.result.history.append((step, val))
         improved = val < loop.best_val
         loop.best_val, loop.bad_evals = (val, 0) if improved else (loop.best_val, loop.bad_evals + 1)
         values = {"val/loss": val}

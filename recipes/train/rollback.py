@@ -107,7 +107,7 @@ def _file_key(path: Path) -> Optional[tuple[int, int]]:
 
 
 class Rollback(Hook):
-    """Keeps the snapshot ring; on a hard spike (``ctx.values["spike"]``) restores a snapshot or checkpoint
+    """Keeps the snapshot ring; on a hard spike (``ctx.window.values["spike"]``) restores a snapshot or checkpoint
     from before the onset, letting every hook adjust it (``on_rollback``), or stops the run at the rollback
     cap. ``checkpoints``: the run's checkpoint manager, None for the ring alone."""
 
@@ -122,9 +122,9 @@ class Rollback(Hook):
             self._abandon_after(ctx.step)                 # files of a later step are another history's
 
     def after_step(self, ctx: StepContext):
-        if ctx.values is None:   # not a log step: nothing pulled, nothing vetted
+        if ctx.window.values is None:   # not a log step: nothing pulled, nothing vetted
             return None
-        if ctx.values.get("spike", 0.0) > 0:
+        if ctx.window.values.get("spike", 0.0) > 0:
             return self.roll_back(ctx)
         if self.ring.due(ctx.step) and _settled(ctx.state):
             self.ring.take(ctx.step, ctx.state)
@@ -132,7 +132,7 @@ class Rollback(Hook):
 
     def roll_back(self, ctx: StepContext):
         """Restore a state from before the spike's onset, skip the batches since, maybe lower the LR."""
-        spike, loop, step = self.spike, ctx.loop, ctx.step
+        spike, loop, step = self.spike, ctx.run.loop, ctx.step
         onset = int(ctx.state.monitor["onset"])
         recent = [t for t in loop.rollbacks if loop.ticks - t < spike.window]
         device = ctx.state.step.device
@@ -143,7 +143,7 @@ class Rollback(Hook):
         to_step, restored, path, note = found
         cursor = ctx.cursor + spike.skip_ahead
         skipped = cursor - int(restored.cursor)
-        for hook in ctx.hooks:   # a hook may adjust the restored state (a strategy layer: switch to its safe one)
+        for hook in ctx.run.hooks:   # a hook may adjust the restored state (a strategy layer: switch to its safe one)
             restored = hook.on_rollback(step, to_step, restored)
         restored = restored._replace(cursor=torch.tensor(cursor, dtype=torch.int64, device=device),
                                      monitor=clear_monitor(restored.monitor),

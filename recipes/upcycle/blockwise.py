@@ -351,16 +351,17 @@ class BlockConvergence(Hook):
 
     def log(self, ctx: StepContext) -> None:
         logger, step = self.logger, ctx.step
-        values = _pull(ctx.pending)
-        packed = next((m["health"] for m in reversed(ctx.pending) if "health" in m and computed(m["health"])), None)
+        values = _pull(ctx.window.pending)
+        packed = next((m["health"] for m in reversed(ctx.window.pending) if "health" in m and computed(m["health"])),
+                      None)
         if self.health is not None and packed is not None:
             write_health(logger, self.health, step, packed.cpu())
-        skips = torch.stack([m["skipped"] for m in ctx.pending]).tolist()
+        skips = torch.stack([m["skipped"] for m in ctx.window.pending]).tolist()
         self.skipped_run, skipped = skipped_run(skips, self.skipped_run), sum(skips)
         if skipped:
             logger.print(f"blockwise: {skipped:.0f} non-finite step(s) skipped since the last log (student untouched)")
-        ctx.pending.clear()
-        ctx.values = values
+        ctx.window.pending.clear()
+        ctx.window.values = values
         now_active = torch.tensor(values["active"]) > 0.5
         rate = (step - self.steps_at_log) / max(time.perf_counter() - self.t_log, 1e-9)
         self.t_log, self.steps_at_log = time.perf_counter(), step
