@@ -10,7 +10,9 @@ is params + grads + moments + activations, as with ``torch.optim``.
 
 Eager mode has no compiler to plan buffers: the eager donated step computes the new state out of place, exactly
 as the pure step does, and copies it into the old buffers, so eager peak memory is the pure step's (the
-transforms hold no in-place mode: ``optim`` is pure, whatever runs it).
+transforms hold no in-place mode: ``optim`` is pure, whatever runs it). The one eager in-place update is an
+optimizer's own: one that carries ``in_place`` (``optim.fused``, torch's fused AdamW kernel) is run by
+``core.update.apply_in_place`` instead, for an eager donated step only (``core.step``).
 
 The caller must not read the old state afterwards: it *is* the new one. :func:`owned` makes a state safe
 to donate: a leaf that shares storage with another leaf or with the ``frozen`` inputs (a teacher the

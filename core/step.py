@@ -49,7 +49,7 @@ from purestep.core.state import TrainState
 from purestep.core.tree import leaves_of
 from purestep.core.gradients import (autocast, autograd_gradients, averaged, func_gradients, loss_caller,
                             make_objective, sharded_block_gradients)
-from purestep.core.update import Monitors, apply_gradients
+from purestep.core.update import Monitors, apply_gradients, apply_in_place
 
 GRAD_MODES = ("func", "autograd")
 COMPILE_SCOPES = ("step", "block")
@@ -63,14 +63,19 @@ def per_block(shard, compile: bool, compile_scope: str = "step", grad_mode: Opti
     return shard is not None and not one_graph and grad_mode != "func"
 
 
-def _make_apply_gradients(optimizer, monitors: Monitors, donate: bool, psum: Optional[Callable]) -> Callable:
+def _make_apply_gradients(optimizer, monitors: Monitors, donate: bool, psum: Optional[Callable],
+                          eager: bool) -> Callable:
     """``apply(state, grads, loss, aux, due=None) -> (state, metrics)``: :func:`core.update.apply_gradients` with
     this step's optimizer, monitors and norms, donated from outside (``core.donate.donate``) when ``donate`` (a
-    function of its own: the autograd paths compile it)."""
-    def apply(state: TrainState, grads, loss, aux, due: Optional[bool] = None):
-        return apply_gradients(state, grads, optimizer, loss=loss, aux=aux, monitors=monitors, psum=psum, due=due)
+    function of its own: the autograd paths compile it). An eager donated step whose optimizer carries an in-place
+    step (``optimizer.in_place``: ``optim.fused``) runs :func:`core.update.apply_in_place` instead: the one place
+    an eager step updates in place."""
+    update = apply_in_place if donate and eager and getattr(optimizer, "in_place", None) else apply_gradients
 
-    return donated(apply) if donate else apply
+    def apply(state: TrainState, grads, loss, aux, due: Optional[bool] = None):
+        return update(state, grads, optimizer, loss=loss, aux=aux, monitors=monitors, psum=psum, due=due)
+
+    return donated(apply) if donate and update is apply_gradients else apply
 
 
 class HostDue:
@@ -197,7 +202,8 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
     by_layer = per_block(shard, compile.enabled, compile.scope, grad_mode)
     objective = make_objective(loss_caller(loss_fn), accum, precision, device_type,
                                 BlockCompiler(compile.mode, cpp, device_type) if by_block else None)
-    apply = _make_apply_gradients(optimizer, monitors, donate, None if shard is None else shard.psum)
+    apply = _make_apply_gradients(optimizer, monitors, donate, None if shard is None else shard.psum,
+                                  eager=not compile.enabled)
     reduced = averaged(parallel.reduce) if shard is None else shard.reduce
     if grad_mode == "func":      # one graph: forward, backward, the update
         engine = func_gradients(objective, accum)

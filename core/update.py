@@ -73,20 +73,13 @@ def apply_gradients(state: TrainState, grads, optimizer, *, loss: torch.Tensor, 
     and the step's metrics: ``loss``, ``grad_norm``, ``skipped``, ``param_norm``, ``aux``, what the optimizer and
     ``monitors`` report. ``psum`` makes norms of sharded params and gradients whole-model (``core.parallel.shard``);
     ``due`` (decided on the host, or None: in the graph or always) says whether the extra metrics run this step."""
-    grads = unscale(grads, state.loss_scale)   # before clipping or statistics read them
-    grad_norm = global_norm(grads, psum)
-    finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(), **(aux or {})}
+    grads, grad_norm, finite, metrics = _checked(state, grads, loss, aux, psum)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_params = apply_updates(state.params, updates)
     if getattr(optimizer, "metrics", None) is not None:   # what the transforms report: lr, clip activity
         metrics.update(optimizer.metrics(opt_state))
     metrics.update(extra_metrics(monitors.extra_metrics, state, grads, updates, new_params, grad_norm, due))
-    monitor, spike_metrics = spike_statistics(state, loss, grad_norm, monitors.spike)
-    metrics.update(spike_metrics)
-    loss_scale = next_loss_scale(state.loss_scale, finite)
-    if loss_scale:
-        metrics["loss_scale"] = loss_scale["scale"]
+    monitor, loss_scale = _watched(state, loss, grad_norm, finite, monitors, metrics)
     keep_old = monitors.skip
     kept = if_finite(finite, new_params, state.params) if keep_old else new_params
     metrics["param_norm"] = global_norm(kept, psum)   # of the params it keeps: one pass with the update
@@ -94,6 +87,56 @@ def apply_gradients(state: TrainState, grads, optimizer, *, loss: torch.Tensor, 
                            opt_state=if_finite(finite, opt_state, state.opt_state) if keep_old else opt_state,
                            key=state.key, cursor=state.cursor + 1, loss_scale=loss_scale, monitor=monitor)
     return new_state, metrics
+
+
+def apply_in_place(state: TrainState, grads, optimizer, *, loss: torch.Tensor, aux: Optional[dict] = None,
+                   monitors: Monitors = Monitors(), psum: Optional[Callable] = None,
+                   due: Optional[bool] = None) -> tuple[TrainState, dict]:
+    """:func:`apply_gradients` for an eager donated step whose optimizer writes its step into the state's tensors,
+    ``optimizer.in_place(grads, opt_state, params, grad_norm=, finite=) -> metrics`` (``optim.fused``: torch's
+    fused AdamW; the metrics are what ``optimizer.metrics`` reports of the pure update's new state): the same state
+    and metrics, with ``state``'s params and optimizer state updated where they are (the caller
+    gives ``state`` up, as with ``core.donate``) and ``grads`` given up too. On a step whose extra metrics run
+    (gradient health) the old params and the gradients are copied first, so they read what the pure step gives
+    them: the gradients, the old and new params and the update applied (``new - old``; 0 on a skipped step, where
+    the pure step's update is the non-finite one it did not apply)."""
+    grads, grad_norm, finite, metrics = _checked(state, grads, loss, aux, psum)
+    watched = monitors.extra_metrics is not None and due is not False
+    before = tree_map(torch.clone, state.params) if watched else None
+    metrics.update(optimizer.in_place(tree_map(torch.clone, grads) if watched else grads, state.opt_state,
+                                      state.params, grad_norm=grad_norm, finite=finite if monitors.skip else None))
+    if watched:
+        updates = tree_map(torch.sub, state.params, before)
+        metrics.update(extra_metrics(monitors.extra_metrics, state._replace(params=before), grads, updates,
+                                     state.params, grad_norm, due))
+    else:
+        metrics.update(extra_metrics(monitors.extra_metrics, state, grads, None, None, grad_norm, due))
+    monitor, loss_scale = _watched(state, loss, grad_norm, finite, monitors, metrics)
+    metrics["param_norm"] = global_norm(state.params, psum)
+    return TrainState(step=state.step + 1, params=state.params, opt_state=state.opt_state, key=state.key,
+                      cursor=state.cursor + 1, loss_scale=loss_scale, monitor=monitor), metrics
+
+
+def _checked(state: TrainState, grads, loss: torch.Tensor, aux: Optional[dict], psum: Optional[Callable]):
+    """``(grads, grad_norm, finite, metrics)``: the gradients unscaled (before clipping or statistics read them),
+    their global norm, whether the loss and that norm are finite, and the metrics that start every step."""
+    grads = unscale(grads, state.loss_scale)
+    grad_norm = global_norm(grads, psum)
+    finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+    return grads, grad_norm, finite, {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(),
+                                      **(aux or {})}
+
+
+def _watched(state: TrainState, loss: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
+             monitors: Monitors, metrics: dict) -> tuple:
+    """``(monitor, loss_scale)`` after this step: the spike detector's state and the next loss scale, their metrics
+    added to ``metrics``."""
+    monitor, spike_metrics = spike_statistics(state, loss, grad_norm, monitors.spike)
+    metrics.update(spike_metrics)
+    loss_scale = next_loss_scale(state.loss_scale, finite)
+    if loss_scale:
+        metrics["loss_scale"] = loss_scale["scale"]
+    return monitor, loss_scale
 
 
 def extra_metrics(metric_fn: Optional[Callable], state: TrainState, grads, updates, new_params,

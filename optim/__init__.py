@@ -2,6 +2,7 @@
 from purestep.optim.adagc import AdaGCState, adagc, adagc_metrics
 from purestep.optim.adamw import adamw, scale_by_adam
 from purestep.optim.agc import agc
+from purestep.optim.fused import FusedAdamW, fused_adamw
 from purestep.optim.base import (EmptyState, GradientTransformation, apply_updates, chain, find_state, identity,
                         partition, replace_states)
 from purestep.optim.clip import clip_by_global_norm
@@ -20,4 +21,4 @@ __all__ = [
     "clip_by_global_norm", "add_decayed_weights", "scale_by_learning_rate", "current_lr", "base_lr",
     "scale_lr", "decay_mask", "schedules",
 ]
-__all__ += ["adagc", "AdaGCState", "adagc_metrics", "agc", "GradientHealth"]
+__all__ += ["adagc", "AdaGCState", "adagc_metrics", "agc", "GradientHealth", "fused_adamw", "FusedAdamW"]
