@@ -81,6 +81,9 @@ class TrainConfig:
                            "(params, gradients and optimizer state sharded), auto (ddp under torchrun, else none), "
                            "none (one process)", choices=PARALLEL)
     compile: bool = option(True, "compile the train step (and the eval step: eval_compile) with torch.compile")
+    fused: bool = option(False, "eager steps (compile=false): AdamW, its clipping and the non-finite skip in place "
+                         "by torch's fused kernel (torch.optim.AdamW(fused=True)), the same numbers at torch.optim's "
+                         "memory; with optimizer=adamw, clipping=global or none, one process")
     eval_compile: str = option("auto", "compile the eval step too (auto: when the run evaluates at least "
                                "1000 batches, eval_batches x evaluations; below that the compile costs more than it "
                                "saves); ignored under compile=false", choices=EVAL_COMPILES)
@@ -125,12 +128,34 @@ class TrainConfig:
         for hook in self.run_hooks():
             hook.check()
 
+        refusal = fused_refusal(self) if self.fused else None
+        if refusal:
+            raise ConfigError(refusal)
+
     def run_hooks(self) -> tuple:
         """The layers this config's sections add to a run (``recipes.train.hooks.RunHook``): a recipe's config opts
         into a layer by declaring its section, whose ``run_hook(cfg)`` answers, switched on or off by the section;
         the shared trainer never names one."""
         sections = (getattr(self, f.name) for f in dataclasses.fields(self))
         return tuple(section.run_hook(self) for section in sections if hasattr(section, "run_hook"))
+
+
+def fused_refusal(cfg: TrainConfig, ranks: int = 1) -> str:
+    """Why ``fused=true`` cannot apply to a run of ``cfg`` over ``ranks`` processes ("" when it can): the fused step is
+    AdamW's (``optim.fused``) with global-norm clipping at most, eager and donated (``core.update.apply_in_place``),
+    in one process."""
+    kept = [h.loop_key for h in cfg.run_hooks() if h.keeps_states]
+    reasons = [(cfg.compile, "compile=true (a compiled step's update is fused by inductor already; the fused step is "
+                             "the eager one, compile=false)"),
+               (cfg.optimizer != "adamw", f"optimizer={cfg.optimizer} (the kernel is AdamW's)"),
+               (cfg.clipping not in ("global", "none"),
+                f"clipping={cfg.clipping} (the kernel folds in global-norm clipping only)"),
+               (cfg.parallel in ("ddp", "fsdp") or ranks > 1, f"parallel={cfg.parallel} over several ranks (one "
+                                                              f"process only)"),
+               (bool(kept), f"{kept[0] if kept else ''}.* switched on (it steps one state more than once, so the step "
+                            f"cannot write into it)")]
+    found = [why for refused, why in reasons if refused]
+    return f"fused=true cannot apply with {found[0]}: drop fused=true" if found else ""
 
 
 def _check_paths(out: str, resume: str) -> None:

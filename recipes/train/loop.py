@@ -32,7 +32,7 @@ from purestep.core.step import Compile, Gradients, Parallel, make_eval_step, mak
 from purestep.optim.health import GradientHealth
 from purestep.recipes.train import backend
 from purestep.recipes.train.checkpointing import Checkpointing, Stopping
-from purestep.recipes.train.config import TrainConfig
+from purestep.recipes.train.config import TrainConfig, fused_refusal
 from purestep.recipes.train.faults import FaultyBatches, with_faults
 from purestep.recipes.train.hooks import Hook, Jump, Meter, Run, StepContext, Stop
 from purestep.recipes.train.metrics import Evaluation, FirstStepCheck, TrainLog
@@ -118,6 +118,8 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     gradients across them (``dist``), or with a ``layout`` (``parallel=fsdp``, ``RunSetup.layout``) takes the
     state as this rank's shards: both steps gather the params, the train step reduce-scatters the gradients.
     """
+    if cfg.fused and fused_refusal(cfg, dist.world_size):   # parallel=auto under torchrun
+        raise UserError(fused_refusal(cfg, dist.world_size))
     psum = layout.psum if layout else None
     clip_norm = cfg.grad_clip if cfg.clipping == "global" else None
     health = GradientHealth(params, clip_norm=clip_norm, psum=psum, every=cfg.log_every) if cfg.health else None

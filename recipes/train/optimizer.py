@@ -67,6 +67,7 @@ class OptimizerSpec:
     agc_clip: float = 0.01
     optimizer: str = "adamw"             # OPTIMIZERS: muon takes the hidden matrices, AdamW the rest
     muon: MuonConfig = field(default_factory=MuonConfig)
+    fused: bool = False                  # AdamW with an in-place eager step (optim.fused)
 
 
 def optimizer_spec(cfg) -> OptimizerSpec:
@@ -112,8 +113,11 @@ def make_optimizer(spec: OptimizerSpec, psum=None) -> GradientTransformation:
     """Clipping (``spec.clipping``), then AdamW with the spec's schedule (no decay on norms/embeddings), or with
     ``optimizer=muon`` Muon for the hidden matrices (``optim.muon.muon_mask``) and that AdamW for the rest, both
     on the schedule; ``psum`` as in :func:`clip_transform` (parallel=fsdp). Muon needs whole matrices, so it is
-    refused on sharded gradients (``TrainConfig`` refuses optimizer=muon with parallel=fsdp first)."""
+    refused on sharded gradients (``TrainConfig`` refuses optimizer=muon with parallel=fsdp first). ``spec.fused``:
+    the same AdamW and clipping carrying torch's fused in-place step for eager donated steps (:func:`fused_adamw`)."""
     schedule = make_schedule(spec)
+    if spec.fused:
+        return fused_adamw(spec, schedule, psum)
     body = optim.adamw(lr=spec.lr, b1=spec.beta1, b2=spec.beta2, weight_decay=spec.weight_decay, schedule=schedule)
     if spec.optimizer == "muon":
         if psum is not None:
@@ -128,3 +132,13 @@ def make_optimizer(spec: OptimizerSpec, psum=None) -> GradientTransformation:
         raise ValueError(f"optimizer={spec.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     clip = clip_transform(spec, psum)
     return body if clip is None else optim.chain(clip, body)
+
+
+def fused_adamw(spec: OptimizerSpec, schedule: Schedule, psum=None) -> optim.FusedAdamW:
+    """``make_optimizer``'s AdamW and global clipping with the in-place eager step of torch's fused kernel
+    (``optim.fused``; ``fused=true``, which ``TrainConfig`` refuses where it cannot apply)."""
+    if spec.optimizer != "adamw" or spec.clipping not in ("global", "none") or psum is not None:
+        raise ValueError(f"fused=true is AdamW with clipping=global or none in one process, not optimizer="
+                         f"{spec.optimizer}, clipping={spec.clipping}{' on sharded gradients' if psum else ''}")
+    return optim.fused_adamw(lr=spec.lr, b1=spec.beta1, b2=spec.beta2, weight_decay=spec.weight_decay,
+                             schedule=schedule, max_norm=spec.grad_clip if spec.clipping == "global" else None)
