@@ -59,6 +59,18 @@ def test_step_bench_interleaved_refuses_repeats_and_leaves_the_inductor_cache_se
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/kept"
 
 
+def test_step_bench_fused_times_the_fused_eager_step_and_needs_compile_false():
+    """``fused=true`` is the recipes' key (optim.fused_adamw in the functional eager variant), refused with
+    ``compile=true``, whose compiled variants would not run it."""
+    from purestep.core.config import ConfigError
+    from purestep.recipes.bench import step
+    small = dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, batch_size=2, block_size=16, warmup=1, steps=1,
+                 rounds=1, isolate=False, fused=True)
+    with pytest.raises(ConfigError, match="fused=true is the eager step's .* set compile=false"):
+        step.Config(**small)
+    assert set(step.run(step.Config(**small, compile=False))) == {"plain eager", "functional eager"}
+
+
 def test_wall_bench_times_both_whole_runs_per_cache_state(tmp_path, capsys):
     """``bench.wall`` at test size (uncompiled, 6 steps): recipe=standard's run and the plain loop's run, each a
     child process of its own, per cache state; the plain loop evaluates the windows recipe=standard evaluates, so

@@ -13,7 +13,8 @@ Four ways to take the same training step on the same Llama and the same batch:
                           forward, backward, clipping and AdamW in one graph
 
 Both functional variants donate the state (``donate=true``, as the recipes run); ``donate=false`` times the
-pure step.
+pure step. ``fused=true`` (with ``compile=false``) gives the functional eager step torch's fused in-place AdamW, as
+the recipes' ``fused=true`` (``optim.fused``).
 
 With ``isolate=true`` (the default) each variant runs alone in a fresh Python process (``python -c`` of
 :func:`measure_variant`), so its peak memory is its own: the child's peak RSS (``getrusage(RUSAGE_SELF)
@@ -69,10 +70,15 @@ class Config(StepBench):
                                       "process with isolate=true, so the first step times a cold compile")
     donate: bool = option(True, "the functional step writes the new state into the old buffers, as the recipes run it "
                                 "(false: the pure step)")
+    fused: bool = option(False, "the functional eager step's AdamW and clipping in place by torch's fused kernel, "
+                               "as the recipes' fused=true (optim.fused); eager only: needs compile=false")
     compile_scope: str = option("block", "what one graph covers in the functional compiled variant: the whole step, "
                                 "or one block shared by every layer (core.step)", choices=COMPILE_SCOPES)
 
     def __post_init__(self):
+        if self.fused and self.compile:
+            raise ConfigError("fused=true is the eager step's (a compiled step's update is fused by inductor "
+                              "already): set compile=false")
         if self.repeats > 1 and not self.isolate:
             raise ConfigError(f"repeats={self.repeats} runs each variant in that many processes: it needs "
                               f"isolate=true (isolate=false times the variants in rounds: set repeats=1, more rounds=)")
@@ -103,7 +109,10 @@ def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool):
 
 
 def _functional(cfg: llama.LlamaConfig, params, batch, compiled: bool, bench: Config):
-    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3, weight_decay=0.1, mask=None))
+    if bench.fused:
+        opt = optim.fused_adamw(lr=1e-3, weight_decay=0.1, mask=None, max_norm=1.0)
+    else:
+        opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3, weight_decay=0.1, mask=None))
     train_step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt,
                                  compile=Compile(compiled, scope=bench.compile_scope),
                                  donate=bench.donate)
