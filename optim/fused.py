@@ -16,7 +16,9 @@ on the leaves ``mask`` keeps, as a second call with ``weight_decay=0`` for the r
 Global-norm clipping is the kernel's ``grad_scale``: the gradients divided by ``1 / factor``, ``factor`` the clip's
 ``min(1, max_norm / (norm + 1e-6))`` of the norm the step computed (``optim.clip``). The non-finite skip is its
 ``found_inf``, as ``torch.amp.GradScaler`` skips a step: a step whose loss or gradient norm is not finite leaves the
-params, the moments and the counts as they were, as the pure step's select does.
+params, the moments and the counts as they were, as the pure step's select does. The kernel takes betas, eps and
+the weight decay as Python numbers: they are read from the state each step (on CUDA each read waits for the device,
+as an eager step's host reads do), so an edit of the state's hyperparameters is honoured as in the pure update.
 """
 from __future__ import annotations
 

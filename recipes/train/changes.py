@@ -24,7 +24,7 @@ FIXED = ("model", "student", "teacher", "tokenizer", "data", "seed", "init", "fi
 config's run hooks add their own, ``recipes.train.hooks.RunHook.fixed_keys``).
 (``teacher_dtype`` is not here: ``auto`` and ``fp32`` may hold the same teacher; distill compares the dtype the
 teacher is actually held in, with the teacher's fingerprint.)"""
-WHERE = ("out", "name", "resume", "compile", "compile_mode", "tf32", "device")
+WHERE = ("out", "name", "resume", "compile", "compile_mode", "fused", "tf32", "device")
 """Keys that say where and how the run executes, not what it computes: never reported."""
 
 
