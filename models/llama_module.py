@@ -2,7 +2,9 @@
 
 This file shares no code with ``models/llama.py`` on purpose: it is the independent reference the
 functional model is tested against (forward to 1e-5, gradients against ``.backward()``) and the
-"plain PyTorch" baseline the benchmarks time against (``nn.Module`` + ``torch.optim.AdamW``). It follows
+"plain PyTorch" baseline the benchmarks time against (``nn.Module`` + ``torch.optim.AdamW``). As nanoGPT's
+``GPT.forward(idx, targets)``, ``forward(tokens, targets)`` returns the loss, so ``torch.compile(module)`` compiles the
+cross entropy with the model: the strongest plain way, the one the benchmarks' ``plain`` baselines take. It follows
 Hugging Face's ``modeling_llama.py`` structure (per-layer ``q_proj``/``k_proj``/... Linear layers,
 ``repeat_kv`` for grouped-query attention, rotate-half RoPE).
 """
@@ -113,14 +115,23 @@ class LlamaModule(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, tokens):
+    def forward(self, tokens, targets=None):
+        """The logits ``[B, T, vocab]``; given ``targets`` ``[B, T]``, their mean cross entropy instead, as nanoGPT's
+        ``GPT.forward(idx, targets)`` returns it (``model.py``: ``F.cross_entropy(logits.view(-1, V), targets.view(-1),
+        ignore_index=-1)``; nanoGPT returns the logits beside it, here only the loss leaves the module, so under
+        ``torch.compile`` no logits outlive its graph). The logits are taken in float32 at least (bf16 autocast's
+        upcast, as ``models.losses.cross_entropy``); targets of -1 are ignored, as nanoGPT's."""
         T = tokens.shape[1]
         cos, sin = (self.cos[:T], self.sin[:T]) if T <= self.cos.shape[0] else self._tables(T)
         x = self.embed_tokens(tokens)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
 
 
 def load_params(module: LlamaModule, params: dict) -> LlamaModule:

@@ -2,12 +2,14 @@
 
 ``python -m recipes.bench.plain_run '<json>'`` (the keys of :class:`PlainRun`), one process from start-up to exit:
 the corpus through purestep's own tokenizer cache (the same tokens ``recipe=standard`` reads), a Llama as an
-``nn.Module`` (``models.llama_module.LlamaModule``, the seed's ``llama.init`` weights), ``torch.compile(module)``,
-``torch.optim.AdamW(fused=True)`` with nanoGPT's groups (decay on the 2-D weights), nanoGPT's learning rate
-(linear warmup, cosine to ``min_lr``), ``loss.backward()``, ``clip_grad_norm_(1.0)``, nanoGPT's ``get_batch``
-(random windows, ``torch.randint``), ``loss.item()`` every ``log_every`` steps. Every ``eval_every`` steps and at the
-end: ``model.eval()`` and ``torch.no_grad()`` over the same ``eval_batches`` validation windows ``recipe=standard``
-evaluates, then ``torch.save`` of the model's and the optimizer's state when the loss improved (nanoGPT's
+``nn.Module`` (``models.llama_module.LlamaModule``, the seed's ``llama.init`` weights), ``torch.compile(module)``
+called as nanoGPT's ``model(X, Y)``, so the cross entropy is compiled with the model (``loss_inside=false``: taken
+eagerly on the compiled module's logits, the weaker loop), ``torch.optim.AdamW(fused=True)`` with nanoGPT's groups
+(decay on the 2-D weights), nanoGPT's learning rate (linear warmup, cosine to ``min_lr``), ``loss.backward()``,
+``clip_grad_norm_(1.0)``, nanoGPT's ``get_batch`` (random windows, ``torch.randint``), ``loss.item()`` every
+``log_every`` steps, under ``dtype``'s autocast. Every ``eval_every`` steps and at the end: ``model.eval()`` and
+``torch.no_grad()`` over the same ``eval_batches`` validation windows ``recipe=standard`` evaluates, then
+``torch.save`` of the model's and the optimizer's state when the loss improved (nanoGPT's
 ``always_save_checkpoint=False``). Prints one line ``PLAIN_RUN {json}``: the final validation loss, the seconds spent
 compiling (``core.compile.compile_seconds``), the steps' and the evaluations' seconds.
 """
@@ -55,6 +57,7 @@ class PlainRun:
     log_every: int = 10
     compile: bool = True
     dtype: str = "fp32"   # nanoGPT's: fp32 on the CPU; bf16/fp16 autocast (its ``ctx`` on GPUs)
+    loss_inside: bool = True   # the cross entropy compiled with the module (nanoGPT's forward(idx, targets))
     seed: int = 1337
 
 
@@ -64,6 +67,14 @@ def nanogpt_lr(step: int, total: int, warmup: int = 100, peak: float = 1e-3, flo
         return peak * (step + 1) / (warmup + 1)
     ratio = min(1.0, (step - warmup) / max(1, total - warmup))
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - floor)
+
+
+def loss_of(model, x: torch.Tensor, y: torch.Tensor, inside: bool = True) -> torch.Tensor:
+    """The mean cross entropy of ``model`` on ``x`` against ``y``: ``inside``, the module's own (nanoGPT's
+    ``model(X, Y)``, compiled with it under ``torch.compile``), else taken eagerly on the logits it returns."""
+    if inside:
+        return model(x, y)
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
 def run(cfg: PlainRun) -> dict:
@@ -93,7 +104,7 @@ def run(cfg: PlainRun) -> dict:
     def evaluate() -> float:
         model.eval()
         with torch.no_grad(), ctx:
-            losses = [F.cross_entropy(model(b["x"]).flatten(0, 1), b["y"].flatten()).item() for b in val]
+            losses = [loss_of(model, b["x"], b["y"], cfg.loss_inside).item() for b in val]
         model.train()
         return sum(losses) / len(losses)
 
@@ -105,7 +116,7 @@ def run(cfg: PlainRun) -> dict:
             group["lr"] = nanogpt_lr(step - 1, cfg.steps, cfg.warmup_steps, cfg.lr, cfg.min_lr)
         x, y = get_batch()
         with ctx:
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss = loss_of(model, x, y, cfg.loss_inside)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

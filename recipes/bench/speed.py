@@ -6,10 +6,13 @@ heads, d=128, block 64, batch 12, lr 1e-3, beta2 0.99, 100 warmup steps, cosine 
 
 In one process, on the same Llama (the same initial weights), the same data and the same batch shape:
 
-- ``plain``: nanoGPT's ``train.py`` loop over ``models.llama_module.LlamaModule``: ``torch.compile(module)``,
-  ``loss.backward()``, ``clip_grad_norm_``, ``torch.optim.AdamW`` (``plain_optimizer``: fused or foreach; weight
+- ``plain``: nanoGPT's ``train.py`` loop over ``models.llama_module.LlamaModule``: ``torch.compile(module)`` called
+  as nanoGPT's ``model(X, Y)``, so the cross entropy is compiled with the model, ``loss.backward()``,
+  ``clip_grad_norm_``, ``torch.optim.AdamW`` (``plain_optimizer``: fused, the faster on a CPU, or foreach; weight
   decay on the 2-D weights, nanoGPT's groups), the learning rate set every step, the batch fetched
-  synchronously, ``loss.item()`` every ``log_every`` steps.
+  synchronously, ``loss.item()`` every ``log_every`` steps; fp32 on both sides. The ratios are against it.
+- with ``loss_outside=true`` also ``plain, loss outside``: the same loop with the cross entropy taken eagerly on
+  the compiled module's logits (the weaker baseline of the earlier figures).
 - ``standard``: ``recipes.standard.prepare_run`` and ``train_steps`` (the recipe's own config, data, state and
   steps, every default on: gradient health, spike detection with its snapshot ring, the non-finite skip) driven by
   ``recipes.train.loop.Loop``, the loop ``purestep recipe=standard`` runs (prefetch, metric pulls, TensorBoard
@@ -49,7 +52,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from purestep.core.config import ConfigError, option
 from purestep.core.io.logging import Logger, progress
@@ -59,7 +61,7 @@ from purestep.optim.health import computed
 from purestep.models import llama
 from purestep.models.llama_module import LlamaModule, load_params
 from purestep.recipes import standard
-from purestep.recipes.bench.plain_run import nanogpt_lr
+from purestep.recipes.bench.plain_run import loss_of, nanogpt_lr
 from purestep.recipes.train import backend
 from purestep.recipes.train.backend import SCOPES
 from purestep.recipes.train.hooks import Hook
@@ -73,8 +75,10 @@ WITHOUT = {"health": "standard, health=false", "spike": "standard, spike.enabled
 DEFAULTS_TEXT = ",".join(DEFAULTS)
 PAIRS = 20   # step pairs per default (overhead=true)
 
-DESCRIPTION = ("tokens/s of purestep recipe=standard's loop against nanoGPT's plain loop (torch.compile(module) + "
-               "torch.optim.AdamW), interleaved; FLOP/s against a measured matmul peak; the defaults' costs")
+DESCRIPTION = ("tokens/s of purestep recipe=standard's loop against nanoGPT's plain loop (torch.compile(module) over "
+               "the model and its loss + torch.optim.AdamW), interleaved; FLOP/s against a measured matmul peak; the "
+               "defaults' costs")
+LOSS_OUTSIDE = "plain, loss outside"   # the variant loss_outside=true adds
 
 
 @dataclass
@@ -97,6 +101,8 @@ class Config:
     compile_scope: str = option("auto", "recipe=standard's compile_scope", choices=SCOPES)
     plain_optimizer: str = option("fused", "torch.optim.AdamW's implementation in the plain loop",
                                   choices=("fused", "foreach"))
+    loss_outside: bool = option(False, "also time the plain loop with the cross entropy taken eagerly outside the "
+                                       "compiled module (the weaker baseline): a variant named 'plain, loss outside'")
     overhead: bool = option(False, "also time standard without health, without spike detection, without the skip")
     without: str = option(DEFAULTS_TEXT, "with overhead=true, which of the three to time standard without "
                                                "(comma-separated: fewer resident copies of a large model)")
@@ -208,9 +214,10 @@ class _Clock(Hook):
 
 
 class Plain:
-    """nanoGPT's ``train.py`` loop (CPU: no GradScaler, no autocast) over the same Llama as an ``nn.Module``."""
+    """nanoGPT's ``train.py`` loop (CPU: no GradScaler, no autocast) over the same Llama as an ``nn.Module``; the
+    loss compiled with it (``model(X, Y)``), or with ``loss_inside=False`` taken eagerly on its logits."""
 
-    def __init__(self, cfg: Config, std: Standard):
+    def __init__(self, cfg: Config, std: Standard, loss_inside: bool = True):
         module = load_params(LlamaModule(std.model_cfg), std.params)
         self.forward = torch.compile(module) if cfg.compile else module
         params = [p for p in module.parameters() if p.requires_grad]
@@ -219,7 +226,7 @@ class Plain:
         kind = {"fused": True} if cfg.plain_optimizer == "fused" else {"foreach": True}
         self.opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99), **kind)
         self.params, self.batches, self.total = params, std.steps.batches, cfg.warmup + cfg.steps * cfg.rounds
-        self.it, self.log_every = 0, cfg.log_every
+        self.it, self.log_every, self.loss_inside = 0, cfg.log_every, loss_inside
 
     def __call__(self, n: int) -> float:
         """Run ``n`` more steps; returns seconds per step from the end of the second to the end of the last."""
@@ -228,7 +235,7 @@ class Plain:
             for group in self.opt.param_groups:
                 group["lr"] = nanogpt_lr(self.it, self.total)
             batch = self.batches.get(self.it)
-            loss = F.cross_entropy(self.forward(batch["x"]).flatten(0, 1), batch["y"].flatten())
+            loss = loss_of(self.forward, batch["x"], batch["y"], self.loss_inside)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.params, 1.0)
             self.opt.step()
@@ -260,11 +267,14 @@ def matmul_peak(n: int, repeats: int = 3) -> float:
 
 
 def build(cfg: Config, folder: Path) -> dict:
-    """The variants, keyed by name: ``standard`` first, ``plain`` second, the overhead variants after."""
+    """The variants, keyed by name: ``standard`` first, ``plain`` second, ``plain, loss outside`` with
+    ``loss_outside``, the overhead variants after."""
     left = _without(cfg) if cfg.overhead else ()
     n = 1 + len(left)
     std = Standard(standard_config(cfg, n), folder / "standard")
     variants = {"standard": std, "plain": Plain(cfg, std)}
+    if cfg.loss_outside:
+        variants[LOSS_OUTSIDE] = Plain(cfg, std, loss_inside=False)
     changes = {"health": {"health": False}, "spike": {"spike": SpikeConfig(enabled=False)},
                "skip": {"skip_nonfinite": False}}
     for default in left:

@@ -4,9 +4,10 @@
 
 Four ways to take the same training step on the same Llama and the same batch:
 
-- ``plain eager``        ``nn.Module`` forward, ``.backward()``, ``clip_grad_norm_``,
-                          ``torch.optim.AdamW(foreach=True)``
-- ``plain compiled``     the same with ``torch.compile(module)`` (the optimizer stays eager, the usual way)
+- ``plain eager``        ``nn.Module`` forward returning the loss (nanoGPT's ``model(X, Y)``), ``.backward()``,
+                          ``clip_grad_norm_``, ``torch.optim.AdamW(fused=True)`` (the faster on a CPU)
+- ``plain compiled``     the same with ``torch.compile(module)``: the cross entropy compiled with the model (the
+                          optimizer stays eager, the usual way)
 - ``functional eager``   ``core.step.make_train_step`` (``torch.func.grad_and_value``), not compiled
 - ``functional compiled`` the same step compiled: with ``compile_scope=block`` (the default, as the recipes
                           run) one block graph shared by every layer plus the update graph; with ``step``
@@ -14,7 +15,9 @@ Four ways to take the same training step on the same Llama and the same batch:
 
 Both functional variants donate the state (``donate=true``, as the recipes run); ``donate=false`` times the
 pure step. ``fused=true`` (with ``compile=false``) gives the functional eager step torch's fused in-place AdamW, as
-the recipes' ``fused=true`` (``optim.fused``).
+the recipes' ``fused=true`` (``optim.fused``). ``loss_outside=true`` adds ``plain compiled, loss outside``: the
+cross entropy taken eagerly on the compiled module's logits (the weaker baseline of the earlier figures). fp32 on
+every side.
 
 With ``isolate=true`` (the default) each variant runs alone in a fresh Python process (``python -c`` of
 :func:`measure_variant`), so its peak memory is its own: the child's peak RSS (``getrusage(RUSAGE_SELF)
@@ -41,10 +44,8 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from purestep import optim
 from purestep.core.config import ConfigError, option
@@ -54,9 +55,11 @@ from purestep.core.state import init_state
 from purestep.core.step import COMPILE_SCOPES, Compile, make_train_step
 from purestep.models import llama
 from purestep.models.llama_module import LlamaModule, load_params
+from purestep.recipes.bench.plain_run import loss_of
 
-DESCRIPTION = ("time, peak memory and compile time of the functional step against nn.Module + torch.optim.AdamW "
-               "(one process per variant)")
+DESCRIPTION = ("time, peak memory and compile time of the functional step against nn.Module (its loss inside) + "
+               "torch.optim.AdamW (one process per variant)")
+LOSS_OUTSIDE = ", loss outside"   # the suffix of loss_outside=true's variant
 
 
 @dataclass
@@ -74,11 +77,16 @@ class Config(StepBench):
                                "as the recipes' fused=true (optim.fused); eager only: needs compile=false")
     compile_scope: str = option("block", "what one graph covers in the functional compiled variant: the whole step, "
                                 "or one block shared by every layer (core.step)", choices=COMPILE_SCOPES)
+    loss_outside: bool = option(False, "also time plain compiled with the cross entropy taken eagerly outside the "
+                                       "compiled module (the weaker baseline): 'plain compiled, loss outside'")
 
     def __post_init__(self):
         if self.fused and self.compile:
             raise ConfigError("fused=true is the eager step's (a compiled step's update is fused by inductor "
                               "already): set compile=false")
+        if self.loss_outside and not self.compile:
+            raise ConfigError("loss_outside=true times plain compiled with the loss outside the compiled module: it "
+                              "needs compile=true (eager, inside and outside are the same operations)")
         if self.repeats > 1 and not self.isolate:
             raise ConfigError(f"repeats={self.repeats} runs each variant in that many processes: it needs "
                               f"isolate=true (isolate=false times the variants in rounds: set repeats=1, more rounds=)")
@@ -90,16 +98,17 @@ PRESETS = {
 }
 
 
-def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool):
-    """The plain step: ``nn.Module`` forward (``torch.compile(module)`` when compiled), ``.backward()``, clipping and
-    ``torch.optim.AdamW``. The compile itself happens in the first call, as the functional step's does."""
+def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool, loss_inside: bool = True):
+    """The plain step: ``nn.Module`` forward returning the loss (``torch.compile(module)`` when compiled; with
+    ``loss_inside=False`` the cross entropy taken eagerly on its logits), ``.backward()``, clipping and
+    ``torch.optim.AdamW(fused=True)``. The compile itself happens in the first call, as the functional step's does."""
     module = load_params(LlamaModule(cfg).to(params["embed"].device), params)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     forward = torch.compile(module) if compiled else module
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(forward(batch["x"]).flatten(0, 1), batch["y"].flatten())
+        loss = loss_of(forward, batch["x"], batch["y"], loss_inside)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0, foreach=True)
         opt.step()
@@ -134,15 +143,15 @@ def _time(step, n: int) -> float:
 
 
 def _build(cfg: Config, name: str, model_cfg, params, batch):
-    plain_or_functional, mode = name.split()
+    plain_or_functional, mode = name.removesuffix(LOSS_OUTSIDE).split()
     if plain_or_functional == "plain":
-        return _plain(model_cfg, params, batch, mode == "compiled")
+        return _plain(model_cfg, params, batch, mode == "compiled", loss_inside=not name.endswith(LOSS_OUTSIDE))
     return _functional(model_cfg, params, batch, mode == "compiled", cfg)
 
 
 def _names(cfg: Config) -> list[str]:
     extra = ["plain compiled", "functional compiled"] if cfg.compile else []
-    return ["plain eager", "functional eager"] + extra
+    return ["plain eager", "functional eager"] + extra + (["plain compiled" + LOSS_OUTSIDE] if cfg.loss_outside else [])
 
 
 def _peak_mb(device: torch.device) -> float:

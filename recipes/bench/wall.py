@@ -4,7 +4,8 @@
 shakespeare-char configuration, the command in ``recipes/standard.py``'s docstring (4 layers, 4 heads, d=128,
 block 64, batch 12, 2000 steps, lr 1e-3 with 100 warmup steps and cosine to 1e-4, beta2 0.99, an evaluation of 20
 batches every 250 steps), with ``optimizer=`` as given: ``adamw`` by default, the plain loop's own optimizer, so both
-sides run the same algorithm; ``optimizer=muon`` runs the docstring's command itself (``recipes.standard.NANOGPT_MUON``).
+sides run the same algorithm, and ``dtype=`` (bf16 by default) on both sides; ``optimizer=muon`` runs the docstring's
+command itself (``recipes.standard.NANOGPT_MUON``).
 
 Every run is a child process, timed from its start to its exit (interpreter start-up, imports, the data, every
 compile, the steps, the evaluations, the checkpoints):
@@ -12,12 +13,17 @@ compile, the steps, the evaluations, the checkpoints):
 - ``standard``: ``purestep recipe=standard`` with those keys, every other key at its default (samples at each
   evaluation, gradient health, spike detection, checkpoints every 500 steps and the best): what users run.
 - ``plain``: ``python -m recipes.bench.plain_run`` (``recipes/bench/plain_run.py``): nanoGPT's ``train.py`` loop over
-  the same Llama as an ``nn.Module``: ``torch.compile(module)``, fused AdamW, the same evaluations (the same windows,
-  under ``no_grad``), a ``torch.save`` when the validation loss improves.
+  the same Llama as an ``nn.Module``: ``torch.compile(module)`` over the model and its loss (nanoGPT's
+  ``model(X, Y)``), fused AdamW, the same evaluations (the same windows, under ``no_grad``), a ``torch.save`` when the
+  validation loss improves; in ``dtype``'s precision unless ``plain_dtype`` names another (the table's header then
+  says the precisions are mixed).
+- with ``loss_outside=true`` also ``plain, loss outside``: the same loop with the cross entropy taken eagerly on the
+  compiled module's logits (the weaker baseline of the earlier figures).
 
 ``caches``: ``cold`` runs compile into a new, empty inductor cache (``TORCHINDUCTOR_CACHE_DIR``), one per run;
 ``warm`` runs read the cache their own side's cold run filled (a cold run first if none ran). The order is
-standard, plain for each cache state, ``repeats`` times; the ratio standard / plain is the median of each pair's.
+standard, plain (then ``plain, loss outside``) for each cache state, ``repeats`` times; the ratio standard / plain is
+the median of each pair's.
 Each run also gives what it spent compiling (dynamo's timers, ``core.compile.compile_seconds``) and its final
 validation loss. This machine is shared and noisy: ratios taken back to back are the result, not bare times.
 """
@@ -45,6 +51,7 @@ from purestep.recipes.train.optimizer import OPTIMIZERS
 
 REPO = Path(__file__).resolve().parents[2]
 CACHES = ("cold", "warm")
+LOSS_OUTSIDE = "plain, loss outside"   # the side loss_outside=true adds
 DESCRIPTION = ("wall time of a whole purestep recipe=standard run (compile, steps, evaluations, checkpoints) against "
                "nanoGPT's plain loop's whole run, cold and warm inductor cache")
 
@@ -65,8 +72,10 @@ class Config:
                             "docstring's muon.lr=0.01 muon.momentum=0.9)", choices=OPTIMIZERS)
     dtype: str = option("bf16", "recipe=standard's dtype= (the configuration's command: bf16 autocast)",
                         choices=tuple(PRECISIONS))
-    plain_dtype: str = option("fp32", "the plain loop's autocast dtype (nanoGPT's train.py on the CPU: fp32; "
-                              "bf16 for the same precision as dtype=bf16)", choices=tuple(PRECISIONS))
+    plain_dtype: str = option("same", "the plain loop's autocast dtype (same: dtype's, the same precision on both "
+                              "sides; fp32: nanoGPT's train.py on a CPU)", choices=("same", *PRECISIONS))
+    loss_outside: bool = option(False, "also run the plain loop with the cross entropy taken eagerly outside the "
+                                       "compiled module (the weaker baseline): 'plain, loss outside'")
     caches: tuple[str, ...] = option(CACHES, "the inductor cache states to time, among cold, warm")
     repeats: int = option(1, "pairs of runs per cache state", min=1)
     compile: bool = option(True, "compile both sides (false: eager, for a quick look)")
@@ -88,11 +97,16 @@ def standard_args(cfg: Config, folder: Path) -> list[str]:
             f"compile={str(cfg.compile).lower()}", f"out={folder}"]
 
 
-def plain_config(cfg: Config, folder: Path) -> PlainRun:
+def plain_dtype(cfg: Config) -> str:
+    """The plain loop's precision: ``plain_dtype``, or ``dtype``'s when it says ``same``."""
+    return cfg.dtype if cfg.plain_dtype == "same" else cfg.plain_dtype
+
+
+def plain_config(cfg: Config, folder: Path, loss_inside: bool = True) -> PlainRun:
     return PlainRun(data=cfg.data, tokenizer=cfg.tokenizer, out=str(folder), n_layers=cfg.n_layers,
                     n_heads=cfg.n_heads, d_model=cfg.d_model, batch_size=cfg.batch_size, block_size=cfg.block_size,
                     steps=cfg.steps, eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, compile=cfg.compile,
-                    dtype=cfg.plain_dtype)
+                    dtype=plain_dtype(cfg), loss_inside=loss_inside)
 
 
 def timed(argv: list[str], cache: Path, log: Path) -> tuple[float, str]:
@@ -117,34 +131,57 @@ def run_standard(cfg: Config, folder: Path, cache: Path) -> dict:
             "compile_s": float(compiling.group(1)) if compiling else None}
 
 
-def run_plain(cfg: Config, folder: Path, cache: Path) -> dict:
-    argv = [sys.executable, "-m", "purestep.recipes.bench.plain_run", json.dumps(asdict(plain_config(cfg, folder)))]
+def run_plain(cfg: Config, folder: Path, cache: Path, loss_inside: bool = True) -> dict:
+    argv = [sys.executable, "-m", "purestep.recipes.bench.plain_run",
+            json.dumps(asdict(plain_config(cfg, folder, loss_inside)))]
     seconds, text = timed(argv, cache, folder.with_suffix(".log"))
     result = json.loads(next(line[len(MARK):] for line in text.splitlines() if line.startswith(MARK)))
     return {"wall_s": seconds, "val_loss": result["val_loss"], "compile_s": result["compile_s"],
             "steps_s": result["steps_s"], "evals_s": result["evals_s"]}
 
 
+def run_plain_loss_outside(cfg: Config, folder: Path, cache: Path) -> dict:
+    return run_plain(cfg, folder, cache, loss_inside=False)
+
+
+def side_runs(cfg: Config) -> dict:
+    """Each side's name and the function that runs it: standard, plain, and with ``loss_outside`` the plain loop with
+    the loss outside the compiled module."""
+    return {"standard": run_standard, "plain": run_plain,
+            **({LOSS_OUTSIDE: run_plain_loss_outside} if cfg.loss_outside else {})}
+
+
+def _slug(side: str) -> str:
+    """A side's name as a folder name: ``plain, loss outside`` -> ``plain-loss-outside``."""
+    return side.replace(", ", "-").replace(" ", "-")
+
+
 def run(cfg: Config) -> dict:
     folder = make_folder(run_folder(cfg.out, "", "bench-wall"))
-    sides = {"standard": run_standard, "plain": run_plain}
+    sides = side_runs(cfg)
     runs: dict[str, dict[str, list]] = {c: {s: [] for s in sides} for c in cfg.caches}
     with tempfile.TemporaryDirectory(prefix="bench-wall-") as tmp:
         warm_caches: dict[str, Path] = {}
         for repeat in range(cfg.repeats):
             for cache_state in cfg.caches:
                 for side, fn in sides.items():
+                    slug = _slug(side)
                     if cache_state == "warm" and side not in warm_caches:   # fill it: a cold run, not timed
-                        warm_caches[side] = Path(tmp) / f"{side}-filled"
-                        fn(cfg, folder / f"{side}-fill", warm_caches[side])
-                    cache = Path(tmp) / f"{side}-cold-{repeat}" if cache_state == "cold" else warm_caches[side]
-                    r = fn(cfg, folder / f"{side}-{cache_state}-{repeat}", cache)
+                        warm_caches[side] = Path(tmp) / f"{slug}-filled"
+                        fn(cfg, folder / f"{slug}-fill", warm_caches[side])
+                    cache = Path(tmp) / f"{slug}-cold-{repeat}" if cache_state == "cold" else warm_caches[side]
+                    r = fn(cfg, folder / f"{slug}-{cache_state}-{repeat}", cache)
                     if cache_state == "cold" and side not in warm_caches:
                         warm_caches[side] = cache
                     runs[cache_state][side].append(r)
                     progress(f"  {side}, {cache_state} cache ({repeat + 1}/{cfg.repeats}): {r['wall_s']:.1f}s, "
                              f"compiling {_s(r['compile_s'])}, val loss {_loss(r['val_loss'])}")
     return _table(cfg, runs, folder)
+
+
+def _median_ratio(sides: dict, baseline: str) -> float:
+    """The median over pairs of standard's wall time over ``baseline``'s in the same pair."""
+    return statistics.median(s["wall_s"] / p["wall_s"] for s, p in zip(sides["standard"], sides[baseline]))
 
 
 def _loss(value) -> str:
@@ -158,15 +195,20 @@ def _s(seconds) -> str:
 def _table(cfg: Config, runs: dict, folder: Path) -> dict:
     rows, summary = [], {}
     for cache_state, sides in runs.items():
-        ratios = [s["wall_s"] / p["wall_s"] for s, p in zip(sides["standard"], sides["plain"])]
-        summary[cache_state] = {"standard_over_plain": statistics.median(ratios), "runs": sides}
+        summary[cache_state] = {"standard_over_plain": _median_ratio(sides, "plain"), "runs": sides}
+        if LOSS_OUTSIDE in sides:
+            summary[cache_state]["standard_over_plain_loss_outside"] = _median_ratio(sides, LOSS_OUTSIDE)
         for side, rs in sides.items():
             compiling = [r["compile_s"] for r in rs if r["compile_s"] is not None]
             rows.append(f"| {cache_state} | {side} | {statistics.median(r['wall_s'] for r in rs):.1f} | "
                         f"{_s(statistics.median(compiling) if compiling else None)} | {_loss(rs[-1]['val_loss'])} |")
         rows.append(f"| {cache_state} | standard / plain | {summary[cache_state]['standard_over_plain']:.3f}x | | |")
+        if LOSS_OUTSIDE in sides:
+            rows.append(f"| {cache_state} | standard / {LOSS_OUTSIDE} | "
+                        f"{summary[cache_state]['standard_over_plain_loss_outside']:.3f}x | | |")
+    mixed = "" if plain_dtype(cfg) == cfg.dtype else ": mixed precisions"
     print(f"whole runs of {cfg.steps} steps (standard with optimizer={cfg.optimizer} dtype={cfg.dtype}, plain with "
-          f"{cfg.plain_dtype}), {cfg.repeats} pair(s) per cache state, medians:")
+          f"{plain_dtype(cfg)}{mixed}), {cfg.repeats} pair(s) per cache state, medians:")
     print("| cache | run | wall s | compiling | val loss |\n|---|---|---|---|---|")
     print("\n".join(rows))
     result = {"config": asdict(cfg), **summary}

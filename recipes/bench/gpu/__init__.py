@@ -8,10 +8,10 @@ In about 8 minutes on one H100 (``budget_s``), writing ``DIR/report.json`` and `
 2. ``recipes``: every recipe's default command at a small size on the device, ``torchrun`` with NCCL for ddp and
    fsdp (``commands.py``), in child processes beside the checks.
 3. ``upcycle``: docs/upcycle.md's SmolLM2-135M 2x-KV upcycle sized to ``upcycle_steps``, beside them too.
-4. ``speed``: bf16 and compiled, the functional step against ``torch.compile(module)`` + fused AdamW at a 124M and
-   a 1B shape, with the matmul peak and MFU (``speed.py``), alone on the device once the rest has ended. A child
-   process compiles the same shapes during phase 1 (``warm_compile``), so the measurement itself reads
-   inductor's cache instead of compiling for minutes.
+4. ``speed``: bf16 and compiled, the functional step against ``torch.compile(module)`` over the model and its loss
+   (nanoGPT's ``forward(idx, targets)``) + fused AdamW at a 124M and a 1B shape, with the matmul peak and MFU
+   (``speed.py``), alone on the device once the rest has ended. A child process compiles the same shapes during
+   phase 1 (``warm_compile``), so the measurement itself reads inductor's cache instead of compiling for minutes.
 
 ``scale=tiny`` (the default off CUDA) runs the same sections small and uncompiled: the suite runs it on a CPU in
 under a minute so the command never rots. Exit code 0 when every item passed, 3 when one failed (the issue's
@@ -55,9 +55,11 @@ class Config:
     compile: bool = option(True, "compile (the users' default); false: eager, for a quick look")
     speed_shapes: tuple[str, ...] = option(("124m", "1b"), f"speed shapes, among {', '.join(SHAPES)}")
     speed_variants: tuple[str, ...] = option(("functional", "plain"), "what the speed section times: functional (the "
-                                             "recipes' compile scope), plain, functional_step (one graph at any depth), "
-                                             "functional_block (one block graph for every layer), plain_loss (plain with the "
-                                             "cross entropy compiled too, as nanoGPT's forward returns the loss)")
+                                             "recipes' compile scope), plain (the cross entropy compiled with the "
+                                             "module, as nanoGPT's forward returns the loss), functional_step (one "
+                                             "graph at any depth), functional_block (one block graph for every "
+                                             "layer), plain_loss_outside (plain with the cross entropy taken eagerly "
+                                             "on the compiled module's logits)")
     speed_steps: int = option(10, "timed steps per speed variant", min=1)
     speed_warmup: int = option(3, "untimed steps per speed variant (the first compiles)", min=1)
     speed_profile: bool = option(False, "profile two more steps per speed variant: device busy time against wall "
