@@ -9,7 +9,7 @@ from purestep.core.config import resolve
 from purestep.models import llama, losses
 from purestep.models.loading import load_model
 from purestep.recipes import main
-from purestep.recipes.distill import hidden as hidden_targets, recipe
+from purestep.recipes.distill import hidden as hidden_targets, objective, recipe
 from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
 TINY = ["block_size=16", "batch_size=4", "sample_tokens=0", "save_every=0", "eval_batches=1", "eval_every=0",
@@ -36,7 +36,7 @@ def test_the_hidden_term_equals_the_hand_formula(kind, width, tiny_teacher, toke
     params, tparams, tcfg = p.run.state.params, p.teacher.model.params, p.teacher.model.config
     assert (hidden_targets.PROJ in params) == (width != 32)              # the teacher is d=32
     pairs = hidden_targets.pairs("1:1,2:0", p.student, tcfg)
-    loss_fn = recipe.make_loss(p.cfg, p.student, tcfg, "", pairs)
+    loss_fn = objective.make_loss(p.cfg, p.student, tcfg, "", pairs)
     batch = recipe.train_steps(p, p.run.optimizer).batches.get(0)
     loss, aux = loss_fn(params, batch, None, {"teacher": tparams})
     logits, states = llama.apply(params, batch["x"], p.student, return_hidden=True)

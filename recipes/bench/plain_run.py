@@ -69,6 +69,17 @@ def nanogpt_lr(step: int, total: int, warmup: int = 100, peak: float = 1e-3, flo
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - floor)
 
 
+def nanogpt_adamw(module: torch.nn.Module, lr: float, beta2: float, weight_decay: float = 0.1,
+                  fused: bool = True) -> tuple[list, torch.optim.AdamW]:
+    """``(params, optimizer)``: nanoGPT's ``configure_optimizers`` for ``module``, AdamW with weight decay on the
+    2-D weights only, fused (or foreach)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    kind = {"fused": True} if fused else {"foreach": True}
+    return params, torch.optim.AdamW(groups, lr=lr, betas=(0.9, beta2), **kind)
+
+
 def loss_of(model, x: torch.Tensor, y: torch.Tensor, inside: bool = True) -> torch.Tensor:
     """The mean cross entropy of ``model`` on ``x`` against ``y``: ``inside``, the module's own (nanoGPT's
     ``model(X, Y)``, compiled with it under ``torch.compile``), else taken eagerly on the logits it returns."""
@@ -86,10 +97,7 @@ def run(cfg: PlainRun) -> dict:
                                   n_layers=cfg.n_layers, n_heads=cfg.n_heads)
     module = load_params(LlamaModule(model_cfg), llama.init(model_cfg, seed=cfg.seed))
     model = torch.compile(module) if cfg.compile else module
-    params = [p for p in module.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, cfg.beta2), fused=True)
+    params, opt = nanogpt_adamw(module, cfg.lr, cfg.beta2, cfg.weight_decay)
     out, best, seconds = Path(cfg.out), float("inf"), {"steps": 0.0, "evals": 0.0, "saves": 0.0}
     out.mkdir(parents=True, exist_ok=True)
 

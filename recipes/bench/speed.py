@@ -7,12 +7,11 @@ heads, d=128, block 64, batch 12, lr 1e-3, beta2 0.99, 100 warmup steps, cosine 
 In one process, on the same Llama (the same initial weights), the same data and the same batch shape:
 
 - ``plain``: nanoGPT's ``train.py`` loop over ``models.llama_module.LlamaModule``: ``torch.compile(module)`` called
-  as nanoGPT's ``model(X, Y)``, so the cross entropy is compiled with the model, ``loss.backward()``,
-  ``clip_grad_norm_``, ``torch.optim.AdamW`` (``plain_optimizer``: fused, the faster on a CPU, or foreach; weight
-  decay on the 2-D weights, nanoGPT's groups), the learning rate set every step, the batch fetched
-  synchronously, ``loss.item()`` every ``log_every`` steps; fp32 on both sides. The ratios are against it.
-- with ``loss_outside=true`` also ``plain, loss outside``: the same loop with the cross entropy taken eagerly on
-  the compiled module's logits (the weaker baseline of the earlier figures).
+  as nanoGPT's ``model(X, Y)`` (the cross entropy compiled with the model), ``loss.backward()``, ``clip_grad_norm_``,
+  nanoGPT's AdamW groups (``plain_optimizer``: fused, the faster on a CPU, or foreach), the learning rate set every
+  step, the batch fetched synchronously, ``loss.item()`` every ``log_every`` steps; fp32 on both sides. The ratios
+  are against it; ``loss_outside=true`` adds ``plain, loss outside`` (the cross entropy taken eagerly on the
+  compiled module's logits, the weaker baseline of the earlier figures).
 - ``standard``: ``recipes.standard.prepare_run`` and ``train_steps`` (the recipe's own config, data, state and
   steps, every default on: gradient health, spike detection with its snapshot ring, the non-finite skip) driven by
   ``recipes.train.loop.Loop``, the loop ``purestep recipe=standard`` runs (prefetch, metric pulls, TensorBoard
@@ -24,15 +23,13 @@ In one process, on the same Llama (the same initial weights), the same data and 
   same point of training. ``steps`` and ``warmup`` are then multiples of ``log_every``: each variant's timed
   steps hold the same number of gradient-health steps.
 
-The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (the loop resumed; each
-round starts with the next variant: the one after the round's matmul ran apart), timed from the end of a round's
-second step to the end of its last (what the loop does once per run stays out, as a run calls it once: the
-rollback ring's starting copy, and the step after it, much slower at 100M: docs/design.md, 'Measured choices');
+The variants take turns: ``rounds`` rounds, each giving every variant ``steps`` steps (each round starts with the
+next variant), timed from the end of a round's second step to the end of its last (what the loop does once per run
+stays out: the rollback ring's starting copy, and the step after it, much slower at 100M: docs/design.md);
 the median round is the time; "paired" is the median of each round's ratio to ``standard``'s time in it. Every
 round also times a ``peak_size``-square fp32 matmul (the measured peak, 2 n^3 FLOPs); the step's FLOP/s is
 tokens/s times PaLM's training FLOPs per token (``core.io.telemetry.flops_per_token``). Gradient health's cost is
-also read off ``standard``'s own steps: its due steps against the other steps of their call. Ratios are the
-result: this machine is shared and noisy.
+also read off ``standard``'s own steps (its due steps against the others of their call). Ratios are the result.
 
 What each default costs (``overhead=true``) is then measured step by step, as rounds cannot resolve a few
 percent (at 100M this VM's speed drifted far more than that between rounds: docs/design.md, 'Measured choices'):
@@ -61,7 +58,7 @@ from purestep.optim.health import computed
 from purestep.models import llama
 from purestep.models.llama_module import LlamaModule, load_params
 from purestep.recipes import standard
-from purestep.recipes.bench.plain_run import loss_of, nanogpt_lr
+from purestep.recipes.bench.plain_run import loss_of, nanogpt_adamw, nanogpt_lr
 from purestep.recipes.train import backend
 from purestep.recipes.train.backend import SCOPES
 from purestep.recipes.train.hooks import Hook
@@ -220,11 +217,7 @@ class Plain:
     def __init__(self, cfg: Config, std: Standard, loss_inside: bool = True):
         module = load_params(LlamaModule(std.model_cfg), std.params)
         self.forward = torch.compile(module) if cfg.compile else module
-        params = [p for p in module.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        kind = {"fused": True} if cfg.plain_optimizer == "fused" else {"foreach": True}
-        self.opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.99), **kind)
+        params, self.opt = nanogpt_adamw(module, 1e-3, 0.99, fused=cfg.plain_optimizer == "fused")
         self.params, self.batches, self.total = params, std.steps.batches, cfg.warmup + cfg.steps * cfg.rounds
         self.it, self.log_every, self.loss_inside = 0, cfg.log_every, loss_inside
 
