@@ -13,7 +13,7 @@ from purestep.core.config import ConfigError, UserError
 from purestep.core.spike import SpikeConfig
 from purestep.core.state import init_state
 from purestep.core.step import make_train_step
-from purestep.core.tree import clone, leaves_of, max_abs_diff, tree_map
+from purestep.core.tree import clone, flatten_dict, leaves_of, max_abs_diff, tree_map, unflatten_dict
 from purestep.core.update import Monitors
 from purestep.models import llama
 from purestep.optim import schedules
@@ -70,8 +70,8 @@ def run(optimizer, params, monitors=Monitors(), donate=True):
 def torch_reference(params, mask, max_norm):
     """``torch.optim.AdamW(fused=False)`` with the decay mask as two param groups, ``LambdaLR`` on our schedule,
     ``clip_grad_norm_``, and a non-finite step skipped (no optimizer or scheduler step), as GradScaler skips."""
-    leaves = {name: t.clone().requires_grad_() for name, t in _flat(params).items()}
-    decays = _flat(optim.decay_mask(params) if mask is not None else tree_map(lambda _: True, params))
+    leaves = {name: t.clone().requires_grad_() for name, t in flatten_dict(params).items()}
+    decays = flatten_dict(optim.decay_mask(params) if mask is not None else tree_map(lambda _: True, params))
     groups = [{"params": [t for n, t in leaves.items() if decays[n] == d], "weight_decay": ADAMW["weight_decay"] * d}
               for d in (True, False)]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=ADAMW["lr"], betas=(ADAMW["b1"], ADAMW["b2"]),
@@ -80,31 +80,13 @@ def torch_reference(params, mask, max_norm):
     lr_steps = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: float(schedule(torch.tensor(i + 1))))
     for batch in batches():
         opt.zero_grad()
-        loss = loss_fn(_nest(leaves), batch)
+        loss = loss_fn(unflatten_dict(leaves), batch)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(list(leaves.values()), max_norm if max_norm is not None else math.inf)
         if torch.isfinite(loss) and torch.isfinite(norm):
             opt.step()
             lr_steps.step()
-    return _nest({n: t.detach() for n, t in leaves.items()})
-
-
-def _flat(tree, prefix=""):
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def _nest(flat):
-    out = {}
-    for name, v in flat.items():
-        *path, last = name.split(".")
-        node = out
-        for k in path:
-            node = node.setdefault(k, {})
-        node[last] = v
-    return out
+    return unflatten_dict({n: t.detach() for n, t in leaves.items()})
 
 
 @pytest.mark.parametrize("mask,max_norm", [(optim.decay_mask, 0.5), (None, None)], ids=["masked-clipped", "plain"])
