@@ -29,28 +29,24 @@ validation loss. This machine is shared and noisy: ratios taken back to back are
 """
 from __future__ import annotations
 
+import functools
 import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from purestep.core.cli.command import merge_args
-from purestep.core.config import UserError, option
+from purestep.core.config import option
 from purestep.core.gradients import PRECISIONS
-from purestep.core.io.logging import progress
 from purestep.core.cli.runs import make_folder, run_folder
 from purestep.recipes.bench.plain_run import MARK, PlainRun
+from purestep.recipes.bench.turns import CACHES, REPO, check_caches, loss_text, take_turns, timed
 from purestep.recipes.standard import NANOGPT_MUON
 from purestep.recipes.train.optimizer import OPTIMIZERS
 
-REPO = Path(__file__).resolve().parents[2]
-CACHES = ("cold", "warm")
 LOSS_OUTSIDE = "plain, loss outside"   # the side loss_outside=true adds
 DESCRIPTION = ("wall time of a whole purestep recipe=standard run (compile, steps, evaluations, checkpoints) against "
                "nanoGPT's plain loop's whole run, cold and warm inductor cache")
@@ -82,9 +78,7 @@ class Config:
     out: str = option("", "folder for every run's folder and results.json (default runs/bench-wall-<time>)")
 
     def __post_init__(self):
-        unknown = [c for c in self.caches if c not in CACHES]
-        if unknown or not self.caches:
-            raise UserError(f"bad value for 'caches': {','.join(self.caches)}; give cold, warm or both")
+        check_caches(self.caches)
 
 
 def standard_args(cfg: Config, folder: Path) -> list[str]:
@@ -109,22 +103,10 @@ def plain_config(cfg: Config, folder: Path, loss_inside: bool = True) -> PlainRu
                     dtype=plain_dtype(cfg), loss_inside=loss_inside)
 
 
-def timed(argv: list[str], cache: Path, log: Path) -> tuple[float, str]:
-    """Run ``argv`` in the repository with inductor's cache at ``cache``: its wall seconds and its output (written to
-    ``log``); a failure is an error naming the log."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
-    start = time.perf_counter()
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    log.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise UserError(f"{' '.join(argv[:4])} ... exited {done.returncode}; its output is in {log}")
-    return seconds, done.stdout + done.stderr
-
-
 def run_standard(cfg: Config, folder: Path, cache: Path) -> dict:
-    seconds, text = timed([sys.executable, str(REPO / "bin" / "run"), *merge_args(*standard_args(cfg, folder))], cache,
-                          folder.with_suffix(".log"))
+    child = timed([sys.executable, str(REPO / "bin" / "run"), *merge_args(*standard_args(cfg, folder))], cache,
+                  folder.with_suffix(".log"))
+    seconds, text = child.seconds, child.text
     val = re.search(r"done: step \d+, val loss ([\d.]+)", text)
     compiling = re.search(r"of which compiling ([\d.]+)s", text)
     return {"wall_s": seconds, "val_loss": float(val.group(1)) if val else None,
@@ -134,7 +116,8 @@ def run_standard(cfg: Config, folder: Path, cache: Path) -> dict:
 def run_plain(cfg: Config, folder: Path, cache: Path, loss_inside: bool = True) -> dict:
     argv = [sys.executable, "-m", "purestep.recipes.bench.plain_run",
             json.dumps(asdict(plain_config(cfg, folder, loss_inside)))]
-    seconds, text = timed(argv, cache, folder.with_suffix(".log"))
+    child = timed(argv, cache, folder.with_suffix(".log"))
+    seconds, text = child.seconds, child.text
     result = json.loads(next(line[len(MARK):] for line in text.splitlines() if line.startswith(MARK)))
     return {"wall_s": seconds, "val_loss": result["val_loss"], "compile_s": result["compile_s"],
             "steps_s": result["steps_s"], "evals_s": result["evals_s"]}
@@ -151,41 +134,17 @@ def side_runs(cfg: Config) -> dict:
             **({LOSS_OUTSIDE: run_plain_loss_outside} if cfg.loss_outside else {})}
 
 
-def _slug(side: str) -> str:
-    """A side's name as a folder name: ``plain, loss outside`` -> ``plain-loss-outside``."""
-    return side.replace(", ", "-").replace(" ", "-")
-
-
 def run(cfg: Config) -> dict:
     folder = make_folder(run_folder(cfg.out, "", "bench-wall"))
-    sides = side_runs(cfg)
-    runs: dict[str, dict[str, list]] = {c: {s: [] for s in sides} for c in cfg.caches}
+    sides = {side: functools.partial(fn, cfg) for side, fn in side_runs(cfg).items()}
     with tempfile.TemporaryDirectory(prefix="bench-wall-") as tmp:
-        warm_caches: dict[str, Path] = {}
-        for repeat in range(cfg.repeats):
-            for cache_state in cfg.caches:
-                for side, fn in sides.items():
-                    slug = _slug(side)
-                    if cache_state == "warm" and side not in warm_caches:   # fill it: a cold run, not timed
-                        warm_caches[side] = Path(tmp) / f"{slug}-filled"
-                        fn(cfg, folder / f"{slug}-fill", warm_caches[side])
-                    cache = Path(tmp) / f"{slug}-cold-{repeat}" if cache_state == "cold" else warm_caches[side]
-                    r = fn(cfg, folder / f"{slug}-{cache_state}-{repeat}", cache)
-                    if cache_state == "cold" and side not in warm_caches:
-                        warm_caches[side] = cache
-                    runs[cache_state][side].append(r)
-                    progress(f"  {side}, {cache_state} cache ({repeat + 1}/{cfg.repeats}): {r['wall_s']:.1f}s, "
-                             f"compiling {_s(r['compile_s'])}, val loss {_loss(r['val_loss'])}")
+        runs = take_turns(sides, cfg.caches, cfg.repeats, folder, Path(tmp))
     return _table(cfg, runs, folder)
 
 
 def _median_ratio(sides: dict, baseline: str) -> float:
     """The median over pairs of standard's wall time over ``baseline``'s in the same pair."""
     return statistics.median(s["wall_s"] / p["wall_s"] for s, p in zip(sides["standard"], sides[baseline]))
-
-
-def _loss(value) -> str:
-    return "?" if value is None else f"{value:.4f}"
 
 
 def _s(seconds) -> str:
@@ -201,7 +160,8 @@ def _table(cfg: Config, runs: dict, folder: Path) -> dict:
         for side, rs in sides.items():
             compiling = [r["compile_s"] for r in rs if r["compile_s"] is not None]
             rows.append(f"| {cache_state} | {side} | {statistics.median(r['wall_s'] for r in rs):.1f} | "
-                        f"{_s(statistics.median(compiling) if compiling else None)} | {_loss(rs[-1]['val_loss'])} |")
+                        f"{_s(statistics.median(compiling) if compiling else None)} | "
+                        f"{loss_text(rs[-1]['val_loss'])} |")
         rows.append(f"| {cache_state} | standard / plain | {summary[cache_state]['standard_over_plain']:.3f}x | | |")
         if LOSS_OUTSIDE in sides:
             rows.append(f"| {cache_state} | standard / {LOSS_OUTSIDE} | "
