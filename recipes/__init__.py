@@ -21,6 +21,7 @@ RECIPES = {
     "bench.step": "purestep.recipes.bench.step",
     "bench.speed": "purestep.recipes.bench.speed",
     "bench.wall": "purestep.recipes.bench.wall",
+    "bench.nanogpt": "purestep.recipes.bench.nanogpt",
     "bench.health": "purestep.recipes.bench.health",
     "bench.checkpoint": "purestep.recipes.bench.checkpoint",
     "bench.orchestrator": "purestep.recipes.bench.orchestrator",
