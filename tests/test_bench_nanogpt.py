@@ -171,7 +171,7 @@ def test_the_bench_runs_both_sides_taking_turns_and_tabulates_them(tmp_path, tok
     corpus = tmp_path / "input.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     cfg = nanogpt.Config(nanogpt=str(root), data=str(corpus), n_layers=1, d_model=32, batch_size=4, block_size=16,
-                         steps=6, eval_every=3, eval_batches=2, repeats=1, compile=False, out=str(tmp_path / "b"))
+                         steps=101, eval_every=50, eval_batches=2, repeats=1, compile=False, out=str(tmp_path / "b"))
     result = nanogpt.run(cfg)
     pairs = result["pairs"]
     assert [(p["cache"], p["repeat"]) for p in pairs] == [("cold", 0), ("warm", 0)]
@@ -180,7 +180,7 @@ def test_the_bench_runs_both_sides_taking_turns_and_tabulates_them(tmp_path, tok
             r = p[side]
             assert r["wall_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_rss_mib"] > 10, (side, r)
             assert 0 < r["val_loss"] < 10 and r["val_loss"] == r["evals"][-1][2]
-            assert [step for _, step, _ in r["evals"]] == ([0, 3, 6] if side == "nanogpt" else [3, 6])
+            assert [step for _, step, _ in r["evals"]] == ([0, 50, 100] if side == "nanogpt" else [50, 100, 101])
             seconds = [s for s, _, _ in r["evals"]]
             assert seconds == sorted(seconds) and seconds[-1] < r["wall_s"]
             other = p["purestep" if side == "nanogpt" else "nanogpt"]["val_loss"]
@@ -188,9 +188,9 @@ def test_the_bench_runs_both_sides_taking_turns_and_tabulates_them(tmp_path, tok
         assert p["wall_ratio"] == p["purestep"]["wall_s"] / p["nanogpt"]["wall_s"]
     ran = json.loads((tmp_path / "b" / "nanogpt-cold-0" / "config.json").read_text())
     assert (ran["device"], ran["compile"], ran["eval_iters"], ran["eval_interval"], ran["log_interval"]) == \
-        ("cpu", False, 2, 3, 1)
+        ("cpu", False, 2, 50, 1)
     assert (ran["n_layer"], ran["n_embd"], ran["block_size"], ran["batch_size"], ran["max_iters"],
-            ran["lr_decay_iters"], ran["dropout"], ran["learning_rate"]) == (1, 32, 16, 4, 6, 6, 0.0, 1e-3)
+            ran["lr_decay_iters"], ran["dropout"], ran["learning_rate"]) == (1, 32, 16, 4, 101, 101, 0.0, 1e-3)
     assert (tmp_path / "b" / "nanogpt-warm-0" / "ckpt.pt").exists()
     assert (tmp_path / "b" / "purestep-warm-0" / "final.msgpack").exists()
     out = capsys.readouterr().out
@@ -205,6 +205,12 @@ def test_the_bench_runs_both_sides_taking_turns_and_tabulates_them(tmp_path, tok
 
 def test_the_header_says_where_precisions_differ():
     assert "**precisions differ**: nanoGPT fp32" in nanogpt.header(nanogpt.Config(optimizer="muon", dtype="bf16"))
+
+
+def test_steps_must_pass_nanogpts_warmup(capsys):
+    """nanoGPT's ``get_lr`` divides by ``lr_decay_iters - warmup_iters`` (100 in its configuration)."""
+    assert main(["recipe=bench.nanogpt", "nanogpt=nanoGPT", "steps=100"]) == 2
+    assert "steps" in capsys.readouterr().err
 
 
 def test_a_bad_nanogpt_path_says_how_to_get_one(tmp_path, capsys):

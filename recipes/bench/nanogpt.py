@@ -55,6 +55,7 @@ SIDES = ("nanogpt", "purestep")
 NANOGPT_EVAL = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)$")
 NANOGPT_ITER = re.compile(r"^iter (\d+): loss [\d.na]+, time ([\d.]+)ms")
 PURESTEP_EVAL = re.compile(r"^step (\d+): val loss ([\d.]+), perplexity")
+WARMUP = 100        # its config's warmup_iters (and bench.wall's warmup_steps): get_lr divides by max_iters - WARMUP
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Config:
     d_model: int = same_as(wall.Config, "d_model")
     batch_size: int = same_as(wall.Config, "batch_size")
     block_size: int = same_as(wall.Config, "block_size")
-    steps: int = same_as(wall.Config, "steps")
+    steps: int = option(2000, f"steps of each run (more than nanoGPT's {WARMUP} warmup iterations)", min=WARMUP + 1)
     eval_every: int = option(250, "steps between evaluations (nanoGPT's eval_interval, purestep's eval_every)", min=1)
     eval_batches: int = option(20, "batches per evaluation (nanoGPT's eval_iters, on each of train and val; "
                                "purestep's eval_batches, on val)", min=1)

@@ -49,20 +49,22 @@ class Child:
 
 def timed(argv: list[str], cache: Path, log: Path, cwd: Path = REPO) -> Child:
     """Run ``argv`` in ``cwd`` with this checkout on the path, unbuffered output (so each line's time is when it was
-    printed) and inductor's cache at ``cache``; stdout and stderr together are written to ``log``. A failure is an
-    error naming the log."""
+    printed) and inductor's cache at ``cache``; stdout and stderr together are written to ``log`` as they come. A
+    failure is an error naming the log."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     lines = []
     start = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        lines.append((time.perf_counter() - start, line.rstrip("\n")))
+    with open(log, "w") as written:                         # as it comes, so a long run can be followed
+        for line in proc.stdout:
+            lines.append((time.perf_counter() - start, line.rstrip("\n")))
+            written.write(line)
+            written.flush()
     proc.stdout.close()
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)     # reaped here: wait4 is what gives the child's rusage
     child = Child(seconds, lines, usage.ru_maxrss / 1024)   # KiB on Linux
-    log.write_text(child.text)
     if proc.returncode != 0:
         raise UserError(f"{' '.join(argv[:4])} ... exited {proc.returncode}; its output is in {log}")
     return child
