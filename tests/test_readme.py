@@ -117,6 +117,8 @@ RUN_ELSEWHERE = {
     "purestep recipe=export init=STUDENT": "tests/test_mla.py::"
                                           "test_recipe_export_writes_an_mla_checkpoint_in_deepseek_v2s_formats",
     "purestep recipe=eval init=smollm2": "tests/test_eval.py::test_the_default_command_through_bin_run",
+    "purestep recipe=bench.nanogpt": "tests/test_bench_nanogpt.py::"
+                                    "test_the_bench_runs_both_sides_taking_turns_and_tabulates_them",
     "purestep recipe=eval init=runs/upcycle-smol/global":
         "tests/test_eval.py::test_paired_comparison_of_two_runs_matches_the_hand_formulas",
 }
