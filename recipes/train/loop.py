@@ -248,14 +248,16 @@ class Loop:
             self._stopped = True
 
     def __exit__(self, kind, error, trace) -> bool:
-        self._batches.close()
-        self._preemption.__exit__(kind, error, trace)
-        if error is not None:    # a dead peer: stop at once, naming it, without a (collective) save
-            lost = self.dist.lost_peer(error, self.checkpoints.latest() if self.checkpoints else None) \
-                if isinstance(error, Exception) else None
-            if lost is not None:
-                raise lost from None
-            return False
+        try:   # the preemption handler stays while a dead peer is named: torchrun's SIGTERM follows at once
+            self._batches.close()
+            if error is not None:    # a dead peer: stop at once, naming it, without a (collective) save
+                lost = self.dist.lost_peer(error, self.checkpoints.latest() if self.checkpoints else None) \
+                    if isinstance(error, Exception) else None
+                if lost is not None:
+                    raise lost from None
+                return False
+        finally:
+            self._preemption.__exit__(kind, error, trace)
         self._close()
         return False
 
