@@ -18,6 +18,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -253,21 +254,32 @@ def code_of(thread):          # the module a thread runs: its target's, or its c
     return getattr(getattr(thread, "_target", None), "__module__", None) or type(thread).__module__
 ours = sorted(t.name for t in set(threading.enumerate()) - threads if t.is_alive() and code_of(t).startswith("purestep"))
 print(changed, ours)
+from torch._dynamo.utils import counters
+torch._dynamo.reset()             # the same step compiled again, as a new process would: inductor's cache or not
+counters.clear()
+state, metrics = step(state, {"x": x[:, :-1], "y": x[:, 1:]})
+print(dict(counters["inductor"]))
 """
 
 
-def test_a_compiled_train_step_leaves_torch_as_a_fresh_process_has_it():
+@pytest.fixture(scope="module")
+def fresh_process():
+    """The output of ``TORCH_AS_FOUND`` in a child process (a library user's: no ``PURESTEP_CPU_COMPILES``), on the
+    session's inductor cache: its last two lines."""
+    env = {k: v for k, v in os.environ.items() if k != "PURESTEP_CPU_COMPILES"}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", TORCH_AS_FOUND], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-2:]
+
+
+def test_a_compiled_train_step_leaves_torch_as_a_fresh_process_has_it(fresh_process):
     """Importing purestep, building a train step (compiled with the C++ wrapper, donated, gradient health's
     ``torch.cond`` in its graph) and running it changes nothing of torch in the process: every function in
     inductor's ``codecache``, inductor's, dynamo's and functorch's config and the cacheable-ops table are what they
     were, no ``TORCH*`` variable is set and no thread of purestep's is left behind (inductor's own, tqdm's progress
-    monitor, may be). The step's inductor options (``core.compile``) go to ``torch.compile`` itself. In a child
-    process, the session's inductor cache."""
-    env = {k: v for k, v in os.environ.items() if k != "PURESTEP_CPU_COMPILES"}     # a library user's process
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", TORCH_AS_FOUND], env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "[] []", out.stdout[-2000:]
+    monitor, may be). The step's inductor options (``core.compile``) go to ``torch.compile`` itself."""
+    assert fresh_process[0] == "[] []", fresh_process
 
 
 def test_compile_count_reads_dynamos_counter():
@@ -291,27 +303,12 @@ def test_compile_seconds_reads_dynamos_timers():
     assert COMPILE_TIMERS[0] in compilation_time_metrics
 
 
-COND_TWICE = """
-import torch
-from torch._dynamo.utils import counters
-from purestep.core.compile import maybe_compile
-def f(x, flag):
-    return torch.cond(flag, lambda x: x.sin() * 2, lambda x: x.cos() + 1, (x,))
-for _ in range(2):
-    torch._dynamo.reset()
-    maybe_compile(f)(torch.ones(8), torch.tensor(True))
-print(dict(counters["inductor"]))
-"""
-
-
-def test_graphs_with_torch_cond_hit_inductors_cache(tmp_path):
+def test_graphs_with_torch_cond_hit_inductors_cache(fresh_process):
     """``torch.cond`` (gradient health's gate in the one-graph train step) is a higher-order op inductor bypasses
     its caches for unless marked cacheable (``core.compile.CACHEABLE``, one of the options ``maybe_compile`` passes to
-    ``torch.compile``): compiled twice, the second compile reads the FX graph cache."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", COND_TWICE], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    counts = eval(out.stdout.strip().splitlines()[-1])
+    ``torch.compile``): the step of ``TORCH_AS_FOUND``, compiled again after ``torch._dynamo.reset()``, reads the FX
+    graph cache."""
+    counts = eval(fresh_process[1])
     assert counts.get("fxgraph_cache_bypass", 0) == 0 and counts.get("fxgraph_cache_hit", 0) >= 1, counts
 
 

@@ -1,13 +1,14 @@
 """The training loop every recipe shares: step, log, evaluate, sample, checkpoint, stop.
 
 A recipe builds a pure ``train_step`` (:func:`build_steps`) and writes its loop out over :class:`Loop`, which
-holds the data, the sinks and the hooks between steps. The loop is the only place that talks to the host: it pulls the step's 0-d metrics every ``log_every`` steps in one
-transfer (Levanter's deferred metrics), evaluates on fixed validation windows, keeps checkpoints
-(every ``save_every``, the best by validation loss, a final one) and stops early after ``patience``
-evaluations without improvement. Everything needed to resume exactly is in the checkpoint: the train
-state (with its data cursor), the loop's own counters and its hooks' state. Each of those pieces is a hook
-(``recipes/train/hooks.py``: metrics in ``metrics.py``, rollback in ``rollback.py``, checkpoints and stops in
-``checkpointing.py``), and so is anything a recipe adds (a strategy layer's branches and switches).
+holds the data, the sinks and the hooks between steps. The loop is the only place that talks to the host: it
+pulls the step's 0-d metrics every ``log_every`` steps in one transfer (Levanter's deferred metrics), evaluates
+on fixed validation windows, keeps checkpoints (every ``save_every``, the best by validation loss, a final one)
+and stops early after ``patience`` evaluations without improvement. Everything needed to resume exactly is in
+the checkpoint: the train state (with its data cursor), the loop's own counters and its hooks' state. Each of
+those pieces is a hook (``recipes/train/hooks.py``: metrics in ``metrics.py``, rollback in ``rollback.py``,
+checkpoints and stops in ``checkpointing.py``), and so is anything a recipe adds (a strategy layer's branches and
+switches).
 """
 from __future__ import annotations
 
@@ -118,8 +119,9 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     gradients across them (``dist``), or with a ``layout`` (``parallel=fsdp``, ``RunSetup.layout``) takes the
     state as this rank's shards: both steps gather the params, the train step reduce-scatters the gradients.
     """
-    if cfg.fused and fused_refusal(cfg, dist.world_size):   # parallel=auto under torchrun
-        raise UserError(fused_refusal(cfg, dist.world_size))
+    refusal = fused_refusal(cfg, dist.world_size) if cfg.fused else ""   # parallel=auto under torchrun
+    if refusal:
+        raise UserError(refusal)
     psum = layout.psum if layout else None
     clip_norm = cfg.grad_clip if cfg.clipping == "global" else None
     health = GradientHealth(params, clip_norm=clip_norm, psum=psum, every=cfg.log_every) if cfg.health else None
