@@ -87,6 +87,6 @@ def update_monitor(m: dict, loss: torch.Tensor, grad_norm: torch.Tensor, step: t
 
 
 def clear(m: dict) -> dict:
-    """The detector after a rollback: statistics kept, flags cleared."""
-    zero = torch.zeros_like(m["hard"])
-    return {**m, "streak": zero, "onset": zero, "hard": zero}
+    """The detector after a rollback: statistics kept, flags cleared, each in a tensor of its own (one zero shared by
+    three leaves is an input dynamo's guards see as duplicated: the compiled step would compile again)."""
+    return {**m, **{k: torch.zeros_like(m[k]) for k in ("streak", "onset", "hard")}}

@@ -10,7 +10,8 @@ import torch
 from purestep import optim
 from purestep.core.io import checkpoint as ckpt
 from purestep.core.io.logging import Logger
-from purestep.core.spike import SpikeConfig
+from purestep.core.compile import compile_count
+from purestep.core.spike import SpikeConfig, clear
 from purestep.core.state import init_state
 from purestep.core.tree import clone, max_abs_diff, tree_map
 from purestep.models import llama
@@ -189,3 +190,15 @@ def test_two_or_more_copies_always_reach_rollback_back(tmp_path, snapshots):
         assert len(hook.ring.snaps) <= snapshots
         if end >= spike.rollback_back:
             assert min(hook.ring.steps()) <= end + 1 - spike.rollback_back   # an onset at the next step
+
+
+def test_a_cleared_detector_compiles_no_new_step():
+    """A rollback clears the detector's flags (``core.spike.clear``) into tensors of their own: one zero shared by
+    three leaves is an input dynamo's guards see as duplicated, so the compiled step compiled a second graph after
+    every run's first rollback (the default path's diverging run)."""
+    monitor = init_state(llama.init(CFG, seed=0), optim.adamw(lr=1e-3), spike=True).monitor
+    step = torch.compile(lambda m: {k: v + 1 for k, v in m.items()}, fullgraph=True, backend="eager")
+    step(monitor)
+    before = compile_count()
+    step(clear(step(monitor)))
+    assert compile_count() == before
