@@ -28,3 +28,16 @@ def test_the_installed_command_and_module_answer(tmp_path, installed_site):
                               text=True, timeout=300)
         assert proc.returncode == 0 and proc.stdout.startswith("usage: purestep recipe=standard"), proc.stderr
         assert "model.d_model" in proc.stdout
+
+
+def test_no_source_names_a_module_outside_the_namespace():
+    """A child process the code starts (``python -c`` of a bench's child, ``python -m`` of a plain run) imports from
+    ``purestep.``: a top-level ``recipes.``/``core.``/``models.``/``optim.`` name exists only in a checkout (and in a
+    research project with its own ``models/``, names another package)."""
+    import re
+    outside = re.compile(r"""["']from (recipes|core|models|optim)\.|python -m (recipes|core|models|optim)\."""
+                         r"""|["']-m["'],\s*["'](recipes|core|models|optim)\.""")
+    found = [f"{p.relative_to(REPO)}:{n}" for top in ("core", "models", "optim", "recipes", "bin")
+             for p in (REPO / top).rglob("*.py") if "__pycache__" not in p.parts
+             for n, line in enumerate(p.read_text().splitlines(), 1) if outside.search(line)]
+    assert not found, found

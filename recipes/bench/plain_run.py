@@ -1,7 +1,7 @@
 """The plain PyTorch loop's whole run, as nanoGPT's ``train.py`` runs it: the other side of ``recipe=bench.wall``.
 
-``python -m recipes.bench.plain_run '<json>'`` (the keys of :class:`PlainRun`), one process from start-up to exit:
-the corpus through purestep's own tokenizer cache (the same tokens ``recipe=standard`` reads), a Llama as an
+``python -m purestep.recipes.bench.plain_run '<json>'`` (the keys of :class:`PlainRun`), one process from start-up to
+exit: the corpus through purestep's own tokenizer cache (the same tokens ``recipe=standard`` reads), a Llama as an
 ``nn.Module`` (``models.llama_module.LlamaModule``, the seed's ``llama.init`` weights), ``torch.compile(module)``
 called as nanoGPT's ``model(X, Y)``, so the cross entropy is compiled with the model (``loss_inside=false``: taken
 eagerly on the compiled module's logits, the weaker loop), ``torch.optim.AdamW(fused=True)`` with nanoGPT's groups

@@ -193,7 +193,7 @@ def _child_main() -> None:
 
 def _in_fresh_process(cfg: Config, name: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    code = "from recipes.bench.step import _child_main; _child_main()"
+    code = "from purestep.recipes.bench.step import _child_main; _child_main()"
     with tempfile.TemporaryDirectory(prefix="bench-inductor-") as cache:
         if cfg.cold_compile:
             env["TORCHINDUCTOR_CACHE_DIR"] = cache

@@ -12,8 +12,8 @@ compile, the steps, the evaluations, the checkpoints):
 
 - ``standard``: ``purestep recipe=standard`` with those keys, every other key at its default (samples at each
   evaluation, gradient health, spike detection, checkpoints every 500 steps and the best): what users run.
-- ``plain``: ``python -m recipes.bench.plain_run`` (``recipes/bench/plain_run.py``): nanoGPT's ``train.py`` loop over
-  the same Llama as an ``nn.Module``: ``torch.compile(module)`` over the model and its loss (nanoGPT's
+- ``plain``: ``python -m purestep.recipes.bench.plain_run`` (``recipes/bench/plain_run.py``): nanoGPT's ``train.py``
+  loop over the same Llama as an ``nn.Module``: ``torch.compile(module)`` over the model and its loss (nanoGPT's
   ``model(X, Y)``), fused AdamW, the same evaluations (the same windows, under ``no_grad``), a ``torch.save`` when the
   validation loss improves; in ``dtype``'s precision unless ``plain_dtype`` names another (the table's header then
   says the precisions are mixed).
