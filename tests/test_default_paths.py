@@ -9,11 +9,11 @@ docs/ pages show are read from those pages by their first words (``readme``), so
 working fails here; ``tests/test_readme.py`` checks that every command block of them is run by a test or says why
 not.
 
-Cost. The children share one inductor cache (``$TORCHINDUCTOR_CACHE_DIR`` as set, else inductor's own folder
-for this user) and one token cache, and one char teacher, trained by the README's standard command, serves
-every test that needs a teacher. A compiled train step comes from the cache when a run of the same shapes and keys
-compiled it before (gradient health's ``torch.cond`` is marked cacheable, ``core.compile.CACHEABLE``): the
-orchestrated run waits for ``shakes`` and the data-parallel runs for their one-process twins, at the same rows per
+Cost. The children share one inductor cache (``$TORCHINDUCTOR_CACHE_DIR`` as set, else inductor's own folder for
+this user) and one token cache, and one char teacher, trained by the README's standard command, serves every test
+that needs a teacher. A compiled train step comes from the cache when a run of the same shapes and keys compiled it
+before (gradient health's ``torch.cond`` is marked cacheable, ``core.compile.CACHEABLE``): the orchestrated and
+diverging runs wait for ``shakes`` and the data-parallel runs for their one-process twins, at the same rows per
 rank. One compile keeps one core busy, so the runs are jobs (``JOBS``, those of the selected tests) started together
 when the session starts (``start``, called by ``tests/conftest.py``, which also puts this module's tests last):
 while the other tests run (on one intra-op thread, mostly one core busy), one core fewer than the machine has runs
@@ -198,10 +198,11 @@ def standard_muon(run):
 
 @job
 def standard_diverging(run):
-    """The standard command at ``lr=1e30``, compiled: every step's loss blows up, the spike monitor rolls back to the
-    newest checkpoint until its cap, and the run stops (``core.exits``: exit 4)."""
-    return run(*readme(STANDARD), *SMALL, "steps=20", "save_every=10", "warmup_steps=0", "log_every=1", "lr=1e30",
-               "out=runs/diverging", expect=4)
+    """The standard command at ``lr=6e29``, compiled: every step's loss blows up, the spike monitor rolls back to its
+    in-memory snapshot until its cap, and the run stops (``core.exits``: exit 4). After ``shakes``, with its keys and
+    its ``min_lr / lr`` (the schedule's floor, a constant of the graph), so its step comes from the cache."""
+    run.get("shakes")
+    return run(*readme(STANDARD), *SMALL, "lr=6e29", "min_lr=6e28", "out=runs/diverging", expect=4)
 
 
 @job
