@@ -278,6 +278,23 @@ def test_the_harness_comparison_counts_same_choices_and_the_largest_difference()
     assert (got["purestep_acc_norm"], got["harness_acc_norm"], got["purestep_acc"]) == (0.5, 0.5, 1.0)
 
 
+def test_each_side_of_each_task_is_kept_and_read_back_by_a_run_of_the_same_keys(tmp_path):
+    """bench.eval's resumption (``kept``): a side's results are written with their keys before the next side starts;
+    the same keys read them back without computing, and other keys compute them again and replace the file."""
+    from purestep.recipes.bench.eval import kept
+    path, calls = tmp_path / "purestep-piqa.json", []
+
+    def compute(value):
+        calls.append(value)
+        return {"picked": [value], "pair": (1, 2)}
+    first = kept(path, {"task": "piqa", "questions": 3}, lambda: compute(1))
+    again = kept(path, {"task": "piqa", "questions": 3}, lambda: compute(2))
+    assert calls == [1] and again == first and first["results"] == {"picked": [1], "pair": [1, 2]}
+    other = kept(path, {"task": "piqa", "questions": 4}, lambda: compute(3))
+    assert calls == [1, 3] and other["results"]["picked"] == [3]
+    assert json.loads(path.read_text())["keys"] == {"task": "piqa", "questions": 4}
+
+
 def test_special_tokens_are_the_ones_transformers_encode_adds():
     """A tokenizer.json whose post-processor prepends BOS (as Llama 2/3's do): the harness's inputs carry it (in the
     context, once), as ``transformers``' ``encode`` gives them; a text that starts with the BOS string gets none."""

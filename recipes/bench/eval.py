@@ -11,6 +11,10 @@ first questions on both sides. Per task: the share of questions on which both pi
 task's headline metric and under acc), the largest |log-likelihood difference| of any choice, and both sides'
 metric. ``agreement.json`` and ``agreement.md`` go into the run folder. The acceptance (issue 48) is the same choice
 on at least 99.5% of each of the six tasks. lm-eval is a test reference, not a dependency: ``pip install lm-eval``.
+
+Full splits take hours of a CPU per side, so each side's results for each task are kept in the run folder as they
+finish (``purestep-<task>.json``, ``harness-<task>.json``, :func:`kept`): the same command into the same ``out=``
+after a crash or a stop goes on from the next unfinished task and side.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from purestep.core.cli import runs
 from purestep.core.config import ConfigError, UserError, option, to_dict
@@ -95,14 +100,35 @@ def harness_tasks(tasks, root: Path, folder: Path) -> dict[str, str]:
     return names
 
 
-def run_harness(hf: Path, names: dict[str, str], cfg: Config, task_dir: Path) -> dict:
-    """``lm_eval.simple_evaluate`` over the HF backend, fp32, CPU; its results with the logged samples."""
+def run_harness(hf: Path, name: str, cfg: Config, task_dir: Path) -> dict:
+    """``lm_eval.simple_evaluate`` over the HF backend, fp32, CPU, on the harness task ``name``: its metrics and
+    its logged samples, as JSON values (``lm_eval.utils.handle_non_serializable``)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    return simple_evaluate(model="hf", model_args={"pretrained": str(hf), "dtype": "float32"},
-                           tasks=list(names.values()), num_fewshot=cfg.num_fewshot, limit=cfg.limit or None,
-                           batch_size=cfg.batch_size, device="cpu", log_samples=True, bootstrap_iters=0,
-                           task_manager=TaskManager(include_path=str(task_dir)), fewshot_random_seed=cfg.seed)
+    from lm_eval.utils import handle_non_serializable
+    out = simple_evaluate(model="hf", model_args={"pretrained": str(hf), "dtype": "float32"}, tasks=[name],
+                          num_fewshot=cfg.num_fewshot, limit=cfg.limit or None, batch_size=cfg.batch_size,
+                          device="cpu", log_samples=True, bootstrap_iters=0,
+                          task_manager=TaskManager(include_path=str(task_dir)), fewshot_random_seed=cfg.seed)
+    held = {"results": out["results"][name], "samples": out["samples"][name]}
+    return json.loads(json.dumps(held, default=handle_non_serializable))
+
+
+def kept(path: Path, keys: dict, compute: Callable[[], dict]) -> dict:
+    """One side's results for one task, kept at ``path`` with the keys that produced them and the seconds they took:
+    read back where a run of the same keys wrote them, else computed (``compute()``) and written first (atomically,
+    ``write_json``). Either way the caller gets what the file holds, so a resumed run and a fresh one take one
+    path. A file of other keys is computed again and replaced, and the progress line says so."""
+    if path.is_file():
+        held = json.loads(path.read_text())
+        if held.get("keys") == keys:
+            progress(f"bench.eval: {path.name} from an earlier run of the same keys ({held['seconds']:.0f} s then)")
+            return held
+        progress(f"bench.eval: {path.name} holds other keys; computing it again")
+    started = time.monotonic()
+    results = compute()
+    write_json(path, {"keys": keys, "seconds": time.monotonic() - started, "results": results})
+    return json.loads(path.read_text())
 
 
 def agreement(ours: dict, texts: list, samples: list[dict], theirs_metrics: dict) -> dict:
@@ -159,21 +185,32 @@ def run(cfg: Config) -> dict:
     root = data_root(cfg.data)
     hf = hf_folder(cfg.init, folder)
     names = harness_tasks(cfg.tasks, root, folder / "harness_tasks")
-    started = time.monotonic()
-    ours = evaluate(load_model(str(hf)), cfg.tasks, cfg.limit, num_fewshot=cfg.num_fewshot,
-                    batch_size=cfg.batch_size, seed=cfg.seed, data=str(root))
-    texts = {t: task_texts(TASKS[t], root, cfg.limit, cfg.num_fewshot, cfg.seed)[1] for t in cfg.tasks}
-    ours_s = time.monotonic() - started
-    progress(f"bench.eval: purestep done in {ours_s:.0f} s; now the harness (slower)")
-    started = time.monotonic()
-    theirs = run_harness(hf, names, cfg, folder / "harness_tasks")
-    theirs_s = time.monotonic() - started
-    tasks = {t: agreement(ours["tasks"][t], texts[t], theirs["samples"][names[t]], theirs["results"][names[t]])
-             for t in cfg.tasks}
+    version = getattr(lm_eval, "__version__", "")
+    model = None
+    ours, theirs, texts = {}, {}, {}
+    for t in cfg.tasks:
+        picked, texts[t] = task_texts(TASKS[t], root, cfg.limit, cfg.num_fewshot, cfg.seed)
+        keys = {"task": t, "questions": len(picked), "num_fewshot": cfg.num_fewshot, "batch_size": cfg.batch_size,
+                "seed": cfg.seed, "data": str(root), "model": str(hf)}
+
+        def score_ours():
+            nonlocal model
+            if model is None:
+                model = load_model(str(hf))
+            return evaluate(model, [t], cfg.limit, num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size,
+                            seed=cfg.seed, data=str(root))["tasks"][t]
+        ours[t] = kept(folder / f"purestep-{t}.json", keys, score_ours)
+        progress(f"bench.eval: {t}: purestep's side in {ours[t]['seconds']:.0f} s; now the harness's (slower)")
+        theirs[t] = kept(folder / f"harness-{t}.json", {**keys, "harness": version},
+                         lambda: run_harness(hf, names[t], cfg, folder / "harness_tasks"))
+        progress(f"bench.eval: {t}: the harness's side in {theirs[t]['seconds']:.0f} s")
+    tasks = {t: agreement(ours[t]["results"], texts[t], theirs[t]["results"]["samples"],
+                          theirs[t]["results"]["results"]) for t in cfg.tasks}
     accepted = all(a[f"agreement_{a['headline']}"] >= THRESHOLD for a in tasks.values())
-    report = {"config": to_dict(cfg), "model": str(hf), "harness_version": lm_eval.__version__ if hasattr(
-        lm_eval, "__version__") else "", "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "tasks": tasks,
-              "accepted": accepted, "purestep_seconds": ours_s, "harness_seconds": theirs_s}
+    report = {"config": to_dict(cfg), "model": str(hf), "harness_version": version, "limit": cfg.limit,
+              "num_fewshot": cfg.num_fewshot, "tasks": tasks, "accepted": accepted,
+              "purestep_seconds": sum(o["seconds"] for o in ours.values()),
+              "harness_seconds": sum(h["seconds"] for h in theirs.values())}
     write_json(folder / "agreement.json", report)
     (folder / "agreement.md").write_text(markdown(report))
     print(markdown(report), end="")
