@@ -276,6 +276,11 @@ def test_the_harness_comparison_counts_same_choices_and_the_largest_difference()
     assert got["agreement_acc_norm"] == 1.0 and got["agreement_acc"] == 0.5
     assert got["same_prompts"] == 0.5 and got["max_abs_ll_diff"] == pytest.approx(1.5)
     assert (got["purestep_acc_norm"], got["harness_acc_norm"], got["purestep_acc"]) == (0.5, 0.5, 1.0)
+    # standard errors over the same questions (the harness's own need its logged per-question scores)
+    assert got["purestep_acc_norm_stderr"] == pytest.approx(0.5) and got["harness_acc_norm_stderr"] is None
+    for sample, score in zip(samples, (0.0, 1.0)):
+        sample["acc_norm"] = score
+    assert agreement(ours, texts, samples, {"acc_norm,none": 0.5})["harness_acc_norm_stderr"] == pytest.approx(0.5)
 
 
 def test_each_side_of_each_task_is_kept_and_read_back_by_a_run_of_the_same_keys(tmp_path):

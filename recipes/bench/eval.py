@@ -29,7 +29,8 @@ from purestep.core.config import ConfigError, UserError, option, to_dict
 from purestep.core.io.cache import write_json
 from purestep.core.io.logging import progress
 from purestep.models.loading import SMOLLM2, load_model
-from purestep.recipes.eval.report import per_question
+from purestep.recipes.eval import stats
+from purestep.recipes.eval.report import per_question, plus_minus
 from purestep.recipes.eval.run import FEWSHOT_SEED, evaluate, task_texts
 from purestep.recipes.eval.tasks import SIX, TASKS, data_root, split_files, unknown_task
 
@@ -153,6 +154,9 @@ def agreement(ours: dict, texts: list, samples: list[dict], theirs_metrics: dict
         out[f"agreement_{metric}"] = same / len(common)
         out[f"purestep_{metric}"] = sum(mine[i] for i in common) / len(common)
         out[f"harness_{metric}"] = theirs_metrics.get(f"{metric},none")
+        theirs = [harness[i].get(metric) for i in common]     # its logged per-question scores
+        out[f"purestep_{metric}_stderr"] = stats.stderr([mine[i] for i in common])
+        out[f"harness_{metric}_stderr"] = None if None in theirs else stats.stderr([float(x) for x in theirs])
     out["max_abs_ll_diff"] = max(abs(a - float(r[0])) for i in common
                                  for a, r in zip(by_id[i][0]["loglikelihoods"], harness[i]["filtered_resps"]))
     return out
@@ -168,9 +172,9 @@ def markdown(report: dict) -> str:
         h = a["headline"]
         theirs = a[f"harness_{h}"]
         lines.append(f"| {name} | {a['n']} | {a['same_prompts']:.4f} | {a[f'agreement_{h}']:.4f} ({h}) | "
-                     f"{a['agreement_acc']:.4f} | "
-                     f"{a['max_abs_ll_diff']:.2e} | {a[f'purestep_{h}']:.4f} | "
-                     f"{'' if theirs is None else f'{theirs:.4f}'} |")
+                     f"{a['agreement_acc']:.4f} | {a['max_abs_ll_diff']:.2e} | "
+                     f"{plus_minus(a[f'purestep_{h}'], a.get(f'purestep_{h}_stderr'))} | "
+                     f"{'' if theirs is None else plus_minus(theirs, a.get(f'harness_{h}_stderr'))} |")
     lines += ["", f"acceptance (same choice on >= {THRESHOLD:.1%} of each task): "
               f"{'met' if report['accepted'] else 'NOT met'}"]
     return "\n".join(lines) + "\n"

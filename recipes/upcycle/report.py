@@ -24,6 +24,7 @@ import traceback
 
 from purestep.core.io.cache import write_csv, write_json, write_text
 from purestep.core.io.logging import Logger, progress
+from purestep.recipes.eval.report import plus_minus
 from purestep.recipes.upcycle.phases import ppl
 from purestep.recipes.upcycle.sweep import COLUMNS
 
@@ -107,10 +108,6 @@ def markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _pm(value, se) -> str:
-    return f"{value:.4f}" + ("" if se is None else f" ± {se:.4f}")
-
-
 def tasks_table(tasks: dict) -> list[str]:
     """The multiple-choice table: per task and the average, teacher and student ± stderr and the paired
     difference student - teacher ± stderr [95% CI] (``recipes/upcycle/six_tasks.py``)."""
@@ -122,8 +119,8 @@ def tasks_table(tasks: dict) -> list[str]:
     for name, metric, r, n in rows:
         d = r["diff"]
         ci = "" if d["ci95"] is None else f" [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
-        body.append([name, metric, _pm(r["teacher"], r["teacher_stderr"]), _pm(r["student"], r["student_stderr"]),
-                     _pm(d["diff"], d["stderr"]) + ci, n])
+        body.append([name, metric, plus_minus(r["teacher"], r["teacher_stderr"]), plus_minus(r["student"], r["student_stderr"]),
+                     plus_minus(d["diff"], d["stderr"]) + ci, n])
     return [f"Multiple-choice tasks (recipe=eval's scoring, docs/eval.md): {s['num_fewshot']}-shot, limit "
             f"{s['limit'] or 'none'} ({s['limit_rule']}); the difference is student - teacher, paired on the same "
             f"questions, with its 95% interval; the average's standard errors take the tasks as independent.", ""] \
