@@ -300,6 +300,23 @@ def test_each_side_of_each_task_is_kept_and_read_back_by_a_run_of_the_same_keys(
     assert json.loads(path.read_text())["keys"] == {"task": "piqa", "questions": 4}
 
 
+def test_the_kept_results_name_the_weights_they_scored(tmp_path):
+    """``model_stamp``: a checkpoint given as ``init`` is stamped itself (rewritten, it is scored again); a name
+    that is no path, as ``smollm2``, stamps the HF folder both sides load."""
+    import os
+    from purestep.recipes.bench.eval import model_stamp
+    hf, ckpt = tmp_path / "hf", tmp_path / "final.msgpack"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    ckpt.write_bytes(b"12")
+    before = model_stamp(str(ckpt), hf)
+    assert [f for f, _, _ in before] == [str(ckpt)]
+    ckpt.write_bytes(b"123")
+    os.utime(ckpt, ns=(1, 1))
+    assert model_stamp(str(ckpt), hf) != before
+    assert [f for f, _, _ in model_stamp(str(tmp_path / "no-such-name"), hf)] == [str(hf / "config.json")]
+
+
 def test_special_tokens_are_the_ones_transformers_encode_adds():
     """A tokenizer.json whose post-processor prepends BOS (as Llama 2/3's do): the harness's inputs carry it (in the
     context, once), as ``transformers``' ``encode`` gives them; a text that starts with the BOS string gets none."""

@@ -115,6 +115,16 @@ def run_harness(hf: Path, name: str, cfg: Config, task_dir: Path) -> dict:
     return json.loads(json.dumps(held, default=handle_non_serializable))
 
 
+def model_stamp(init: str, hf: Path) -> list:
+    """What identifies the scored weights among :func:`kept`'s keys: the path, size and modification time of each
+    file of the model's source (``init`` where it is a path, so a checkpoint trained further or replaced is scored
+    again; else the HF folder both sides load)."""
+    source = Path(init).expanduser()
+    source = source if source.exists() else hf
+    files = [source] if source.is_file() else sorted(f for f in source.rglob("*") if f.is_file())
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
 def kept(path: Path, keys: dict, compute: Callable[[], dict]) -> dict:
     """One side's results for one task, kept at ``path`` with the keys that produced them and the seconds they took:
     read back where a run of the same keys wrote them, else computed (``compute()``) and written first (atomically,
@@ -190,12 +200,12 @@ def run(cfg: Config) -> dict:
     hf = hf_folder(cfg.init, folder)
     names = harness_tasks(cfg.tasks, root, folder / "harness_tasks")
     version = getattr(lm_eval, "__version__", "")
-    model = None
+    model, stamp = None, model_stamp(cfg.init, hf)
     ours, theirs, texts = {}, {}, {}
     for t in cfg.tasks:
         picked, texts[t] = task_texts(TASKS[t], root, cfg.limit, cfg.num_fewshot, cfg.seed)
         keys = {"task": t, "questions": len(picked), "num_fewshot": cfg.num_fewshot, "batch_size": cfg.batch_size,
-                "seed": cfg.seed, "data": str(root), "model": str(hf)}
+                "seed": cfg.seed, "data": str(root), "model": str(hf), "weights": stamp}
 
         def score_ours():
             nonlocal model
