@@ -171,8 +171,8 @@ NOT_RUN = {
     "purestep recipe=standard data=tinyshakespeare.txt tokenizer=char out=runs/tiny-teacher":
         "600 steps of the quality-per-token table's teacher (char runs at test size: tests/test_shakespeare.py)",
     "pip download --no-deps": "downloads wheels for the GPU machine",
-    "timeout 900 purestep recipe=bench.eval": "the measurements of docs/eval.md, 5 to 9 minutes each (as the next one)",
-    "purestep recipe=bench.eval": "SmolLM2 through recipe=eval and lm-evaluation-harness's HF backend for ~9 minutes "
+    "purestep recipe=bench.eval": "SmolLM2 through recipe=eval and lm-evaluation-harness's HF backend: ~9 minutes at "
+                                 "limit=20, 55 minutes over the six full splits "
                                  "(lm-eval is no dependency; the comparison itself: tests/test_eval.py::"
                                  "test_the_harness_comparison_counts_same_choices_and_the_largest_difference)",
     "python3 -m pip install -q --no-index": "installs those wheels on the GPU machine",
