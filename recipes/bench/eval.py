@@ -12,9 +12,9 @@ task's headline metric and under acc), the largest |log-likelihood difference| o
 metric. ``agreement.json`` and ``agreement.md`` go into the run folder. The acceptance (issue 48) is the same choice
 on at least 99.5% of each of the six tasks. lm-eval is a test reference, not a dependency: ``pip install lm-eval``.
 
-Full splits take hours of a CPU per side, so each side's results for each task are kept in the run folder as they
-finish (``purestep-<task>.json``, ``harness-<task>.json``, :func:`kept`): the same command into the same ``out=``
-after a crash or a stop goes on from the next unfinished task and side.
+Full splits take about half an hour of a 2-core CPU per side (docs/eval.md), so each side's results for each
+task are kept in the run folder as they finish (``purestep-<task>.json``, ``harness-<task>.json``, :func:`kept`):
+the same command into the same ``out=`` after a crash or a stop goes on from the next unfinished task and side.
 """
 from __future__ import annotations
 
