@@ -29,6 +29,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 from purestep.core.config import ConfigError, UserError, option, resolve, same_as
 from purestep.core.cli.runs import run_folder
@@ -73,8 +74,13 @@ class GlobalKeys:
 class Config:
     teacher: str = same_as(UpcycleConfig, "teacher")
     data: str = same_as(UpcycleConfig, "data")
+    student: str = same_as(UpcycleConfig, "student")
     kv_reduction: float = same_as(UpcycleConfig, "kv_reduction")
+    kv_budget: int = same_as(UpcycleConfig, "kv_budget")
     rope_pairs_shared: bool = same_as(UpcycleConfig, "rope_pairs_shared")
+    kv_lora_rank: Optional[int] = same_as(UpcycleConfig, "kv_lora_rank")
+    qk_rope_head_dim: Optional[int] = same_as(UpcycleConfig, "qk_rope_head_dim")
+    latent_weight: Optional[str] = same_as(UpcycleConfig, "latent_weight")
     surgery_method: str = same_as(UpcycleConfig, "surgery_method")
     calib_tokens: int = same_as(UpcycleConfig, "calib_tokens")
     block_size: int = same_as(UpcycleConfig, "block_size")
@@ -140,9 +146,10 @@ def tokens_trained(keys: dict, block_size: int) -> dict:
 
 
 def upcycle_config(cfg: Config, folder: Path, extra: dict) -> UpcycleConfig:
-    shared = {k: str(v) for k, v in asdict(cfg).items() if k in (
-        "teacher", "data", "kv_reduction", "rope_pairs_shared", "surgery_method", "calib_tokens", "block_size",
-        "eval_windows", "seed", "device", "dtype", "compile")}
+    shared = {k: str(v) for k, v in asdict(cfg).items() if v is not None and k in (
+        "teacher", "data", "student", "kv_reduction", "kv_budget", "rope_pairs_shared", "kv_lora_rank",
+        "qk_rope_head_dim", "latent_weight", "surgery_method", "calib_tokens", "block_size", "eval_windows", "seed",
+        "device", "dtype", "compile")}
     return resolve(UpcycleConfig, overrides={**shared, "out": str(folder), **extra})
 
 
@@ -316,29 +323,45 @@ def write(folder: Path, results: dict, examples: dict | None = None) -> None:
 
 
 def plot(results: dict):
-    """Held-out perplexity ratio against tokens trained, one line per arm (log x), the surgery-only student as a
-    dashed line."""
+    """Against tokens trained (log x), one line per arm, the surgery-only student dashed and the teacher solid:
+    the held-out perplexity ratio, and, when the tasks ran, the task average with its paired standard error."""
     import matplotlib
-    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    rows = results["rows"]
-    for i, arm in enumerate(a for a in ARMS if any(r["arm"] == a for r in rows)):
-        pts = sorted((sum(r["tokens"].values()), r["ratio"]) for r in rows if r["arm"] == arm)
-        ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=ARM_LABELS[arm])
-    ax.axhline(rows[0]["ratio"], color="grey", ls="--", lw=1, label="surgery only")
-    ax.axhline(1.0, color="black", lw=0.8, label="teacher")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
-        axis(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("held-out perplexity / teacher's")
+    tasks = results.get("tasks") or {}
+    scored = bool(tasks) and "skipped" not in tasks
+    fig, axes = plt.subplots(1, 1 + scored, figsize=(6.5 * (1 + scored), 4.2), squeeze=False)
+    _plot_arms(axes[0][0], results, lambda r: r["ratio"], 1.0, "held-out perplexity / teacher's", log_y=True)
+    if scored:
+        average = {name: paired["average"] for name, paired in tasks.items()}
+        _plot_arms(axes[0][1], results, lambda r: 100 * average[_name(r)]["student"],
+                   100 * average["teacher"]["teacher"], f"average of {average['teacher']['tasks']} tasks (%)",
+                   errors=lambda r: 100 * (average[_name(r)]["diff"]["stderr"] or 0.0))
     kv = results["kv_bytes_per_token"]
-    ax.set_title(f"teacher {Path(results['config']['teacher']).name}, KV cache {kv['ratio']:.2f}x smaller",
+    fig.suptitle(f"teacher {Path(results['config']['teacher']).name}, KV cache {kv['ratio']:.2f}x smaller",
                  fontsize=10)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _plot_arms(ax, results: dict, value, teacher: float, ylabel: str, log_y: bool = False, errors=None) -> None:
+    """``value(row)`` against tokens trained for each arm (``errors(row)``: error bars), the surgery-only
+    student's value dashed, the teacher's solid."""
+    import matplotlib.ticker
+    rows = results["rows"]
+    for i, arm in enumerate(a for a in ARMS if any(r["arm"] == a for r in rows)):
+        mine = sorted((r for r in rows if r["arm"] == arm), key=lambda r: sum(r["tokens"].values()))
+        x, y = [sum(r["tokens"].values()) for r in mine], [value(r) for r in mine]
+        ax.errorbar(x, y, yerr=[errors(r) for r in mine] if errors else None, marker="o", color=f"C{i}",
+                    capsize=3, label=ARM_LABELS[arm])
+    ax.axhline(value(rows[0]), color="grey", ls="--", lw=1, label="surgery only")
+    ax.axhline(teacher, color="black", lw=0.8, label="teacher")
+    ax.set_xscale("log")
+    if log_y:
+        ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
