@@ -13,8 +13,9 @@ by each arm and scores it on the same held-out windows (the test half of the val
 A budget counts the training tokens each arm's steps see (steps x batch x ``block_size``; a blockwise step counts
 its batch once, though every block trains on it); steps are rounded, and the tokens actually trained are
 reported. Each arm is a ``recipe=upcycle`` run of its own in ``out/<arm>-<budget>/``, its ``surgery/`` a hard link of
-``out/surgery/surgery/``, so a rerun of the same command skips what finished. Reported per arm: held-out
-perplexity and its ratio to the teacher's, passkey retrieval (greedy, ``recipes/upcycle/passkey.py``) at
+``out/surgery/surgery/``, so a rerun of the same command skips what finished. The surgery's keys are
+recipe=upcycle's (``student=mla`` or ``dba``, ``kv_reduction``, ``kv_budget`` and the form's dims). Reported per
+arm: held-out perplexity and its ratio to the teacher's, passkey retrieval (greedy, ``recipes/upcycle/passkey.py``) at
 ``passkey_contexts``, the multiple-choice ``tasks`` (``recipes/upcycle/six_tasks.py``: recipe=eval's scoring, each
 student paired with the teacher on the same questions, per task and on the average), KV bytes per token, and the
 wall seconds of its training phases; ``results.{json,md}`` and
