@@ -123,8 +123,8 @@ RUN_ELSEWHERE = {
         "tests/test_eval.py::test_paired_comparison_of_two_runs_matches_the_hand_formulas",
 }
 NOT_RUN = {
-    "purestep recipe=eval init=runs/smol-mla-4x/surgery": "scores SmolLM2's MLA student, a surgery of minutes (paired "
-                                                       "scoring at test size: tests/test_eval.py)",
+    "purestep recipe=eval init=runs/mla4x-": "scores SmolLM2's MLA students of the surgery alone, a surgery of minutes "
+                                            "each (paired scoring at test size: tests/test_eval.py)",
     "purestep recipe=export init=runs/smol-mla-4x/surgery": "SmolLM2's MLA student, from a surgery of minutes "
                                                          "(the same export at test size: tests/test_mla.py)",
     "tensorboard --logdir runs": "a server that runs until stopped (the event files it reads: tests/test_board.py)",
