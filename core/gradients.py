@@ -152,6 +152,15 @@ def sharded_block_gradients(objective: Callable, grad_accum: int, shard) -> Call
     return gradients
 
 
+def averaged_over_ranks(engine: Callable, reduce: Optional[Callable]) -> Callable:
+    """``engine`` (``(...) -> (grads, loss, aux)``) with its results averaged across data-parallel ranks by
+    ``reduce`` (:func:`averaged`); ``engine`` itself when ``reduce`` is None."""
+    if reduce is None:
+        return engine
+    after = averaged(reduce)
+    return lambda *args: after(*engine(*args))
+
+
 def averaged(reduce: Optional[Callable]) -> Callable:
     """``reduced(grads, loss, aux)``: averaged across data-parallel ranks by ``reduce`` (DDP's all-reduce mean,
     ``core.parallel.distributed.Dist.all_reduce_mean``), or as they are when ``reduce`` is None."""

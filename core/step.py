@@ -47,7 +47,7 @@ from purestep.core.donate import donate as donated, owned
 from purestep.core.layers import check_takes_layers, layers_of
 from purestep.core.state import TrainState
 from purestep.core.tree import leaves_of
-from purestep.core.gradients import (autocast, autograd_gradients, averaged, func_gradients, loss_caller,
+from purestep.core.gradients import (autocast, autograd_gradients, averaged_over_ranks, func_gradients, loss_caller,
                             make_objective, sharded_block_gradients)
 from purestep.core.update import Monitors, apply_gradients, apply_in_place
 
@@ -63,18 +63,20 @@ def per_block(shard, compile: bool, compile_scope: str = "step", grad_mode: Opti
     return shard is not None and not one_graph and grad_mode != "func"
 
 
-def _make_apply_gradients(optimizer, monitors: Monitors, donate: bool, psum: Optional[Callable],
+def _make_apply_gradients(optimizer, monitors: Monitors, donate: bool, shard, device_type: str,
                           eager: bool) -> Callable:
     """``apply(state, grads, loss, aux, due=None) -> (state, metrics)``: :func:`core.update.apply_gradients` with
-    this step's optimizer, monitors and norms, donated from outside (``core.donate.donate``) when ``donate`` (a
+    this step's optimizer and monitors, on DTensor views of the shards under ``shard``
+    (``core.parallel.shard.Layout.on_dtensors``), donated from outside (``core.donate.donate``) when ``donate`` (a
     function of its own: the autograd paths compile it). An eager donated step whose optimizer carries an in-place
     step (``optimizer.in_place``: ``optim.fused``) runs :func:`core.update.apply_in_place` instead: the one place
     an eager step updates in place."""
     update = apply_in_place if donate and eager and getattr(optimizer, "in_place", None) else apply_gradients
 
     def apply(state: TrainState, grads, loss, aux, due: Optional[bool] = None):
-        return update(state, grads, optimizer, loss=loss, aux=aux, monitors=monitors, psum=psum, due=due)
+        return update(state, grads, optimizer, loss=loss, aux=aux, monitors=monitors, due=due)
 
+    apply = apply if shard is None else shard.on_dtensors(apply, device_type)
     return donated(apply) if donate and update is apply_gradients else apply
 
 
@@ -152,8 +154,8 @@ class Parallel:
     across ranks before the update (``core.parallel.distributed.Dist.all_reduce_mean``); ``shard`` (a
     ``core.parallel.shard.Layout``) says the state's params and optimizer state are this rank's shards: the step
     gathers the params (one block at a time where :func:`per_block` says so, else whole), reduce-scatters the summed
-    gradients once per step and updates the shards (``reduce`` is then unused); the optimizer and the extra metrics
-    must take the layout's ``psum`` for their norms."""
+    gradients once per step and updates the shards (``reduce`` is then unused), the optimizer and the extra metrics
+    seeing them as DTensors (``Layout.on_dtensors``): written for whole tensors, they take no collective."""
     reduce: Optional[Callable] = None
     shard: Any = None
 
@@ -202,9 +204,7 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
     by_layer = per_block(shard, compile.enabled, compile.scope, grad_mode)
     objective = make_objective(loss_caller(loss_fn), accum, precision, device_type,
                                 BlockCompiler(compile.mode, cpp, device_type) if by_block else None)
-    apply = _make_apply_gradients(optimizer, monitors, donate, None if shard is None else shard.psum,
-                                  eager=not compile.enabled)
-    reduced = averaged(parallel.reduce) if shard is None else shard.reduce
+    apply = _make_apply_gradients(optimizer, monitors, donate, shard, device_type, eager=not compile.enabled)
     if grad_mode == "func":      # one graph: forward, backward, the update
         engine = func_gradients(objective, accum)
     elif by_layer:               # sharded: each block's params gathered when it runs, its gradients reduce-scattered
@@ -214,6 +214,8 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
         one_graph = compile.enabled and not by_block
         engine = autograd_gradients(compiled(objective, one_graph, fullgraph=False), accum, by_row=not one_graph)
         apply = compiled(apply, compile.enabled)
+    if not by_layer:             # data parallel applied around the gradients: averaged, or gathered and scattered
+        engine = shard.around(engine) if shard is not None else averaged_over_ranks(engine, parallel.reduce)
     extra = monitors.extra_metrics
     one_graph = grad_mode == "func" and compile.enabled   # decides inside with torch.cond; elsewhere the host does
     host_due = HostDue(extra.due) if getattr(extra, "due", None) and not one_graph else None
@@ -221,11 +223,7 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
     def train_step(state: TrainState, batch, frozen=None):
         key = rng.fold_in(state.key, state.step)
         due = None if host_due is None else host_due(state.step)
-        if by_layer:
-            grads, loss, aux = engine(state.params, batch, key, frozen, _loss_scale(state))
-        else:
-            params = state.params if shard is None else shard.gather(state.params)
-            grads, loss, aux = reduced(*engine(params, batch, key, frozen, _loss_scale(state)))
+        grads, loss, aux = engine(state.params, batch, key, frozen, _loss_scale(state))
         new, metrics = apply(state, grads, loss, aux, due=due)
         if host_due is not None:
             host_due.returned(new.step)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+import sys
+
 import optree
 import torch
 
@@ -141,16 +143,39 @@ def detach(tree: Tree) -> Tree:
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
 
 
+def is_sharded(t) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (one rank's view of a tensor split across ranks). Asked
+    of the module only if something imported it (whatever made a DTensor did): importing it costs most of a second
+    at every start."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def whole(x):
+    """``x`` as a plain tensor holding its whole value: a DTensor's ``full_tensor()`` (a partial sum over ranks
+    all-reduced, a shard all-gathered), anything else as it is."""
+    return x.full_tensor() if is_sharded(x) else x
+
+
+def squared_norm(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s squared L2 norm, accumulated in at least float32 (so fp16/bf16 cannot overflow). Of a DTensor, its sum
+    of squares: a partial sum that adds up across ranks, so the squared norms of many sharded leaves sum into one
+    value made whole by one all-reduce (:func:`whole`)."""
+    wide = torch.promote_types(t.dtype, torch.float32)
+    if is_sharded(t):
+        return (t if t.dtype == wide else t.to(wide)).square().sum()
+    return torch.linalg.vector_norm(t, dtype=wide).square()
+
+
 def squared_norms(tree: Tree) -> list[torch.Tensor]:
-    """Per-leaf squared L2 norms, accumulated in at least float32 (so fp16/bf16 cannot overflow)."""
-    return [torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)).square()
-            for t in tree_leaves(tree)]
+    """Per-leaf squared L2 norms (:func:`squared_norm`)."""
+    return [squared_norm(t) for t in tree_leaves(tree)]
 
 
-def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """L2 norm over every element of every leaf, in at least float32 (no host sync). ``psum`` sums the squared
-    norm over the ranks that hold the other shards of a sharded tree (``core.parallel.shard.Layout.psum``) before the
-    root.
+def global_norm(tree: Tree) -> torch.Tensor:
+    """L2 norm over every element of every leaf, in at least float32 (no host sync), a plain tensor. Over sharded
+    leaves (DTensors) the squared norms are the ranks' partial sums, summed across ranks before the root by one
+    all-reduce (:func:`whole`).
 
     Each leaf takes a ``vector_norm`` (:func:`squared_norms`), compiled or not, one code path: on the CPU that is
     what ``torch.nn.utils.clip_grad_norm_(foreach=True)``'s ``_foreach_norm`` runs leaf by leaf, the same bits;
@@ -164,7 +189,7 @@ def global_norm(tree: Tree, psum: Callable[[torch.Tensor], torch.Tensor] | None 
         return torch.zeros(())
     wide = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
     total = torch.stack([s.to(wide) for s in sq]).sum()
-    return (total if psum is None else psum(total)).sqrt()
+    return whole(total).sqrt()
 
 
 def size(tree: Tree) -> int:

@@ -67,13 +67,13 @@ def if_finite(finite: torch.Tensor, new, old):
 
 
 def apply_gradients(state: TrainState, grads, optimizer, *, loss: torch.Tensor, aux: Optional[dict] = None,
-                    monitors: Monitors = Monitors(), psum: Optional[Callable] = None,
-                    due: Optional[bool] = None) -> tuple[TrainState, dict]:
+                    monitors: Monitors = Monitors(), due: Optional[bool] = None) -> tuple[TrainState, dict]:
     """The state after one optimizer step on ``grads`` (summed over micro-batches and averaged over ranks already),
     and the step's metrics: ``loss``, ``grad_norm``, ``skipped``, ``param_norm``, ``aux``, what the optimizer and
-    ``monitors`` report. ``psum`` makes norms of sharded params and gradients whole-model (``core.parallel.shard``);
-    ``due`` (decided on the host, or None: in the graph or always) says whether the extra metrics run this step."""
-    grads, grad_norm, finite, metrics = _checked(state, grads, loss, aux, psum)
+    ``monitors`` report. Sharded params and gradients come as DTensors (``core.parallel.shard.Layout.on_dtensors``),
+    whose norms are whole-model; ``due`` (decided on the host, or None: in the graph or always) says whether the extra
+    metrics run this step."""
+    grads, grad_norm, finite, metrics = _checked(state, grads, loss, aux)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_params = apply_updates(state.params, updates)
     if getattr(optimizer, "metrics", None) is not None:   # what the transforms report: lr, clip activity
@@ -82,7 +82,7 @@ def apply_gradients(state: TrainState, grads, optimizer, *, loss: torch.Tensor, 
     monitor, loss_scale = _watched(state, loss, grad_norm, finite, monitors, metrics)
     keep_old = monitors.skip
     kept = if_finite(finite, new_params, state.params) if keep_old else new_params
-    metrics["param_norm"] = global_norm(kept, psum)   # of the params it keeps: one pass with the update
+    metrics["param_norm"] = global_norm(kept)   # of the params it keeps: one pass with the update
     new_state = TrainState(step=state.step + 1, params=kept,
                            opt_state=if_finite(finite, opt_state, state.opt_state) if keep_old else opt_state,
                            key=state.key, cursor=state.cursor + 1, loss_scale=loss_scale, monitor=monitor)
@@ -90,8 +90,7 @@ def apply_gradients(state: TrainState, grads, optimizer, *, loss: torch.Tensor, 
 
 
 def apply_in_place(state: TrainState, grads, optimizer, *, loss: torch.Tensor, aux: Optional[dict] = None,
-                   monitors: Monitors = Monitors(), psum: Optional[Callable] = None,
-                   due: Optional[bool] = None) -> tuple[TrainState, dict]:
+                   monitors: Monitors = Monitors(), due: Optional[bool] = None) -> tuple[TrainState, dict]:
     """:func:`apply_gradients` for an eager donated step whose optimizer writes its step into the state's tensors,
     ``optimizer.in_place(grads, opt_state, params, grad_norm=, finite=) -> metrics`` (``optim.fused``: torch's
     fused AdamW; the metrics are what ``optimizer.metrics`` reports of the pure update's new state): the same state
@@ -100,7 +99,7 @@ def apply_in_place(state: TrainState, grads, optimizer, *, loss: torch.Tensor, a
     (gradient health) the old params and the gradients are copied first, so they read what the pure step gives
     them: the gradients, the old and new params and the update applied (``new - old``; 0 on a skipped step, where
     the pure step's update is the non-finite one it did not apply)."""
-    grads, grad_norm, finite, metrics = _checked(state, grads, loss, aux, psum)
+    grads, grad_norm, finite, metrics = _checked(state, grads, loss, aux)
     watched = monitors.extra_metrics is not None and due is not False
     before = tree_map(torch.clone, state.params) if watched else None
     metrics.update(optimizer.in_place(tree_map(torch.clone, grads) if watched else grads, state.opt_state,
@@ -112,16 +111,16 @@ def apply_in_place(state: TrainState, grads, optimizer, *, loss: torch.Tensor, a
     else:
         metrics.update(extra_metrics(monitors.extra_metrics, state, grads, None, None, grad_norm, due))
     monitor, loss_scale = _watched(state, loss, grad_norm, finite, monitors, metrics)
-    metrics["param_norm"] = global_norm(state.params, psum)
+    metrics["param_norm"] = global_norm(state.params)
     return TrainState(step=state.step + 1, params=state.params, opt_state=state.opt_state, key=state.key,
                       cursor=state.cursor + 1, loss_scale=loss_scale, monitor=monitor), metrics
 
 
-def _checked(state: TrainState, grads, loss: torch.Tensor, aux: Optional[dict], psum: Optional[Callable]):
+def _checked(state: TrainState, grads, loss: torch.Tensor, aux: Optional[dict]):
     """``(grads, grad_norm, finite, metrics)``: the gradients unscaled (before clipping or statistics read them),
     their global norm, whether the loss and that norm are finite, and the metrics that start every step."""
     grads = unscale(grads, state.loss_scale)
-    grad_norm = global_norm(grads, psum)
+    grad_norm = global_norm(grads)
     finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
     return grads, grad_norm, finite, {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).float(),
                                       **(aux or {})}

@@ -41,7 +41,7 @@ import torch
 
 from purestep.core.tree import Tree, named_leaves, tree_flatten, tree_map_with_name, tree_unflatten
 from purestep.optim.base import GradientTransformation, counter, find_state, hparam_device, hparam_dtype, hparams
-from purestep.optim.health import Stacked, slice_norms, stacked_predicate
+from purestep.optim.health import Stacked, slice_squares, stacked_predicate
 
 
 class AdaGCState(NamedTuple):
@@ -53,10 +53,11 @@ class AdaGCState(NamedTuple):
 
 
 def adagc(lambda_rel: float = 1.04, beta: float = 0.99, t_start: int = 100, lambda_abs: float = 1.0,
-          eps: float = 1e-6, stacked: Stacked = None, psum=None) -> GradientTransformation:
+          eps: float = 1e-6, stacked: Stacked = None) -> GradientTransformation:
     """AdaGC with the official Megatron defaults (``--clip-ratio 1.04 --clip-beta 0.99``, 100 warm-up
-    steps, ``--clip-grad 1.0``, eps 1e-6). ``psum`` sums squared norms over the ranks holding the other shards
-    of sharded gradients (``core.parallel.shard``: each layer slice is split across ranks), else None."""
+    steps, ``--clip-grad 1.0``, eps 1e-6). Over sharded gradients (DTensors: each layer slice split across ranks)
+    the squares of every tensor and layer slice are the ranks' partial sums, made whole together by the root (one
+    all-reduce)."""
     if lambda_rel < 0 or not 0 <= beta < 1 or eps <= 0 or t_start < 0 or lambda_abs <= 0:
         raise ValueError(f"adagc: need lambda_rel >= 0, 0 <= beta < 1, eps > 0, t_start >= 0, lambda_abs > 0; "
                          f"got {lambda_rel=}, {beta=}, {eps=}, {t_start=}, {lambda_abs=}")
@@ -79,10 +80,8 @@ def adagc(lambda_rel: float = 1.04, beta: float = 0.99, t_start: int = 100, lamb
         grads, spec = tree_flatten(updates)
         gammas, gamma_spec = tree_flatten(state.gamma)
         # one vector of units (tensors and layer slices) so the rule below is a handful of vector ops
-        n = torch.cat([slice_norms(g, is_stacked(name, g)).to(gm.dtype).reshape(-1)
-                       for (name, g), gm in zip(named_leaves(updates), gammas)])
-        if psum is not None:   # one collective for every tensor's and layer slice's norm
-            n = psum(n.square()).sqrt()
+        n = torch.cat([slice_squares(g, is_stacked(name, g)).to(gm.dtype).reshape(-1)
+                       for (name, g), gm in zip(named_leaves(updates), gammas)]).sqrt()
         gamma = torch.cat([gm.reshape(-1) for gm in gammas])
         factor, new_gamma, clipped, ratio = _rule(n, gamma, warm, h)
         sizes = [gm.numel() for gm in gammas]

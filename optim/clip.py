@@ -21,15 +21,15 @@ def clip_factor(norm, max_norm):
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
-def clip_by_global_norm(max_norm: float, psum=None) -> GradientTransformation:
-    """``psum``: sums a squared norm over the ranks holding the other shards (``core.parallel.shard``), else None.
-    The norm is the transform's own: a compiled step that also reports the gradients' norm computes it once (the
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """The norm is the transform's own (``core.tree.global_norm``; of sharded gradients, DTensors, the whole-model
+    norm): a compiled step that also reports the gradients' norm computes it once (the
     compiler merges the two reductions)."""
     def init(params):
         return ClipState(hparams(params, max_norm=max_norm))
 
     def update(updates, state, params=None):
-        factor = clip_factor(global_norm(updates, psum), state.hparams["max_norm"])
+        factor = clip_factor(global_norm(updates), state.hparams["max_norm"])
         return like(updates, foreach.scale(leaves_of(updates), factor)), state
 
     return GradientTransformation(init, update)

@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Union
 
 import torch
 
-from purestep.core.tree import Tree, named_leaves, tree_leaves
+from purestep.core.tree import Tree, is_sharded, named_leaves, tree_leaves, whole
 
 COLUMNS = ("nonfinite", "zero", "grad_norm", "grad_to_weight", "update_to_weight")
 GLOBAL = "global"
@@ -87,9 +87,17 @@ def slices(t: torch.Tensor, stacked: bool) -> torch.Tensor:
     return t.reshape(t.shape[0], -1) if stacked else t.reshape(-1)
 
 
+def slice_squares(t: torch.Tensor, stacked: bool) -> torch.Tensor:
+    """Sum of squares of each layer slice (``[L]``) of a stacked leaf, of the whole leaf (0-d) otherwise, in at least
+    float32. A sum, not a norm: over a sharded leaf (a ``DTensor``) it is a partial sum that adds up across ranks, so
+    statistics of many leaves stack into one tensor and become whole-model in one all-reduce."""
+    x = slices(t, stacked)
+    return (x.to(wide(t.dtype)) if x.dtype != wide(t.dtype) else x).square().sum(-1)
+
+
 def slice_norms(t: torch.Tensor, stacked: bool) -> torch.Tensor:
     """L2 norm of each layer slice (``[L]``) of a stacked leaf, of the whole leaf (0-d) otherwise."""
-    return torch.linalg.vector_norm(slices(t, stacked), dim=-1, dtype=wide(t.dtype))
+    return slice_squares(t, stacked).sqrt()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -101,18 +109,18 @@ class GradientHealth:
     ``health = GradientHealth(params, clip_norm=1.0)``; ``make_train_step(..., monitors=Monitors(health))``
     adds ``metrics["health"]``, a float32 ``[len(health.layout), 5]`` tensor; the loop pulls it to the host
     every log interval and calls :meth:`report`, :meth:`to_scalars` and :meth:`histograms` on it.
-    ``clip_norm`` (the global clipping threshold, if any) adds ``health/clip/*`` to the scalars. ``psum`` sums
-    partial statistics over the ranks holding the other shards of sharded params and gradients
-    (``core.parallel.shard``). ``every`` (the loop's ``log_every``) computes them only on the steps :meth:`due` names;
+    ``clip_norm`` (the global clipping threshold, if any) adds ``health/clip/*`` to the scalars. Over sharded
+    params and gradients (DTensors) every statistic is a sum over the ranks' shards, made whole in one all-reduce.
+    ``every`` (the loop's ``log_every``) computes them only on the steps :meth:`due` names;
     the object itself is the ``extra_metrics`` callable then, so the step can ask :meth:`due` (``make_train_step``).
     """
 
-    def __init__(self, params: Tree, *, stacked: Stacked = None, clip_norm: float | None = None, psum=None,
+    def __init__(self, params: Tree, *, stacked: Stacked = None, clip_norm: float | None = None,
                  every: int | None = None):
         if every is not None and every < 1:
             raise ValueError(f"GradientHealth: every must be >= 1, got {every}")
         is_stacked = stacked_predicate(stacked)
-        self.clip_norm, self.psum, self.every = clip_norm, psum, every
+        self.clip_norm, self.every = clip_norm, every
         self.leaves: list[tuple[str, bool, int]] = []      # (name, stacked, number of rows)
         self.rows: list[tuple[str, int | None]] = []        # (leaf name, layer index or None)
         for name, leaf in named_leaves(params):
@@ -142,7 +150,8 @@ class GradientHealth:
         """``{"health": packed}``; traceable, no host sync in a graph. The update ratio uses ``new_params - params``
         (what the step applied), or ``updates`` when ``new_params`` is not given. With ``every`` and ``step`` (the
         count after this step, a tensor), a step that is not :meth:`due` skips the per-leaf work (``torch.cond``,
-        compiled or eager) and returns :meth:`skipped`'s tensor. A step whose update is
+        compiled or eager) and returns :meth:`skipped`'s tensor; over sharded gradients (DTensors, which
+        ``torch.cond`` does not take) it computes them and selects. A step whose update is
         not inside the same graph as its backward asks :meth:`due` on the host instead and calls this only when
         due (``core.step``): in a graph of its own, inductor writes out the new params the branch reads and
         copies them into the donated params afterwards instead of storing each where it belongs in one pass, on
@@ -158,14 +167,12 @@ class GradientHealth:
                              f"{len(g_leaves)} grads / {len(w_leaves)} params / {len(d_leaves)} updates")
         statistics = functools.partial(self._raw, d_new)
         want = None if self.every is None or step is None else self.due(step)
-        if want is None:
+        if want is None or any(is_sharded(g) for g in g_leaves):   # torch.cond takes no DTensor operands
             raw = statistics(g_leaves, w_leaves, d_leaves)
         else:   # only the due steps run the reductions (a host check when eager: torch.cond's own)
             raw = torch.cond(want, statistics, self._not_computed, (g_leaves, w_leaves, d_leaves))
-        if self.psum is not None:   # counts add up, norms add up as squares: one collective for every row
-            counts, norms = raw.split([1, 3], dim=-1)
-            counts, norms = self.psum(torch.cat([counts, norms.square()], dim=-1)).split([1, 3], dim=-1)
-            raw = torch.cat([counts, norms.sqrt()], dim=-1)
+        counts, squares = raw.split([1, 3], dim=-1)
+        raw = torch.cat([counts, squares.sqrt()], dim=-1)
         nonfinite, gn, wn, dn = raw.unbind(-1)
         _, g_all, w_all, d_all = raw.square().sum(0).sqrt().unbind()
         rows = torch.stack([nonfinite, (gn == 0).float(), gn, gn / wn, dn / wn], dim=-1)
@@ -176,17 +183,17 @@ class GradientHealth:
     __call__ = metrics
 
     def _raw(self, d_new: bool, g_leaves: list, w_leaves: list, d_leaves: list) -> torch.Tensor:
-        """``[rows, 4]``: per row the non-finite count, ||g||, ||w||, ||d||; ``d_leaves`` are the new params
-        (``d_new``) or the updates."""
+        """``[rows, 4]``: per row the non-finite count and the sums of squares of g, w and d (sums, so a sharded
+        leaf's rows add up across ranks); ``d_leaves`` are the new params (``d_new``) or the updates."""
         raw = []
         for (_, s, _), g, w, d in zip(self.leaves, g_leaves, w_leaves, d_leaves):
             if d_new:
                 d = d.to(wide(w.dtype)) - w.to(wide(w.dtype))
             nonfinite = (~torch.isfinite(slices(g, s))).sum(-1, dtype=torch.float32)
-            norms = [slice_norms(x, s).float() for x in (g, w, d)]
+            norms = [slice_squares(x, s).float() for x in (g, w, d)]
             # every column [rows]: a sharded 0-d leaf (a [1] shard) gave torch 2.11's stack one 0-d and three [1]
             raw.append(torch.stack([c.reshape(-1) for c in [nonfinite] + norms], dim=-1))
-        return torch.cat(raw)
+        return whole(torch.cat(raw))   # sharded leaves: the ranks' partial sums, one all-reduce
 
     def _not_computed(self, g_leaves: list, *_) -> torch.Tensor:
         return torch.full((len(self.rows) - 1, 4), NOT_COMPUTED, device=g_leaves[0].device)

@@ -69,7 +69,7 @@ class Layer(RunHook):
     def __init__(self):
         self.supplied = make_optimizer(OptimizerSpec(lr=0.5))
 
-    def optimizer(self, psum, resumed):
+    def optimizer(self, sharded, resumed):
         return self.supplied
 
     def dry_run_refusal(self):

@@ -10,10 +10,11 @@ param's (the moments), lives on each rank as a shard of one dim: a leaf stacked 
 (``[L, out, in]``, ``[L, d]``) on dim 1, its first non-layer dim, so every rank holds a slice of every layer;
 any other leaf on dim 0; a 0-d leaf as a 1-element vector. With ``c = ceil(n / W)``, rank ``r`` holds
 ``[r c, (r + 1) c)``, zero past ``n``. Nothing is replicated, not even a tiny leaf (rank 0 holds it, the others
-zero padding): then a sum of squares over every rank's shards counts each element once, and every
-whole-model statistic is a local reduction plus one sum across ranks (:meth:`Layout.psum`, JAX's ``psum``)
-that the norm helpers take as an argument (``core.tree.global_norm(psum=)``, ``optim.adagc``,
-``optim.health``). Zero padding stays zero: its gradient is zero, so are its AdamW moments and its decay.
+zero padding): then a sum of squares over every rank's shards counts each element once. The update sees the
+shards as DTensors (:meth:`Layout.on_dtensors`: ``DTensor.from_local`` views, ``Shard`` on the leaf's dim), so
+the optimizer, ``core.tree.global_norm``, ``optim.adagc`` and ``optim.health`` are written for whole tensors: a
+norm of a sharded leaf is DTensor's partial sum, made whole by one all-reduce. Zero padding stays zero: its
+gradient is zero, so are its AdamW moments and its decay.
 Optimizer-state leaves that do not follow a param (hyperparameters, counters, AdaGC's per-tensor and per-layer
 gamma) and the rest of the train state (step, key, cursor, loss scale, spike monitor) are replicated: every
 rank computes them from the same global statistics.
@@ -39,12 +40,13 @@ come back float32 for the float32 shards, its ``reduce_dtype``), the loss and th
 computes (the collectives are blocking), and per-block gathering of a sharded frozen teacher (gathered whole per
 step).
 
-**Why plain tensors and functional collectives rather than DTensor or ``fully_shard``**: on torch 2.13
-``torch.func.grad`` fails over DTensor inputs and through collectives, ``fully_shard`` modules give
-``torch.autograd.grad`` no gradients, and ``unbind(0)`` of a sharded stacked leaf raises. Keeping the
-collectives outside what ``torch.func`` differentiates (per block: in an autograd node of their own) leaves both
-gradient paths, the optimizer's foreach math, buffer donation and checkpoints on ordinary tensors, and makes the
-padding explicit.
+**Why the gathers are plain tensors and functional collectives rather than DTensor or ``fully_shard``**:
+``torch.func.grad`` fails over DTensor inputs (it wraps them and loses ``redistribute``; torch 2.14 still), and
+``fully_shard`` modules give ``torch.autograd.grad`` no gradients on torch 2.13. Keeping the collectives outside
+what ``torch.func`` differentiates (per block: in an autograd node of their own) leaves both gradient paths,
+buffer donation and checkpoints on ordinary tensors, and makes the padding explicit. The update is past the
+gradient, so there the shards are DTensors (:meth:`Layout.on_dtensors`): ``torch.cond`` takes no DTensor operands,
+so gradient health computes its statistics on every step of a sharded run and selects them.
 
 **Checkpoints** hold full leaves, as a one-process run writes them: :meth:`Layout.deferred` turns each
 sharded leaf into a ``core.io.checkpoint.Deferred`` that gathers it when the writer reaches it (peak extra
@@ -60,7 +62,7 @@ from typing import Callable, Optional
 import torch
 
 from purestep.core.io.checkpoint import Deferred
-from purestep.core.parallel.distributed import all_gather, all_reduce_sum, mean_over_ranks, reduce_scatter_sum, split_mean, wait
+from purestep.core.parallel.distributed import all_gather, mean_over_ranks, reduce_scatter_sum, split_mean, wait
 from purestep.core.tree import leaves_of, like, tree_map, tree_map_with_name, zip_leaves
 
 
@@ -176,9 +178,52 @@ class Layout:
 
     # ------------------------------------------------------------------------- inside the step (traceable)
 
-    def psum(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the ranks (a partial statistic of the shards made whole-model)."""
-        return all_reduce_sum(x, self.group)
+    def on_dtensors(self, apply: Callable, device_type: str, params=None) -> Callable:
+        """``apply(state, grads, loss, aux, due=) -> (state, metrics)`` (``core.update.apply_gradients``) run on
+        DTensor views of this rank's shards: every sharded params, gradient and optimizer leaf a
+        ``DTensor.from_local`` of its (padded) shard on a 1-D ``DeviceMesh`` of the layout's group, ``Shard`` on its
+        dim; every other optimizer leaf ``Replicate``. No data moves to make them. So the optimizer, the norms and
+        the health statistics are written for whole tensors and take no collective of their own: a norm of a
+        sharded leaf is a partial sum that DTensor makes whole (one all-reduce where the code asks for it,
+        ``core.tree.whole``). The new state comes back as this rank's shards (plain tensors), the metrics as plain
+        whole values. ``params``: the part of :attr:`params` the state's params are (all of them by default; the
+        trainable part of a student whose optimizer state :attr:`opt` follows it)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        import torch.distributed as dist
+        mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, device_type)
+        specs = self.params if params is None else params
+
+        def run(state, grads, loss, aux, due=None):
+            state = state._replace(params=self._views(state.params, specs, mesh),
+                                   opt_state=self._views(state.opt_state, self.opt, mesh))
+            new, metrics = apply(state, self._views(grads, specs, mesh), loss, aux, due=due)
+            return tree_map(_local, new), tree_map(_local, metrics)
+        return run
+
+    def _views(self, tree, specs, mesh):
+        """``tree``'s leaves as DTensors on ``mesh`` (:meth:`on_dtensors`)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        def one(x, spec):
+            if not isinstance(x, torch.Tensor):
+                return x
+            if spec.dim is None:
+                return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            full = list(spec.local_shape())
+            full[spec.dim] *= self.world
+            return DTensor.from_local(x, mesh, [Shard(spec.dim)], run_check=False, shape=torch.Size(full),
+                                      stride=_contiguous_strides(full))
+        return tree_map(one, tree, specs)
+
+    def around(self, gradients: Callable, specs=None) -> Callable:
+        """``gradients(full params, *args) -> (grads, loss, aux)`` as a function of this rank's shards: the params
+        gathered whole (:meth:`gather`), the summed full gradients reduce-scattered to this rank's shard of their
+        mean and the loss and aux averaged (:meth:`reduce`; ``specs``: the part of :attr:`params` the gradients
+        cover). What a step compiled as one graph runs; the one-block-at-a-time gathering is
+        ``core.parallel.shard_blocks``."""
+        def sharded(params, *args):
+            return self.reduce(*gradients(self.gather(params), *args), specs=specs)
+        return sharded
 
     def gather(self, params):
         """The full params from this rank's shards: one all-gather per dtype."""
@@ -277,6 +322,22 @@ class Layout:
             return x if spec.dim is None else fn(x, spec)
         return state._replace(params=tree_map(one, state.params, self.params),
                               opt_state=tree_map(one, state.opt_state, self.opt))
+
+
+def _contiguous_strides(shape: list) -> tuple:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
+
+
+def _local(x):
+    """A DTensor as a plain tensor: a shard as this rank's shard, anything else (replicated, partial) whole."""
+    from torch.distributed.tensor import DTensor, Shard
+    if not isinstance(x, DTensor):
+        return x
+    return x.to_local() if any(isinstance(p, Shard) for p in x.placements) else x.full_tensor()
 
 
 def full_bytes(layout: Optional[Layout], state) -> int:

@@ -73,10 +73,10 @@ class OrchestratorRunHook(RunHook):
         self.loop_key = KEY if self.enabled else None
         self.keeps_states = self.enabled
 
-    def optimizer(self, psum, resumed: dict):
+    def optimizer(self, sharded: bool, resumed: dict):
         """``orchestrator.initial``'s strategy, or, when resuming, the strategy the checkpoint was on (so the
         checkpoint loads into the right template); None when the orchestrator is off. Strategies are not built
-        on sharded state (``psum``: parallel=fsdp is refused with the orchestrator)."""
+        on sharded state (``sharded``: parallel=fsdp is refused with the orchestrator)."""
         if not self.enabled:
             return None
         saved = resumed.get(KEY)

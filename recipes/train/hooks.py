@@ -79,9 +79,9 @@ class RunHook:
     loop_key: Optional[str] = None     # when on: the ``key`` of the loop Hook the recipe must hand the loop
     keeps_states: bool = False         # when on: the loop steps one state more than once (branches): no donation
 
-    def optimizer(self, psum: Optional[Callable], resumed: dict) -> Optional[GradientTransformation]:
+    def optimizer(self, sharded: bool, resumed: dict) -> Optional[GradientTransformation]:
         """The optimizer the run's state is built with, or None for the run's own (``recipes.train.optimizer``).
-        ``psum``: sums over the ranks of a sharded state (parallel=fsdp), else None; ``resumed``: the top level of
+        ``sharded``: the state is sharded (parallel=fsdp); ``resumed``: the top level of
         the checkpoint the run resumes (``core.io.checkpoint.read_meta``; {} for a fresh run)."""
         return None
 

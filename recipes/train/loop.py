@@ -122,9 +122,8 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
     refusal = fused_refusal(cfg, dist.world_size) if cfg.fused else ""   # parallel=auto under torchrun
     if refusal:
         raise UserError(refusal)
-    psum = layout.psum if layout else None
     clip_norm = cfg.grad_clip if cfg.clipping == "global" else None
-    health = GradientHealth(params, clip_norm=clip_norm, psum=psum, every=cfg.log_every) if cfg.health else None
+    health = GradientHealth(params, clip_norm=clip_norm, every=cfg.log_every) if cfg.health else None
     train_loss, mode, scope = loss_fn, backend.compile_mode(cfg, device), backend.compile_scope(cfg, params)
     if cfg.fault.active:
         train_loss = with_faults(loss_fn)

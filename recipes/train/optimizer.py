@@ -89,38 +89,39 @@ def warmup_schedule(spec: OptimizerSpec) -> Schedule:
     return schedules.make("constant", warmup=spec.warmup_steps)
 
 
-def adagc_transform(spec: OptimizerSpec, psum=None) -> GradientTransformation:
+def adagc_transform(spec: OptimizerSpec) -> GradientTransformation:
     """AdaGC configured by ``spec.adagc``, its absolute cap ``spec.grad_clip``."""
     return optim.adagc(lambda_rel=spec.adagc.lambda_rel, beta=spec.adagc.beta, t_start=spec.adagc.warmup,
-                       lambda_abs=spec.grad_clip, psum=psum)
+                       lambda_abs=spec.grad_clip)
 
 
-def clip_transform(spec: OptimizerSpec, psum=None) -> Optional[GradientTransformation]:
-    """The gradient clipping ``spec.clipping`` names (global | adagc | agc | none), or None. ``psum``: the norms
-    are over sharded gradients (``core.parallel.shard.Layout.psum``); AGC's unit norms are not wired for that."""
+def clip_transform(spec: OptimizerSpec, sharded: bool = False) -> Optional[GradientTransformation]:
+    """The gradient clipping ``spec.clipping`` names (global | adagc | agc | none), or None. ``sharded``: the
+    gradients are shards (parallel=fsdp; DTensors to the transforms, ``core.parallel.shard.Layout.on_dtensors``);
+    AGC on them is untested, so refused."""
     if spec.clipping == "global":
-        return optim.clip_by_global_norm(spec.grad_clip, psum)
+        return optim.clip_by_global_norm(spec.grad_clip)
     if spec.clipping == "adagc":
-        return adagc_transform(spec, psum)
-    if spec.clipping == "agc" and psum is not None:
+        return adagc_transform(spec)
+    if spec.clipping == "agc" and sharded:
         raise ValueError("clipping=agc is not supported on sharded gradients")
     if spec.clipping == "agc":
         return optim.agc(spec.agc_clip)
     return None
 
 
-def make_optimizer(spec: OptimizerSpec, psum=None) -> GradientTransformation:
+def make_optimizer(spec: OptimizerSpec, sharded: bool = False) -> GradientTransformation:
     """Clipping (``spec.clipping``), then AdamW with the spec's schedule (no decay on norms/embeddings), or with
     ``optimizer=muon`` Muon for the hidden matrices (``optim.muon.muon_mask``) and that AdamW for the rest, both
-    on the schedule; ``psum`` as in :func:`clip_transform` (parallel=fsdp). Muon needs whole matrices, so it is
+    on the schedule; ``sharded`` as in :func:`clip_transform` (parallel=fsdp). Muon needs whole matrices, so it is
     refused on sharded gradients (``TrainConfig`` refuses optimizer=muon with parallel=fsdp first). ``spec.fused``:
     the same AdamW and clipping carrying torch's fused in-place step for eager donated steps (:func:`fused_adamw`)."""
     schedule = make_schedule(spec)
     if spec.fused:
-        return fused_adamw(spec, schedule, psum)
+        return fused_adamw(spec, schedule, sharded)
     body = optim.adamw(lr=spec.lr, b1=spec.beta1, b2=spec.beta2, weight_decay=spec.weight_decay, schedule=schedule)
     if spec.optimizer == "muon":
-        if psum is not None:
+        if sharded:
             raise ValueError("optimizer=muon is not supported on sharded gradients (Newton-Schulz needs whole "
                              "matrices)")
         m = spec.muon
@@ -130,15 +131,15 @@ def make_optimizer(spec: OptimizerSpec, psum=None) -> GradientTransformation:
                           aux=body)
     elif spec.optimizer != "adamw":
         raise ValueError(f"optimizer={spec.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-    clip = clip_transform(spec, psum)
+    clip = clip_transform(spec, sharded)
     return body if clip is None else optim.chain(clip, body)
 
 
-def fused_adamw(spec: OptimizerSpec, schedule: Schedule, psum=None) -> optim.FusedAdamW:
+def fused_adamw(spec: OptimizerSpec, schedule: Schedule, sharded: bool = False) -> optim.FusedAdamW:
     """``make_optimizer``'s AdamW and global clipping with the in-place eager step of torch's fused kernel
     (``optim.fused``; ``fused=true``, which ``TrainConfig`` refuses where it cannot apply)."""
-    if spec.optimizer != "adamw" or spec.clipping not in ("global", "none") or psum is not None:
+    if spec.optimizer != "adamw" or spec.clipping not in ("global", "none") or sharded:
         raise ValueError(f"fused=true is AdamW with clipping=global or none in one process, not optimizer="
-                         f"{spec.optimizer}, clipping={spec.clipping}{' on sharded gradients' if psum else ''}")
+                         f"{spec.optimizer}, clipping={spec.clipping}{' on sharded gradients' if sharded else ''}")
     return optim.fused_adamw(lr=spec.lr, b1=spec.beta1, b2=spec.beta2, weight_decay=spec.weight_decay,
                              schedule=schedule, max_norm=spec.grad_clip if spec.clipping == "global" else None)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, Optional
 
@@ -19,7 +18,7 @@ import torch
 from purestep.core.io import checkpoint as ckpt
 from purestep.core.cli import runs
 from purestep.core.config import ConfigError, UserError, apply_overrides
-from purestep.core.parallel.distributed import Dist, all_reduce_sum
+from purestep.core.parallel.distributed import Dist
 from purestep.core.io.logging import Logger
 from purestep.core.parallel.shard import Layout, LayoutError
 from purestep.core.state import TrainState, init_state
@@ -121,27 +120,16 @@ def checkpoint_manager(cfg: TrainConfig, folder: Path, dist: Dist = Dist()) -> O
     return ckpt.CheckpointManager(folder, keep_last=cfg.keep_last, save_every=cfg.save_every)
 
 
-def build_optimizer(cfg: TrainConfig, psum: Optional[Callable] = None, resumed: Optional[dict] = None) \
+def build_optimizer(cfg: TrainConfig, sharded: bool = False, resumed: Optional[dict] = None) \
         -> GradientTransformation:
     """The optimizer a run of ``cfg`` builds its state with: the one a run hook of ``cfg`` supplies
     (``recipes.train.hooks.RunHook.optimizer``, told the resumed checkpoint's top level ``resumed``), else the
-    run's own (``recipes.train.optimizer``); ``psum`` as in ``make_optimizer`` (parallel=fsdp)."""
+    run's own (``recipes.train.optimizer``); ``sharded`` as in ``make_optimizer`` (parallel=fsdp)."""
     for hook in cfg.run_hooks():
-        optimizer = hook.optimizer(psum, resumed or {})
+        optimizer = hook.optimizer(sharded, resumed or {})
         if optimizer is not None:
             return optimizer
-    return make_optimizer(optimizer_spec(cfg), psum)
-
-
-def sum_over_ranks(dist: Dist) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """Under parallel=fsdp, ``x -> x`` summed over every rank (what the layout's ``core.parallel.shard.Layout.psum``
-    sums
-    over: :func:`sharded_layout` lays the state over the WORLD group), which an optimizer's norms over sharded
-    gradients need; else None."""
-    if not dist.sharded:
-        return None
-    import torch.distributed as torch_dist
-    return partial(all_reduce_sum, group=torch_dist.group.WORLD)
+    return make_optimizer(optimizer_spec(cfg), sharded)
 
 
 def sharded_layout(dist: Dist, params, init, dtype: str) -> Optional[Layout]:
@@ -173,7 +161,7 @@ def start(cfg: TrainConfig, folder: Optional[Path], params, *, device, dist: Dis
     if resume is not None and check is not None:
         check(resume, meta)
     diff = _changes(cfg, meta) if resume is not None else {}   # refused keys stop the run before anything is built
-    optimizer = build_optimizer(cfg, sum_over_ranks(dist), meta)
+    optimizer = build_optimizer(cfg, dist.sharded, meta)
     layout = sharded_layout(dist, params, optimizer.init, cfg.dtype)
     mine = layout.shard_params(params) if layout else params      # fsdp: the moments are made on the shards
     run = RunSetup(RunFolder(cfg, folder, dist), optimizer,
@@ -211,5 +199,5 @@ def _apply_changes(cfg: TrainConfig, diff: dict, state: TrainState, fresh: Train
     if not diff:
         return state
     old = apply_overrides(cfg, {k: before for k, (before, _) in diff.items()}, context="the checkpoint's config")
-    before = build_optimizer(old, None, meta).init(fresh.params)     # its init alone: no sums over ranks needed
+    before = build_optimizer(old, False, meta).init(fresh.params)
     return state._replace(opt_state=changes.apply_hyperparameters(state.opt_state, before, fresh.opt_state))

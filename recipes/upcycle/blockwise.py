@@ -43,10 +43,10 @@ from purestep.core.io import checkpoint as ckpt
 from purestep.core.io.logging import Logger
 from purestep.core.parallel.distributed import Dist
 from purestep.core.spike import SpikeConfig
-from purestep.core.gradients import autocast
+from purestep.core.gradients import autocast, averaged_over_ranks
 from purestep.core.state import TrainState
 from purestep.core.step import Parallel
-from purestep.core.tree import map_flat, tree_map
+from purestep.core.tree import tree_map
 from purestep.core.update import Monitors, apply_gradients, if_finite, scale_loss
 from purestep.models import blockwise
 from purestep.optim.common import current_lr
@@ -247,19 +247,26 @@ def _step(scfg, optimizer, blocks: Blocks, precision: str, device_type: str,
     grad_fn = torch.func.grad(objective, has_aux=True)
     monitors = Monitors(extra_metrics=health)
 
+    def gradients(params, batch, loss_scale):
+        grads, per = grad_fn(*split(params, train), batch, loss_scale)
+        return grads, per, {}
+    if shard is not None:     # gathered whole, the trainable part's gradients reduce-scattered (fsdp)
+        gradients = shard.around(gradients, specs=split(shard.params, train)[0])
+    else:                     # averaged across ranks (ddp)
+        gradients = averaged_over_ranks(gradients, parallel.reduce)
+
+    def update(state: TrainState, grads, loss, aux, due=None):
+        return apply_gradients(state, grads, optimizer, loss=loss, monitors=monitors)
+    if shard is not None:     # the optimizer and health see the trainable shards as DTensors
+        update = shard.on_dtensors(update, device_type, params=split(shard.params, train)[0])
+
     def step(state: TrainState, batch: dict):
-        full = state.params if shard is None else shard.gather(state.params)
-        grads, per = grad_fn(*split(full, train), batch, state.loss_scale)
-        if shard is not None:
-            grads, per, _ = shard.reduce(grads, per, {}, specs=split(shard.params, train)[0])
-        elif parallel.reduce is not None:
-            grads, per = map_flat(parallel.reduce, (grads, per))
+        grads, per, _ = gradients(state.params, batch, state.loss_scale)
         trainable, rest = split(state.params, train)
         conv = convergence(state)
         ours = TrainState(state.step, trainable, state.opt_state, state.key, state.cursor, state.loss_scale,
                           state.monitor)
-        new, metrics = apply_gradients(ours, grads, optimizer, loss=per.sum(), monitors=monitors,
-                                       psum=None if shard is None else shard.psum)
+        new, metrics = update(ours, grads, per.sum(), None)
         active = conv["active"]
         params = masked(active, new.params, trainable, L)
         opt_state = masked(active, new.opt_state, state.opt_state, L)
