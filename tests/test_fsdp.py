@@ -227,6 +227,60 @@ def test_a_killed_rank_stops_the_run_within_a_minute_naming_it_and_the_newest_ch
     assert again.returncode == 0 and f"resuming from {newest} at step {step}" in again.stderr, again.stderr[-3000:]
 
 
+def _children(parent: int) -> list:
+    """The pids of ``parent``'s children (torchrun's workers, which leave its process group)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                pids.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc")
+def test_two_nodes_killed_mid_run_resume_on_one_node_to_the_uninterrupted_state(corpus, tmp_path):
+    """Two ``torchrun --nnodes=2 --nproc_per_node=2`` launches (c10d rendezvous on localhost: 4 ranks of 2 rows)
+    train under ``parallel=fsdp`` and are killed with SIGKILL, every process of both, once a checkpoint is on disk;
+    ``--nnodes=1 --nproc_per_node=2`` (2 ranks of 4 rows: the same global batch) resumes the run from it and ends
+    where one uninterrupted process of 8 rows ends."""
+    import signal
+    import time
+    common = merge_args(*TINY, f"data={corpus}", "eval_every=0", "steps=60", "decay_steps=60")
+    assert main([*common, "batch_size=8", f"out={tmp_path / 'straight'}"]) == 0
+    run, port = tmp_path / "run", _free_port()
+    nodes = [subprocess.Popen(["torchrun", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={i}",
+                               "--rdzv_backend=c10d", f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=two-nodes",
+                               str(REPO / "bin" / "run"), *merge_args(*common, "batch_size=2", "parallel=fsdp",
+                                                                       "steps=5000", f"out={run}")],
+                              cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in (0, 1)]
+    deadline = time.monotonic() + 240       # killed at its first checkpoint, long before step 60
+    while ckpt.latest(run) is None and time.monotonic() < deadline and all(n.poll() is None for n in nodes):
+        time.sleep(0.05)
+    for n in nodes:                          # every process of both launches: the ranks, then the agents
+        for pid in _children(n.pid):
+            os.kill(pid, signal.SIGKILL)
+        n.kill()
+    errors = [n.communicate()[1] for n in nodes]
+    newest = ckpt.latest(run)
+    assert newest is not None, errors[0][-3000:] + errors[1][-3000:]
+    step = ckpt.read_meta(newest)["step"]
+    assert step < 60 and not (run / "final.msgpack").exists() and "fsdp over 4 ranks" in "".join(errors)
+    again = torchrun([*common, "batch_size=4", "parallel=fsdp", f"out={run}"], tmp_path)
+    assert again.returncode == 0 and f"resuming from {newest} at step {step}" in again.stderr, again.stderr[-3000:]
+    one, two = (ckpt.load(tmp_path / name / "final.msgpack")["state"] for name in ("straight", "run"))
+    assert max_abs_diff(one["params"], two["params"]) < 1e-6 and max_abs_diff(one["opt_state"], two["opt_state"]) < 1e-6
+
+
 @pytest.fixture(scope="module")
 def teacher(corpus, tmp_path_factory):
     """A tiny byte-level Llama (d=64, 2 layers, 4 heads) trained 10 steps: a teacher for distill and upcycle."""
