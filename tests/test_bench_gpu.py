@@ -23,7 +23,7 @@ def test_the_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["machine"]["scale"] == "tiny" and report["summary"]["failed"] == 0
     names = {section: {i["name"]: i for i in items} for section, items in report["sections"].items()}
-    assert set(names) == {"checks", "recipes", "upcycle", "speed"}
+    assert set(names) == {"checks", "recipes", "upcycle", "speed", "ranks"}
     ran = {n for n, i in names["checks"].items() if i["ok"] is True}
     assert {"cpu_vs_device_fp32", "bf16_vs_fp32", "fp16_vs_fp32", "donation", "checkpoint_roundtrip",
             "kv_cache_generation"} <= ran
@@ -36,6 +36,9 @@ def test_the_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
     assert quality["ok"] is True and quality["kv_bytes_ratio"] == 0.5 and quality["tokens"]["global"] > 0
     ratio = names["speed"]["tiny/ratio"]
     assert ratio["ok"] is True and ratio["tokens_per_s_ratio"] > 0
+    for parallel in ("ddp", "fsdp"):     # 2 gloo ranks against one process, each rank's peak memory read back
+        scaling = names["ranks"][f"{parallel}_2_scaling"]
+        assert scaling["ok"] is True and scaling["efficiency"] > 0 and len(scaling["peak_mib_per_rank"]) == 2
     md = (out / "report.md").read_text()
     assert "# bench.gpu report" in md and "## speed" in md and "| functional |" in md
 

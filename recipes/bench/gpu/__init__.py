@@ -12,6 +12,8 @@ In about 8 minutes on one H100 (``budget_s``), writing ``DIR/report.json`` and `
    (nanoGPT's ``forward(idx, targets)``) + fused AdamW at a 124M and a 1B shape, with the matmul peak and MFU
    (``speed.py``), alone on the device once the rest has ended. A child process compiles the same shapes during
    phase 1 (``warm_compile``), so the measurement itself reads inductor's cache instead of compiling for minutes.
+5. ``ranks``: on a machine with two or more GPUs, ``recipe=standard`` under ``parallel=ddp`` and ``parallel=fsdp``
+   over all of them (NCCL, at most 8) against one process, for ``ranks_s`` more (``ranks.py``); skipped with one GPU.
 
 ``scale=tiny`` (the default off CUDA) runs the same sections small and uncompiled: the suite runs it on a CPU in
 under a minute so the command never rots. Exit code 0 when every item passed, 3 when one failed (the issue's
@@ -35,11 +37,12 @@ from purestep.core.io.logging import progress
 from purestep.core.cli.runs import run_folder
 from purestep.recipes.bench.gpu import commands, jobs
 from purestep.recipes.bench.gpu.checks import run_checks
+from purestep.recipes.bench.gpu.ranks import run_ranks
 from purestep.recipes.bench.gpu.report import Report, Skip, machine
 from purestep.recipes.bench.gpu.speed import SHAPES, VARIANTS, run_speed
 
 DESCRIPTION = "correctness, every recipe, speed and memory against plain PyTorch, and the SmolLM2 upcycle on a GPU"
-SECTIONS = ("checks", "recipes", "upcycle", "speed")
+SECTIONS = ("checks", "recipes", "upcycle", "speed", "ranks")
 
 
 @dataclass
@@ -70,6 +73,7 @@ class Config:
                                              "modules, ~5 MB; or any data= value)")
     upcycle_steps: tuple[int, int] = option((300, 300), "blockwise and global steps of the SmolLM2 upcycle", min=1)
     data: str = option("stdlib", "the recipes section's text (data=; tiny scale: a few stdlib modules)")
+    ranks_s: float = option(300.0, "seconds for the ranks section (two or more GPUs), after budget_s", above=0)
 
     def __post_init__(self):
         for key, values, allowed in (("sections", self.sections, SECTIONS),
@@ -103,6 +107,8 @@ def run(cfg: Config) -> dict:
         shapes = ("tiny",) if tiny else cfg.speed_shapes
         run_speed(report, device, shapes, cfg.compile and not tiny, cfg.speed_warmup, cfg.speed_steps, gate=not tiny,
                   variants=cfg.speed_variants, profile=cfg.speed_profile)
+    if "ranks" in cfg.sections:
+        run_ranks(report, device, tiny, _tiny_text(folder) if tiny else cfg.data, folder / "runs", cfg.ranks_s)
     summary = report.summary()
     progress(f"bench.gpu: {summary['passed']} passed, {summary['failed']} failed, {summary['skipped']} skipped in "
              f"{summary['seconds']} s; {folder / 'report.md'}")
