@@ -27,7 +27,7 @@ pass anyway); eager, ``_foreach_norm`` wins (fewer kernel launches). The step is
 uses ``vector_norm``. The per-leaf work is four reductions; everything after them runs once on the concatenated
 ``[rows, 4]``.
 
-The stacked-leaf convention (``stacked_predicate``, ``slice_norms``) lives here and is shared by
+The stacked-leaf convention (``stacked_predicate``, ``slice_squares``) lives here and is shared by
 :mod:`optim.adagc` and :mod:`optim.agc`.
 """
 from __future__ import annotations
@@ -93,11 +93,6 @@ def slice_squares(t: torch.Tensor, stacked: bool) -> torch.Tensor:
     statistics of many leaves stack into one tensor and become whole-model in one all-reduce."""
     x = slices(t, stacked)
     return (x.to(wide(t.dtype)) if x.dtype != wide(t.dtype) else x).square().sum(-1)
-
-
-def slice_norms(t: torch.Tensor, stacked: bool) -> torch.Tensor:
-    """L2 norm of each layer slice (``[L]``) of a stacked leaf, of the whole leaf (0-d) otherwise."""
-    return slice_squares(t, stacked).sqrt()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -191,15 +191,25 @@ def test_what_cannot_be_sharded_is_a_one_line_error_naming_it(corpus, tmp_path, 
 
 def _rank_pid(parent: int, rank: int) -> int:
     """The pid of torchrun's worker with ``RANK=rank`` (a child of ``parent``)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in _children(parent):
         try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
         except OSError:
             continue
-        if ppid == parent and f"RANK={rank}".encode() in environ:
-            return int(stat.parent.name)
     raise AssertionError(f"no worker with RANK={rank} under pid {parent}")
+
+
+def _children(parent: int) -> list:
+    """The pids of ``parent``'s children (torchrun's workers, which leave its process group)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                pids.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return pids
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker's pid through /proc")
@@ -225,18 +235,6 @@ def test_a_killed_rank_stops_the_run_within_a_minute_naming_it_and_the_newest_ch
     assert step >= 10 and f"{newest}, is intact" in rest, rest[:1500]
     again = torchrun([*common, f"steps={step + 5}", f"decay_steps={5000}"], tmp_path)
     assert again.returncode == 0 and f"resuming from {newest} at step {step}" in again.stderr, again.stderr[-3000:]
-
-
-def _children(parent: int) -> list:
-    """The pids of ``parent``'s children (torchrun's workers, which leave its process group)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                pids.append(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue
-    return pids
 
 
 def _free_port() -> int:
@@ -416,6 +414,50 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
             assert _diff(plain_metrics, metrics) < 1e-6 and abs(plain_eval - sharded_eval) < 1e-6
         else:     # the model runs on bf16 weights, not fp32 ones cast by autocast: the loss to bf16 rounding
             assert abs(plain_metrics["loss"] - metrics["loss"]) < 1e-3
+
+
+def _dtensor_update(rank: int, init: str, out: str) -> None:
+    """One of 2 spawned gloo ranks of the test below (``on_dtensors``' all-reduces): writes the all-reduce count and the gaps to the plain update (params absolute, metrics relative)."""
+    import json
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+    from purestep.core.state import init_state
+    from purestep.core.tree import clone
+    from purestep.core.update import apply_gradients
+    from purestep.optim.health import GradientHealth
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    cfg = llama.LlamaConfig(vocab_size=33, d_model=16, n_layers=2, n_heads=2)     # 33 rows: an uneven split
+    params = llama.init(cfg, 0)
+    opt = make_optimizer(OptimizerSpec(lr=1e-2, clipping="global"), sharded=True)
+    layout = Layout(params, opt.init, stacked=stacked_predicate(None), world=2, rank=rank, group=dist.group.WORLD)
+    monitors = Monitors(GradientHealth(params, clip_norm=1.0))
+
+    def apply(state, grads, loss, aux, due=None):
+        return apply_gradients(state, grads, opt, loss=loss, aux=aux, monitors=monitors, due=due)
+    grads = tree_map(lambda p: torch.randn_like(p), params)
+    plain, plain_metrics = apply(init_state(clone(params), opt), grads, torch.tensor(2.0), {})
+    with CommDebugMode() as comm:
+        sharded, metrics = layout.on_dtensors(apply, "cpu")(layout.shard(init_state(clone(params), opt)),
+                                                            layout.shard_params(grads), torch.tensor(2.0), {})
+    result = {"comms": {str(k): v for k, v in comm.get_comm_counts().items()},
+              "params": _diff(plain.params, layout.gather_state(sharded).params),
+              "metrics": max(((a.double() - b.double()).abs() / b.double().abs().clamp_min(1)).max().item()
+                             for a, b in zip(tree_leaves(metrics), tree_leaves(plain_metrics)))}   # relative
+    dist.destroy_process_group()
+    Path(out).with_suffix(f".{rank}.json").write_text(json.dumps(result))
+
+
+def test_the_update_on_dtensor_shards_makes_each_statistic_whole_in_one_all_reduce(tmp_path):
+    """``Layout.on_dtensors`` on 2 gloo ranks: the optimizer, the norms and gradient health see DTensors and take no
+    collective of their own; each whole-model statistic is one all-reduce of partial sums (the gradient norm, global
+    clipping's norm, the health rows, the parameter norm: 4), and the update equals the plain one."""
+    import json
+    torch.multiprocessing.spawn(_dtensor_update, args=(f"file://{tmp_path / 'pg'}", str(tmp_path / "out")), nprocs=2)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"out.{rank}.json").read_text())
+        assert result["comms"] == {"c10d_functional.all_reduce": 4}, result
+        assert result["params"] < 1e-6 and result["metrics"] < 1e-5, result
 
 
 def test_the_sharded_step_traces_into_one_graph(one_rank_group):

@@ -212,7 +212,7 @@ class Layout:
             full = list(spec.local_shape())
             full[spec.dim] *= self.world
             return DTensor.from_local(x, mesh, [Shard(spec.dim)], run_check=False, shape=torch.Size(full),
-                                      stride=_contiguous_strides(full))
+                                      stride=torch.empty(full, device="meta").stride())
         return tree_map(one, tree, specs)
 
     def around(self, gradients: Callable, specs=None) -> Callable:
@@ -322,14 +322,6 @@ class Layout:
             return x if spec.dim is None else fn(x, spec)
         return state._replace(params=tree_map(one, state.params, self.params),
                               opt_state=tree_map(one, state.opt_state, self.opt))
-
-
-def _contiguous_strides(shape: list) -> tuple:
-    strides, n = [], 1
-    for size in reversed(shape):
-        strides.append(n)
-        n *= size
-    return tuple(reversed(strides))
 
 
 def _local(x):

@@ -256,7 +256,7 @@ def _step(scfg, optimizer, blocks: Blocks, precision: str, device_type: str,
         gradients = averaged_over_ranks(gradients, parallel.reduce)
 
     def update(state: TrainState, grads, loss, aux, due=None):
-        return apply_gradients(state, grads, optimizer, loss=loss, monitors=monitors)
+        return apply_gradients(state, grads, optimizer, loss=loss, aux=aux, monitors=monitors, due=due)
     if shard is not None:     # the optimizer and health see the trainable shards as DTensors
         update = shard.on_dtensors(update, device_type, params=split(shard.params, train)[0])
 

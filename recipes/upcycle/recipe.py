@@ -373,8 +373,7 @@ def run_blockwise(ctx: Context, student: dict, scfg):
         identity = {"teacher": fingerprint(t.params), "data": ctx.data.corpus.path, "seed": cfg.seed,
                     "batch_size": bw.batch_size, "block_size": cfg.block_size}
         source.cache = BlockIOCache.open_or_build(source, n, identity, say=progress)
-    health = GradientHealth(bw_loop.split(state.params, bw.train)[0], 
-                            every=bw.log_every) if bw.health else None
+    health = GradientHealth(bw_loop.split(state.params, bw.train)[0], every=bw.log_every) if bw.health else None
     donate = donates(bw_loop.loop_config(bw))   # as every run of the shared loop: the loop gives each state up
     step_fn = bw_loop.make_step(scfg, optimizer, bw_loop.Blocks.of(bw), precision=cfg.dtype, compile=cfg.compile,
                                 donate=donate, health=health,

@@ -56,18 +56,17 @@ def run_ranks(report: Report, device: torch.device, tiny: bool, data: str, folde
         return
     done = run_jobs(report, rank_jobs(device.type, tiny, data, ranks, 8 if tiny else 60), folder,
                     time.monotonic() + seconds, parallel=1)
-    one = throughput(folder / "ranks-one") if done["one_process"].result.get("ok") else None
     for parallel in PARALLEL:
         job = done[f"{parallel}_{ranks}"]
-        if not job.result.get("ok") or one is None:
-            continue
-        tps = throughput(folder / f"ranks-{parallel}")
-        peaks = peak_per_rank(folder / f"{job.name}.log")
-        report.add("ranks", {"name": f"{parallel}_{ranks}_scaling", "ok": True, "ranks": ranks,
-                             "tokens_per_s": tps, "one_process_tokens_per_s": one,
-                             "efficiency": round(tps / (ranks * one), 3), "peak_mib_per_rank": peaks,
-                             "summary": f"{ranks} ranks {tps:,.0f} tokens/s = {tps / (ranks * one):.2f} x {ranks} x "
-                                        f"one process's {one:,.0f}; peak MiB per rank {peaks}"})
+        if not (job.result.get("ok") and done["one_process"].result.get("ok")):
+            continue      # its own item says why
+        with report.item("ranks", f"{parallel}_{ranks}_scaling") as item:   # a log it cannot read: that item fails
+            one, tps = throughput(folder / "ranks-one"), throughput(folder / f"ranks-{parallel}")
+            peaks = peak_per_rank(folder / f"{job.name}.log")
+            item.update(ranks=ranks, tokens_per_s=tps, one_process_tokens_per_s=one,
+                        efficiency=round(tps / (ranks * one), 3), peak_mib_per_rank=peaks,
+                        summary=f"{ranks} ranks {tps:,.0f} tokens/s = {tps / (ranks * one):.2f} x {ranks} x one "
+                                f"process's {one:,.0f}; peak MiB per rank {peaks}")
 
 
 def throughput(run: Path) -> float:
