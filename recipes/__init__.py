@@ -19,6 +19,7 @@ RECIPES = {
     "compress": "purestep.recipes.compress.recipe",
     "eval": "purestep.recipes.eval.recipe",
     "bench.step": "purestep.recipes.bench.step",
+    "bench.fsdp": "purestep.recipes.bench.fsdp",
     "bench.speed": "purestep.recipes.bench.speed",
     "bench.wall": "purestep.recipes.bench.wall",
     "bench.nanogpt": "purestep.recipes.bench.nanogpt",

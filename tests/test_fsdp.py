@@ -369,7 +369,9 @@ def _sharded_run(group, *, compile, clipping, health, donate, steps=3, scope="st
 def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_backward(one_rank_group, remat,
                                                                                         monkeypatch):
     """Layer i is gathered when the model's loop reaches it, and backward gathers layers L-2 .. 0 again (the last is
-    still held): nothing autograd saved, nor under remat the checkpoint, kept a gathered layer. Two micro-batches
+    still held): nothing autograd saved, nor under remat the checkpoint, kept a gathered layer. Each gather but the
+    first of a pass was started one layer ahead (prefetched: layer i + 1 while i computes, i - 1 in backward). Two
+    micro-batches
     reduce-scatter each layer once, in the last one's backward. Under bf16 the layers come gathered in bf16. The
     step and the per-block eval equal the plain ones (fp32; bf16: the loss to bf16 rounding)."""
     from purestep.core.parallel import shard_blocks
@@ -379,8 +381,9 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
     gathers, reduces, gather, reduce_rows = [], [], shard_blocks.Blocks.gather, Layout.reduce_rows
 
     def counted(self, idx, k):
+        started = (tuple(idx), k) in self.pending          # prefetched
         out = gather(self, idx, k)
-        gathers.append((k, {t.dtype for t in out}))
+        gathers.append((k, {t.dtype for t in out}, started))
         return out
     monkeypatch.setattr(shard_blocks.Blocks, "gather", counted)
     monkeypatch.setattr(Layout, "reduce_rows", lambda self, rows, **kw: reduces.append(len(rows)) or reduce_rows(self, rows, **kw))
@@ -405,8 +408,9 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
             state, metrics = step(shard.shard(state) if shard else state, batch)
             evaluate = make_eval_step(loss, precision=precision, shard=shard)
             runs.append((state, metrics, evaluate(state.params, first)["loss"]))
-        assert [k for k, _ in gathers] == [0, 1, 2, 1, 0] * 2 + [0, 1, 2]        # 2 micro-batches, then the eval
-        assert all(dtypes == {dtype} for _, dtypes in gathers)
+        assert [k for k, _, _ in gathers] == [0, 1, 2, 1, 0] * 2 + [0, 1, 2]      # 2 micro-batches, then the eval
+        assert [started for _, _, started in gathers] == [False, True, True, True, True] * 2 + [False, True, True]
+        assert all(dtypes == {dtype} for _, dtypes, _ in gathers)
         assert reduces == [9, 9, 9, 2]      # layers 2, 1, 0 (9 stacked leaves each), then embed and norm
         (plain, plain_metrics, plain_eval), (sharded, metrics, sharded_eval) = runs
         if precision == "fp32":

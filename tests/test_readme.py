@@ -113,6 +113,8 @@ RUN_ELSEWHERE = {
                                     "test_every_arm_starts_from_one_surgery_and_trains_its_budget",
     "purestep recipe=bench.policy": "tests/test_on_policy.py::"
                                    "test_the_policy_bench_scores_a_student_on_its_own_samples_and_on_the_data",
+    "purestep recipe=bench.fsdp preset=100m": "tests/test_bench.py::"
+                                             "test_fsdp_bench_halves_the_state_on_2_ranks_and_overlaps_the_prefetched_gathers",
     "purestep recipe=bench.gpu device=cpu": "tests/test_bench_gpu.py::test_the_gpu_bench_runs_every_section_on_the_cpu",
     "purestep recipe=export init=STUDENT": "tests/test_mla.py::"
                                           "test_recipe_export_writes_an_mla_checkpoint_in_deepseek_v2s_formats",

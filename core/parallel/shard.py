@@ -36,9 +36,11 @@ one traced graph there is no per-layer autograd node and no saved-tensor hook to
 full params and gradients exist for the step. Either way params
 are gathered in ``gather_dtype`` under bf16 (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``; their gradients
 come back float32 for the float32 shards, its ``reduce_dtype``), the loss and the aux metrics are averaged (one
-``all_reduce``), and the optimizer runs on local shards. Not built: prefetching the next block's gather while one
-computes (the collectives are blocking), and per-block gathering of a sharded frozen teacher (gathered whole per
-step).
+``all_reduce``), and the optimizer runs on local shards. Gathered per block, the collectives run ahead of the
+compute (``prefetch``, the default): layer ``i + 1``'s all-gather starts as block ``i`` begins (in backward, layer
+``i - 1``'s), and a layer's reduce-scatter is waited for when the next one is issued, so both run in the process
+group's background while a block computes (FSDP2's implicit prefetch). Not built: per-block gathering of a sharded
+frozen teacher (gathered whole per step).
 
 **Why the gathers are plain tensors and functional collectives rather than DTensor or ``fully_shard``**:
 ``torch.func.grad`` fails over DTensor inputs (it wraps them and loses ``redistribute``; torch 2.14 still), and
@@ -122,11 +124,14 @@ class Layout:
     """Where every leaf of a train state lives across ``world`` ranks of ``group`` (module docstring).
 
     ``Layout(params, optimizer.init, stacked=, world=, rank=, group=)``; ``params`` may be on the meta device.
+    ``prefetch=False``: a step gathered per block starts each layer's all-gather when the layer is used and waits
+    for it, and waits for each layer's reduce-scatter (the blocking schedule; ``bench.fsdp`` measures both).
     """
 
     def __init__(self, params, init: Callable, *, stacked: Callable[[str, torch.Tensor], bool], world: int,
-                 rank: int, group=None, gather_dtype: Optional[torch.dtype] = None):
+                 rank: int, group=None, gather_dtype: Optional[torch.dtype] = None, prefetch: bool = True):
         self.world, self.rank, self.group, self.gather_dtype = world, rank, group, gather_dtype
+        self.prefetch = prefetch
         dims = tree_map_with_name(lambda name, p: split_dim(name, p, stacked), params)
         self.params = tree_map(lambda p, d: _spec(d, tuple(p.shape), world), params, dims)
         a, b = init(_probe(params, dims, 1)), init(_probe(params, dims, 2))
@@ -233,17 +238,27 @@ class Layout:
     def gather_leaves(self, shards: list, specs: list, join: Optional[Callable] = None) -> list:
         """Full leaves from this rank's ``shards`` of leaves split as ``specs`` say (in ``gather_dtype``): one
         all-gather per dtype; ``join(pieces [W, shard numel], spec)`` makes each leaf (:meth:`_join`)."""
-        join = join or self._join
+        return self.join_gathered(self.launch_gather(shards), specs, join)
+
+    def launch_gather(self, shards: list) -> list:
+        """The all-gathers of :meth:`gather_leaves` (one per dtype), started and not waited for: eagerly each runs
+        in the process group's background while this rank computes, until :meth:`join_gathered` reads it."""
         if self.gather_dtype is not None:
             shards = [s.to(self.gather_dtype) if s.is_floating_point() else s for s in shards]
-        out: list = [None] * len(shards)
+        launched = []
         for dtype in sorted({s.dtype for s in shards}, key=str):
             idx = [i for i, s in enumerate(shards) if s.dtype == dtype]
             flat = torch.cat([shards[i].reshape(-1) for i in idx])
-            every = all_gather(flat, self.group).view(self.world, -1)
-            offset = 0
-            for i in idx:
-                n = shards[i].numel()
+            launched.append((idx, [shards[i].numel() for i in idx], all_gather(flat, self.group)))
+        return launched
+
+    def join_gathered(self, launched: list, specs: list, join: Optional[Callable] = None) -> list:
+        """The full leaves from :meth:`launch_gather`'s all-gathers (waiting for them), in ``specs``' order."""
+        join = join or self._join
+        out: list = [None] * len(specs)
+        for idx, sizes, every in launched:
+            every, offset = every.view(self.world, -1), 0
+            for i, n in zip(idx, sizes):
                 out[i] = join(every[:, offset:offset + n], specs[i])
                 offset += n
         return out
@@ -272,7 +287,7 @@ class Layout:
         the loss and the aux metrics (any shape) averaged over ranks (one ``all_reduce``). ``specs``: the part
         of :attr:`params` that ``grads`` covers (all of it by default)."""
         full, specs = zip_leaves(grads, self.params if specs is None else specs)
-        summed = self.reduce_rows([self._rows(g, s) for g, s in zip(full, specs)], mean=False)
+        summed = self.reduce_rows([self._rows(g, s) for g, s in zip(full, specs)])
         # gradients of params gathered in bf16 stay fp32, for the fp32 shards
         layout = [(s.local_shape(), torch.float32 if self.gather_dtype is not None and g.dtype == self.gather_dtype
                    else g.dtype) for g, s in zip(full, specs)]
@@ -281,14 +296,12 @@ class Layout:
         loss, *rest = mean_over_ranks([loss] + [aux[k] for k in names], self.group, self.world)
         return like(grads, out, order=grads), loss, dict(zip(names, rest))
 
-    def reduce_rows(self, rows: list, mean: bool = True) -> torch.Tensor:
-        """Float32 ``[W, n_i]`` blocks (row r: rank r's part) -> this rank's parts, concatenated, of their mean
-        over ranks (their sum without ``mean``): one reduce-scatter."""
+    def reduce_rows(self, rows: list) -> torch.Tensor:
+        """Float32 ``[W, n_i]`` blocks (row r: rank r's part) -> this rank's parts, concatenated, of their sum over
+        ranks: one reduce-scatter (eagerly in flight until read)."""
         if not rows:
             return torch.zeros(0)
-        flat = torch.cat(rows, dim=1).reshape(-1)
-        summed = reduce_scatter_sum(flat, self.group)
-        return summed / self.world if mean else summed
+        return reduce_scatter_sum(torch.cat(rows, dim=1).reshape(-1), self.group)
 
     @property
     def stacks(self) -> bool:

@@ -24,6 +24,12 @@ model that is a plain function of a params pytree.
   ``set_requires_gradient_sync(False)`` trade). The whole-gathered leaves' gradients are summed and reduce-scattered
   at the end of the step, with the loss and the aux metrics averaged (:meth:`core.parallel.shard.Layout.reduce`).
 
+- **Prefetch.** Layer ``k + 1``'s all-gathers start as soon as layer ``k`` is handed to the model, and in backward
+  layer ``k - 1``'s as soon as layer ``k``'s saved tensors are first unpacked; a layer's reduce-scatter is waited for
+  when the next layer's is issued (or at the end of the step). Functional collectives run in the process group's
+  background until their result is read, so each overlaps a block's compute; at most one layer is in flight ahead.
+  ``Layout(prefetch=False)`` waits for each as it is issued (``recipe=bench.fsdp`` measures both).
+
 Every rank runs the same model code, so the collectives come in the same order on every rank.
 """
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from purestep.core.parallel.distributed import wait
 from purestep.core.tree import LayerNode, Tree, like, tree_unflatten, unstack, zip_leaves
 
 
@@ -49,8 +56,8 @@ class _Saved:
 class _Layer:
     """Layer ``k`` of the stacked leaves at positions ``idx`` of :attr:`Blocks.shards`, for one pass of the model."""
 
-    def __init__(self, blocks: "Blocks", idx: list, k: int):
-        self.blocks, self.idx, self.k = blocks, idx, k
+    def __init__(self, blocks: "Blocks", idx: list, k: int, below: Optional["_Layer"] = None):
+        self.blocks, self.idx, self.k, self.below = blocks, idx, k, below     # below: layer k - 1 of this pass
         self.held: Optional[list] = None     # the full (padded) tensors while this holds them
         self.weak: list = []                 # weak references to them (the model's references outlive ``held``)
 
@@ -71,6 +78,10 @@ class _Layer:
     def alive(self, n: int) -> Optional[torch.Tensor]:
         return self.weak[n]() if self.weak else None
 
+    def gone(self) -> bool:
+        """Whether this layer must be gathered again to be used (its tensors died with the forward pass)."""
+        return self.held is None and any(w() is None for w in self.weak)
+
     def tensors(self) -> list:
         """The full tensors for backward or a recomputation: still alive, or gathered again (held until the
         layer's gradient is reduced)."""
@@ -80,6 +91,8 @@ class _Layer:
                 self.take()
             else:
                 self.held = alive
+        if self.below is not None and self.below.gone():     # backward walks down: fetch the next layer now
+            self.blocks.prefetch(self.idx, self.below.k)
         return self.held
 
     def backward(self, grads: tuple) -> None:
@@ -102,8 +115,11 @@ class _Layers:
         for k in range(self.n):
             if layer is not None:
                 layer.release()
-            layer = _Layer(self.blocks, self.idx, k)
-            yield tree_unflatten(self.spec, self.blocks.model_leaves(layer))
+            layer = _Layer(self.blocks, self.idx, k, below=layer)
+            leaves = self.blocks.model_leaves(layer)
+            if k + 1 < self.n:
+                self.blocks.prefetch(self.idx, k + 1)       # in flight while this block computes
+            yield tree_unflatten(self.spec, leaves)
 
     def __getitem__(self, k):
         raise TypeError("the layers of params sharded per block (parallel=fsdp) are gathered one at a time: iterate "
@@ -130,6 +146,8 @@ class Blocks:
         self.sums: dict = {}      # (j, k) -> layer k's full float32 gradient of leaf j summed over micro-batches
         self.last = True          # the micro-batch running is the step's last: its backward reduce-scatters
         self.owners: dict = {}    # storage address -> (layer, n) of every gathered tensor
+        self.pending: dict = {}   # (leaves, k) -> layer k's all-gathers in flight (prefetched, not yet read)
+        self.scattering = None    # (leaves, k, reduce-scatter in flight): the last layer's gradient, not yet added
 
     def _dtype(self, shard: torch.Tensor) -> torch.dtype:
         gather = self.layout.gather_dtype
@@ -185,15 +203,27 @@ class Blocks:
 
     def gather(self, idx: list, k: int) -> list:
         """Layer ``k`` of the stacked leaves ``idx``, each full and padded (``[W chunk, ...]``): one
-        all-gather per dtype."""
+        all-gather per dtype (the prefetched one, when :meth:`prefetch` started it)."""
         world = self.layout.world
 
         def join(pieces: torch.Tensor, spec) -> torch.Tensor:     # [W, chunk numel] -> [W chunk, ...]
             out = torch.empty((world * spec.chunk,) + spec.shape[2:], dtype=pieces.dtype, device=pieces.device)
             out.view(world, -1).copy_(pieces)
             return out
+        launched = self.pending.pop((tuple(idx), k), None) or self._launch(idx, k)
         with torch.no_grad():
-            return self.layout.gather_leaves([self.shards[j][k] for j in idx], [self.specs[j] for j in idx], join)
+            return self.layout.join_gathered(launched, [self.specs[j] for j in idx], join)
+
+    def prefetch(self, idx: list, k: int) -> None:
+        """Start layer ``k``'s all-gathers now, so that they run while the layer before it (forward) or after it
+        (backward) computes: FSDP2's implicit prefetch, one layer ahead. Every rank runs the same model code, so
+        every rank starts the same collectives in the same order."""
+        if self.layout.prefetch and (tuple(idx), k) not in self.pending:
+            self.pending[(tuple(idx), k)] = self._launch(idx, k)
+
+    def _launch(self, idx: list, k: int) -> list:
+        with torch.no_grad():
+            return self.layout.launch_gather([self.shards[j][k] for j in idx])
 
     def reduce(self, idx: list, k: int, grads) -> None:
         """Layer ``k``'s full gradients of the leaves ``idx`` (padded; None is zero): reduce-scattered into row
@@ -215,7 +245,18 @@ class Blocks:
             rows.append(g.reshape(world, -1))
         if not self.last:
             return
-        mine, offset = self.layout.reduce_rows(rows), 0
+        self._settle()
+        self.scattering = (idx, k, self.layout.reduce_rows(rows))   # runs while the layer below computes
+        if not self.layout.prefetch:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the last layer's reduce-scatter and add its mean into that layer's row of the gradient shards."""
+        if self.scattering is None:
+            return
+        idx, k, summed = self.scattering
+        self.scattering = None
+        mine, offset = wait(summed) / self.layout.world, 0
         for j in idx:
             row = self.grads[j][k]
             row.add_(mine[offset:offset + row.numel()].view_as(row))
@@ -228,6 +269,7 @@ class Blocks:
         for k in sorted({k for _, k in self.sums}):     # layers the last micro-batch did not reach
             idx = sorted(j for j, kk in self.sums if kk == k)
             self.reduce(idx, k, [None] * len(idx))
+        self._settle()
         rest, loss, aux = self.layout.reduce(list(full_grads), loss, aux, specs=[self.specs[j] for j in self.rest])
         leaves = [None] * len(self.shards)
         for j, g in zip(self.rest, rest):
@@ -240,7 +282,12 @@ class Blocks:
     def close(self) -> None:
         """Drop what this step gathered and the layers' references back here (a cycle the garbage collector would
         otherwise free late, gradient buffers and all)."""
-        self.owners, self.grads, self.full = {}, {}, []
+        for launched in self.pending.values():      # prefetched and never read (a layer still alive): drained
+            for _, _, every in launched:
+                wait(every)
+        if self.scattering is not None:
+            wait(self.scattering[2])
+        self.owners, self.grads, self.full, self.pending, self.scattering = {}, {}, [], {}, None
 
     def _pack(self, t):
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
