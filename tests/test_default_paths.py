@@ -43,6 +43,7 @@ import pytest
 import documentation
 from purestep.core.cli.command import merge_args
 from purestep.core.io import checkpoint as ckpt
+from purestep.core.tree import max_abs_diff
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "bin" / "run"
@@ -56,6 +57,9 @@ SHORT = ["block_size=32", "batch_size=4", "steps=6", "warmup_steps=2", "eval_eve
          "save_every=0", "sample_tokens=16"]
 SMALL = ["model.d_model=64", "model.n_layers=1", "model.n_heads=4", *SHORT]
 STUDENT = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", *SHORT]
+# The runs whose sharded twins must end where they end (issue 51: 20 steps); the number of steps is a constant of
+# the compiled step (the schedule's span), so the runs that share their graphs take it too.
+TWENTY = ["steps=20", "log_every=5"]
 UPCYCLE = ["preset=ci", "calib_tokens=256", "blockwise.steps=4", "blockwise.log_every=2", "global.steps=4",
            "global.eval_every=2", "global.log_every=2", "benchmark.prompt_tokens=16,32", "benchmark.batches=1",
            "benchmark.repeats=1", "benchmark.new_tokens=2", "benchmark.ppl_contexts=16",
@@ -184,7 +188,7 @@ def job(fn):
 @job
 def shakes(run):
     """The README's standard command, compiled as by default: the char teacher of the other jobs."""
-    return run(*readme(STANDARD), *SMALL)
+    return run(*readme(STANDARD), *SMALL, *TWENTY)
 
 
 @job
@@ -202,7 +206,7 @@ def standard_diverging(run):
     in-memory snapshot until its cap, and the run stops (``core.exits``: exit 4). After ``shakes``, with its keys and
     its ``min_lr / lr`` (the schedule's floor, a constant of the graph), so its step comes from the cache."""
     run.get("shakes")
-    return run(*readme(STANDARD), *SMALL, "lr=6e29", "min_lr=6e28", "out=runs/diverging", expect=4)
+    return run(*readme(STANDARD), *SMALL, *TWENTY, "lr=6e29", "min_lr=6e28", "out=runs/diverging", expect=4)
 
 
 @job
@@ -332,10 +336,19 @@ def standard_ddp(run):
 
 @job
 def standard_fsdp(run):
-    """The README's FSDP command on 2 ranks, its eval step compiled too (``eval_compile=true``: a short run's
-    ``auto`` leaves it eager, and this is where the sharded eval graph is compiled)."""
-    return run(*readme(FSDP), "data=shakespeare.txt", "tokenizer=char", *SMALL, "batch_size=2", "name=fsdp",
-               "eval_compile=true", ranks=2)
+    """The README's FSDP command on 2 ranks of ``shakes``' rows split in two (the whole sharded step one graph, as
+    ``compile_scope=auto`` compiles a 1-layer model), its eval step compiled too (``eval_compile=true``: a short
+    run's ``auto`` leaves it eager, and this is where the sharded eval graph is compiled)."""
+    return run(*readme(FSDP), "data=shakespeare.txt", "tokenizer=char", *SMALL, *TWENTY, "batch_size=2",
+               "name=fsdp", "eval_compile=true", ranks=2)
+
+
+@job
+def standard_fsdp4(run):
+    """The same on 4 ranks of one row each, compiled block by block (``compile_scope=block``: the layers gathered one
+    at a time and prefetched, ``core.parallel.shard_blocks``)."""
+    return run(*readme(FSDP), "data=shakespeare.txt", "tokenizer=char", *SMALL, *TWENTY, "batch_size=1",
+               "compile_scope=block", "name=fsdp4", ranks=4)
 
 
 @job
@@ -347,11 +360,19 @@ def distill_ddp(run):
 
 
 @job
-def distill_fsdp(run):
-    """The README's second distill command (every other teacher layer, symmetric KL, a learnable temperature),
-    sharded over 2 ranks, with the char teacher."""
+def distill_drop(run):
+    """The README's second distill command (every other teacher layer, symmetric KL, a learnable temperature) in one
+    process, compiled, with the char teacher: what ``distill_fsdp`` must equal."""
     run.get("shakes")
-    return run(*readme(DISTILL_DROP), "teacher=runs/standard-shakes", "data=shakespeare.txt", *SHORT,
+    return run(*readme(DISTILL_DROP), "teacher=runs/standard-shakes", "data=shakespeare.txt", *SHORT, *TWENTY,
+               "name=drop")
+
+
+@job
+def distill_fsdp(run):
+    """``distill_drop`` sharded over 2 ranks of half its rows each."""
+    run.get("shakes")
+    return run(*readme(DISTILL_DROP), "teacher=runs/standard-shakes", "data=shakespeare.txt", *SHORT, *TWENTY,
                "batch_size=2", "parallel=fsdp", "name=fsdp", ranks=2)
 
 
@@ -526,6 +547,36 @@ def test_standard_under_torchrun(parallel, run, work):
     assert "compile=True" in out and f"parallel: {parallel} over 2 ranks" in out
     assert ("the eval step too" in out) == (parallel == "fsdp")
     assert (work / "runs" / f"standard-{parallel}" / "final.msgpack").exists()
+
+
+def same_training(work: Path, one: str, sharded: str) -> None:
+    """Two compiled runs (folders under ``work/runs``), one process and its sharded twin with the same global batch:
+    every logged train loss and the final params within 1e-6 (issue 51)."""
+    def losses(name):
+        rows = map(json.loads, (work / "runs" / name / "metrics.jsonl").read_text().splitlines())
+        return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    a, b = losses(one), losses(sharded)
+    assert len(a) == 4 and a.keys() == b.keys(), (a, b)
+    assert max(abs(a[k] - b[k]) for k in a) < 1e-6, (a, b)
+    params = [ckpt.load(work / "runs" / name / "final.msgpack")["state"]["params"] for name in (one, sharded)]
+    assert max_abs_diff(*params) < 1e-6
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@uses("shakes", "standard_fsdp", "standard_fsdp4")
+def test_sharded_standard_equals_one_process_compiled(ranks, run, work):
+    """``parallel=fsdp`` compiled on 2 ranks (one graph per step) and on 4 (block by block, prefetching) ends where
+    ``shakes`` ends over its 20 steps."""
+    out = output(run.get("standard_fsdp" if ranks == 2 else "standard_fsdp4"))
+    assert "compile=True" in out and f"parallel: fsdp over {ranks} ranks" in out
+    assert ("gathered per block" in out) == (ranks == 4)
+    same_training(work, "standard-shakes", "standard-fsdp" if ranks == 2 else "standard-fsdp4")
+
+
+@uses("distill_drop", "distill_fsdp")
+def test_sharded_distill_equals_one_process_compiled(run, work):
+    run.get("distill_drop"), run.get("distill_fsdp")
+    same_training(work, "distill-drop", "distill-fsdp")
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

@@ -33,8 +33,8 @@ def env():
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
-def torchrun(args, cwd, timeout=300):
-    return subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(REPO / "bin" / "run"),
+def torchrun(args, cwd, timeout=300, ranks=2):
+    return subprocess.run(["torchrun", "--standalone", f"--nproc_per_node={ranks}", str(REPO / "bin" / "run"),
                            *merge_args(*args)],
                           cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
 
@@ -308,6 +308,27 @@ def test_sharded_distillation_equals_one_process(corpus, teacher, tmp_path, one_
     one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
     assert _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
     assert abs(one_ck["val_loss"] - two_ck["val_loss"]) < 1e-6
+
+
+def test_four_sharded_ranks_equal_one_process_on_standard_and_distill(corpus, teacher, tmp_path, one_thread):
+    """Eager, 20 steps, 4 gloo ranks of 2 rows against one process of 8: standard (a stacked leaf of 4 rows per layer
+    split 1 each) and distill (the learnable temperature, a 0-d leaf, on rank 0 alone), every logged loss and the
+    final params within 1e-6. The compiled twins: tests/test_default_paths.py."""
+    standard = [*TINY, f"data={corpus}", "save_every=0"]
+    distill = ["recipe=distill", f"teacher={teacher}", f"data={corpus}", "compile=false", "sample_tokens=0",
+               "steps=20", "eval_every=10", "eval_batches=4", "block_size=32", "log_every=5", "model.d_model=32",
+               "model.n_layers=2", "model.n_heads=2", "temperature_mode=learnable", "temperature=2"]
+    for name, common in (("standard", standard), ("distill", distill)):
+        assert main([*common, "batch_size=8", f"out={tmp_path / name / 'one'}"]) == 0
+        four = torchrun([*common, "batch_size=2", "parallel=fsdp", f"out={tmp_path / name / 'four'}"], tmp_path,
+                        ranks=4)
+        assert four.returncode == 0, four.stderr[-3000:]
+        assert "parallel: fsdp over 4 ranks" in four.stderr
+        one_ck, four_ck = (ckpt.load(tmp_path / name / n / "final.msgpack") for n in ("one", "four"))
+        assert _diff(one_ck["state"]["params"], four_ck["state"]["params"]) < 1e-6, name
+        losses = [_losses(tmp_path / name / n / "metrics.jsonl") for n in ("one", "four")]
+        assert len(losses[0]) == 4 and losses[0].keys() == losses[1].keys(), name
+        assert max(abs(losses[0][k] - losses[1][k]) for k in losses[0]) < 1e-6, name
 
 
 def test_sharded_upcycle_blockwise_and_global_phases_equal_one_process(corpus, teacher, tmp_path, one_thread):
