@@ -227,7 +227,8 @@ class Blocks:
 
     def reduce(self, idx: list, k: int, grads) -> None:
         """Layer ``k``'s full gradients of the leaves ``idx`` (padded; None is zero): reduce-scattered into row
-        ``k`` of this rank's gradient shards in the step's last micro-batch, summed for it before."""
+        ``k`` of this rank's gradient shards in the step's last micro-batch (added there once the next layer's
+        reduce-scatter is issued, or at the step's end: :meth:`_settle`), summed for it before."""
         world, rows = self.layout.world, []
         for j, g in zip(idx, grads):
             spec = self.specs[j]

@@ -43,6 +43,7 @@ from purestep.recipes.bench.common import StepBench, model_and_batch
 DESCRIPTION = "memory per rank under parallel=fsdp against one process, and the all-gathers overlapping compute"
 VARIANTS = ("one process", "fsdp, prefetch", "fsdp, blocking")
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+NCCL_KINDS = {"AllGather": "all_gather", "ReduceScatter": "reduce_scatter", "AllReduce": "all_reduce"}
 
 
 @dataclass
@@ -156,8 +157,9 @@ def in_flight(events, device_type: str) -> dict:
         return e.device_type == torch.autograd.DeviceType.CUDA
 
     def kind(e):
-        if device_type == "cuda":
-            return e.name.split("_")[0] if is_kernel(e) and "nccl" in e.name.lower() else None
+        if device_type == "cuda":       # ncclDevKernel_AllGather_RING_LL(...) -> all_gather
+            nccl = is_kernel(e) and "nccl" in e.name.lower()
+            return next((k for name, k in NCCL_KINDS.items() if name in e.name), "other") if nccl else None
         return e.name.removeprefix("gloo:") if e.name.startswith("gloo:") else None
     computing = _merged(sorted((e.time_range.start, e.time_range.end) for e in events
                                if (is_kernel(e) and kind(e) is None if device_type == "cuda" else e.name in MATMULS)))
@@ -230,20 +232,30 @@ def table(cfg: Config, results: dict) -> dict:
     print(f"\nbench.fsdp: Llama d={cfg.d_model} L={cfg.n_layers}, {cfg.batch_size}x{cfg.block_size} tokens per "
           f"process, {cfg.ranks} ranks, torch {torch.__version__}, {'compiled blocks' if cfg.compile else 'eager'}\n")
     print("| launch | ms/step | state + grads MiB | vs one process | memory once built MiB | peak MiB | vs one process "
-          "| all-gather ms (overlapped) | all-reduce ms (overlapped) |")
+          "| all-gather ms (overlapped) | reduce-scatter and all-reduce ms (overlapped) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = {}
     for variant, ranks in results.items():
         worst = {k: max(r[k] for r in ranks) for k in ("ms_per_step", "built_mib", "peak_mib", "state_mib", "grad_mib")}
         persistent = worst["state_mib"] + worst["grad_mib"]
-        flight = {k: max((r["collectives"].get(k, {"ms": 0.0, "overlapped": 0.0}) for r in ranks),
-                         key=lambda c: c["ms"]) for k in ("all_gather", "all_reduce")}
+        flight = {k: max((_kinds(r["collectives"])[k] for r in ranks), key=lambda c: c["ms"])
+                  for k in ("all_gather", "reductions")}
         rows[variant] = {**worst, "persistent_ratio": persistent / (one["state_mib"] + one["grad_mib"]),
                          "peak_ratio": worst["peak_mib"] / one["peak_mib"], "collectives": flight}
         cells = " | ".join(f"{c['ms']:,.0f} ({c['overlapped']:.0%})" if c["ms"] else "-" for c in flight.values())
         print(f"| {variant} | {worst['ms_per_step']:,.0f} | {persistent:,.0f} | {rows[variant]['persistent_ratio']:.3f} "
               f"| {worst['built_mib']:,.0f} | {worst['peak_mib']:,.0f} | {rows[variant]['peak_ratio']:.3f} | {cells} |")
     return rows
+
+
+def _kinds(collectives: dict) -> dict:
+    """One rank's :func:`in_flight` as its all-gathers and the rest (reduce-scatters and all-reduces; gloo runs a
+    reduce-scatter as an all-reduce), each ``{"ms", "overlapped"}``."""
+    def joined(parts: list) -> dict:
+        ms = sum(c["ms"] for c in parts)
+        return {"ms": ms, "overlapped": sum(c["ms"] * c["overlapped"] for c in parts) / ms if ms else 0.0}
+    return {"all_gather": joined([c for k, c in collectives.items() if k == "all_gather"]),
+            "reductions": joined([c for k, c in collectives.items() if k != "all_gather"])}
 
 
 if __name__ == "__main__":
