@@ -58,8 +58,8 @@ class Config:
     ranks: int = option(4, "ranks of the sharded launches (torchrun --nproc_per_node)", min=2)
     warmup: int = option(2, "untimed steps per launch (compilation happens here)", min=1)
     steps: int = option(3, "timed steps per launch (their median is the time per step)", min=1)
-    compile: bool = option(False, "compile the block (compile_scope=block, as parallel=fsdp compiles by default); "
-                                  "eager keeps a CPU run short")
+    compile: bool = option(False, "compile the block (compile_scope=block, as compile_scope=auto compiles a sharded "
+                                  "model of more than 4 layers); eager keeps a CPU run short")
     threads: int = option(1, "torch.set_num_threads in every process (1: ranks * threads cores)", min=1)
     seed: int = same_as(StepBench, "seed")
     device: str = same_as(StepBench, "device")
