@@ -562,15 +562,16 @@ def same_training(work: Path, one: str, sharded: str) -> None:
     assert max_abs_diff(*params) < 1e-6
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-@uses("shakes", "standard_fsdp", "standard_fsdp4")
-def test_sharded_standard_equals_one_process_compiled(ranks, run, work):
+@pytest.mark.parametrize("job", ["standard_fsdp", "standard_fsdp4"])
+@uses("shakes", "{job}")
+def test_sharded_standard_equals_one_process_compiled(job, run, work):
     """``parallel=fsdp`` compiled on 2 ranks (one graph per step) and on 4 (block by block, prefetching) ends where
     ``shakes`` ends over its 20 steps."""
-    out = output(run.get("standard_fsdp" if ranks == 2 else "standard_fsdp4"))
+    ranks = 4 if job.endswith("4") else 2
+    out = output(run.get(job))
     assert "compile=True" in out and f"parallel: fsdp over {ranks} ranks" in out
     assert ("gathered per block" in out) == (ranks == 4)
-    same_training(work, "standard-shakes", "standard-fsdp" if ranks == 2 else "standard-fsdp4")
+    same_training(work, "standard-shakes", job.replace("_", "-"))
 
 
 @uses("distill_drop", "distill_fsdp")
