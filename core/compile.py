@@ -60,7 +60,7 @@ def cpp_wrapper(device_type: str, collectives: bool = False) -> bool:
 SEPARATE_WRAPPER_BUILD = (("cpp_wrapper_build_separate", True), ("aot_inductor.compile_wrapper_opt_level", "O0"))
 
 
-def inductor_options(device_type: str, cpp: bool = False, cuda: tuple = ()) -> dict:
+def inductor_options(device_type: str, cpp: bool = False, cuda: tuple = (), cache: bool = True) -> dict:
     """Inductor settings a graph on ``device_type`` compiles with (beyond its mode's), passed as ``torch.compile``'s
     ``options`` (inductor applies them while it compiles that graph; torch's global config stays as it was): ``cond``
     cacheable (``CACHEABLE``); the C++ wrapper with ``cpp`` (:func:`cpp_wrapper`), built apart from the kernels and
@@ -69,9 +69,15 @@ def inductor_options(device_type: str, cpp: bool = False, cuda: tuple = ()) -> d
     'Measured choices'); on CUDA no loop reordering after fusion, whose scheduler fails an assertion on the
     one-graph train step (torch 2.11, H100: ``reorder_loops_by_dep_pair`` met a fused node inside a fused node;
     bench.gpu's report, docs/gpu.md), and the ``(name, value)`` pairs ``cuda`` asks for
-    (``core.step.Compile.cuda_options``: ``NO_MIX_ORDER_REDUCTION`` for Muon), those this torch has."""
+    (``core.step.Compile.cuda_options``: ``NO_MIX_ORDER_REDUCTION`` for Muon), those this torch has. ``cache=False``:
+    not through inductor's FX graph cache, for a graph over DTensors whose mesh's process groups differ between the
+    ranks (``parallel=fsdp,tp``): the mesh enters the graph as an opaque object the cache key does not name, so the
+    ranks that share a cache folder would load each other's graphs, collectives on the other's groups (torch 2.14:
+    "Could not resolve the process group registered under the name 5")."""
     cacheable = _has_setting("unsafe_marked_cacheable_functions")
     options = {"unsafe_marked_cacheable_functions": dict(CACHEABLE)} if cacheable else {}
+    if not cache:
+        options["fx_graph_cache"] = False
     if cpp:
         options["cpp_wrapper"] = True
         options.update((name, value) for name, value in SEPARATE_WRAPPER_BUILD if _has_setting(name))
@@ -99,11 +105,12 @@ def _has_setting(name: str) -> bool:
     return node is not None and hasattr(node, leaf)
 
 
-def _compile_kwargs(mode: str | None, cpp: bool, device_type: str = "cpu", cuda: tuple = ()) -> dict:
+def _compile_kwargs(mode: str | None, cpp: bool, device_type: str = "cpu", cuda: tuple = (),
+                    cache: bool = True) -> dict:
     """``torch.compile``'s keywords for ``mode`` (``COMPILE_MODES``) with :func:`inductor_options`."""
     if mode not in (None, *COMPILE_MODES):
         raise ValueError(f"unknown compile mode {mode!r}; choose one of {', '.join(COMPILE_MODES)}")
-    options = inductor_options(device_type, cpp, cuda)
+    options = inductor_options(device_type, cpp, cuda, cache)
     if options:   # torch.compile takes a mode or options, not both: the mode's own options, plus these
         from torch._inductor import list_mode_options
         return {"options": {**list_mode_options(mode or "default"), **options}}
@@ -111,15 +118,16 @@ def _compile_kwargs(mode: str | None, cpp: bool, device_type: str = "cpu", cuda:
 
 
 def maybe_compile(fn: Callable, enabled: bool = True, fullgraph: bool = True, mode: str | None = None,
-                  cpp: bool = False, device_type: str = "cpu", cuda: tuple = ()) -> Callable:
+                  cpp: bool = False, device_type: str = "cpu", cuda: tuple = (), cache: bool = True) -> Callable:
     """``torch.compile(fn, fullgraph=fullgraph, dynamic=False)`` for ``mode`` when enabled, else ``fn`` unchanged.
     ``mode`` is one of ``COMPILE_MODES`` (``reduce-overhead``: CUDA graphs; ``max-autotune``: kernel autotuning);
     ``cpp``: through inductor's C++ wrapper (:func:`cpp_wrapper` says where); ``cuda``: further inductor settings
-    on CUDA (:func:`inductor_options`)."""
+    on CUDA and ``cache`` (:func:`inductor_options`)."""
     if not enabled:
         return fn
     _program_speed_ups(device_type, cpp)
-    return torch.compile(fn, fullgraph=fullgraph, dynamic=False, **_compile_kwargs(mode, cpp, device_type, cuda))
+    return torch.compile(fn, fullgraph=fullgraph, dynamic=False,
+                         **_compile_kwargs(mode, cpp, device_type, cuda, cache))
 
 
 def _program_speed_ups(device_type: str, cpp: bool) -> None:
@@ -155,8 +163,8 @@ class BlockCompiler:
     compiled block. Called while something else is being compiled (a whole-step graph), it is ``fn`` itself: the
     outer graph traces straight through it."""
 
-    def __init__(self, mode: str | None = None, cpp: bool = False, device_type: str = "cpu"):
-        self.kwargs = _compile_kwargs(mode, cpp, device_type)
+    def __init__(self, mode: str | None = None, cpp: bool = False, device_type: str = "cpu", cache: bool = True):
+        self.kwargs = _compile_kwargs(mode, cpp, device_type, cache=cache)
         self.device_type, self.cpp = device_type, cpp
         self.compiled: dict = {}
 

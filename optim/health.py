@@ -3,8 +3,8 @@
 The checks of the stability notes (non-finite values, dead gradients, gradient and update magnitudes
 relative to the weights, clip activity: OPT logbook, Karpathy's update/weight ratio of ~1e-3, AGC's
 ||g||/||w|| of Brock et al. 2021) computed inside the (compiled) train step, for every tensor and, for
-weights stacked along a leading layer axis, for every layer slice: one reduction over the flattened
-slices (``vector_norm(x.reshape(L, -1), dim=1)``) gives the statistic of all L layers at once. Nothing
+weights stacked along a leading layer axis, for every layer slice: one reduction over every dim but the layer
+axis (``x.square().sum(dim=(1, ...))``, :func:`slice_sums`) gives the statistic of all L layers at once. Nothing
 calls ``.item()``: the step returns one float32 tensor ``[rows, 5]`` and the loop moves it to the host
 once per log interval, where :class:`GradientHealth` turns it into a report, TensorBoard scalars and
 histograms.
@@ -33,7 +33,7 @@ The stacked-leaf convention (``stacked_predicate``, ``slice_squares``) lives her
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -82,17 +82,20 @@ def wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def slices(t: torch.Tensor, stacked: bool) -> torch.Tensor:
-    """``t`` as ``[L, -1]`` when stacked (a view when contiguous), else flat."""
-    return t.reshape(t.shape[0], -1) if stacked else t.reshape(-1)
+def slice_sums(t: torch.Tensor, stacked: bool, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The sum of each layer slice (``[L]``) of a stacked leaf, of the whole leaf (0-d) otherwise: one reduction
+    over every dim but the layer axis, with no reshape (a leaf sharded twice on one dim, ``parallel=fsdp,tp``, has
+    no flat view a DTensor can name)."""
+    if not stacked:
+        return t.sum(dtype=dtype)
+    return t.sum(dim=tuple(range(1, t.ndim)), dtype=dtype) if t.ndim > 1 else t.to(dtype or t.dtype)
 
 
 def slice_squares(t: torch.Tensor, stacked: bool) -> torch.Tensor:
     """Sum of squares of each layer slice (``[L]``) of a stacked leaf, of the whole leaf (0-d) otherwise, in at least
     float32. A sum, not a norm: over a sharded leaf (a ``DTensor``) it is a partial sum that adds up across ranks, so
     statistics of many leaves stack into one tensor and become whole-model in one all-reduce."""
-    x = slices(t, stacked)
-    return (x.to(wide(t.dtype)) if x.dtype != wide(t.dtype) else x).square().sum(-1)
+    return slice_sums((t.to(wide(t.dtype)) if t.dtype != wide(t.dtype) else t).square(), stacked)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -184,7 +187,7 @@ class GradientHealth:
         for (_, s, _), g, w, d in zip(self.leaves, g_leaves, w_leaves, d_leaves):
             if d_new:
                 d = d.to(wide(w.dtype)) - w.to(wide(w.dtype))
-            nonfinite = (~torch.isfinite(slices(g, s))).sum(-1, dtype=torch.float32)
+            nonfinite = slice_sums(~torch.isfinite(g), s, torch.float32)
             norms = [slice_squares(x, s).float() for x in (g, w, d)]
             # every column [rows]: a sharded 0-d leaf (a [1] shard) gave torch 2.11's stack one 0-d and three [1]
             raw.append(torch.stack([c.reshape(-1) for c in [nonfinite] + norms], dim=-1))

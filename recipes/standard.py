@@ -91,7 +91,7 @@ def prepare_run(cfg: Config, write: bool = True) -> Prepared:
     """The run of ``cfg`` in its run folder (resumed from its checkpoint), or with ``write`` false a fresh state
     and nothing to write (``dry_run``, benchmarks). Everything that can fail on bad input happens here."""
     folder = run_folder(cfg, "standard")
-    dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
+    dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel, mesh=cfg.mesh)
     start = require_llama(load_model(cfg.init, device=device), "init", "standard") if cfg.init else None
     with dist.main_first():   # rank 0 tokenizes into the cache, the others then read it
         corpus = open_data(cfg, start.tokenizer if start and start.tokenizer else cfg.tokenizer)
@@ -102,11 +102,11 @@ def prepare_run(cfg: Config, write: bool = True) -> Prepared:
     if start and model_cfg.vocab_size < vocab:
         raise UserError(f"init={cfg.init}: its vocabulary ({model_cfg.vocab_size}) is smaller than the "
                         f"{vocab} ids this run needs (tokenizer {tok.vocab_size} + {fim_extra} FIM sentinels)")
-    check_batch(cfg, vocab, device, dist.world_size)
+    check_batch(cfg, vocab, device, dist.data_world)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device,
-                             rank=dist.rank, world_size=dist.world_size,
+                             rank=dist.data_rank, world_size=dist.data_world,
                              fim=FIM(cfg.fim_rate, fim_pre, fim_suf, fim_mid) if cfg.fim_rate > 0 else None)
-    val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
+    val_batches = corpus.eval_batches(cfg.batch_size * dist.data_world, cfg.block_size, cfg.eval_batches,
                                       device=device)
     cfg = with_epochs(cfg, corpus, batches)
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
@@ -142,7 +142,7 @@ def dry_run(cfg: Config) -> str:
                                f"({tok.name})" + (f"; init from {p.start.source}" if p.start else ""),
                          data=describe(p.data.corpus), train_tokens=p.data.corpus.meta["train_tokens"],
                          state=p.run.state, steps=train_steps(p, p.run.optimizer),
-                         device=p.run.state.step.device, world_size=p.run.dist.world_size)
+                         device=p.run.state.step.device, world_size=p.run.dist.data_world)
 
 
 def run(cfg: Config):
@@ -152,7 +152,7 @@ def run(cfg: Config):
     steps = train_steps(p, run.optimizer)
     extra = {"config": to_dict(cfg), "model": model_entry(model_cfg), "tokenizer": corpus.tokenizer.to_dict(),
              "recipe": "standard"}
-    measures = Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size,
+    measures = Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.data_world,
                         flops_per_token(llama.matmul_params(full_params(p)), model_cfg.n_layers, cfg.block_size,
                                         model_cfg.d_model),
                         None if (p.start or run.resume) else math.log(model_cfg.vocab_size))
@@ -209,7 +209,7 @@ def on_main(sample: Optional[Callable[[dict], str]], dist: distributed.Dist, lay
         return sample
 
     def gathered(params) -> str:
-        full = layout.gather(params)
+        full = layout.gather_whole(params)
         return sample(full) if dist.is_main else ""
     return gathered
 

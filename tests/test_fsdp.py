@@ -331,6 +331,43 @@ def test_four_sharded_ranks_equal_one_process_on_standard_and_distill(corpus, te
         assert max(abs(losses[0][k] - losses[1][k]) for k in losses[0]) < 1e-6, name
 
 
+def test_tensor_parallel_on_a_2x2_mesh_equals_one_process_eager(corpus, tmp_path, one_thread):
+    """``parallel=fsdp,tp mesh=dp:2,tp:2``, eager, 20 steps: 2 data-parallel ranks of 4 rows, each block's heads and
+    MLP features split over 2 tensor-parallel ranks, against one process of 8 rows (AdaGC and gradient health on
+    the 2-D DTensors). Every logged loss within 1e-6 of the one process's relative to it, the final params within
+    1e-5: a row-parallel product is summed in two pieces, so it rounds apart from the whole one (the compiled
+    twin: tests/test_default_paths.py). The checkpoint holds full leaves, as one process writes them."""
+    common = [*TINY, f"data={corpus}", "save_every=0"]
+    assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
+    four = torchrun([*common, "batch_size=4", "parallel=fsdp,tp", "mesh=dp:2,tp:2", f"out={tmp_path / 'tp'}"],
+                    tmp_path, ranks=4)
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert "parallel: fsdp over 2 ranks" in four.stderr and "tensor parallel over 2 ranks" in four.stderr
+    one_ck, tp_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "tp"))
+    assert _diff(one_ck["state"]["params"], tp_ck["state"]["params"]) < 1e-5
+    losses = [_losses(tmp_path / n / "metrics.jsonl") for n in ("one", "tp")]
+    assert len(losses[0]) == 4 and losses[0].keys() == losses[1].keys()
+    assert max(abs(losses[0][k] - losses[1][k]) / losses[0][k] for k in losses[0]) < 1e-6, losses
+
+
+def test_tensor_parallel_keys_that_cannot_hold_are_one_line_errors(corpus, tmp_path, capsys):
+    from purestep.core.config import ConfigError
+    from purestep.core.parallel.distributed import parse_mesh
+    distill = ["recipe=distill", "teacher=smollm2", f"data={corpus}", "parallel=fsdp,tp"]
+    for keys, says in (([*TINY, "mesh=dp:2,tp:2"], "mesh=dp:2,tp:2 lays out parallel=fsdp,tp's ranks"),
+                       ([*TINY, "parallel=fsdp,tp", "mesh=dp:1,tp:2", "compile_scope=step"],
+                        "compile_scope=step with parallel=fsdp,tp"),
+                       (distill, "parallel=fsdp,tp runs recipe=standard only")):
+        assert main([f"data={corpus}", *keys, f"out={tmp_path / 'x'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert parse_mesh("dp:2,tp:2", 4) == (2, 2)
+    with pytest.raises(ConfigError, match="dp x tp = 4 ranks, but torchrun started 2"):
+        parse_mesh("dp:2,tp:2", 2)
+    with pytest.raises(ConfigError, match="needs mesh=dp:D,tp:T"):
+        parse_mesh("dp:2", 2)
+
+
 def test_sharded_upcycle_blockwise_and_global_phases_equal_one_process(corpus, teacher, tmp_path, one_thread):
     common = ["recipe=upcycle", f"teacher={teacher}", f"data={corpus}", "preset=ci", "phases=blockwise,global",
               "blockwise.steps=10", "global.steps=10", "global.eval_every=5"]

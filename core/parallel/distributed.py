@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from purestep.core.config import ConfigError, UserError
 
-PARALLEL = ("auto", "none", "ddp", "fsdp")
+PARALLEL = ("auto", "none", "ddp", "fsdp", "fsdp,tp")
+SHARDED = ("fsdp", "fsdp,tp")   # the parallel modes that split the state across ranks (core.parallel.shard)
 PG_TIMEOUT = 45.0     # seconds a collective waits for a peer before the survivors stop (a dead rank)
 PATIENCE = 6 * 3600.0   # seconds a barrier waits while one rank works alone (tokenizing, writing a checkpoint)
 _KEY = "purestep/rank/{}"   # each rank's host:pid in the process group's store: who died, when one does
@@ -48,6 +49,24 @@ class Dist:
     sharded: bool = False     # parallel=fsdp: the state is split across ranks (core.parallel.shard)
     patient: Any = field(default=None, compare=False, repr=False)   # the gloo group barriers wait on, with
     #                                                                 PATIENCE (None: the default group)
+    tensor: Any = field(default=None, compare=False, repr=False)    # parallel=fsdp,tp: this rank's
+    #                                                                 core.parallel.tensor.TensorParallel
+
+    @property
+    def data_rank(self) -> int:
+        """Which rows of a global batch this rank reads: its data-parallel rank (the ranks of one tensor-parallel
+        group read the same rows)."""
+        return self.rank if self.tensor is None else self.rank // self.tensor.size
+
+    @property
+    def data_world(self) -> int:
+        """How many data-parallel ranks split a global batch."""
+        return self.world_size if self.tensor is None else self.world_size // self.tensor.size
+
+    @property
+    def data_group(self):
+        """The process group the data-parallel ranks reduce over (the default group without tensor parallelism)."""
+        return dist.group.WORLD if self.tensor is None else self.tensor.mesh_2d["dp"].get_group()
 
     @property
     def is_main(self) -> bool:
@@ -201,9 +220,11 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEOUT) -> tuple[Dist, torch.device]:
+def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEOUT,
+         mesh: str = "") -> tuple[Dist, torch.device]:
     """Join the process group ``torchrun`` describes (``WORLD_SIZE`` > 1, or any ``WORLD_SIZE`` with
-    ``parallel=fsdp``), else a single-process ``Dist``; ``parallel`` as in the module docstring.
+    ``parallel=fsdp``), else a single-process ``Dist``; ``parallel`` as in the module docstring. ``parallel=fsdp,tp``
+    lays the ranks out on the 2-D ``mesh`` (``dp:D,tp:T``, :func:`parse_mesh`; ``core.parallel.tensor.mesh``).
 
     On CUDA each rank takes ``cuda:LOCAL_RANK`` and NCCL; elsewhere gloo on the given device.
     """
@@ -211,12 +232,13 @@ def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEO
         raise ConfigError(f"parallel={parallel}: choose one of {', '.join(PARALLEL)}")
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if parallel in ("ddp", "fsdp") and not launched:
+    if parallel in ("ddp", *SHARDED) and not launched:
         raise ConfigError(f"parallel={parallel} needs a launcher: run it under torchrun "
                           f"(torchrun --nproc_per_node=N purestep ...), or use parallel=none")
     if parallel == "none" and world > 1:
         raise ConfigError(f"parallel=none under a launcher with {world} ranks; use parallel=ddp or parallel=fsdp")
-    sharded = parallel == "fsdp"
+    shape = parse_mesh(mesh, world) if parallel == "fsdp,tp" else None
+    sharded = parallel in SHARDED
     if world <= 1 and not sharded:
         return Dist(), device
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -229,7 +251,29 @@ def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEO
         patient = _register(rank, world)
     if device.type == "cuda":
         device = torch.device("cuda", local)
-    return Dist(rank, world, local, sharded, patient), device
+    tensor = None
+    if shape is not None:
+        from purestep.core.parallel.tensor import mesh as tensor_mesh
+        tensor = tensor_mesh(device.type, *shape)
+    return Dist(rank, world, local, sharded, patient, tensor), device
+
+
+def parse_mesh(mesh: str, world: int) -> tuple[int, int]:
+    """``dp:D,tp:T`` -> ``(D, T)``, whose product must be the ``world`` size; a ConfigError naming the key
+    otherwise."""
+    sizes = {}
+    for part in filter(None, mesh.split(",")):
+        name, _, size = part.partition(":")
+        if name not in ("dp", "tp") or not size.isdigit() or int(size) < 1 or name in sizes:
+            sizes = None
+            break
+        sizes[name] = int(size)
+    if not sizes or set(sizes) != {"dp", "tp"}:
+        raise ConfigError(f"mesh={mesh!r}: parallel=fsdp,tp needs mesh=dp:D,tp:T (data-parallel x tensor-parallel "
+                          f"ranks, e.g. mesh=dp:2,tp:2)")
+    if sizes["dp"] * sizes["tp"] != world:
+        raise ConfigError(f"mesh={mesh}: dp x tp = {sizes['dp'] * sizes['tp']} ranks, but torchrun started {world}")
+    return sizes["dp"], sizes["tp"]
 
 
 def shutdown(d: Dist) -> None:

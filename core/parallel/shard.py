@@ -76,6 +76,7 @@ class LeafSpec:
     size: int = 0
     chunk: int = 0
     shape: tuple = ()
+    tp_dim: Optional[int] = None   # the dim tensor parallelism splits first (``shape`` is then this rank's piece)
 
     def local_shape(self) -> tuple:
         full = self.shape or (1,)
@@ -96,9 +97,30 @@ def split_dim(name: str, leaf: torch.Tensor, stacked: Callable[[str, torch.Tenso
     return 0
 
 
-def _spec(dim: int, shape: tuple, world: int) -> LeafSpec:
+_NO_TP = -1   # a leaf tensor parallelism leaves whole, in the trees that carry split dims while a layout is built
+
+
+def _or_no_tp(dim: Optional[int]) -> int:
+    return _NO_TP if dim is None else dim
+
+
+def _spec(dim: int, shape: tuple, world: int, tp_dim: int = _NO_TP) -> LeafSpec:
     size = shape[dim] if shape else 1
-    return LeafSpec(dim, size, max(1, math.ceil(size / world)), tuple(shape))
+    return LeafSpec(dim, size, max(1, math.ceil(size / world)), tuple(shape), None if tp_dim == _NO_TP else tp_dim)
+
+
+def _tp_follows(init: Callable, meta, tp_dims):
+    """For every optimizer-state leaf, the tensor-parallel split dim of the param it follows (``_NO_TP`` for the
+    others): the dim where the state of params one feature longer on their split dims differs."""
+    grown = tree_map(lambda p, t: p if t == _NO_TP else torch.empty(
+        p.shape[:t] + (p.shape[t] + 1,) + p.shape[t + 1:], dtype=p.dtype, device="meta"), meta, tp_dims)
+    a, b = init(meta), init(grown)
+
+    def one(x, y):
+        if not isinstance(x, torch.Tensor) or x.shape == y.shape:
+            return _NO_TP
+        return next(i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n)
+    return tree_map(one, a, b)
 
 
 def _probe(params, dims, size: int):
@@ -123,24 +145,33 @@ def _follows(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
 class Layout:
     """Where every leaf of a train state lives across ``world`` ranks of ``group`` (module docstring).
 
-    ``Layout(params, optimizer.init, stacked=, world=, rank=, group=)``; ``params`` may be on the meta device.
-    ``prefetch=False``: a step gathered per block starts each layer's all-gather when the layer is used and waits
-    for it, and waits for each layer's reduce-scatter (the blocking schedule; ``bench.fsdp`` measures both).
+    ``Layout(params, optimizer.init, stacked=, world=, rank=, group=)``; ``params`` (full) may be on the meta
+    device. ``prefetch=False``: a step gathered per block starts each layer's all-gather when the layer is used and
+    waits for it, and waits for each layer's reduce-scatter (the blocking schedule; ``bench.fsdp`` measures both).
+    ``tensor`` (a ``core.parallel.tensor.TensorParallel``): the params are first split across its ranks, and this
+    layout shards this rank's pieces across the ``world`` data-parallel ranks of ``group`` (``parallel=fsdp,tp``).
     """
 
     def __init__(self, params, init: Callable, *, stacked: Callable[[str, torch.Tensor], bool], world: int,
-                 rank: int, group=None, gather_dtype: Optional[torch.dtype] = None, prefetch: bool = True):
+                 rank: int, group=None, gather_dtype: Optional[torch.dtype] = None, prefetch: bool = True,
+                 tensor=None):
         self.world, self.rank, self.group, self.gather_dtype = world, rank, group, gather_dtype
-        self.prefetch = prefetch
-        dims = tree_map_with_name(lambda name, p: split_dim(name, p, stacked), params)
-        self.params = tree_map(lambda p, d: _spec(d, tuple(p.shape), world), params, dims)
-        a, b = init(_probe(params, dims, 1)), init(_probe(params, dims, 2))
-        full = init(tree_map(lambda p: torch.empty(p.shape, dtype=p.dtype, device="meta"), params))
+        self.prefetch, self.tensor = prefetch, tensor
+        meta = tree_map(lambda p: torch.empty(p.shape, dtype=p.dtype, device="meta"), params)
+        tp_dims = tree_map_with_name(lambda name, p: _NO_TP if tensor is None else _or_no_tp(tensor.dim(name, p)),
+                                     meta)
+        if tensor is not None:
+            meta = tensor.local(meta)
+        dims = tree_map_with_name(lambda name, p: split_dim(name, p, stacked), meta)
+        self.params = tree_map(lambda p, d, t: _spec(d, tuple(p.shape), world, t), meta, dims, tp_dims)
+        a, b = init(_probe(meta, dims, 1)), init(_probe(meta, dims, 2))
+        full = init(meta)
+        followed = _tp_follows(init, meta, tp_dims) if tensor is not None else tree_map(lambda x: _NO_TP, a)
 
-        def opt_spec(x, y, f):
+        def opt_spec(x, y, f, t):
             d = _follows(x, y)
-            return LeafSpec(None) if d is None else _spec(d, tuple(f.shape), world)
-        self.opt = tree_map(opt_spec, a, b, full)
+            return LeafSpec(None) if d is None else _spec(d, tuple(f.shape), world, t)
+        self.opt = tree_map(opt_spec, a, b, full, followed)
 
     # ------------------------------------------------------------------------- host side: cut and describe
 
@@ -155,18 +186,27 @@ class Layout:
             x = torch.cat([x, x.new_zeros(shape)], dim=spec.dim)
         return x.narrow(spec.dim, self.rank * spec.chunk, spec.chunk).clone()
 
+    def _piece(self, x: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
+        """This tensor-parallel rank's piece of a full leaf (the leaf itself without tensor parallelism)."""
+        if spec.tp_dim is None or not isinstance(x, torch.Tensor):
+            return x
+        return x.chunk(self.tensor.size, spec.tp_dim)[self.tensor.rank]
+
+    def _cut_full(self, x: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
+        return self._cut(self._piece(x, spec), spec)
+
     def shard_params(self, params):
         """This rank's shards of full ``params``."""
-        return tree_map(self._cut, params, self.params)
+        return tree_map(self._cut_full, params, self.params)
 
     def shard(self, state):
         """This rank's part of a full train state (a ``TrainState``: params and optimizer state cut)."""
         return state._replace(params=self.shard_params(state.params),
-                              opt_state=tree_map(self._cut, state.opt_state, self.opt))
+                              opt_state=tree_map(self._cut_full, state.opt_state, self.opt))
 
     def full_shapes(self):
         """The full params as meta tensors (their shapes and dtypes: counts, FLOPs, health rows)."""
-        return tree_map(lambda spec: torch.empty(spec.shape, device="meta"), self.params)
+        return tree_map(lambda spec: torch.empty(_whole_shape(spec, self.tensor), device="meta"), self.params)
 
     def describe(self, per_block: bool = False) -> str:
         """One line: which leaves are sharded on which dim, and how the step gathers them (``per_block``: the
@@ -177,9 +217,12 @@ class Layout:
         dims = ", ".join(f"{n} on dim {d}" for d, n in sorted(by_dim.items()))
         gathered = "stacked leaves gathered per block (the others once per step)" if per_block else \
             "gathered once per step"
+        tensor = "" if self.tensor is None else (
+            f"; every block tensor parallel over {self.tensor.size} ranks (attention heads and MLP features split, "
+            f"core.parallel.tensor), the split leaves sharded as pieces")
         return (f"fsdp over {self.world} ranks: every param leaf and optimizer moment sharded ({dims}; stacked "
                 f"leaves on their first non-layer dim, zero-padded to a multiple of {self.world}), {gathered}, "
-                f"gradients reduce-scattered once per optimizer step")
+                f"gradients reduce-scattered once per optimizer step{tensor}")
 
     # ------------------------------------------------------------------------- inside the step (traceable)
 
@@ -193,9 +236,7 @@ class Layout:
         ``core.tree.whole``). The new state comes back as this rank's shards (plain tensors), the metrics as plain
         whole values. ``params``: the part of :attr:`params` the state's params are (all of them by default; the
         trainable part of a student whose optimizer state :attr:`opt` follows it)."""
-        from torch.distributed.device_mesh import DeviceMesh
-        import torch.distributed as dist
-        mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, device_type)
+        mesh = self.mesh(device_type)
         specs = self.params if params is None else params
 
         def run(state, grads, loss, aux, due=None):
@@ -205,18 +246,35 @@ class Layout:
             return tree_map(_local, new), tree_map(_local, metrics)
         return run
 
+    def mesh(self, device_type: str):
+        """The ``DeviceMesh`` the update's DTensors live on: 1-D over the layout's group; 2-D (``dp``, ``tp``) with
+        tensor parallelism, so a norm of a leaf split both ways sums over both."""
+        from torch.distributed.device_mesh import DeviceMesh
+        import torch.distributed as dist
+        if self.tensor is None:
+            return DeviceMesh.from_group(self.group or dist.group.WORLD, device_type)
+        return self.tensor.mesh_2d
+
     def _views(self, tree, specs, mesh):
-        """``tree``'s leaves as DTensors on ``mesh`` (:meth:`on_dtensors`)."""
+        """``tree``'s leaves as DTensors on ``mesh`` (:meth:`on_dtensors`): ``Shard`` on the layout's dim, and on
+        the tensor-parallel split dim under ``tensor``; else ``Replicate``."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
+        tp = self.tensor
 
         def one(x, spec):
             if not isinstance(x, torch.Tensor):
                 return x
-            if spec.dim is None:
-                return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            full = list(spec.local_shape())
-            full[spec.dim] *= self.world
-            return DTensor.from_local(x, mesh, [Shard(spec.dim)], run_check=False, shape=torch.Size(full),
+            places = [Replicate() if spec.dim is None else Shard(spec.dim)]
+            if tp is not None:
+                places.append(Replicate() if spec.tp_dim is None else Shard(spec.tp_dim))
+            if spec.dim is None and spec.tp_dim is None:
+                return DTensor.from_local(x, mesh, places, run_check=False)
+            full = list(x.shape)
+            if spec.dim is not None:
+                full[spec.dim] *= self.world
+            if spec.tp_dim is not None:
+                full[spec.tp_dim] *= tp.size
+            return DTensor.from_local(x, mesh, places, run_check=False, shape=torch.Size(full),
                                       stride=torch.empty(full, device="meta").stride())
         return tree_map(one, tree, specs)
 
@@ -231,9 +289,18 @@ class Layout:
         return sharded
 
     def gather(self, params):
-        """The full params from this rank's shards: one all-gather per dtype."""
+        """The full params from this rank's shards: one all-gather per dtype (under ``tensor``: this
+        tensor-parallel rank's pieces, what its step computes with; :meth:`gather_whole` joins those too)."""
         shards, specs = zip_leaves(params, self.params)
         return like(params, self.gather_leaves(shards, specs), order=params)
+
+    def gather_whole(self, params):
+        """The params whole from this rank's shards, as one process holds them (a sample's decode, an export)."""
+        full = self.gather(params)
+        if self.tensor is None:
+            return full
+        return tree_map(lambda x, spec: x if spec.tp_dim is None else self.tensor.gather(x, spec.tp_dim), full,
+                        self.params)
 
     def gather_leaves(self, shards: list, specs: list, join: Optional[Callable] = None) -> list:
         """Full leaves from this rank's ``shards`` of leaves split as ``specs`` say (in ``gather_dtype``): one
@@ -317,9 +384,13 @@ class Layout:
     # ------------------------------------------------------------------------- checkpoints
 
     def gather_leaf(self, x: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
-        """One sharded leaf made whole on every rank (eager; a checkpoint writes it)."""
-        every = all_gather(x.reshape(-1).contiguous(), self.group)
-        return self._join(wait(every).view(self.world, -1), spec).clone()
+        """One sharded leaf made whole on every rank (eager; a checkpoint writes it): across the data-parallel
+        ranks, then across the tensor-parallel ones where the leaf is split there too."""
+        piece = x
+        if spec.dim is not None:
+            every = all_gather(x.reshape(-1).contiguous(), self.group)
+            piece = self._join(wait(every).view(self.world, -1), spec).clone()
+        return piece if spec.tp_dim is None else self.tensor.gather(piece, spec.tp_dim)
 
     def deferred(self, state):
         """``state`` with every sharded leaf a ``core.io.checkpoint.Deferred`` that gathers it when written."""
@@ -332,9 +403,18 @@ class Layout:
     def _map_sharded(self, state, fn: Callable):
         """``state`` with ``fn(leaf, spec)`` in place of every sharded params/optimizer leaf."""
         def one(x, spec):
-            return x if spec.dim is None else fn(x, spec)
+            return x if spec.dim is None and spec.tp_dim is None else fn(x, spec)
         return state._replace(params=tree_map(one, state.params, self.params),
                               opt_state=tree_map(one, state.opt_state, self.opt))
+
+
+def _whole_shape(spec: LeafSpec, tensor) -> tuple:
+    """The full leaf's shape: ``spec.shape`` with the tensor-parallel split dim whole again."""
+    if spec.tp_dim is None:
+        return spec.shape
+    shape = list(spec.shape)
+    shape[spec.tp_dim] *= tensor.size
+    return tuple(shape)
 
 
 def _local(x):
@@ -353,7 +433,7 @@ def full_bytes(layout: Optional[Layout], state) -> int:
     def one(t, spec):
         if not isinstance(t, torch.Tensor):
             return 0
-        return (t.numel() if spec.dim is None else math.prod(spec.shape)) * t.element_size()
+        return (t.numel() if spec.dim is None else math.prod(_whole_shape(spec, layout.tensor))) * t.element_size()
     return sum(one(t, s) for t, s in zip(*zip_leaves((state.params, state.opt_state), (layout.params, layout.opt))))
 
 

@@ -56,6 +56,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from purestep.core.parallel import distributed
+from purestep.recipes.train.config import refuse_tensor_parallel
 from purestep.core.parallel.shard import Layout
 from purestep.core.config import ConfigError, UserError, option, same_as, to_dict
 from purestep.core.device import resolve_device
@@ -195,6 +196,7 @@ def on_policy_prompt(cfg: Config) -> int:
 def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     """The run in ``folder`` (resumed from its checkpoint, ``recipes.train.setup.start``), or with ``folder`` None a
     fresh state and nothing to write (``dry_run``, benchmarks). Everything that can fail on bad input happens here."""
+    refuse_tensor_parallel(cfg.parallel, "distill")
     dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
     check_keys(cfg, dist.world_size)
     theta0 = check_temperature(cfg)

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from purestep.core.config import ConfigError
+from purestep.core.parallel.distributed import SHARDED
 from purestep.core.data.text import eval_batches
 from purestep.core.io.cache import open_append
 from purestep.core.state import TrainState
@@ -93,9 +94,9 @@ class OrchestratorRunHook(RunHook):
         cfg = self.cfg
         if not self.enabled:
             return
-        if cfg.parallel == "fsdp":
-            raise ConfigError("orchestrator.enabled=true with parallel=fsdp: the orchestrator's strategies are not "
-                              "built on sharded state; use parallel=ddp")
+        if cfg.parallel in SHARDED:
+            raise ConfigError(f"orchestrator.enabled=true with parallel={cfg.parallel}: the orchestrator's strategies "
+                              f"are not built on sharded state; use parallel=ddp")
         if cfg.optimizer != "adamw":
             raise ConfigError(f"orchestrator.enabled=true with optimizer={cfg.optimizer}: the orchestrator's "
                               f"strategies are built on AdamW (its adamw strategy is the run's own); use "

@@ -28,6 +28,7 @@ import torch
 from purestep.core.compile import NO_MIX_ORDER_REDUCTION, cpp_wrapper, describe_options, inductor_options
 from purestep.core.host_memory import set_host_memory
 from purestep.core.io.logging import progress
+from purestep.core.parallel.distributed import SHARDED
 from purestep.core.step import COMPILE_SCOPES
 from purestep.core.tree import named_leaves
 
@@ -42,11 +43,13 @@ def compile_scope(cfg, params) -> str:
     of ``params``, the leading axis of its ``layers.*`` leaves, and the device they live on)."""
     if cfg.compile_scope != "auto":
         return cfg.compile_scope
+    if getattr(cfg, "parallel", None) == "fsdp,tp":
+        return "block"    # tensor parallel runs on the autograd path (core.step)
     leaves = named_leaves(params)
     depth = max((leaf.shape[0] for name, leaf in leaves if name.split(".")[0] == "layers" and leaf.ndim >= 1),
                 default=0)
     return auto_scope(depth, next((leaf.device.type for _, leaf in leaves), "cpu"),
-                      sharded=getattr(cfg, "parallel", None) == "fsdp")
+                      sharded=getattr(cfg, "parallel", None) in SHARDED)
 
 
 def auto_scope(depth: int, device_type: str, sharded: bool = False) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from purestep.core.compile import COMPILE_MODES
 from purestep.core.config import ConfigError, option
 from purestep.core.device import DEVICES
-from purestep.core.parallel.distributed import PARALLEL
+from purestep.core.parallel.distributed import PARALLEL, SHARDED
 from purestep.core.host_memory import MODES as HOST_MEMORY
 from purestep.core.spike import SpikeConfig
 from purestep.core.gradients import PRECISIONS
@@ -78,8 +78,11 @@ class TrainConfig:
     keep_last: int = option(3, "step checkpoints to keep (0: all; best and final are kept besides)", min=0)
     resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
     parallel: str = option("auto", "several ranks under torchrun: ddp (replicated state, gradients averaged), fsdp "
-                           "(params, gradients and optimizer state sharded), auto (ddp under torchrun, else none), "
-                           "none (one process)", choices=PARALLEL)
+                           "(params, gradients and optimizer state sharded), fsdp,tp (fsdp over the dp ranks of "
+                           "mesh=, each block tensor parallel over its tp ranks; recipe=standard), auto (ddp under "
+                           "torchrun, else none), none (one process)", choices=PARALLEL)
+    mesh: str = option("", "parallel=fsdp,tp: the ranks as data-parallel x tensor-parallel, dp:D,tp:T (D x T = the "
+                       "ranks torchrun starts)")
     compile: bool = option(True, "compile the train step (and the eval step: eval_compile) with torch.compile")
     fused: bool = option(False, "eager steps (compile=false): AdamW, its clipping and the non-finite skip in place "
                          "by torch's fused kernel (torch.optim.AdamW(fused=True)), the same numbers at torch.optim's "
@@ -119,12 +122,13 @@ class TrainConfig:
         if self.budget > 0 and self.cost_per_hour <= 0:
             raise ConfigError(f"budget={self.budget} needs cost_per_hour > 0 to meter the cost")
         _check_paths(self.out, self.resume)
-        if self.parallel == "fsdp" and self.clipping == "agc":
-            raise ConfigError("clipping=agc with parallel=fsdp: AGC's unit norms are not wired for sharded "
-                              "gradients; use clipping=global or clipping=adagc")
-        if self.parallel == "fsdp" and self.optimizer == "muon":
-            raise ConfigError("optimizer=muon with parallel=fsdp: Newton-Schulz orthogonalises whole matrices and "
-                              "fsdp shards them; use parallel=ddp or optimizer=adamw")
+        if self.parallel in SHARDED and self.clipping == "agc":
+            raise ConfigError(f"clipping=agc with parallel={self.parallel}: AGC's unit norms are not wired for "
+                              f"sharded gradients; use clipping=global or clipping=adagc")
+        if self.parallel in SHARDED and self.optimizer == "muon":
+            raise ConfigError(f"optimizer=muon with parallel={self.parallel}: Newton-Schulz orthogonalises whole "
+                              f"matrices and fsdp shards them; use parallel=ddp or optimizer=adamw")
+        _check_tensor_parallel(self)
         for hook in self.run_hooks():
             hook.check()
 
@@ -140,6 +144,29 @@ class TrainConfig:
         return tuple(section.run_hook(self) for section in sections if hasattr(section, "run_hook"))
 
 
+def _check_tensor_parallel(cfg: TrainConfig) -> None:
+    """ConfigErrors for ``parallel=fsdp,tp`` keys that cannot hold (``core.parallel.tensor``): ``mesh=`` without
+    it, a whole-step graph (tensor parallel compiles the block), dropout (its masks are drawn whole)."""
+    if cfg.parallel != "fsdp,tp":
+        if cfg.mesh:
+            raise ConfigError(f"mesh={cfg.mesh} lays out parallel=fsdp,tp's ranks; add parallel=fsdp,tp or drop mesh=")
+        return
+    if cfg.compile_scope == "step":
+        raise ConfigError("compile_scope=step with parallel=fsdp,tp: tensor parallel runs every block on DTensors, "
+                          "which torch.func.grad's one-graph step cannot take; use compile_scope=block (or auto)")
+    model = getattr(cfg, "model", None)
+    if (getattr(model, "dropout", 0) or 0) > 0:
+        raise ConfigError("model.dropout > 0 with parallel=fsdp,tp: dropout's masks are not drawn per tensor-parallel "
+                          "piece; use model.dropout=0")
+
+
+def refuse_tensor_parallel(parallel: str, recipe: str) -> None:
+    """A ConfigError for ``parallel=fsdp,tp`` in a recipe it does not run: tensor parallel wraps every block the
+    step's model loop runs, and a frozen teacher's or a compressor's blocks would be split by the student's plan."""
+    if parallel == "fsdp,tp":
+        raise ConfigError(f"parallel=fsdp,tp runs recipe=standard only; recipe={recipe} takes parallel=fsdp or ddp")
+
+
 def fused_refusal(cfg: TrainConfig, ranks: int = 1) -> str:
     """Why ``fused=true`` cannot apply to a run of ``cfg`` over ``ranks`` processes ("" when it can): the fused step is
     AdamW's (``optim.fused``) with global-norm clipping at most, eager and donated (``core.update.apply_in_place``),
@@ -150,7 +177,7 @@ def fused_refusal(cfg: TrainConfig, ranks: int = 1) -> str:
                (cfg.optimizer != "adamw", f"optimizer={cfg.optimizer} (the kernel is AdamW's)"),
                (cfg.clipping not in ("global", "none"),
                 f"clipping={cfg.clipping} (the kernel folds in global-norm clipping only)"),
-               (cfg.parallel in ("ddp", "fsdp") or ranks > 1, f"parallel={cfg.parallel} over several ranks (one "
+               (cfg.parallel in ("ddp", *SHARDED) or ranks > 1, f"parallel={cfg.parallel} over several ranks (one "
                                                               f"process only)"),
                (bool(kept), f"{kept[0] if kept else ''}.* switched on (it steps one state more than once, so the step "
                             f"cannot write into it)")]

@@ -51,8 +51,8 @@ def evaluate(eval_step: Callable, params, batches, frozen=None, dist: Dist = Dis
     losses = []
     for batch in batches:
         if dist.enabled:
-            rows = batch["x"].shape[0] // dist.world_size
-            batch = {k: v[dist.rank * rows:(dist.rank + 1) * rows] for k, v in batch.items()}
+            rows = batch["x"].shape[0] // dist.data_world
+            batch = {k: v[dist.data_rank * rows:(dist.data_rank + 1) * rows] for k, v in batch.items()}
         losses.append(eval_step(params, batch, frozen)["loss"])
     return dist.all_reduce_mean([torch.stack(losses).mean()])[0].item()
 
@@ -133,7 +133,7 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
                             gradients=Gradients(accum=cfg.grad_accum, remat=cfg.remat),
                             monitors=Monitors(health, cfg.spike if cfg.spike.enabled else None, cfg.skip_nonfinite),
                             parallel=Parallel(dist.all_reduce_mean if dist.enabled and layout is None else None,
-                                              shard=layout))
+                                              shard=layout, tensor=layout.tensor if layout else None))
     evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, shard=layout,
                                    compile=Compile(backend.eval_compiled(cfg), scope, mode))
     return Steps(train, evaluate_step, health, batches, layout, per_block(layout, cfg.compile, scope))

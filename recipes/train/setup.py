@@ -133,19 +133,23 @@ def build_optimizer(cfg: TrainConfig, sharded: bool = False, resumed: Optional[d
 
 
 def sharded_layout(dist: Dist, params, init, dtype: str) -> Optional[Layout]:
-    """``core.parallel.shard.Layout`` of ``params`` over ``dist``'s ranks when ``dist.sharded`` (parallel=fsdp), else
+    """``core.parallel.shard.Layout`` of ``params`` over ``dist``'s ranks when ``dist.sharded`` (parallel=fsdp; with
+    parallel=fsdp,tp over its data-parallel ranks, the params split across its tensor-parallel ones first), else
     None:
     leaves stacked under ``layers.`` split on their first non-layer dim, others on dim 0; params gathered in bf16
     under dtype=bf16 (FSDP2's ``param_dtype``); ``init`` makes the optimizer state whose leaves follow them. A
     leaf it cannot split is a ConfigError naming it."""
     if not dist.sharded:
         return None
-    import torch.distributed as torch_dist
+    what = "parallel=fsdp" if dist.tensor is None else "parallel=fsdp,tp"
     try:
-        return Layout(params, init, stacked=stacked_predicate(None), world=dist.world_size, rank=dist.rank,
-                      group=torch_dist.group.WORLD, gather_dtype=torch.bfloat16 if dtype == "bf16" else None)
-    except LayoutError as e:
-        raise ConfigError(f"parallel=fsdp: {e}") from None
+        if dist.tensor is not None:
+            dist.tensor.check(params)
+        return Layout(params, init, stacked=stacked_predicate(None), world=dist.data_world, rank=dist.data_rank,
+                      group=dist.data_group, gather_dtype=torch.bfloat16 if dtype == "bf16" else None,
+                      tensor=dist.tensor)
+    except (LayoutError, ValueError) as e:
+        raise ConfigError(f"{what}: {e}") from None
 
 
 def start(cfg: TrainConfig, folder: Optional[Path], params, *, device, dist: Dist = Dist(),
