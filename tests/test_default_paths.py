@@ -43,6 +43,7 @@ import pytest
 import documentation
 from purestep.core.cli.command import merge_args
 from purestep.core.io import checkpoint as ckpt
+from purestep.core.parallel.distributed import cpu_tensor_parallel_refusal
 from purestep.core.tree import max_abs_diff
 
 REPO = Path(__file__).resolve().parent.parent
@@ -584,6 +585,7 @@ def test_sharded_standard_equals_one_process_compiled(job, run, work):
     same_training(work, "standard-shakes", job.replace("_", "-"))
 
 
+@pytest.mark.skipif(bool(cpu_tensor_parallel_refusal()), reason=cpu_tensor_parallel_refusal())
 @uses("shakes", "standard_fsdp_tp")
 def test_tensor_parallel_standard_equals_one_process_compiled(run, work):
     """``parallel=fsdp,tp`` on a 2x2 mesh, compiled (the block graph over DTensors), ends where ``shakes`` ends over

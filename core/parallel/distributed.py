@@ -238,6 +238,8 @@ def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEO
     if parallel == "none" and world > 1:
         raise ConfigError(f"parallel=none under a launcher with {world} ranks; use parallel=ddp or parallel=fsdp")
     shape = parse_mesh(mesh, world) if parallel == "fsdp,tp" else None
+    if shape is not None and device.type == "cpu" and cpu_tensor_parallel_refusal():
+        raise ConfigError(cpu_tensor_parallel_refusal())
     sharded = parallel in SHARDED
     if world <= 1 and not sharded:
         return Dist(), device
@@ -256,6 +258,17 @@ def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEO
         from purestep.core.parallel.tensor import mesh as tensor_mesh
         tensor = tensor_mesh(device.type, *shape)
     return Dist(rank, world, local, sharded, patient, tensor), device
+
+
+def cpu_tensor_parallel_refusal() -> str:
+    """Why this torch cannot run ``parallel=fsdp,tp`` on the CPU ("" when it can): before 2.14, SDPA's math kernel
+    (the CPU path of ``core.parallel.tensor``) flattens batch and heads into one dim, which DTensor refuses for heads
+    sharded across ranks (torch 2.11: "Attempted to flatten multiple dimensions, with dimension 1 being sharded")."""
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if version >= (2, 14):
+        return ""
+    return (f"parallel=fsdp,tp on the CPU needs torch >= 2.14 (this is {torch.__version__}): its attention kernel "
+            f"flattens the heads that tensor parallel splits")
 
 
 def parse_mesh(mesh: str, world: int) -> tuple[int, int]:
