@@ -119,7 +119,9 @@ class _Layers:
             leaves = self.blocks.model_leaves(layer)
             if k + 1 < self.n:
                 self.blocks.prefetch(self.idx, k + 1)       # in flight while this block computes
-            yield tree_unflatten(self.spec, leaves)
+            tree = tree_unflatten(self.spec, leaves)
+            tensor = self.blocks.layout.tensor
+            yield tree if tensor is None else tensor.place(tree)    # parallel=fsdp,tp: this rank's pieces
 
     def __getitem__(self, k):
         raise TypeError("the layers of params sharded per block (parallel=fsdp) are gathered one at a time: iterate "

@@ -9,11 +9,12 @@ attention's output projection and the MLP's down projection on their input featu
 hidden units, and each row-parallel product is a partial sum that DTensor makes whole (one all-reduce) before the
 residual add. The norms, the embedding and the head are replicated.
 
-How it is applied: the model's loop hands every layer to ``layers.block(block_fn)`` (``core.layers``); a
-:class:`TensorParallel` wraps that function (:meth:`TensorParallel.block`). At a block's entry the layer's
-params become ``DTensor.from_local`` views of this rank's pieces (placements from :data:`LLAMA_PLAN`) and the
-block's tensor inputs (the residual stream, RoPE tables) ``Replicate`` DTensors; its output leaves as a plain,
-replicated tensor. Autograd through ``from_local`` returns plain gradients of this rank's pieces, the replicated
+How it is applied: the model's loop takes its layers from ``layers.unstack`` and hands each to
+``layers.block(block_fn)`` (``core.layers``). The step's per-block gathering (``core.parallel.shard_blocks``) hands
+out each layer's params as ``DTensor.from_local`` views of this rank's pieces (:meth:`TensorParallel.place`,
+placements from :data:`LLAMA_PLAN`), and :meth:`TensorParallel.block` wraps the block function: on such a layer the
+block's tensor inputs (the residual stream, RoPE tables) become ``Replicate`` DTensors and its output leaves as a
+plain, replicated tensor; a layer of plain tensors (a frozen teacher's, whole on every rank) runs as it is. Autograd through ``from_local`` returns plain gradients of this rank's pieces, the replicated
 leaves' gradients summed over the ``tp`` ranks where DTensor holds them as partial sums. Outside the blocks the
 model runs on plain tensors, identical on every ``tp`` rank. The model is unchanged.
 
@@ -32,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from purestep.core.tree import tree_map_with_name
+from purestep.core.tree import tree_leaves, tree_map_with_name
 
 # torchtitan's Llama TP plan: the weights split on their output features (column parallel) and on their input
 # features (row parallel), by their leaf names in a Llama layer (``models.llama``)
@@ -93,24 +94,34 @@ class TensorParallel:
         dist.all_gather(pieces, x.contiguous(), group=self.group)
         return torch.cat(pieces, dim=dim)
 
-    def block(self, fn: Callable) -> Callable:
-        """``fn`` (a model's block, ``fn(layer params, x, *args, **kwargs) -> x``) run on DTensors: the layer's
-        planned leaves ``Shard`` on their split dim, every other tensor ``Replicate``; its output a plain tensor."""
+    def place(self, layer):
+        """One layer's params (this rank's pieces, plain) as DTensors on :attr:`mesh`: each planned leaf ``Shard`` on
+        its split dim, the others ``Replicate``. The step's per-block gathering calls it on the layers it hands the
+        model (``core.parallel.shard_blocks``), so a block :meth:`block` wraps knows its own layers from another
+        model's (a frozen teacher's, run whole)."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
-        from torch.distributed.tensor.experimental import implicit_replication
-        mesh = self.mesh
 
         def placed(name: str, p):
             if not isinstance(p, torch.Tensor):
                 return p
             d = self.dim(name, p, stacked=False)
-            return DTensor.from_local(p, mesh, [Replicate() if d is None else Shard(d)], run_check=False)
+            return DTensor.from_local(p, self.mesh, [Replicate() if d is None else Shard(d)], run_check=False)
+        return tree_map_with_name(placed, layer)
+
+    def block(self, fn: Callable) -> Callable:
+        """``fn`` (a model's block, ``fn(layer params, x, *args, **kwargs) -> x``) run tensor parallel where the
+        layer is placed (:meth:`place`): every other tensor argument ``Replicate``, the output a plain tensor. A
+        layer of plain tensors (a frozen teacher's) runs ``fn`` as it is."""
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor.experimental import implicit_replication
+        mesh = self.mesh
 
         def replicated(t):
             return DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor) else t
 
         def run(layer, *args, **kwargs):
-            layer = tree_map_with_name(placed, layer)
+            if not any(isinstance(t, DTensor) for t in tree_leaves(layer)):
+                return fn(layer, *args, **kwargs)
             args = [replicated(a) for a in args]
             kwargs = {k: replicated(v) for k, v in kwargs.items()}
             with implicit_replication(), _attention_kernels(mesh.device_type):

@@ -56,7 +56,6 @@ from typing import NamedTuple, Optional
 import torch
 
 from purestep.core.parallel import distributed
-from purestep.recipes.train.config import refuse_tensor_parallel
 from purestep.core.parallel.shard import Layout
 from purestep.core.config import ConfigError, UserError, option, same_as, to_dict
 from purestep.core.device import resolve_device
@@ -188,6 +187,17 @@ def check_keys(cfg: Config, world_size: int):
                               f"student tokens to write in block_size={cfg.block_size}: 1 to {cfg.block_size - 1}")
 
 
+def check_tensor_parallel(cfg: Config) -> None:
+    """What ``parallel=fsdp,tp`` cannot do here, refused before any rank joins: a sharded teacher (the teacher is
+    whole on every rank and its blocks run as they are) and on-policy rollouts (they decode whole params)."""
+    if cfg.parallel == "fsdp,tp" and cfg.teacher_shard:
+        raise ConfigError("teacher_shard=true with parallel=fsdp,tp: the teacher is held whole on every rank there "
+                          "(its blocks run as they are, not tensor parallel); drop teacher_shard")
+    if cfg.parallel == "fsdp,tp" and cfg.on_policy > 0:
+        raise ConfigError(f"on_policy={cfg.on_policy:g} with parallel=fsdp,tp: the student's rollouts decode whole "
+                          f"params, which fsdp,tp holds split; use parallel=fsdp or on_policy=0")
+
+
 def on_policy_prompt(cfg: Config) -> int:
     """The prompt length of an on-policy row (``on_policy_prompt``, 0: half the window)."""
     return cfg.on_policy_prompt or cfg.block_size // 2
@@ -196,8 +206,8 @@ def on_policy_prompt(cfg: Config) -> int:
 def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     """The run in ``folder`` (resumed from its checkpoint, ``recipes.train.setup.start``), or with ``folder`` None a
     fresh state and nothing to write (``dry_run``, benchmarks). Everything that can fail on bad input happens here."""
-    refuse_tensor_parallel(cfg.parallel, "distill")
-    dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
+    check_tensor_parallel(cfg)
+    dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel, mesh=cfg.mesh)
     check_keys(cfg, dist.world_size)
     theta0 = check_temperature(cfg)
     teacher = require_llama(load_teacher(cfg.teacher, device, cfg.teacher_dtype), "teacher", "distill")
@@ -215,10 +225,10 @@ def prepare_run(cfg: Config, folder: Optional[Path] = None) -> Prepared:
     projections = hidden_targets.init_projections(layer_pairs, student_cfg, teacher.config, cfg.seed, device)
     if projections:
         params[hidden_targets.PROJ] = projections
-    check_batch(cfg, max(student_cfg.vocab_size, teacher.config.vocab_size), device, dist.world_size)
+    check_batch(cfg, max(student_cfg.vocab_size, teacher.config.vocab_size), device, dist.data_world)
     batches = corpus.batches(cfg.batch_size, cfg.block_size, cfg.seed, grad_accum=cfg.grad_accum, device=device,
-                             rank=dist.rank, world_size=dist.world_size)
-    val_batches = corpus.eval_batches(cfg.batch_size * dist.world_size, cfg.block_size, cfg.eval_batches,
+                             rank=dist.data_rank, world_size=dist.data_world)
+    val_batches = corpus.eval_batches(cfg.batch_size * dist.data_world, cfg.block_size, cfg.eval_batches,
                                       device=device)
     cfg = with_epochs(cfg, corpus, batches)
     run_setup = setup.start(cfg, folder, params, device=device, dist=dist, tokenizer=tok)
@@ -321,7 +331,7 @@ def dry_run(cfg: Config) -> str:
                                f"layers, d={s.d_model}, vocab {s.vocab_size} ({corpus.tokenizer.name})",
                          data=describe(corpus), train_tokens=corpus.meta["train_tokens"], state=p.run.state,
                          steps=train_steps(p, p.run.optimizer), device=p.run.state.step.device,
-                         world_size=p.run.dist.world_size, frozen=p.teacher.frozen, extra=(f"teacher: {held}",))
+                         world_size=p.run.dist.data_world, frozen=p.teacher.frozen, extra=(f"teacher: {held}",))
 
 
 def run(cfg: Config):
@@ -332,7 +342,7 @@ def run(cfg: Config):
     steps = train_steps(p, run.optimizer)
     extra = {"config": to_dict(cfg), "model": model_entry(p.student), "tokenizer": corpus.tokenizer.to_dict(),
              "recipe": "distill", "teacher": teacher.identity}
-    measures = Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.world_size, train_flops_per_token(p))
+    measures = Measures(cfg.batch_size * cfg.block_size * cfg.grad_accum * dist.data_world, train_flops_per_token(p))
     with run.writing(to_dict(cfg)) as (checkpoints, logger):
         announce(logger, p, folder)
         if run.resume is not None:

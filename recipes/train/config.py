@@ -79,7 +79,7 @@ class TrainConfig:
     resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
     parallel: str = option("auto", "several ranks under torchrun: ddp (replicated state, gradients averaged), fsdp "
                            "(params, gradients and optimizer state sharded), fsdp,tp (fsdp over the dp ranks of "
-                           "mesh=, each block tensor parallel over its tp ranks; recipe=standard), auto (ddp under "
+                           "mesh=, each block tensor parallel over its tp ranks; standard and distill), auto (ddp under "
                            "torchrun, else none), none (one process)", choices=PARALLEL)
     mesh: str = option("", "parallel=fsdp,tp: the ranks as data-parallel x tensor-parallel, dp:D,tp:T (D x T = the "
                        "ranks torchrun starts)")
@@ -161,10 +161,12 @@ def _check_tensor_parallel(cfg: TrainConfig) -> None:
 
 
 def refuse_tensor_parallel(parallel: str, recipe: str) -> None:
-    """A ConfigError for ``parallel=fsdp,tp`` in a recipe it does not run: tensor parallel wraps every block the
-    step's model loop runs, and a frozen teacher's or a compressor's blocks would be split by the student's plan."""
+    """A ConfigError for ``parallel=fsdp,tp`` in a recipe it does not run: tensor parallel is wired through the
+    shared train step's per-block gathering (standard, distill); upcycle's blockwise step and compress's compressor
+    have steps of their own."""
     if parallel == "fsdp,tp":
-        raise ConfigError(f"parallel=fsdp,tp runs recipe=standard only; recipe={recipe} takes parallel=fsdp or ddp")
+        raise ConfigError(f"parallel=fsdp,tp runs recipe=standard and recipe=distill; recipe={recipe} takes "
+                          f"parallel=fsdp or ddp")
 
 
 def fused_refusal(cfg: TrainConfig, ranks: int = 1) -> str:
