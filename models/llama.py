@@ -294,7 +294,7 @@ def _math_attention(q, k, v, mask, causal: bool, scale: Optional[float]) -> torc
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)).float() * (q.shape[-1] ** -0.5 if scale is None else scale)
     if causal:
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+        mask = scores.new_ones(T, S, dtype=torch.bool).tril()    # like the scores: a DTensor under tensor parallel
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores.softmax(-1) @ v   # autocast: a product in its dtype, as every matmul under it

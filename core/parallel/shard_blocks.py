@@ -12,8 +12,8 @@ model that is a plain function of a params pytree.
   ``gather_dtype``) when the loop reaches it.
 - **Not kept for backward.** While the model runs, ``torch.autograd.graph.saved_tensors_hooks`` replace every
   tensor autograd saves that lives in a gathered layer's storage (a weight ``F.linear`` keeps for its input's
-  gradient, a compiled block's saved views, the inputs ``core.remat.checkpoint`` keeps to recompute a block) by a
-  token; unpacking one in backward gathers the layer again, once, and keeps it until the layer's gradient is
+  gradient, a compiled block's saved views, the inputs ``core.remat.checkpoint`` keeps to recompute a block; under
+  ``parallel=fsdp,tp`` a DTensor whose local piece is one) by a token; unpacking one in backward gathers the layer again, once, and keeps it until the layer's gradient is
   reduced. So a layer's full tensors die with the model's last reference to them, when its loop takes the next
   layer, and the recomputation of a checkpointed block re-gathers its layer.
 - **Gradients.** A layer's full tensors are the outputs of one autograd node (``core.tree.LayerNode``), whose backward
@@ -39,6 +39,7 @@ import weakref
 from typing import Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from purestep.core.parallel.distributed import wait
 from purestep.core.tree import LayerNode, Tree, like, tree_unflatten, unstack, zip_leaves
@@ -51,6 +52,22 @@ class _Saved:
 
     def __init__(self, layer: "_Layer", n: int, t: torch.Tensor):
         self.layer, self.n, self.view = layer, n, (tuple(t.size()), t.stride(), t.storage_offset())
+
+
+class _SavedPiece:
+    """A saved DTensor (``parallel=fsdp,tp``: the block runs on DTensor views of the gathered pieces) whose local
+    tensor lives in a gathered layer: that local tensor as a :class:`_Saved`, and how to view it as the DTensor
+    again."""
+    __slots__ = ("local", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, local: _Saved, t):
+        self.local, self.mesh, self.placements, self.shape, self.stride = \
+            local, t.device_mesh, t.placements, t.shape, t.stride()
+
+    def tensor(self):
+        local = self.local.layer.tensors()[self.local.n].as_strided(*self.local.view)
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                  stride=self.stride)
 
 
 class _Layer:
@@ -293,6 +310,10 @@ class Blocks:
         self.owners, self.grads, self.full, self.pending, self.scattering = {}, {}, [], {}, None
 
     def _pack(self, t):
+        if isinstance(t, DTensor):    # parallel=fsdp,tp: the piece it views, if gathered here
+            with torch.no_grad():
+                local = self._pack(t.to_local())
+            return _SavedPiece(local, t) if isinstance(local, _Saved) else t
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
             return t
         address = t.untyped_storage().data_ptr()
@@ -307,6 +328,8 @@ class Blocks:
 
     @staticmethod
     def _unpack(saved):
+        if isinstance(saved, _SavedPiece):
+            return saved.tensor()
         if isinstance(saved, _Saved):
             return saved.layer.tensors()[saved.n].as_strided(*saved.view)
         return saved
