@@ -155,27 +155,25 @@ class Parallel:
     ``core.parallel.shard.Layout``) says the state's params and optimizer state are this rank's shards: the step
     gathers the params (one block at a time where :func:`per_block` says so, else whole), reduce-scatters the summed
     gradients once per step and updates the shards (``reduce`` is then unused), the optimizer and the extra metrics
-    seeing them as DTensors (``Layout.on_dtensors``): written for whole tensors, they take no collective.
-    ``tensor`` (a ``core.parallel.tensor.TensorParallel``, with ``shard`` built with it): every block of the model
-    runs tensor parallel on DTensors (``TensorParallel.block``, through the loss's ``layers``), on the autograd path,
-    eager or with ``Compile(scope="block")``."""
+    seeing them as DTensors (``Layout.on_dtensors``): written for whole tensors, they take no collective. A layout
+    built with a ``core.parallel.tensor.TensorParallel`` (``Layout(tensor=)``, ``parallel=fsdp,tp``) also runs every
+    block of the model tensor parallel on DTensors (``TensorParallel.block``, through the loss's ``layers``), on the
+    autograd path, eager or with ``Compile(scope="block")``."""
     reduce: Optional[Callable] = None
     shard: Any = None
-    tensor: Any = None
 
 
-def _check_tensor_parallel(parallel: Parallel, compile: Compile, grad_mode: Optional[str]) -> None:
-    """A ValueError for what tensor parallelism cannot run with: ``torch.func.grad`` (it cannot take DTensors) and
-    so a step compiled as one graph, and a state that no ``shard`` layout splits."""
-    if parallel.tensor is None:
-        return
-    if parallel.shard is None or parallel.shard.tensor is not parallel.tensor:
-        raise ValueError("tensor parallel needs Parallel(shard=Layout(..., tensor=that TensorParallel)): the "
-                         "layout splits the state and gives the update its 2-D DTensors")
+def _tensor_parallel(shard, compile: Compile, grad_mode: Optional[str]):
+    """The ``TensorParallel`` of the layout ``shard`` (None without one), or a ValueError for what tensor
+    parallelism cannot run with: ``torch.func.grad`` (it cannot take DTensors) and so a step compiled as one graph."""
+    tensor = getattr(shard, "tensor", None)
+    if tensor is None:
+        return None
     if grad_mode == "func":
         raise ValueError("tensor parallel runs on the autograd path: torch.func.grad cannot take DTensors")
     if compile.enabled and compile.scope != "block":
         raise ValueError('tensor parallel compiles the model\'s block (Compile(scope="block")), not the whole step')
+    return tensor
 
 
 def _block_runner(compiler: Optional[Callable], tensor) -> Optional[Callable]:
@@ -206,11 +204,11 @@ def make_train_step(loss_fn: Callable, optimizer, *, precision: str = "fp32", co
     compiles with inductor's C++ wrapper (``core.compile``).
     """
     compile = compile if isinstance(compile, Compile) else Compile(enabled=bool(compile))
-    _check_tensor_parallel(parallel, compile, gradients.mode)
+    tensor = _tensor_parallel(parallel.shard, compile, gradients.mode)
     grad_mode = _grad_mode(gradients.mode, compile.enabled, compile.scope, gradients.remat, gradients.accum)
     by_layer = per_block(parallel.shard, compile.enabled, compile.scope, grad_mode)
     check_takes_layers(loss_fn, compile.enabled and compile.scope == "block",
-                       by_layer and parallel.shard.stacks or parallel.tensor is not None)
+                       by_layer and parallel.shard.stacks or tensor is not None)
     built = {}   # device type -> the step built for it
 
     def train_step(state: TrainState, batch, frozen=None):
@@ -229,12 +227,12 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
     shard, accum = parallel.shard, gradients.accum
     by_block = compile.enabled and compile.scope == "block"
     cpp = cpp_wrapper(device_type, collectives=shard is not None or parallel.reduce is not None)
-    cache = parallel.tensor is None     # core.compile.inductor_options: graphs over a 2-D mesh are not cached
+    tensor = getattr(shard, "tensor", None)
+    cache = tensor is None     # core.compile.inductor_options: graphs over a 2-D mesh are not cached
     compiled = functools.partial(maybe_compile, mode=compile.mode, cpp=cpp, device_type=device_type,
                                  cuda=compile.cuda_options, cache=cache)
     by_layer = per_block(shard, compile.enabled, compile.scope, grad_mode)
-    blocks = _block_runner(BlockCompiler(compile.mode, cpp, device_type, cache) if by_block else None,
-                           parallel.tensor)
+    blocks = _block_runner(BlockCompiler(compile.mode, cpp, device_type, cache) if by_block else None, tensor)
     objective = make_objective(loss_caller(loss_fn), accum, precision, device_type, blocks)
     apply = _make_apply_gradients(optimizer, monitors, donate, shard, device_type, eager=not compile.enabled)
     if grad_mode == "func":      # one graph: forward, backward, the update
@@ -274,9 +272,7 @@ def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", compile: bool 
     :func:`per_block` says so, else whole before the step; every block tensor parallel where the layout is
     (``Layout.tensor``)."""
     compile = compile if isinstance(compile, Compile) else Compile(enabled=bool(compile))
-    tensor = getattr(shard, "tensor", None)
-    if tensor is not None:
-        _check_tensor_parallel(Parallel(shard=shard, tensor=tensor), compile, None)
+    tensor = _tensor_parallel(shard, compile, None)
     by_layer = per_block(shard, compile.enabled, compile.scope)
     check_takes_layers(loss_fn, compile.enabled and compile.scope == "block",
                        by_layer and shard.stacks or tensor is not None)

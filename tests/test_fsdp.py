@@ -461,7 +461,7 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
             opt = make_optimizer(spec, sharded=shard is not None)
             loss = lambda p, b, layers=None: llama.loss(p, b, cfg, remat=remat, layers=layers)       # noqa: E731
             step = make_train_step(loss, opt, precision=precision, gradients=Gradients(accum=2, remat=remat),
-                                   parallel=Parallel(shard=shard, tensor=tp if shard else None))
+                                   parallel=Parallel(shard=shard))
             state = init_state(clone(params), opt)
             gathers.clear()
             reduces.clear()

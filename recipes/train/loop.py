@@ -133,7 +133,7 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
                             gradients=Gradients(accum=cfg.grad_accum, remat=cfg.remat),
                             monitors=Monitors(health, cfg.spike if cfg.spike.enabled else None, cfg.skip_nonfinite),
                             parallel=Parallel(dist.all_reduce_mean if dist.enabled and layout is None else None,
-                                              shard=layout, tensor=layout.tensor if layout else None))
+                                              shard=layout))
     evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, shard=layout,
                                    compile=Compile(backend.eval_compiled(cfg), scope, mode))
     return Steps(train, evaluate_step, health, batches, layout, per_block(layout, cfg.compile, scope))
