@@ -85,6 +85,8 @@ def test_each_recipe_has_one_documented_command_in_the_table():
 # by its first words: the test that runs it at test size, or why none does. Commands run by
 # tests/test_default_paths.py are its README_RUNS (read from these pages there, so a broken command fails that test).
 RUN_ELSEWHERE = {
+    "torchrun --standalone --nproc_per_node=4 -m purestep recipe=standard parallel=hsdp":
+        "tests/test_fsdp.py::test_hybrid_sharding_on_a_2x2_mesh_equals_one_process",
     "pip install -e . && purestep recipe=standard": ".ci/run part 1, verbatim, in a new venv",
     'pip install -e ".[test]" && python -m pytest -q': ".ci/run part 1, verbatim, in a new venv",
     "purestep recipe=standard --help": "tests/test_readme.py::test_help_lists_every_key",

@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 from purestep.core.config import ConfigError, UserError
 
-PARALLEL = ("auto", "none", "ddp", "fsdp", "fsdp,tp")
-SHARDED = ("fsdp", "fsdp,tp")   # the parallel modes that split the state across ranks (core.parallel.shard)
+PARALLEL = ("auto", "none", "ddp", "fsdp", "fsdp,tp", "hsdp")
+SHARDED = ("fsdp", "fsdp,tp", "hsdp")   # the parallel modes that split the state across ranks (core.parallel.shard)
+MESH_DIMS = {"fsdp,tp": ("dp", "tp"), "hsdp": ("rep", "dp")}    # the 2-D modes' mesh=, outer dim first
 PG_TIMEOUT = 45.0     # seconds a collective waits for a peer before the survivors stop (a dead rank)
 PATIENCE = 6 * 3600.0   # seconds a barrier waits while one rank works alone (tokenizing, writing a checkpoint)
 _KEY = "purestep/rank/{}"   # each rank's host:pid in the process group's store: who died, when one does
@@ -51,6 +52,7 @@ class Dist:
     #                                                                 PATIENCE (None: the default group)
     tensor: Any = field(default=None, compare=False, repr=False)    # parallel=fsdp,tp: this rank's
     #                                                                 core.parallel.tensor.TensorParallel
+    hybrid: Any = field(default=None, compare=False, repr=False)    # parallel=hsdp: the (rep, dp) DeviceMesh
 
     @property
     def data_rank(self) -> int:
@@ -237,8 +239,8 @@ def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEO
                           f"(torchrun --nproc_per_node=N purestep ...), or use parallel=none")
     if parallel == "none" and world > 1:
         raise ConfigError(f"parallel=none under a launcher with {world} ranks; use parallel=ddp or parallel=fsdp")
-    shape = parse_mesh(mesh, world) if parallel == "fsdp,tp" else None
-    if shape is not None and device.type == "cpu" and cpu_tensor_parallel_refusal():
+    shape = parse_mesh(mesh, world, MESH_DIMS[parallel]) if parallel in MESH_DIMS else None
+    if parallel == "fsdp,tp" and device.type == "cpu" and cpu_tensor_parallel_refusal():
         raise ConfigError(cpu_tensor_parallel_refusal())
     sharded = parallel in SHARDED
     if world <= 1 and not sharded:
@@ -253,11 +255,14 @@ def init(device: torch.device, parallel: str = "auto", timeout: float = PG_TIMEO
         patient = _register(rank, world)
     if device.type == "cuda":
         device = torch.device("cuda", local)
-    tensor = None
-    if shape is not None:
+    tensor = hybrid = None
+    if parallel == "fsdp,tp":
         from purestep.core.parallel.tensor import mesh as tensor_mesh
         tensor = tensor_mesh(device.type, *shape)
-    return Dist(rank, world, local, sharded, patient, tensor), device
+    elif parallel == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        hybrid = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS["hsdp"])
+    return Dist(rank, world, local, sharded, patient, tensor, hybrid), device
 
 
 def cpu_tensor_parallel_refusal() -> str:
@@ -271,22 +276,24 @@ def cpu_tensor_parallel_refusal() -> str:
             f"flattens the heads that tensor parallel splits")
 
 
-def parse_mesh(mesh: str, world: int) -> tuple[int, int]:
-    """``dp:D,tp:T`` -> ``(D, T)``, whose product must be the ``world`` size; a ConfigError naming the key
-    otherwise."""
+def parse_mesh(mesh: str, world: int, dims: tuple = ("dp", "tp")) -> tuple[int, int]:
+    """``A:a,B:b`` for the mesh dims ``(A, B)`` -> ``(a, b)``, whose product must be the ``world`` size; a
+    ConfigError naming the key otherwise (``dp:D,tp:T`` for ``parallel=fsdp,tp``, ``rep:R,dp:D`` for ``hsdp``)."""
     sizes = {}
     for part in filter(None, mesh.split(",")):
         name, _, size = part.partition(":")
-        if name not in ("dp", "tp") or not size.isdigit() or int(size) < 1 or name in sizes:
+        if name not in dims or not size.isdigit() or int(size) < 1 or name in sizes:
             sizes = None
             break
         sizes[name] = int(size)
-    if not sizes or set(sizes) != {"dp", "tp"}:
-        raise ConfigError(f"mesh={mesh!r}: parallel=fsdp,tp needs mesh=dp:D,tp:T (data-parallel x tensor-parallel "
-                          f"ranks, e.g. mesh=dp:2,tp:2)")
-    if sizes["dp"] * sizes["tp"] != world:
-        raise ConfigError(f"mesh={mesh}: dp x tp = {sizes['dp'] * sizes['tp']} ranks, but torchrun started {world}")
-    return sizes["dp"], sizes["tp"]
+    form = ",".join(f"{d}:{d[0].upper()}" for d in dims)
+    if not sizes or set(sizes) != set(dims):
+        mode = "fsdp,tp" if dims == MESH_DIMS["fsdp,tp"] else "hsdp"
+        raise ConfigError(f"mesh={mesh!r}: parallel={mode} needs mesh={form} (e.g. mesh={dims[0]}:2,{dims[1]}:2)")
+    a, b = sizes[dims[0]], sizes[dims[1]]
+    if a * b != world:
+        raise ConfigError(f"mesh={mesh}: {dims[0]} x {dims[1]} = {a * b} ranks, but torchrun started {world}")
+    return a, b
 
 
 def shutdown(d: Dist) -> None:

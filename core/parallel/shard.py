@@ -58,88 +58,16 @@ of ranks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from purestep.core.io.checkpoint import Deferred
-from purestep.core.parallel.distributed import all_gather, mean_over_ranks, reduce_scatter_sum, split_mean, wait
+from purestep.core.parallel.leaf_spec import (NO_TP, LayoutError, LeafSpec, follows, leaf_spec, or_no_tp, probe,
+                                               split_dim, tp_follows, whole_shape)
+from purestep.core.parallel.distributed import (all_gather, all_reduce_sum, mean_over_ranks, reduce_scatter_sum,
+                                                split_mean, wait)
 from purestep.core.tree import leaves_of, like, tree_map, tree_map_with_name, zip_leaves
-
-
-@dataclass(frozen=True)
-class LeafSpec:
-    """How one leaf is split: along ``dim`` of the full leaf (``shape``; a 0-d leaf is seen as ``[1]``), whose
-    length ``size`` becomes ``chunk`` on every rank. ``dim`` None: replicated."""
-    dim: Optional[int]
-    size: int = 0
-    chunk: int = 0
-    shape: tuple = ()
-    tp_dim: Optional[int] = None   # the dim tensor parallelism splits first (``shape`` is then this rank's piece)
-
-    def local_shape(self) -> tuple:
-        full = self.shape or (1,)
-        return full[:self.dim] + (self.chunk,) + full[self.dim + 1:]
-
-
-class LayoutError(ValueError):
-    """A leaf this layout cannot split (named)."""
-
-
-def split_dim(name: str, leaf: torch.Tensor, stacked: Callable[[str, torch.Tensor], bool]) -> int:
-    """The dim ``leaf`` is sharded on: 1 for a leaf stacked along a layer axis, else 0."""
-    if stacked(name, leaf):
-        if leaf.ndim < 2:
-            raise LayoutError(f"{name}: a stacked leaf of shape {tuple(leaf.shape)} has no dim besides the layer "
-                              f"axis to shard on")
-        return 1
-    return 0
-
-
-_NO_TP = -1   # a leaf tensor parallelism leaves whole, in the trees that carry split dims while a layout is built
-
-
-def _or_no_tp(dim: Optional[int]) -> int:
-    return _NO_TP if dim is None else dim
-
-
-def _spec(dim: int, shape: tuple, world: int, tp_dim: int = _NO_TP) -> LeafSpec:
-    size = shape[dim] if shape else 1
-    return LeafSpec(dim, size, max(1, math.ceil(size / world)), tuple(shape), None if tp_dim == _NO_TP else tp_dim)
-
-
-def _tp_follows(init: Callable, meta, tp_dims):
-    """For every optimizer-state leaf, the tensor-parallel split dim of the param it follows (``_NO_TP`` for the
-    others): the dim where the state of params one feature longer on their split dims differs."""
-    grown = tree_map(lambda p, t: p if t == _NO_TP else torch.empty(
-        p.shape[:t] + (p.shape[t] + 1,) + p.shape[t + 1:], dtype=p.dtype, device="meta"), meta, tp_dims)
-    a, b = init(meta), init(grown)
-
-    def one(x, y):
-        if not isinstance(x, torch.Tensor) or x.shape == y.shape:
-            return _NO_TP
-        return next(i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n)
-    return tree_map(one, a, b)
-
-
-def _probe(params, dims, size: int):
-    """Meta tensors shaped like ``params`` with every leaf's shard dim set to ``size``."""
-    def one(p, d):
-        shape = tuple(p.shape) or (1,)
-        return torch.empty(shape[:d] + (size,) + shape[d + 1:], dtype=p.dtype, device="meta")
-    return tree_map(one, params, dims)
-
-
-def _follows(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
-    """The one dim where two probes' optimizer leaves differ (the leaf follows a param's shard dim), or None."""
-    if not isinstance(a, torch.Tensor) or a.shape == b.shape:
-        return None
-    diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
-    if a.ndim != b.ndim or len(diff) != 1:
-        raise LayoutError(f"an optimizer state leaf of shape {tuple(a.shape)} depends on a param's shape in a way "
-                          f"this layout cannot shard (only elementwise state, like AdamW's moments)")
-    return diff[0]
 
 
 class Layout:
@@ -150,27 +78,31 @@ class Layout:
     waits for it, and waits for each layer's reduce-scatter (the blocking schedule; ``bench.fsdp`` measures both).
     ``tensor`` (a ``core.parallel.tensor.TensorParallel``): the params are first split across its ranks, and this
     layout shards this rank's pieces across the ``world`` data-parallel ranks of ``group`` (``parallel=fsdp,tp``).
+    ``replicas`` (``(process group, R)``): HSDP (FSDP2's ``HYBRID_SHARD``, a 2-D mesh of ``R`` replicas of ``world``
+    shards, ``parallel=hsdp``): the state is sharded within ``group`` and the same in each of the ``R`` groups; a
+    reduce-scatter's result is then summed over the replicas (one all-reduce), and the gradient, loss and aux are
+    means over all ``R x world`` ranks.
     """
 
     def __init__(self, params, init: Callable, *, stacked: Callable[[str, torch.Tensor], bool], world: int,
                  rank: int, group=None, gather_dtype: Optional[torch.dtype] = None, prefetch: bool = True,
-                 tensor=None):
+                 tensor=None, replicas: Optional[tuple] = None):
         self.world, self.rank, self.group, self.gather_dtype = world, rank, group, gather_dtype
-        self.prefetch, self.tensor = prefetch, tensor
+        self.prefetch, self.tensor, self.replicas = prefetch, tensor, replicas
         meta = tree_map(lambda p: torch.empty(p.shape, dtype=p.dtype, device="meta"), params)
-        tp_dims = tree_map_with_name(lambda name, p: _NO_TP if tensor is None else _or_no_tp(tensor.dim(name, p)),
+        tp_dims = tree_map_with_name(lambda name, p: NO_TP if tensor is None else or_no_tp(tensor.dim(name, p)),
                                      meta)
         if tensor is not None:
             meta = tensor.local(meta)
         dims = tree_map_with_name(lambda name, p: split_dim(name, p, stacked), meta)
-        self.params = tree_map(lambda p, d, t: _spec(d, tuple(p.shape), world, t), meta, dims, tp_dims)
-        a, b = init(_probe(meta, dims, 1)), init(_probe(meta, dims, 2))
+        self.params = tree_map(lambda p, d, t: leaf_spec(d, tuple(p.shape), world, t), meta, dims, tp_dims)
+        a, b = init(probe(meta, dims, 1)), init(probe(meta, dims, 2))
         full = init(meta)
-        followed = _tp_follows(init, meta, tp_dims) if tensor is not None else tree_map(lambda x: _NO_TP, a)
+        followed = tp_follows(init, meta, tp_dims) if tensor is not None else tree_map(lambda x: NO_TP, a)
 
         def opt_spec(x, y, f, t):
-            d = _follows(x, y)
-            return LeafSpec(None) if d is None else _spec(d, tuple(f.shape), world, t)
+            d = follows(x, y)
+            return LeafSpec(None) if d is None else leaf_spec(d, tuple(f.shape), world, t)
         self.opt = tree_map(opt_spec, a, b, full, followed)
 
     # ------------------------------------------------------------------------- host side: cut and describe
@@ -206,7 +138,7 @@ class Layout:
 
     def full_shapes(self):
         """The full params as meta tensors (their shapes and dtypes: counts, FLOPs, health rows)."""
-        return tree_map(lambda spec: torch.empty(_whole_shape(spec, self.tensor), device="meta"), self.params)
+        return tree_map(lambda spec: torch.empty(whole_shape(spec, self.tensor), device="meta"), self.params)
 
     def describe(self, per_block: bool = False) -> str:
         """One line: which leaves are sharded on which dim, and how the step gathers them (``per_block``: the
@@ -220,9 +152,11 @@ class Layout:
         tensor = "" if self.tensor is None else (
             f"; every block tensor parallel over {self.tensor.size} ranks (attention heads and MLP features split, "
             f"core.parallel.tensor), the split leaves sharded as pieces")
+        replicas = "" if self.replicas is None else (
+            f"; hsdp: {self.replicas[1]} replicas of the shards, their gradients summed by one all-reduce")
         return (f"fsdp over {self.world} ranks: every param leaf and optimizer moment sharded ({dims}; stacked "
                 f"leaves on their first non-layer dim, zero-padded to a multiple of {self.world}), {gathered}, "
-                f"gradients reduce-scattered once per optimizer step{tensor}")
+                f"gradients reduce-scattered once per optimizer step{tensor}{replicas}")
 
     # ------------------------------------------------------------------------- inside the step (traceable)
 
@@ -358,9 +292,9 @@ class Layout:
         # gradients of params gathered in bf16 stay fp32, for the fp32 shards
         layout = [(s.local_shape(), torch.float32 if self.gather_dtype is not None and g.dtype == self.gather_dtype
                    else g.dtype) for g, s in zip(full, specs)]
-        out = split_mean(summed, layout, self.world)
+        out = split_mean(summed, layout, self.averaged)
         names = sorted(aux)
-        loss, *rest = mean_over_ranks([loss] + [aux[k] for k in names], self.group, self.world)
+        loss, *rest = mean_over_ranks([loss] + [aux[k] for k in names], *self.everyone)
         return like(grads, out, order=grads), loss, dict(zip(names, rest))
 
     def reduce_rows(self, rows: list) -> torch.Tensor:
@@ -368,7 +302,22 @@ class Layout:
         ranks: one reduce-scatter (eagerly in flight until read)."""
         if not rows:
             return torch.zeros(0)
-        return reduce_scatter_sum(torch.cat(rows, dim=1).reshape(-1), self.group)
+        summed = reduce_scatter_sum(torch.cat(rows, dim=1).reshape(-1), self.group)
+        return summed if self.replicas is None else all_reduce_sum(summed, self.replicas[0])
+
+    @property
+    def averaged(self) -> int:
+        """How many ranks' gradients a step averages: the shards' ``world``, times the replicas under HSDP."""
+        return self.world * (1 if self.replicas is None else self.replicas[1])
+
+    @property
+    def everyone(self) -> tuple:
+        """``(group, size)`` the loss and aux metrics are averaged over: the layout's group, or every rank under
+        HSDP (the default group)."""
+        if self.replicas is None:
+            return self.group, self.world
+        import torch.distributed as dist
+        return dist.group.WORLD, self.averaged
 
     @property
     def stacks(self) -> bool:
@@ -408,15 +357,6 @@ class Layout:
                               opt_state=tree_map(one, state.opt_state, self.opt))
 
 
-def _whole_shape(spec: LeafSpec, tensor) -> tuple:
-    """The full leaf's shape: ``spec.shape`` with the tensor-parallel split dim whole again."""
-    if spec.tp_dim is None:
-        return spec.shape
-    shape = list(spec.shape)
-    shape[spec.tp_dim] *= tensor.size
-    return tuple(shape)
-
-
 def _local(x):
     """A DTensor as a plain tensor: a shard as this rank's shard, anything else (replicated, partial) whole."""
     from torch.distributed.tensor import DTensor, Shard
@@ -433,7 +373,7 @@ def full_bytes(layout: Optional[Layout], state) -> int:
     def one(t, spec):
         if not isinstance(t, torch.Tensor):
             return 0
-        return (t.numel() if spec.dim is None else math.prod(_whole_shape(spec, layout.tensor))) * t.element_size()
+        return (t.numel() if spec.dim is None else math.prod(whole_shape(spec, layout.tensor))) * t.element_size()
     return sum(one(t, s) for t, s in zip(*zip_leaves((state.params, state.opt_state), (layout.params, layout.opt))))
 
 

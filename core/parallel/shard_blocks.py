@@ -276,7 +276,7 @@ class Blocks:
             return
         idx, k, summed = self.scattering
         self.scattering = None
-        mine, offset = wait(summed) / self.layout.world, 0
+        mine, offset = wait(summed) / self.layout.averaged, 0
         for j in idx:
             row = self.grads[j][k]
             row.add_(mine[offset:offset + row.numel()].view_as(row))

@@ -34,7 +34,7 @@ import click
 from purestep.core.io import checkpoint as ckpt
 from purestep.core.io.cache import write_csv, write_file, write_text
 from purestep.core.parallel import distributed
-from purestep.recipes.train.config import refuse_tensor_parallel
+from purestep.recipes.train.config import refuse_mesh_parallel
 from purestep.core.config import ConfigError, UserError, option, same_as, to_dict
 from purestep.core.data.documents import prepare_text
 from purestep.core.device import resolve_device
@@ -135,7 +135,7 @@ class StageData:
 def run(cfg: Config) -> list[dict]:
     if not cfg.d_compressed and not cfg.sweep:
         raise ConfigError("set d_compressed=D' (one run) or sweep=D'1,D'2,... (one run per width)")
-    refuse_tensor_parallel(cfg.parallel, "compress")
+    refuse_mesh_parallel(cfg.parallel, "compress")
     dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
     folder = run_folder(cfg, "compress")
     teacher = states.Teacher(cfg.teacher, cfg.layer, device, cfg.teacher_dtype)

@@ -14,7 +14,7 @@ from pathlib import Path
 from purestep.core.compile import COMPILE_MODES
 from purestep.core.config import ConfigError, option
 from purestep.core.device import DEVICES
-from purestep.core.parallel.distributed import PARALLEL, SHARDED
+from purestep.core.parallel.distributed import MESH_DIMS, PARALLEL, SHARDED
 from purestep.core.host_memory import MODES as HOST_MEMORY
 from purestep.core.spike import SpikeConfig
 from purestep.core.gradients import PRECISIONS
@@ -79,10 +79,11 @@ class TrainConfig:
     resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
     parallel: str = option("auto", "several ranks under torchrun: ddp (replicated state, gradients averaged), fsdp "
                            "(params, gradients and optimizer state sharded), fsdp,tp (fsdp over the dp ranks of "
-                           "mesh=, each block tensor parallel over its tp ranks; standard and distill), auto (ddp under "
+                           "mesh=, each block tensor parallel over its tp ranks; standard and distill), hsdp (fsdp "
+                           "within each dp group of mesh=, replicated across its rep groups), auto (ddp under "
                            "torchrun, else none), none (one process)", choices=PARALLEL)
-    mesh: str = option("", "parallel=fsdp,tp: the ranks as data-parallel x tensor-parallel, dp:D,tp:T (D x T = the "
-                       "ranks torchrun starts)")
+    mesh: str = option("", "parallel=fsdp,tp: the ranks as data-parallel x tensor-parallel, dp:D,tp:T; "
+                       "parallel=hsdp: as replicas x shards, rep:R,dp:D (the product = the ranks torchrun starts)")
     compile: bool = option(True, "compile the train step (and the eval step: eval_compile) with torch.compile")
     fused: bool = option(False, "eager steps (compile=false): AdamW, its clipping and the non-finite skip in place "
                          "by torch's fused kernel (torch.optim.AdamW(fused=True)), the same numbers at torch.optim's "
@@ -148,8 +149,9 @@ def _check_tensor_parallel(cfg: TrainConfig) -> None:
     """ConfigErrors for ``parallel=fsdp,tp`` keys that cannot hold (``core.parallel.tensor``): ``mesh=`` without
     it, a whole-step graph (tensor parallel compiles the block), dropout (its masks are drawn whole)."""
     if cfg.parallel != "fsdp,tp":
-        if cfg.mesh:
-            raise ConfigError(f"mesh={cfg.mesh} lays out parallel=fsdp,tp's ranks; add parallel=fsdp,tp or drop mesh=")
+        if cfg.mesh and cfg.parallel not in MESH_DIMS:
+            raise ConfigError(f"mesh={cfg.mesh} lays out the ranks of parallel=fsdp,tp or hsdp; add one of them or "
+                              f"drop mesh=")
         return
     if cfg.compile_scope == "step":
         raise ConfigError("compile_scope=step with parallel=fsdp,tp: tensor parallel runs every block on DTensors, "
@@ -160,12 +162,12 @@ def _check_tensor_parallel(cfg: TrainConfig) -> None:
                           "piece; use model.dropout=0")
 
 
-def refuse_tensor_parallel(parallel: str, recipe: str) -> None:
-    """A ConfigError for ``parallel=fsdp,tp`` in a recipe it does not run: tensor parallel is wired through the
-    shared train step's per-block gathering (standard, distill); upcycle's blockwise step and compress's compressor
-    have steps of their own."""
-    if parallel == "fsdp,tp":
-        raise ConfigError(f"parallel=fsdp,tp runs recipe=standard and recipe=distill; recipe={recipe} takes "
+def refuse_mesh_parallel(parallel: str, recipe: str) -> None:
+    """A ConfigError for the 2-D modes (``parallel=fsdp,tp``, ``hsdp``: ``mesh=``) in a recipe they do not run: they
+    are wired through the shared train loop (standard, distill); upcycle's blockwise step and compress's compressor
+    have steps and keys of their own."""
+    if parallel in MESH_DIMS:
+        raise ConfigError(f"parallel={parallel} runs recipe=standard and recipe=distill; recipe={recipe} takes "
                           f"parallel=fsdp or ddp")
 
 

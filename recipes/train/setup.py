@@ -142,12 +142,17 @@ def sharded_layout(dist: Dist, params, init, dtype: str) -> Optional[Layout]:
     if not dist.sharded:
         return None
     what = "parallel=fsdp" if dist.tensor is None else "parallel=fsdp,tp"
+    gather = torch.bfloat16 if dtype == "bf16" else None
     try:
+        if dist.hybrid is not None:   # hsdp: sharded within a dp group, the same in each of the rep groups
+            shards, reps = dist.hybrid["dp"], dist.hybrid["rep"]
+            return Layout(params, init, stacked=stacked_predicate(None), world=shards.size(),
+                          rank=shards.get_local_rank(), group=shards.get_group(), gather_dtype=gather,
+                          replicas=(reps.get_group(), reps.size()))
         if dist.tensor is not None:
             dist.tensor.check(params)
         return Layout(params, init, stacked=stacked_predicate(None), world=dist.data_world, rank=dist.data_rank,
-                      group=dist.data_group, gather_dtype=torch.bfloat16 if dtype == "bf16" else None,
-                      tensor=dist.tensor)
+                      group=dist.data_group, gather_dtype=gather, tensor=dist.tensor)
     except (LayoutError, ValueError) as e:
         raise ConfigError(f"{what}: {e}") from None
 

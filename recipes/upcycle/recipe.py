@@ -29,7 +29,7 @@ from purestep.core.config import GateFailed, UserError
 from purestep.core.data.text import EvalBatches
 from purestep.core.data.documents import prepare_text
 from purestep.core.parallel import distributed
-from purestep.recipes.train.config import refuse_tensor_parallel
+from purestep.recipes.train.config import refuse_mesh_parallel
 from purestep.core.device import resolve_device
 from purestep.core.io.logging import Logger, format_duration, progress
 from purestep.core.step import Parallel
@@ -239,7 +239,7 @@ def run(cfg: Config):
     if not cfg.teacher:
         raise UserError("recipe=upcycle needs teacher=PATH (a purestep checkpoint or run folder, a Hugging Face "
                         "folder, a .gguf file, or smollm2)")
-    refuse_tensor_parallel(cfg.parallel, "upcycle")
+    refuse_mesh_parallel(cfg.parallel, "upcycle")
     dist, device = distributed.init(resolve_device(cfg.device), cfg.parallel)
     if cfg.blockwise.cache_teacher and dist.enabled and "blockwise" in cfg.phases:
         raise UserError("blockwise.cache_teacher=true under torchrun: the cache is keyed by one process's batches; "
