@@ -311,15 +311,21 @@ def test_sharded_distillation_equals_one_process(corpus, teacher, tmp_path, one_
     assert abs(one_ck["val_loss"] - two_ck["val_loss"]) < 1e-6
 
 
-def test_four_sharded_ranks_equal_one_process_on_standard_and_distill(corpus, teacher, tmp_path, one_thread):
-    """Eager, 20 steps, 4 gloo ranks of 2 rows against one process of 8: standard (a stacked leaf of 4 rows per layer
-    split 1 each) and distill (the learnable temperature, a 0-d leaf, on rank 0 alone), every logged loss and the
-    final params within 1e-6. The compiled twins: tests/test_default_paths.py."""
+def _standard_and_distill(corpus, teacher) -> tuple:
+    """The eager 20-step standard and distill runs the multi-rank equality tests compare with one process: ``(name,
+    keys)``, without ``batch_size``, ``out`` or the parallel keys."""
     standard = [*TINY, f"data={corpus}", "save_every=0"]
     distill = ["recipe=distill", f"teacher={teacher}", f"data={corpus}", "compile=false", "sample_tokens=0",
                "steps=20", "eval_every=10", "eval_batches=4", "block_size=32", "log_every=5", "model.d_model=32",
                "model.n_layers=2", "model.n_heads=2", "temperature_mode=learnable", "temperature=2"]
-    for name, common in (("standard", standard), ("distill", distill)):
+    return ("standard", standard), ("distill", distill)
+
+
+def test_four_sharded_ranks_equal_one_process_on_standard_and_distill(corpus, teacher, tmp_path, one_thread):
+    """Eager, 20 steps, 4 gloo ranks of 2 rows against one process of 8: standard (a stacked leaf of 4 rows per layer
+    split 1 each) and distill (the learnable temperature, a 0-d leaf, on rank 0 alone), every logged loss and the
+    final params within 1e-6. The compiled twins: tests/test_default_paths.py."""
+    for name, common in _standard_and_distill(corpus, teacher):
         assert main([*common, "batch_size=8", f"out={tmp_path / name / 'one'}"]) == 0
         four = torchrun([*common, "batch_size=2", "parallel=fsdp", f"out={tmp_path / name / 'four'}"], tmp_path,
                         ranks=4)
@@ -341,11 +347,7 @@ def test_tensor_parallel_on_a_2x2_mesh_equals_one_process_eager(corpus, teacher,
     within 1e-4: a row-parallel product is summed in two pieces and rounds apart from the whole one, and AdamW's
     normalized step carries that into the params (up to 2.9e-5 in distill's ``wo``, compiled; the compiled standard
     twin: tests/test_default_paths.py). The checkpoint holds full leaves, as one process writes them."""
-    standard = [*TINY, f"data={corpus}", "save_every=0"]
-    distill = ["recipe=distill", f"teacher={teacher}", f"data={corpus}", "compile=false", "sample_tokens=0",
-               "steps=20", "eval_every=10", "eval_batches=4", "block_size=32", "log_every=5", "model.d_model=32",
-               "model.n_layers=2", "model.n_heads=2", "temperature_mode=learnable", "temperature=2"]
-    for name, common in (("standard", standard), ("distill", distill)):
+    for name, common in _standard_and_distill(corpus, teacher):
         assert main([*common, "batch_size=8", f"out={tmp_path / name / 'one'}"]) == 0
         four = torchrun([*common, "batch_size=4", "parallel=fsdp,tp", "mesh=dp:2,tp:2",
                          f"out={tmp_path / name / 'tp'}"], tmp_path, ranks=4)
