@@ -321,25 +321,37 @@ def _standard_and_distill(corpus, teacher) -> tuple:
     return ("standard", standard), ("distill", distill)
 
 
-def test_four_sharded_ranks_equal_one_process_on_standard_and_distill(corpus, teacher, tmp_path, one_thread):
+@pytest.fixture(scope="module")
+def one_process(corpus, teacher, tmp_path_factory) -> dict:
+    """The one-process twins of the 4-rank equality tests (``_standard_and_distill`` at 8 rows a step), each run once
+    for the module, on one thread as the ranks run: ``{name: run folder}``."""
+    folder, before = tmp_path_factory.mktemp("one-process"), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, common in _standard_and_distill(corpus, teacher):
+            assert main([*common, "batch_size=8", f"out={folder / name}"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    return {name: folder / name for name, _ in _standard_and_distill(corpus, teacher)}
+
+
+def test_four_sharded_ranks_equal_one_process_on_standard_and_distill(corpus, teacher, one_process, tmp_path):
     """Eager, 20 steps, 4 gloo ranks of 2 rows against one process of 8: standard (a stacked leaf of 4 rows per layer
     split 1 each) and distill (the learnable temperature, a 0-d leaf, on rank 0 alone), every logged loss and the
     final params within 1e-6. The compiled twins: tests/test_default_paths.py."""
     for name, common in _standard_and_distill(corpus, teacher):
-        assert main([*common, "batch_size=8", f"out={tmp_path / name / 'one'}"]) == 0
-        four = torchrun([*common, "batch_size=2", "parallel=fsdp", f"out={tmp_path / name / 'four'}"], tmp_path,
-                        ranks=4)
+        four = torchrun([*common, "batch_size=2", "parallel=fsdp", f"out={tmp_path / name}"], tmp_path, ranks=4)
         assert four.returncode == 0, four.stderr[-3000:]
         assert "parallel: fsdp over 4 ranks" in four.stderr
-        one_ck, four_ck = (ckpt.load(tmp_path / name / n / "final.msgpack") for n in ("one", "four"))
+        one_ck, four_ck = (ckpt.load(f / "final.msgpack") for f in (one_process[name], tmp_path / name))
         assert _diff(one_ck["state"]["params"], four_ck["state"]["params"]) < 1e-6, name
-        losses = [_losses(tmp_path / name / n / "metrics.jsonl") for n in ("one", "four")]
+        losses = [_losses(f / "metrics.jsonl") for f in (one_process[name], tmp_path / name)]
         assert len(losses[0]) == 4 and losses[0].keys() == losses[1].keys(), name
         assert max(abs(losses[0][k] - losses[1][k]) for k in losses[0]) < 1e-6, name
 
 
 @pytest.mark.skipif(bool(cpu_tensor_parallel_refusal()), reason=cpu_tensor_parallel_refusal())
-def test_tensor_parallel_on_a_2x2_mesh_equals_one_process_eager(corpus, teacher, tmp_path, one_thread):
+def test_tensor_parallel_on_a_2x2_mesh_equals_one_process_eager(corpus, teacher, one_process, tmp_path):
     """``parallel=fsdp,tp mesh=dp:2,tp:2``, eager, 20 steps: 2 data-parallel ranks of 4 rows, each block's heads and
     MLP features split over 2 tensor-parallel ranks, against one process of 8 rows: standard (AdaGC and gradient
     health on the 2-D DTensors) and distill (the frozen teacher whole on every rank, its blocks run as they are; the
@@ -348,33 +360,31 @@ def test_tensor_parallel_on_a_2x2_mesh_equals_one_process_eager(corpus, teacher,
     normalized step carries that into the params (up to 2.9e-5 in distill's ``wo``, compiled; the compiled standard
     twin: tests/test_default_paths.py). The checkpoint holds full leaves, as one process writes them."""
     for name, common in _standard_and_distill(corpus, teacher):
-        assert main([*common, "batch_size=8", f"out={tmp_path / name / 'one'}"]) == 0
-        four = torchrun([*common, "batch_size=4", "parallel=fsdp,tp", "mesh=dp:2,tp:2",
-                         f"out={tmp_path / name / 'tp'}"], tmp_path, ranks=4)
+        four = torchrun([*common, "batch_size=4", "parallel=fsdp,tp", "mesh=dp:2,tp:2", f"out={tmp_path / name}"],
+                        tmp_path, ranks=4)
         assert four.returncode == 0, four.stderr[-3000:]
         assert "parallel: fsdp over 2 ranks" in four.stderr and "tensor parallel over 2 ranks" in four.stderr
-        one_ck, tp_ck = (ckpt.load(tmp_path / name / n / "final.msgpack") for n in ("one", "tp"))
+        one_ck, tp_ck = (ckpt.load(f / "final.msgpack") for f in (one_process[name], tmp_path / name))
         assert _diff(one_ck["state"]["params"], tp_ck["state"]["params"]) < 1e-4, name
-        losses = [_losses(tmp_path / name / n / "metrics.jsonl") for n in ("one", "tp")]
+        losses = [_losses(f / "metrics.jsonl") for f in (one_process[name], tmp_path / name)]
         assert len(losses[0]) == 4 and losses[0].keys() == losses[1].keys(), name
         assert max(abs(losses[0][k] - losses[1][k]) / losses[0][k] for k in losses[0]) < 1e-6, (name, losses)
 
 
-def test_hybrid_sharding_on_a_2x2_mesh_equals_one_process(corpus, tmp_path, one_thread):
+def test_hybrid_sharding_on_a_2x2_mesh_equals_one_process(corpus, one_process, tmp_path):
     """``parallel=hsdp mesh=rep:2,dp:2``, eager, 20 steps: the state sharded over 2 ranks and replicated in 2 such
     groups, each of the 4 ranks reading 2 rows, against one process of 8 rows (AdaGC and gradient health): each rank
     holds half the state, every logged loss and the final params within 1e-6 (the compiled one-graph step, by hand:
     4.8e-7 and 4.0e-7, docs/scale.md)."""
-    common = [*TINY, f"data={corpus}", "save_every=0"]
-    assert main([*common, "batch_size=8", f"out={tmp_path / 'one'}"]) == 0
+    (_, common), _ = _standard_and_distill(corpus, None)
     four = torchrun([*common, "batch_size=2", "parallel=hsdp", "mesh=rep:2,dp:2", f"out={tmp_path / 'hsdp'}"],
                     tmp_path, ranks=4)
     assert four.returncode == 0, four.stderr[-3000:]
     assert "hsdp: 2 replicas of the shards" in four.stderr
     assert len(re.findall(r"rank \d \d+\.\d+ MiB \(0\.500x\)", four.stderr)) == 4, four.stderr    # half each
-    one_ck, hsdp_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "hsdp"))
+    one_ck, hsdp_ck = (ckpt.load(f / "final.msgpack") for f in (one_process["standard"], tmp_path / "hsdp"))
     assert _diff(one_ck["state"]["params"], hsdp_ck["state"]["params"]) < 1e-6
-    losses = [_losses(tmp_path / n / "metrics.jsonl") for n in ("one", "hsdp")]
+    losses = [_losses(f / "metrics.jsonl") for f in (one_process["standard"], tmp_path / "hsdp")]
     assert len(losses[0]) == 4 and losses[0].keys() == losses[1].keys()
     assert max(abs(losses[0][k] - losses[1][k]) for k in losses[0]) < 1e-6, losses
 
