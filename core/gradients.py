@@ -77,13 +77,14 @@ def _mean_aux(auxes: list[dict]) -> dict:
 
 
 def make_objective(call: Callable, grad_accum: int, precision: str, device_type: str,
-                    blocks: Optional[Callable] = None) -> Callable:
+                    blocks: Optional[Callable] = None, head: Optional[Callable] = None) -> Callable:
     """``objective(params, batch, key, frozen, scale, unstack=None) -> (scaled loss / grad_accum, (loss, aux))``; the
-    model gets ``core.layers.Layers`` of ``blocks`` (a ``core.compile.BlockCompiler``: its block compiled) and
-    ``unstack`` (its layers from the step's row gradients or gathered shards) where either is given."""
+    model gets ``core.layers.Layers`` of ``blocks`` (a ``core.compile.BlockCompiler``: its block compiled), ``head``
+    (the same for its loss tail) and ``unstack`` (its layers from the step's row gradients or gathered shards) where
+    any is given."""
     def objective(params, batch, key, frozen, scale, unstack=None):
         with autocast(precision, device_type):
-            loss, aux = call(params, batch, key, frozen, layers_of(unstack, blocks))
+            loss, aux = call(params, batch, key, frozen, layers_of(unstack, blocks, head))
         loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         return loss * scale / grad_accum, (loss.detach(), aux)
 

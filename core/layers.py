@@ -8,6 +8,8 @@ steps (``core.step``) apply what they own from outside the model, as torchtitan'
 
 - ``block``: under ``compile_scope="block"`` the step's ``core.compile.BlockCompiler``, so every layer runs one
   compiled graph of the block (regional compilation);
+- ``head``: the same compiler for the loss tail (``models.llama.head_loss``: final norm, output head, cross
+  entropy), a graph of its own, as torchtitan compiles its loss beside the blocks;
 - ``unstack``: on the eager autograd path the step's ``core.row_grads.RowGradients.unstack`` (each layer's
   gradients written into their rows as its backward ends); under ``parallel=fsdp`` run block by block,
   ``core.parallel.shard_blocks.Blocks.unstack`` (each layer gathered from the ranks' shards when the loop reaches it).
@@ -34,16 +36,19 @@ def _itself(fn: Callable) -> Callable:
 
 @dataclass(frozen=True)
 class Layers:
-    """``unstack(tree) -> layers' trees`` and ``block(fn) -> the function each layer calls`` (module docstring)."""
+    """``unstack(tree) -> layers' trees``, ``block(fn) -> the function each layer calls`` and ``head(fn) -> the
+    function the loss tail calls`` (module docstring)."""
     unstack: Callable = unstack
     block: Callable = _itself
+    head: Callable = _itself
 
 
-def layers_of(unstack: Optional[Callable] = None, block: Optional[Callable] = None) -> Optional[Layers]:
-    """:class:`Layers` of what is given (the plain run's for the rest), or None (the plain run) when neither is."""
-    if unstack is None and block is None:
+def layers_of(unstack: Optional[Callable] = None, block: Optional[Callable] = None,
+              head: Optional[Callable] = None) -> Optional[Layers]:
+    """:class:`Layers` of what is given (the plain run's for the rest), or None (the plain run) when nothing is."""
+    if unstack is None and block is None and head is None:
         return None
-    return Layers(unstack or Layers.unstack, block or Layers.block)
+    return Layers(unstack or Layers.unstack, block or Layers.block, head or Layers.head)
 
 
 def takes_layers(loss_fn: Callable) -> bool:

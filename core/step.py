@@ -232,8 +232,9 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
     compiled = functools.partial(maybe_compile, mode=compile.mode, cpp=cpp, device_type=device_type,
                                  cuda=compile.cuda_options, cache=cache)
     by_layer = per_block(shard, compile.enabled, compile.scope, grad_mode)
-    blocks = _block_runner(BlockCompiler(compile.mode, cpp, device_type, cache) if by_block else None, tensor)
-    objective = make_objective(loss_caller(loss_fn), accum, precision, device_type, blocks)
+    compiler = BlockCompiler(compile.mode, cpp, device_type, cache) if by_block else None
+    objective = make_objective(loss_caller(loss_fn), accum, precision, device_type, _block_runner(compiler, tensor),
+                               head=compiler)
     apply = _make_apply_gradients(optimizer, monitors, donate, shard, device_type, eager=not compile.enabled)
     if grad_mode == "func":      # one graph: forward, backward, the update
         engine = func_gradients(objective, accum)
@@ -294,17 +295,17 @@ def _eval_step(loss_fn, device_type: str, precision: str, compile: Compile, shar
     by_layer = per_block(shard, compile.enabled, compile.scope)
     cpp = cpp_wrapper(device_type, collectives=shard is not None)
     tensor = getattr(shard, "tensor", None)
-    blocks = _block_runner(BlockCompiler(compile.mode, cpp, device_type, tensor is None) if by_block else None,
-                           tensor)
+    compiler = BlockCompiler(compile.mode, cpp, device_type, tensor is None) if by_block else None
+    blocks = _block_runner(compiler, tensor)
 
     def eval_step(params, batch, frozen=None):
         with torch.no_grad(), autocast(precision, device_type):
             if by_layer:
                 gathering = shard.blocks(params, train=False)
                 with gathering.running() as full:
-                    loss, aux = call(full, batch, None, frozen, layers_of(gathering.unstack, blocks))
+                    loss, aux = call(full, batch, None, frozen, layers_of(gathering.unstack, blocks, compiler))
             else:
-                loss, aux = call(params, batch, None, frozen, layers_of(None, blocks))
+                loss, aux = call(params, batch, None, frozen, layers_of(None, blocks, compiler))
         return {"loss": loss, **aux}
 
     step = maybe_compile(eval_step, compile.enabled and not by_block, mode=compile.mode, cpp=cpp,

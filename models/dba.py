@@ -67,7 +67,7 @@ import torch.nn.functional as F
 
 from purestep.core.config import option
 from purestep.core.layers import Layers
-from purestep.models import llama, losses
+from purestep.models import llama
 from purestep.models.sampling import decoding
 from purestep.models.llama import LlamaConfig, apply_rope, rope_frequencies
 
@@ -241,7 +241,8 @@ def apply(params: dict, tokens: torch.Tensor, cfg: DBAConfig, *, key: Optional[t
 def loss(params: dict, batch: dict, cfg: DBAConfig, key: Optional[torch.Tensor] = None,
          remat: bool = False, layers: Optional[Layers] = None) -> torch.Tensor:
     """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored)."""
-    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat, layers=layers), batch["y"])
+    x = apply(params, batch["x"], cfg, key=key, remat=remat, layers=layers, return_hidden="only")[-1]
+    return llama.next_token_loss(params, x, batch["y"], cfg, layers)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -407,8 +407,26 @@ def loss(params: dict, batch: dict, cfg: LlamaConfig, key: Optional[torch.Tensor
     """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored), with
     ``batch["doc"]`` [B, T] the packed documents' ids when present (``core.data.documents``); ``layers`` as in
     :func:`apply`."""
-    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat, doc=batch.get("doc"),
-                                      layers=layers), batch["y"])
+    x = apply(params, batch["x"], cfg, key=key, remat=remat, doc=batch.get("doc"), layers=layers,
+              return_hidden="only")[-1]
+    return next_token_loss(params, x, batch["y"], cfg, layers)
+
+
+def head_loss(x: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """The loss tail: the final RMSNorm of the last block's output ``x``, the output head, the mean cross entropy
+    (``losses.cross_entropy``), as one function, so a step can compile it apart from the blocks, as torchtitan
+    compiles its loss function beside its per-block ``apply_compile``: the softmax over the vocabulary fused, none of
+    its ``[tokens, vocab]`` intermediates kept but the logits (nanoGPT's ``forward`` returns the loss for the same
+    reason)."""
+    return losses.cross_entropy(F.linear(rms_norm(x, norm, eps), head), targets)
+
+
+def next_token_loss(params: dict, x: torch.Tensor, targets: torch.Tensor, cfg, layers: Optional[Layers] = None):
+    """The ``loss`` of every Llama variant (here, ``models.dba``, ``models.mla``) from the last block's output ``x``:
+    :func:`head_loss` run under ``layers.head`` (``core.layers``: the step's compiler under compile_scope=block)."""
+    tail = head_loss if layers is None else layers.head(head_loss)
+    return tail(x, params["norm"], lm_head(params), targets, cfg.norm_eps)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 
 from purestep.core.config import option
 from purestep.core.layers import Layers
-from purestep.models import llama, losses
+from purestep.models import llama
 from purestep.models.sampling import decoding
 from purestep.models.llama import LlamaConfig, apply_rope, rms_norm
 
@@ -239,8 +239,9 @@ def loss(params: dict, batch: dict, cfg: MLAConfig, key: Optional[torch.Tensor] 
          remat: bool = False, layers: Optional[Layers] = None) -> torch.Tensor:
     """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored), with
     ``batch["doc"]`` [B, T] the packed documents' ids when present (``core.data.documents``)."""
-    return losses.cross_entropy(apply(params, batch["x"], cfg, key=key, remat=remat, doc=batch.get("doc"),
-                                      layers=layers), batch["y"])
+    x = apply(params, batch["x"], cfg, key=key, remat=remat, doc=batch.get("doc"), layers=layers,
+              return_hidden="only")[-1]
+    return llama.next_token_loss(params, x, batch["y"], cfg, layers)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -129,23 +129,24 @@ def test_donation_never_writes_into_the_frozen_inputs():
 def _gradients(params, batch, compiler: BlockCompiler):
     leaves, spec = tree_flatten(params)
     live = [p.detach().requires_grad_() for p in leaves]
-    loss = llama.loss(tree_unflatten(spec, live), batch, CFG, layers=Layers(block=compiler))
+    loss = llama.loss(tree_unflatten(spec, live), batch, CFG, layers=Layers(block=compiler, head=compiler))
     return torch.autograd.grad(loss, live)
 
 
 def test_the_compiled_block_gives_eager_gradients_and_depth_compiles_nothing_new():
     """The block compiled from outside the model (its compiler handed to it as ``layers``), one graph for every
-    layer, held by the compiler: a deeper model of the same width calls the same one."""
+    layer, and the loss tail (final norm, head, cross entropy) one more, held by the compiler: a deeper model of the
+    same width calls the same ones."""
     params, batch = llama.init(CFG, seed=4), batches(1)[0]
     reference = torch.func.grad(lambda p: llama.loss(p, batch, CFG))(params)
     compiler = BlockCompiler()
     grads = _gradients(params, batch, compiler)
-    assert list(compiler.compiled) == [llama.block]
+    assert list(compiler.compiled) == [llama.block, llama.head_loss]
     assert max(float((g - r).abs().max()) for g, r in zip(grads, leaves_of(reference))) < 1e-6
     deeper = llama.init(llama.LlamaConfig(**{**vars(CFG), "n_layers": 5}), seed=5)
     before = compile_count()
     _gradients(deeper, batch, compiler)
-    assert compile_count() == before, "a deeper model of the same width recompiled the block"
+    assert compile_count() == before, "a deeper model of the same width recompiled the block or the loss tail"
 
 
 def test_a_block_scope_step_needs_a_loss_that_takes_layers():

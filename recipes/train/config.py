@@ -92,8 +92,9 @@ class TrainConfig:
                                "1000 batches, eval_batches x evaluations; below that the compile costs more than it "
                                "saves); ignored under compile=false", choices=EVAL_COMPILES)
     compile_scope: str = option("auto", "what one compiled graph covers: the whole step, or the model's block, "
-                                "compiled once for every layer (compile time flat in depth); auto: step up to 4 "
-                                "layers and on CUDA unless parallel=fsdp, block beyond", choices=SCOPES)
+                                "compiled once for every layer (compile time flat in depth), its loss tail (final "
+                                "norm, head, cross entropy) a graph of its own; auto: step up to 4 layers and on CUDA "
+                                "unless parallel=fsdp, block beyond", choices=SCOPES)
     compile_mode: str = option("default", "torch.compile mode (reduce-overhead: CUDA graphs, ignored with a warning "
                                "off CUDA; max-autotune: kernel autotuning)", choices=COMPILE_MODES)
     tf32: bool = option(False, "TensorFloat-32 CUDA matmuls and cuDNN (Ampere+); ignored with a warning off CUDA")
