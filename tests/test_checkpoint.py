@@ -443,3 +443,30 @@ def test_template_mismatch_names_the_path(tmp_path, edit, message):
     with pytest.raises(CheckpointError, match=message) as err:
         ckpt.load(path, template=template)
     assert str(err.value).startswith(str(path))
+
+
+def test_sharded_checkpoints_keep_their_pieces_while_a_checkpoint_names_them(tmp_path):
+    """``core.io.checkpoint_shards``: a pruned step's pieces are deleted with it, a best checkpoint's stay while the
+    link does, and pieces no index names (a save killed before rank 0's index) are removed when a manager opens the
+    folder; a load joins the pieces into the whole leaf."""
+    from purestep.core.io.checkpoint_shards import BOXES, MARKER, SHARDS, shard_name
+
+    def save_pieces(step: int) -> list:
+        names = [shard_name(step, i, 2) for i in range(2)]
+        for i, name in enumerate(names):
+            box = {"state.w": {"whole": [2, 3], "offset": [i, 0], "length": [1, 3]}}
+            ckpt.save(tmp_path / name, {"state.w": torch.full((1, 3), 10.0 * step + i)}, step=step,
+                      extra={BOXES: box})
+        return names
+
+    manager = ckpt.CheckpointManager(tmp_path, keep_last=1)
+    for step, val_loss in ((1, 1.0), (2, 0.5), (3, 2.0)):
+        manager.save(step, {"w": MARKER, "step": torch.tensor(step)}, extra={SHARDS: save_pieces(step)},
+                     val_loss=val_loss)
+    pieces = sorted(p.name for p in tmp_path.glob("*.shard-*"))
+    assert pieces == sorted([*(shard_name(2, i, 2) for i in range(2)), *(shard_name(3, i, 2) for i in range(2))])
+    best = ckpt.load(tmp_path / ckpt.BEST)["state"]
+    assert torch.equal(best["w"], torch.tensor([[20.0] * 3, [21.0] * 3])) and int(best["step"]) == 2
+    save_pieces(4)                                   # killed before its index
+    ckpt.CheckpointManager(tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.glob("*.shard-*")) == pieces

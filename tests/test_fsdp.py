@@ -80,6 +80,35 @@ def test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_c
     assert max_abs_diff(again1_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
 
 
+def test_sharded_checkpoints_are_the_one_file_checkpoints_written_by_every_rank(corpus, tmp_path, one_thread,
+                                                                                capsys):
+    """``checkpoint_shards=true`` on 2 fsdp ranks: each checkpoint is rank 0's index and one file of pieces per rank,
+    which load to the one-file format's leaves bit for bit (the same run without it); copied away (the index and its
+    pieces), the step-10 checkpoint resumes in one process to the 2-rank run's end (1e-6); an index one of whose
+    pieces is gone is skipped by discovery, naming the piece."""
+    common = [*TINY, f"data={corpus}", "batch_size=4", "parallel=fsdp"]
+    for name, extra in (("shards", ["checkpoint_shards=true"]), ("one_file", [])):
+        run = torchrun([*common, *extra, f"out={tmp_path / name}"], tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+    folder = tmp_path / "shards"
+    for step in (10, 20):
+        assert sorted(p.name for p in folder.glob(f"step_{step:09d}*")) == [
+            f"step_{step:09d}.msgpack", *(f"step_{step:09d}.shard-{i:05d}-of-00002.msgpack" for i in range(2))]
+        index, one_file = (ckpt.load(tmp_path / n / f"step_{step:09d}.msgpack") for n in ("shards", "one_file"))
+        assert _unequal_named(index["state"], one_file["state"]) == [], step
+    (tmp_path / "again").mkdir()
+    for piece in folder.glob("step_000000010*"):
+        shutil.copy(piece, tmp_path / "again")
+    assert main([*TINY, f"data={corpus}", "batch_size=8", f"out={tmp_path / 'again'}"]) == 0
+    again, two = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("again", "shards"))
+    assert max_abs_diff(again["state"]["params"], two["state"]["params"]) < 1e-6
+    gone = folder / "step_000000020.shard-00001-of-00002.msgpack"
+    gone.unlink()
+    capsys.readouterr()
+    assert ckpt.latest(folder) == folder / "step_000000010.msgpack"
+    assert f"{gone}: a shard of this checkpoint is missing" in capsys.readouterr().err
+
+
 def test_sharded_bf16_equals_one_process_to_bf16_rounding(corpus, tmp_path, one_thread):
     """dtype=bf16: the 2 ranks run the model on params gathered in bf16 (FSDP2's param_dtype; the layers come gathered
     in bf16 in the eager per-block test below), one process on fp32 params under autocast; both update fp32
@@ -340,7 +369,8 @@ def test_four_sharded_ranks_equal_one_process_on_standard_and_distill(corpus, te
     split 1 each) and distill (the learnable temperature, a 0-d leaf, on rank 0 alone), every logged loss and the
     final params within 1e-6. The compiled twins: tests/test_default_paths.py."""
     for name, common in _standard_and_distill(corpus, teacher):
-        four = torchrun([*common, "batch_size=2", "parallel=fsdp", f"out={tmp_path / name}"], tmp_path, ranks=4)
+        four = torchrun([*common, "batch_size=2", "parallel=fsdp", "checkpoint_shards=true", f"out={tmp_path / name}"],
+                        tmp_path, ranks=4)
         assert four.returncode == 0, four.stderr[-3000:]
         assert "parallel: fsdp over 4 ranks" in four.stderr
         one_ck, four_ck = (ckpt.load(f / "final.msgpack") for f in (one_process[name], tmp_path / name))
@@ -360,8 +390,8 @@ def test_tensor_parallel_on_a_2x2_mesh_equals_one_process_eager(corpus, teacher,
     normalized step carries that into the params (up to 2.9e-5 in distill's ``wo``, compiled; the compiled standard
     twin: tests/test_default_paths.py). The checkpoint holds full leaves, as one process writes them."""
     for name, common in _standard_and_distill(corpus, teacher):
-        four = torchrun([*common, "batch_size=4", "parallel=fsdp,tp", "mesh=dp:2,tp:2", f"out={tmp_path / name}"],
-                        tmp_path, ranks=4)
+        four = torchrun([*common, "batch_size=4", "parallel=fsdp,tp", "mesh=dp:2,tp:2", "checkpoint_shards=true",
+                         f"out={tmp_path / name}"], tmp_path, ranks=4)
         assert four.returncode == 0, four.stderr[-3000:]
         assert "parallel: fsdp over 2 ranks" in four.stderr and "tensor parallel over 2 ranks" in four.stderr
         one_ck, tp_ck = (ckpt.load(f / "final.msgpack") for f in (one_process[name], tmp_path / name))
@@ -377,8 +407,8 @@ def test_hybrid_sharding_on_a_2x2_mesh_equals_one_process(corpus, one_process, t
     holds half the state, every logged loss and the final params within 1e-6 (the compiled one-graph step, by hand:
     4.8e-7 and 4.0e-7, docs/scale.md)."""
     (_, common), _ = _standard_and_distill(corpus, None)
-    four = torchrun([*common, "batch_size=2", "parallel=hsdp", "mesh=rep:2,dp:2", f"out={tmp_path / 'hsdp'}"],
-                    tmp_path, ranks=4)
+    four = torchrun([*common, "batch_size=2", "parallel=hsdp", "mesh=rep:2,dp:2", "checkpoint_shards=true",
+                     f"out={tmp_path / 'hsdp'}"], tmp_path, ranks=4)
     assert four.returncode == 0, four.stderr[-3000:]
     assert "hsdp: 2 replicas of the shards" in four.stderr
     assert len(re.findall(r"rank \d \d+\.\d+ MiB \(0\.500x\)", four.stderr)) == 4, four.stderr    # half each

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from purestep.core.io import checkpoint_shards as shards
 from purestep.core.io.cache import fsync_path, publish_file, write_file
 from purestep.core.io.checkpoint_checksums import Checksums
 from purestep.core.io.checkpoint_format import (_NAMES, CHECKSUMS, CHUNKED, DTYPES, FORMAT, MAX_CHUNK_SIZE, CheckpointError,
@@ -186,6 +187,8 @@ def load(path, template: Any = None, device=None) -> dict:
     With one (a fresh TrainState, any pytree) the state takes its exact structure, each leaf checked.
     """
     top = read(path, device)
+    if shards.SHARDS in top:     # a sharded save's index: its leaves made whole from the ranks' files
+        top = shards.join(top, Path(path).parent, device)
     if template is not None:
         try:
             top["state"] = from_state_dict(template, top["state"], device=device)
@@ -247,15 +250,16 @@ def latest(folder) -> Path | None:
         except CheckpointError as e:
             skip(p, e)
             continue
-        ranked.append(((top["step"], p.name.startswith("step_")), CHECKSUMS in top, p))
+        ranked.append(((top["step"], p.name.startswith("step_")), CHECKSUMS in top, p, top))
     chosen = None
-    for _, checked, p in sorted(ranked, key=lambda r: r[0], reverse=True):
+    for _, checked, p, top in sorted(ranked, key=lambda r: r[0], reverse=True):
         if _file_id(p) in bad:  # a link to a file found bad already
             skip(p)
             continue
         try:
             if checked:
                 read(p, state="check")
+            shards.check(top, folder)
         except CheckpointError as e:
             skip(p, e)
             continue
@@ -284,6 +288,7 @@ class CheckpointManager:
         self.folder.mkdir(parents=True, exist_ok=True)
         for stale in self.folder.glob(".tmp-*"):
             stale.unlink(missing_ok=True)
+        self._drop_unreferenced_shards()
         self.best_loss = None
         if (self.folder / BEST).exists():
             try:
@@ -318,7 +323,14 @@ class CheckpointManager:
                 (self.folder / STOPPED).unlink(missing_ok=True)
         if self.keep_last > 0:
             self._prune(step, path)
+        self._drop_unreferenced_shards()
         return path
+
+    def _drop_unreferenced_shards(self) -> None:
+        """Delete the shard files (``core.io.checkpoint_shards``) no checkpoint here names: a pruned step's, a
+        best one's replaced, or those of a save killed before its index."""
+        shards.drop_unreferenced(self.folder, [*(p for _, p in _step_files(self.folder)),
+                                               *(self.folder / n for n in (BEST, FINAL, STOPPED))])
 
     def _prune(self, step: int, path: Path) -> None:
         """Delete all but the last ``keep_last`` step files, never ``path`` (after resuming from an older

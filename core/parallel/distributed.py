@@ -101,6 +101,14 @@ class Dist:
         dist.all_reduce(t)
         return t.tolist()
 
+    def share(self, value):
+        """Rank 0's ``value`` (any picklable object) on every rank."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.patient)
+        return box[0]
+
     def barrier(self) -> None:
         """Wait for every rank, patiently (``PATIENCE``): one of them may be working alone."""
         if self.enabled:

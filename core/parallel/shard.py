@@ -53,7 +53,8 @@ so gradient health computes its statistics on every step of a sharded run and se
 **Checkpoints** hold full leaves, as a one-process run writes them: :meth:`Layout.deferred` turns each
 sharded leaf into a ``core.io.checkpoint.Deferred`` that gathers it when the writer reaches it (peak extra
 memory: the largest leaf), and :meth:`Layout.shard` cuts a loaded full state, so a run resumes on any number
-of ranks.
+of ranks. Or every rank writes its own pieces (:meth:`Layout.pieces`, ``core.io.checkpoint_shards``), which a load
+joins into the same full leaves.
 """
 from __future__ import annotations
 
@@ -345,6 +346,43 @@ class Layout:
         """``state`` with every sharded leaf a ``core.io.checkpoint.Deferred`` that gathers it when written."""
         return self._map_sharded(state, lambda x, spec: Deferred(lambda: self.gather_leaf(x, spec)))
 
+    def writers(self) -> int:
+        """How many ranks write a sharded checkpoint (``core.io.checkpoint_shards``): those of the first replica
+        (all of them but under ``parallel=hsdp``), every one a different piece; global ranks ``0 .. writers - 1``."""
+        return self.world * (1 if self.tensor is None else self.tensor.size)
+
+    def pieces(self, state) -> tuple[dict, dict]:
+        """This rank's part of every sharded leaf of ``state`` as ``core.io.checkpoint_shards`` writes it:
+        ``({path: its real rows}, {path: {whole, offset, length}})``, the path as ``core.io.checkpoint`` names the
+        leaf (``state.params.layers.wq``); a piece of padding alone, and another tensor-parallel rank's copy of a leaf
+        tensor parallelism leaves whole, are left out."""
+        data, boxes = {}, {}
+        for prefix, tree, specs in (("state.params", state.params, self.params),
+                                    ("state.opt_state", state.opt_state, self.opt)):
+            for path, x, spec in _named(tree, specs, prefix):
+                whole_over_tp = self.tensor is not None and spec.tp_dim is None
+                if (spec.dim is None and spec.tp_dim is None) or (whole_over_tp and self.tensor.rank):
+                    continue      # a leaf tensor parallelism leaves whole: its first tp rank's pieces are written
+                box = self._box(spec)
+                if all(box["length"]):
+                    local = x.reshape(spec.local_shape() if spec.dim is not None else box["length"])
+                    data[path] = local.narrow(spec.dim, 0, box["length"][spec.dim]).contiguous() \
+                        if spec.dim is not None else local
+                    boxes[path] = box
+        return data, boxes
+
+    def _box(self, spec: LeafSpec) -> dict:
+        """Where this rank's piece of a leaf split as ``spec`` sits in the whole leaf (a 0-d leaf seen as ``[1]``):
+        the fsdp rows ``[rank * chunk, ...)`` of this tensor-parallel rank's piece, past the pieces before it."""
+        view = list(spec.shape) or [1]
+        offset, length = [0] * len(view), list(view)
+        if spec.dim is not None:
+            offset[spec.dim] = self.rank * spec.chunk
+            length[spec.dim] = max(0, min(spec.chunk, spec.size - self.rank * spec.chunk))
+        if spec.tp_dim is not None:
+            offset[spec.tp_dim] += self.tensor.rank * view[spec.tp_dim]
+        return {"whole": list(whole_shape(spec, self.tensor)), "offset": offset, "length": length}
+
     def gather_state(self, state):
         """The full train state (every leaf gathered; for tests and small models)."""
         return self._map_sharded(state, self.gather_leaf)
@@ -355,6 +393,23 @@ class Layout:
             return x if spec.dim is None and spec.tp_dim is None else fn(x, spec)
         return state._replace(params=tree_map(one, state.params, self.params),
                               opt_state=tree_map(one, state.opt_state, self.opt))
+
+
+def _named(tree, specs, path: str):
+    """``(dotted path, tensor, spec)`` for every tensor of ``tree`` beside its spec in ``specs`` (the same
+    structure), the path named as ``core.io.checkpoint.to_state_dict`` names it: NamedTuple fields, sequence
+    indices, dict keys."""
+    if isinstance(tree, torch.Tensor):
+        yield path, tree, specs
+    elif hasattr(tree, "_fields"):
+        for f in tree._fields:
+            yield from _named(getattr(tree, f), getattr(specs, f), f"{path}.{f}")
+    elif isinstance(tree, (tuple, list)):
+        for i, (x, s) in enumerate(zip(tree, specs)):
+            yield from _named(x, s, f"{path}.{i}")
+    elif isinstance(tree, dict):
+        for k, x in tree.items():
+            yield from _named(x, specs[k], f"{path}.{k}")
 
 
 def _local(x):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from purestep.core.io import checkpoint as ckpt
+from purestep.core.io import checkpoint_shards
 from purestep.core.parallel.distributed import Dist
 from purestep.core.io.logging import Logger
 from purestep.recipes.train.hooks import Hook, StepContext, Stop
@@ -35,14 +36,20 @@ class Checkpointing(Hook):
     is None on data-parallel ranks other than 0 (rank 0 alone writes); with several ranks (``dist``) the
     wall-time decision is agreed at log steps (``log_every``), so every rank saves at the same step. ``export``
     (``core.parallel.shard.Layout.deferred`` under parallel=fsdp) turns the state into what is written, its sharded
-    leaves gathered one at a time as the writer reaches them; the ranks that do not write make the same gathers."""
+    leaves gathered one at a time as the writer reaches them; the ranks that do not write make the same gathers.
+    ``shards`` (that layout, with ``checkpoint_shards=true``): every rank writes its own pieces instead and rank 0 an
+    index naming them (``core.io.checkpoint_shards``)."""
     clock: Callable[[], float] = staticmethod(time.monotonic)     # seconds; a test puts a fake clock here
 
     def __init__(self, manager: Optional[ckpt.CheckpointManager], extra: Callable[[], dict], logger: Logger,
                  train: Optional[dict] = None, *, every_minutes: float = 0.0, dist: Dist = Dist(),
                  log_every: int = 1, clock: Optional[Callable[[], float]] = None, export: Optional[Callable] = None,
-                 save_every: Optional[int] = None):
+                 save_every: Optional[int] = None, shards=None):
         self.manager, self.extra, self.logger, self.train, self.export = manager, extra, logger, train, export
+        # checkpoint_shards=true: every rank writes its pieces (``shards``: the run's core.parallel.shard.Layout)
+        # into rank 0's folder, rank 0 the index (core.io.checkpoint_shards)
+        self.shards = shards
+        self.folder = None if shards is None else Path(dist.share(str(manager.folder) if manager else None))
         # every rank saves at the same steps: under parallel=fsdp the ones without a manager gather for rank 0;
         # they count ``save_every``, rank 0 asks its manager
         self.save_every = save_every
@@ -71,13 +78,19 @@ class Checkpointing(Hook):
         t0 = time.perf_counter()
         ctx.run.loop.wall_seconds = ctx.run.meter.wall(t0)
         self.last_saved = self.clock()
-        tree = ctx.state if self.export is None else self.export(ctx.state)
+        if self.shards is not None:
+            tree = self._write_shards(ctx)
+        else:
+            tree = ctx.state if self.export is None else self.export(ctx.state)
         if self.manager is None:
-            if self.export is not None:
+            if self.export is not None and self.shards is None:
                 ckpt.make_deferred(tree)     # the writing rank gathers each leaf now: take part
             self.dist.barrier()              # wait (patiently) for rank 0's write
             return None
         extra = {**self.extra(), "loop": ctx.run.loop.to_dict()}
+        if self.shards is not None:
+            extra[checkpoint_shards.SHARDS] = [checkpoint_shards.shard_name(ctx.step, i, self.shards.writers())
+                                               for i in range(self.shards.writers())]
         if self.train is not None:   # the training keys this run used: a resume compares them (setup.start)
             extra["train"] = self.train
         for hook in ctx.run.hooks:   # every hook's state (a strategy layer's choices and counters) resumes with the run
@@ -88,6 +101,16 @@ class Checkpointing(Hook):
         self.dist.barrier()   # the other ranks waited here: none sits in a short-timeout collective meanwhile
         ctx.run.meter.excluded += time.perf_counter() - t0
         return ctx.run.result.checkpoint
+
+    def _write_shards(self, ctx: StepContext):
+        """Write this rank's pieces of the state (a writer's), wait for every rank's, and return what rank 0's index
+        holds: the state dict with each sharded leaf a marker (``core.io.checkpoint_shards``)."""
+        writers, (data, boxes) = self.shards.writers(), self.shards.pieces(ctx.state)
+        if self.dist.rank < writers:
+            name = checkpoint_shards.shard_name(ctx.step, self.dist.rank, writers)
+            ckpt.save(self.folder / name, data, step=ctx.step, extra={checkpoint_shards.BOXES: boxes})
+        self.dist.barrier()     # every piece on disk before the index names it
+        return checkpoint_shards.split(ckpt.to_state_dict(ctx.state), set(boxes))
 
     def after_step(self, ctx: StepContext):
         val_loss = ctx.run.result.val_loss if ctx.evaluated else None

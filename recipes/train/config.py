@@ -76,6 +76,9 @@ class TrainConfig:
     save_every_minutes: float = option(0.0, "also a checkpoint once this much wall time has passed since the "
                                        "last one (0: off; under torchrun agreed at log steps)", min=0)
     keep_last: int = option(3, "step checkpoints to keep (0: all; best and final are kept besides)", min=0)
+    checkpoint_shards: bool = option(False, "parallel=fsdp, fsdp,tp, hsdp: every rank writes its own pieces of the "
+                                     "state at once (step_N.shard-I-of-K.msgpack) beside rank 0's index; a load joins "
+                                     "them (false: rank 0 writes one file, the leaves gathered to it one at a time)")
     resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
     parallel: str = option("auto", "several ranks under torchrun: ddp (replicated state, gradients averaged), fsdp "
                            "(params, gradients and optimizer state sharded), fsdp,tp (fsdp over the dp ranks of "
@@ -131,6 +134,9 @@ class TrainConfig:
             raise ConfigError(f"optimizer=muon with parallel={self.parallel}: Newton-Schulz orthogonalises whole "
                               f"matrices and fsdp shards them; use parallel=ddp or optimizer=adamw")
         _check_tensor_parallel(self)
+        if self.checkpoint_shards and self.parallel not in SHARDED:
+            raise ConfigError(f"checkpoint_shards=true with parallel={self.parallel}: only a sharded run's ranks hold "
+                              f"pieces to write (parallel={', '.join(SHARDED)})")
         for hook in self.run_hooks():
             hook.check()
 

@@ -333,7 +333,8 @@ def _pieces(cfg: TrainConfig, logger: Logger, checkpoints, extra, validation: Op
     saving = Checkpointing(checkpoints, extra, logger, train=to_dict(cfg),
                            every_minutes=cfg.save_every_minutes, dist=dist, log_every=cfg.log_every,
                            export=steps.layout.deferred if steps.layout else None,
-                           save_every=None if checkpoints else cfg.save_every)
+                           save_every=None if checkpoints else cfg.save_every,
+                           shards=steps.layout if cfg.checkpoint_shards else None)
     return [*pieces, saving, stopping]
 
 
