@@ -350,19 +350,12 @@ def block(p: dict, x: torch.Tensor, cos, sin, cfg: LlamaConfig, key=None, cache=
 def apply(params: dict, tokens: torch.Tensor, cfg: LlamaConfig, *, key: Optional[torch.Tensor] = None,
           return_hidden: bool | str = False, cache: Optional[list] = None, past_len: int = 0,
           remat: bool = False, doc: Optional[torch.Tensor] = None, layers: Optional[Layers] = None):
-    """Logits [B, T, vocab] for ``tokens`` [B, T].
-
-    ``key`` turns on dropout (training); ``return_hidden=True`` also returns the residual stream entering every
-    block plus the final block output (``L + 1`` tensors, before the final norm), ``return_hidden="only"``
-    returns just that list and skips the head (calibration, blockwise distillation); ``cache`` (from
-    :func:`new_cache`) makes this an incremental decode step at ``past_len``; ``remat`` recomputes each
-    block's activations in the backward pass (activation checkpointing; dropout masks come from the
-    counter-based key, so the recomputation is identical). ``remat`` needs ``torch.autograd``, not
-    ``torch.func`` (``make_train_step(..., gradients=Gradients(remat=True))``). ``doc`` [B, T]: the document id of
-    every token of packed rows (``core.data.documents``): attention stays inside a document and RoPE positions restart
-    at each one.
-    ``layers`` (``core.layers.Layers``, from the step that runs this): how the stacked blocks run.
-    """
+    """Logits [B, T, vocab] for ``tokens`` [B, T]. ``key`` turns on dropout (training); ``return_hidden=True``
+    also returns the residual stream entering every block plus the last block's output (``L + 1`` tensors),
+    ``"only"`` just that list, without the head; ``cache`` (:func:`new_cache`): an incremental decode step at
+    ``past_len``; ``remat``: each block recomputed in backward (``torch.autograd`` only; dropout masks come from the
+    counter-based key); ``doc`` [B, T]: packed rows' document ids (``core.data.documents``: attention inside a
+    document, RoPE restarting at each); ``layers`` (``core.layers.Layers``, from the step): how the blocks run."""
     if doc is None:
         tables = position_tables(rope_frequencies, cfg, past_len, tokens.shape[1], params["embed"].dtype,
                                  tokens.device).unbind(0)
@@ -404,27 +397,20 @@ def apply_with(params: dict, tokens: torch.Tensor, cfg, layer_tables: Iterable, 
 
 def loss(params: dict, batch: dict, cfg: LlamaConfig, key: Optional[torch.Tensor] = None,
          remat: bool = False, layers: Optional[Layers] = None) -> torch.Tensor:
-    """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 are ignored), with
-    ``batch["doc"]`` [B, T] the packed documents' ids when present (``core.data.documents``); ``layers`` as in
-    :func:`apply`."""
+    """Mean next-token cross entropy of ``batch = {"x": [B, T], "y": [B, T]}`` (targets < 0 ignored; ``batch["doc"]``
+    and ``layers`` as :func:`apply`'s ``doc`` and ``layers``)."""
     x = apply(params, batch["x"], cfg, key=key, remat=remat, doc=batch.get("doc"), layers=layers,
               return_hidden="only")[-1]
     return next_token_loss(params, x, batch["y"], cfg, layers)
 
 
-def head_loss(x: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
-              eps: float) -> torch.Tensor:
-    """The loss tail: the final RMSNorm of the last block's output ``x``, the output head, the mean cross entropy
-    (``losses.cross_entropy``), as one function, so a step can compile it apart from the blocks, as torchtitan
-    compiles its loss function beside its per-block ``apply_compile``: the softmax over the vocabulary fused, none of
-    its ``[tokens, vocab]`` intermediates kept but the logits (nanoGPT's ``forward`` returns the loss for the same
-    reason)."""
+def head_loss(x: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, eps: float):
+    """The loss tail (final norm, head, cross entropy): a step compiles it apart from the blocks (``Layers.head``)."""
     return losses.cross_entropy(F.linear(rms_norm(x, norm, eps), head), targets)
 
 
 def next_token_loss(params: dict, x: torch.Tensor, targets: torch.Tensor, cfg, layers: Optional[Layers] = None):
-    """The ``loss`` of every Llama variant (here, ``models.dba``, ``models.mla``) from the last block's output ``x``:
-    :func:`head_loss` run under ``layers.head`` (``core.layers``: the step's compiler under compile_scope=block)."""
+    """Every Llama variant's ``loss`` from its last block's output ``x``: :func:`head_loss` under ``layers.head``."""
     tail = head_loss if layers is None else layers.head(head_loss)
     return tail(x, params["norm"], lm_head(params), targets, cfg.norm_eps)
 

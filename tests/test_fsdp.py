@@ -80,22 +80,21 @@ def test_two_sharded_ranks_equal_one_process_and_checkpoints_move_between_rank_c
     assert max_abs_diff(again1_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
 
 
-def test_sharded_checkpoints_are_the_one_file_checkpoints_written_by_every_rank(corpus, tmp_path, one_thread,
-                                                                                capsys):
-    """``checkpoint_shards=true`` on 2 fsdp ranks: each checkpoint is rank 0's index and one file of pieces per rank,
-    which load to the one-file format's leaves bit for bit (the same run without it); copied away (the index and its
-    pieces), the step-10 checkpoint resumes in one process to the 2-rank run's end (1e-6); an index one of whose
-    pieces is gone is skipped by discovery, naming the piece."""
-    common = [*TINY, f"data={corpus}", "batch_size=4", "parallel=fsdp"]
-    for name, extra in (("shards", ["checkpoint_shards=true"]), ("one_file", [])):
-        run = torchrun([*common, *extra, f"out={tmp_path / name}"], tmp_path)
-        assert run.returncode == 0, run.stderr[-3000:]
+def test_sharded_checkpoints_are_written_by_every_rank_and_resume_on_any(corpus, tmp_path, one_thread, capsys):
+    """``checkpoint_shards=true`` on 2 fsdp ranks: each checkpoint is rank 0's index and one file of pieces per rank;
+    the step-10 index loads to every leaf of the state bit for bit as the ranks' shards joined (what a gather to rank
+    0 writes in the one-file format); copied away (the index and its pieces) it resumes in one process to the 2-rank
+    run's end (1e-6); an index one of whose pieces is gone is skipped by discovery, naming the piece."""
+    common = [*TINY, f"data={corpus}"]
+    run = torchrun([*common, "batch_size=4", "parallel=fsdp", "checkpoint_shards=true", f"out={tmp_path / 'shards'}"],
+                   tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
     folder = tmp_path / "shards"
     for step in (10, 20):
         assert sorted(p.name for p in folder.glob(f"step_{step:09d}*")) == [
             f"step_{step:09d}.msgpack", *(f"step_{step:09d}.shard-{i:05d}-of-00002.msgpack" for i in range(2))]
-        index, one_file = (ckpt.load(tmp_path / n / f"step_{step:09d}.msgpack") for n in ("shards", "one_file"))
-        assert _unequal_named(index["state"], one_file["state"]) == [], step
+    saved = folder / "step_000000010.msgpack"
+    assert _unequal_named(_loaded_state(common, saved, 2), ckpt.load(saved)["state"]) == []
     (tmp_path / "again").mkdir()
     for piece in folder.glob("step_000000010*"):
         shutil.copy(piece, tmp_path / "again")
@@ -383,13 +382,13 @@ def test_four_sharded_ranks_equal_one_process_on_standard_and_distill(corpus, te
 @pytest.mark.skipif(bool(cpu_tensor_parallel_refusal()), reason=cpu_tensor_parallel_refusal())
 def test_tensor_parallel_on_a_2x2_mesh_equals_one_process_eager(corpus, teacher, one_process, tmp_path):
     """``parallel=fsdp,tp mesh=dp:2,tp:2``, eager, 20 steps: 2 data-parallel ranks of 4 rows, each block's heads and
-    MLP features split over 2 tensor-parallel ranks, against one process of 8 rows: standard (AdaGC and gradient
-    health on the 2-D DTensors) and distill (the frozen teacher whole on every rank, its blocks run as they are; the
-    learnable temperature). Every logged loss within 1e-6 of the one process's relative to it, the final params
-    within 1e-4: a row-parallel product is summed in two pieces and rounds apart from the whole one, and AdamW's
-    normalized step carries that into the params (up to 2.9e-5 in distill's ``wo``, compiled; the compiled standard
-    twin: tests/test_default_paths.py). The checkpoint holds full leaves, as one process writes them."""
-    for name, common in _standard_and_distill(corpus, teacher):
+    MLP features split over 2 tensor-parallel ranks, against one process of 8 rows: distill (the frozen teacher whole
+    on every rank, its blocks run as they are; the learnable temperature). Every logged loss within 1e-6 of the one
+    process's relative to it, the final params within 1e-4: a row-parallel product is summed in two pieces and rounds
+    apart from the whole one, and AdamW's normalized step carries that into the params (up to 2.9e-5 in distill's
+    ``wo``, compiled). Standard under fsdp,tp: the compiled default-path job (tests/test_default_paths.py). The
+    checkpoints are written as every rank's pieces (``checkpoint_shards=true``), joined when loaded."""
+    for name, common in _standard_and_distill(corpus, teacher)[1:]:
         four = torchrun([*common, "batch_size=4", "parallel=fsdp,tp", "mesh=dp:2,tp:2", "checkpoint_shards=true",
                          f"out={tmp_path / name}"], tmp_path, ranks=4)
         assert four.returncode == 0, four.stderr[-3000:]
