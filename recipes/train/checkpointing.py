@@ -105,12 +105,14 @@ class Checkpointing(Hook):
     def _write_shards(self, ctx: StepContext):
         """Write this rank's pieces of the state (a writer's), wait for every rank's, and return what rank 0's index
         holds: the state dict with each sharded leaf a marker (``core.io.checkpoint_shards``)."""
-        writers, (data, boxes) = self.shards.writers(), self.shards.pieces(ctx.state)
-        if self.dist.rank < writers:
+        writers, boxes = self.shards.writers(), {}
+        if self.dist.rank < writers:    # under hsdp the other replicas hold the same pieces: they only wait
+            data, boxes = self.shards.pieces(ctx.state)
             name = checkpoint_shards.shard_name(ctx.step, self.dist.rank, writers)
             ckpt.save(self.folder / name, data, step=ctx.step, extra={checkpoint_shards.BOXES: boxes})
         self.dist.barrier()     # every piece on disk before the index names it
-        return checkpoint_shards.split(ckpt.to_state_dict(ctx.state), set(boxes))
+        # rank 0 (a writer, holding a piece of every sharded leaf) builds the index; the others write nothing more
+        return checkpoint_shards.split(ckpt.to_state_dict(ctx.state), set(boxes)) if self.manager else None
 
     def after_step(self, ctx: StepContext):
         val_loss = ctx.run.result.val_loss if ctx.evaluated else None
