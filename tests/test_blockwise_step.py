@@ -138,3 +138,20 @@ def test_a_checkpoint_written_before_resumes_and_another_runs_is_refused_in_one_
     with pytest.raises(ckpt.CheckpointError, match="not a blockwise checkpoint of this run") as e:
         bw.restore(tmp_path / "other.msgpack", fresh, fresh)
     assert "other.msgpack" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_sharded_rank_resumes_its_cut_of_a_blockwise_checkpoint(models, tmp_path):
+    """Under fsdp each rank restores its own cut of the phase's checkpoint (``layout``: read box by box, not made
+    whole), bit for bit the cut of the whole restored state."""
+    from purestep.core.parallel.shard import Layout
+    from purestep.optim.health import stacked_predicate
+    teacher, student, scfg = models
+    opt = optimizer()
+    state, _ = bw.make_step(scfg, opt, BLOCKS)(bw.init_state(clone(student), opt, "attn", scfg.n_layers),
+                                               batch(teacher, 0))
+    ckpt.save(tmp_path / "step_1.msgpack", state, step=1)
+    fresh = bw.init_state(clone(student), opt, "attn", scfg.n_layers)
+    for rank in range(3):
+        layout = Layout(student, lambda p: opt.init(bw.split(p, "attn")[0]), stacked=stacked_predicate(None),
+                        world=3, rank=rank)
+        assert same(bw.restore(tmp_path / "step_1.msgpack", fresh, fresh, layout=layout), layout.shard(state))

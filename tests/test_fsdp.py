@@ -195,6 +195,41 @@ def test_layout_cuts_and_joins_every_leaf_bitwise(world):
     assert len(adam_mu) == 2 * len(tree_leaves(params))     # AdamW's two moments sharded, nothing else
 
 
+@pytest.mark.parametrize("saved, loaded", [((3, 1), (2, 1)), ((3, 1), (4, 1)), ((3, 1), (2, 2)), ((2, 2), (3, 1))])
+def test_each_rank_reads_its_cut_of_a_checkpoint_saved_on_another_mesh(saved, loaded, tmp_path):
+    """``Layout.load``: a checkpoint saved as every rank's pieces (``checkpoint_shards``: rank 0's index, one file a
+    rank) on a mesh of ``(fsdp ranks, tensor-parallel ranks)`` is read by each rank of another mesh straight into its
+    own cut, box by box from the pieces, and the cut is bit for bit ``Layout.shard``'s of the whole state; a one-file
+    checkpoint of the same state loads the same."""
+    from purestep.core.io.checkpoint_shards import BOXES, SHARDS, shard_name, split
+    from purestep.core.parallel.tensor import TensorParallel
+    from purestep.core.state import init_state
+    from purestep.core.tree import cast
+    cfg = llama.LlamaConfig(vocab_size=61, d_model=24, n_layers=2, n_heads=4)
+    params, opt = llama.init(cfg, 0), make_optimizer(OptimizerSpec(lr=1e-3, clipping="adagc"))
+    state = init_state(params, opt, 0, "fp32")
+    state = state._replace(opt_state=tree_map(lambda t: torch.randn_like(t) if t.is_floating_point() else t,
+                                              state.opt_state))
+
+    def mesh(world, tp):      # every rank's layout, in global rank order (the tensor-parallel rank fastest)
+        return [Layout(params, opt.init, stacked=stacked_predicate(None), world=world, rank=r,
+                       tensor=None if tp == 1 else TensorParallel(tp, t, None))
+                for r in range(world) for t in range(tp)]
+    writers, marked = mesh(*saved), set()
+    names = [shard_name(7, i, len(writers)) for i in range(len(writers))]
+    for layout, name in zip(writers, names):
+        data, boxes = layout.pieces(layout.shard(state))
+        ckpt.save(tmp_path / name, data, step=7, extra={BOXES: boxes})
+        marked |= set(boxes)
+    ckpt.save(tmp_path / "step_000000007.msgpack", split(ckpt.to_state_dict(state), marked), step=7,
+              extra={SHARDS: names})
+    ckpt.save(tmp_path / "whole.msgpack", state, step=7)
+    template = init_state(cast(params, device="meta"), opt, 0, "fp32")
+    for i, mine in enumerate(mesh(*loaded)):
+        for path in ("step_000000007.msgpack", "whole.msgpack"):
+            assert equal(mine.load(tmp_path / path, template)["state"], mine.shard(state)), (i, path)
+
+
 def test_parallel_fsdp_without_a_launcher_is_one_line_exit_2(corpus, tmp_path):
     child_env = {k: v for k, v in env().items() if k not in ("WORLD_SIZE", "RANK")}
     proc = subprocess.run([sys.executable, str(REPO / "bin" / "run"),

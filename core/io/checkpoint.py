@@ -22,7 +22,7 @@ import math
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -180,15 +180,20 @@ def _saving(path):
                                   f"{Path(path).parent} are untouched") from None
 
 
-def load(path, template: Any = None, device=None) -> dict:
+def load(path, template: Any = None, device=None, boxes: Optional[dict] = None) -> dict:
     """Read a checkpoint: the top-level map (format, step, state, extras).
 
     Without ``template`` the state is nested dicts of tensors and Python values (on ``device`` or the CPU).
     With one (a fresh TrainState, any pytree) the state takes its exact structure, each leaf checked.
+    ``boxes`` (``{dotted path: {whole, offset, length}}``): those leaves come back cut to their box, read from a
+    sharded save's files without making them whole (``core.io.checkpoint_shards.join``); ``template`` then holds
+    the boxes' shapes there.
     """
     top = read(path, device)
-    if shards.SHARDS in top:     # a sharded save's index: its leaves made whole from the ranks' files
-        top = shards.join(top, Path(path).parent, device)
+    if shards.SHARDS in top:     # a sharded save's index: its leaves made whole (or boxed) from the ranks' files
+        top = shards.join(top, Path(path).parent, device, boxes)
+    elif boxes:
+        top["state"] = shards.cut(top["state"], boxes)
     if template is not None:
         try:
             top["state"] = from_state_dict(template, top["state"], device=device)

@@ -14,12 +14,15 @@ load needs to reshard), kept in this format. Discovery (``core.io.checkpoint.lat
 save killed before its index leaves the previous checkpoint newest; it checks the index's shard files too, and
 :func:`join` refuses a missing or short one, naming it. :func:`join` makes every leaf whole (a ``load`` of the
 index returns what the one-file format holds), so a run resumes on any number of ranks, any mesh, or in one
-process, and an export or ``recipe=generate`` reads it as any checkpoint.
+process, and an export or ``recipe=generate`` reads it as any checkpoint; a sharded run that resumes asks it for
+its own rank's box of each leaf instead (``core.parallel.shard.Layout.load``), as ``torch.distributed.checkpoint``
+loads each rank's chunks.
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -69,10 +72,13 @@ def split(state_dict: dict, paths: set) -> dict:
     return walk(state_dict, "state")
 
 
-def join(top: dict, folder: Path, device=None) -> dict:
-    """``top`` (an index read whole) with every :data:`MARKER` leaf made whole from the shard files it names,
-    read one at a time. A missing file, or pieces that do not cover a leaf, is a :class:`CheckpointError`."""
-    wholes, shapes, covered = {}, {}, {}
+def join(top: dict, folder: Path, device=None, boxes: Optional[dict] = None) -> dict:
+    """``top`` (an index read whole) with every :data:`MARKER` leaf made from the shard files it names, read one at
+    a time: whole, or, for a leaf ``boxes`` names (``{path: {whole, offset, length}}``, as the shard files' own),
+    only that box of it (the rank of another layout that resumes: ``core.parallel.shard.Layout.load``), so no rank
+    holds a whole leaf it will not keep. A whole leaf ``boxes`` names is cut the same way (:func:`cut`). A missing
+    file, pieces that do not cover what is wanted, or a leaf of another shape is a :class:`CheckpointError`."""
+    boxes, wanted, shapes, covered = boxes or {}, {}, {}, {}
     for name in top[SHARDS]:
         path = Path(folder) / name
         if not path.is_file():
@@ -80,22 +86,64 @@ def join(top: dict, folder: Path, device=None) -> dict:
         piece = read(path, device)
         for leaf, box in piece[BOXES].items():
             data = piece["state"][leaf]
-            if leaf not in wholes:     # a 0-d leaf is written as [1]
-                wholes[leaf] = torch.empty(list(box["whole"]) or [1], dtype=data.dtype, device=data.device)
-                shapes[leaf], covered[leaf] = tuple(box["whole"]), 0
-            wholes[leaf][tuple(slice(o, o + n) for o, n in zip(box["offset"], box["length"]))] = data
-            covered[leaf] += data.numel()
+            want = boxes.get(leaf) or {"whole": box["whole"], "offset": [0] * len(_view(box)), "length": _view(box)}
+            if _view(want) != _view(box):
+                raise CheckpointError(f"{folder}: {leaf}: shape {tuple(box['whole'])} in file, "
+                                      f"{tuple(want['whole'])} expected")
+            if leaf not in wanted:
+                wanted[leaf] = torch.empty(want["length"], dtype=data.dtype, device=data.device)
+                shapes[leaf], covered[leaf] = (want["length"] if leaf in boxes else box["whole"]), 0
+            overlap = _overlap(box, want)
+            if overlap is not None:
+                part = data[overlap[0]]
+                wanted[leaf][overlap[1]] = part
+                covered[leaf] += part.numel()
 
     def walk(x, path):
         if isinstance(x, dict):
             return {k: walk(v, f"{path}.{k}") for k, v in x.items()}
         if not (isinstance(x, str) and x == MARKER):
-            return x
-        if path not in wholes or covered[path] != wholes[path].numel():
+            return _cut_leaf(x, boxes[path], path) if path in boxes else x
+        if path not in wanted or covered[path] != wanted[path].numel():
             raise CheckpointError(f"{folder}: the shard files {list(top[SHARDS])} hold {covered.get(path, 0)} of "
-                                  f"the elements of {path}")
-        return wholes[path].reshape(shapes[path])
+                                  f"the {wanted[path].numel() if path in wanted else 'wanted'} elements of {path}")
+        return wanted[path].reshape(shapes[path])
     return {**top, "state": walk(top["state"], "state")}
+
+
+def cut(state_dict: dict, boxes: dict) -> dict:
+    """``state_dict`` (one file's, every leaf whole) with the leaf at each path of ``boxes`` cut to its box (a copy:
+    the whole leaf is not kept)."""
+    def walk(x, path):
+        if isinstance(x, dict):
+            return {k: walk(v, f"{path}.{k}") for k, v in x.items()}
+        return _cut_leaf(x, boxes[path], path) if path in boxes else x
+    return walk(state_dict, "state")
+
+
+def _cut_leaf(x, box: dict, path: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or list(x.shape) != list(box["whole"]):
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise CheckpointError(f"{path}: shape {shape} in file, {tuple(box['whole'])} expected")
+    view = x.reshape(_view(box))
+    return view[tuple(slice(o, o + n) for o, n in zip(box["offset"], box["length"]))].clone()
+
+
+def _view(box: dict) -> list:
+    """The whole leaf's shape as the pieces see it (a 0-d leaf as ``[1]``)."""
+    return list(box["whole"]) or [1]
+
+
+def _overlap(piece: dict, want: dict) -> Optional[tuple]:
+    """Where ``piece`` and ``want`` (boxes in one leaf) meet: the slices into each, or None."""
+    mine, theirs = [], []
+    for po, pn, wo, wn in zip(piece["offset"], piece["length"], want["offset"], want["length"]):
+        lo, hi = max(po, wo), min(po + pn, wo + wn)
+        if hi <= lo:
+            return None
+        mine.append(slice(lo - po, hi - po))
+        theirs.append(slice(lo - wo, hi - wo))
+    return tuple(mine), tuple(theirs)
 
 
 def check(top: dict, folder: Path) -> None:

@@ -63,6 +63,7 @@ from typing import Callable, Optional
 
 import torch
 
+from purestep.core.io import checkpoint as ckpt
 from purestep.core.io.checkpoint import Deferred
 from purestep.core.parallel.leaf_spec import (NO_TP, LayoutError, LeafSpec, follows, leaf_spec, or_no_tp, probe,
                                                split_dim, tp_follows, whole_shape)
@@ -370,6 +371,37 @@ class Layout:
                         if spec.dim is not None else local
                     boxes[path] = box
         return data, boxes
+
+    def load(self, path, template, device=None) -> dict:
+        """A checkpoint (``core.io.checkpoint.load``: any format, saved on any layout) with this rank's part of
+        ``template``'s state (full, meta leaves), as :meth:`shard` cuts it: a sharded save's pieces are read file
+        by file into this rank's boxes, so no leaf is made whole here (``core.io.checkpoint_shards.join``)."""
+        top = ckpt.load(path, template=self.boxed(template), device=device, boxes=self.boxes(template))
+        return {**top, "state": self.placed(top["state"])}
+
+    def boxes(self, state) -> dict:
+        """``{dotted path: box}`` (:meth:`_box`) of every leaf of ``state`` this rank holds a part of."""
+        return {path: self._box(spec) for prefix, tree, specs in (("state.params", state.params, self.params),
+                                                                   ("state.opt_state", state.opt_state, self.opt))
+                for path, _, spec in _named(tree, specs, prefix) if spec.dim is not None or spec.tp_dim is not None}
+
+    def boxed(self, state):
+        """``state`` (full) with every leaf this rank holds a part of a meta tensor of its box's shape: the template
+        a checkpoint read with :meth:`boxes` fills."""
+        return self._map_sharded(state, lambda x, spec: torch.empty(self._box(spec)["length"], dtype=x.dtype,
+                                                                     device="meta"))
+
+    def placed(self, state):
+        """``state`` read in boxes (:meth:`boxed`) as this rank's shards, as :meth:`shard` cuts a full state."""
+        return self._map_sharded(state, self._placed)
+
+    def _placed(self, x: torch.Tensor, spec: LeafSpec) -> torch.Tensor:
+        """This rank's box of a leaf (its real rows) as its shard: zero rows past the leaf's end (:meth:`_cut`)."""
+        if spec.dim is None:
+            return x
+        shard = x.new_zeros(spec.local_shape())
+        shard.narrow(spec.dim, 0, x.shape[spec.dim]).copy_(x)
+        return shard
 
     def _box(self, spec: LeafSpec) -> dict:
         """Where this rank's piece of a leaf split as ``spec`` sits in the whole leaf (a 0-d leaf seen as ``[1]``):

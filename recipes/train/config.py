@@ -77,8 +77,8 @@ class TrainConfig:
                                        "last one (0: off; under torchrun agreed at log steps)", min=0)
     keep_last: int = option(3, "step checkpoints to keep (0: all; best and final are kept besides)", min=0)
     checkpoint_shards: bool = option(False, "parallel=fsdp, fsdp,tp, hsdp: every rank writes its own pieces of the "
-                                     "state at once (step_N.shard-I-of-K.msgpack) beside rank 0's index; a load joins "
-                                     "them (false: rank 0 writes one file, the leaves gathered to it one at a time)")
+                                     "state at once (step_N.shard-I-of-K.msgpack) beside rank 0's index; a resumed rank reads "
+                                     "only its own rows of them (false: rank 0 writes one file, the leaves gathered to it one at a time)")
     resume: str = option("auto", "auto (newest good checkpoint in out), never, or a checkpoint PATH")
     parallel: str = option("auto", "several ranks under torchrun: ddp (replicated state, gradients averaged), fsdp "
                            "(params, gradients and optimizer state sharded), fsdp,tp (fsdp over the dp ranks of "

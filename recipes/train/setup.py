@@ -182,12 +182,14 @@ def _resumed(run: RunSetup, resume: Path, params, meta: dict, diff: dict, tokeni
     """``run`` (fresh) continued from its checkpoint ``resume``, whose top level is ``meta`` and whose keys
     ``diff`` changes: its state (this rank's cut under fsdp), loop counters and hooks' entries."""
     cfg, layout = run.where.cfg, run.layout
-    template = run.state if layout is None else init_state(cast(params, device="meta"), run.optimizer, cfg.seed,
-                                                           cfg.dtype, spike=cfg.spike.enabled)
-    loaded = ckpt.load(resume, template=template, device=device)   # fsdp: full leaves, then this rank's cut
+    if layout is None:
+        loaded = ckpt.load(resume, template=run.state, device=device)
+    else:   # this rank's cut, read as such: no leaf made whole
+        loaded = layout.load(resume, init_state(cast(params, device="meta"), run.optimizer, cfg.seed, cfg.dtype,
+                                                spike=cfg.spike.enabled), device)
     if tokenizer is not None and loaded.get("tokenizer") and loaded["tokenizer"] != tokenizer.to_dict():
         raise UserError(f"{resume}: its tokenizer differs from this run's ({tokenizer.name}); use another out=")
-    state = loaded["state"] if layout is None else layout.shard(loaded["state"])
+    state = loaded["state"]
     state = _apply_changes(cfg, diff, state, run.state, meta)
     return replace(run, state=state, loop=LoopState.from_dict(loaded.get("loop")),
                    origin=Resumed(resume, loaded, changes.describe(diff, int(state.step))))

@@ -306,19 +306,23 @@ def run(bw, state: TrainState, step_fn, source: TeacherSource, folder: Path, ext
     return result.state, f"blockwise: {result.stop_reason}" if result.stop_reason else ""
 
 
-def restore(path: Path, template: TrainState, fresh: TrainState, device=None) -> TrainState:
-    """The state of the phase's checkpoint ``path``, in ``template``'s structure (``core.io.checkpoint.load``). A
-    checkpoint written before the phase's state was ``core.state.TrainState`` (fields step, params, opt_state,
-    cursor, conv) is read too: its ``conv`` becomes ``monitor["blocks"]``, the RNG key and loss scale are ``fresh``'s
-    (it trained in fp32 or bf16, which keep no loss scale)."""
-    top = ckpt.load(path, device=device)
+def restore(path: Path, template: TrainState, fresh: TrainState, device=None, layout=None) -> TrainState:
+    """The state of the phase's checkpoint ``path``, in ``template``'s structure (``core.io.checkpoint.load``);
+    with ``layout`` (fsdp; ``template`` full, on meta) this rank's shards, read as such
+    (``core.parallel.shard.Layout.load``). A checkpoint written before the phase's state was
+    ``core.state.TrainState`` (fields step, params, opt_state, cursor, conv) is read too: its ``conv`` becomes
+    ``monitor["blocks"]``, the RNG key and loss scale are ``fresh``'s (it trained in fp32 or bf16, which keep no
+    loss scale)."""
+    top = ckpt.load(path, device=device, boxes=layout.boxes(template) if layout else None)
     saved = top["state"]
     if isinstance(saved, dict) and set(saved) == {"step", "params", "opt_state", "cursor", "conv"}:
         saved = {"step": saved["step"], "params": saved["params"], "opt_state": saved["opt_state"],
                  "key": fresh.key, "cursor": saved["cursor"], "loss_scale": ckpt.to_state_dict(fresh.loss_scale),
                  "monitor": {"blocks": saved["conv"]}}
     try:
-        return ckpt.from_state_dict(template, saved, device=device)
+        if layout is None:
+            return ckpt.from_state_dict(template, saved, device=device)
+        return layout.placed(ckpt.from_state_dict(layout.boxed(template), saved, device=device))
     except ckpt.CheckpointError as e:
         raise ckpt.CheckpointError(f"{path}: not a blockwise checkpoint of this run: {e}") from None
 

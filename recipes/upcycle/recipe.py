@@ -363,10 +363,9 @@ def run_blockwise(ctx: Context, student: dict, scfg):
 
     state = start(layout.shard_params(student) if layout else student)
     resume = ckpt.latest(folder)
-    if resume is not None:   # fsdp: the file holds full leaves; this rank keeps its cut
+    if resume is not None:   # fsdp: this rank reads its cut
         state = bw_loop.restore(resume, state if layout is None else start(cast(student, device="meta")), state,
-                                ctx.device)
-        state = state if layout is None else layout.shard(state)
+                                ctx.device, layout)
     batches = ctx.data.corpus.batches(bw.batch_size, cfg.block_size, cfg.seed, device=ctx.device, rank=dist.rank,
                                  world_size=dist.world_size)
     source = TeacherSource(t.params, t.config, batches, match=bw.match)
