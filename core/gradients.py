@@ -130,18 +130,26 @@ def autograd_gradients(objective: Callable, grad_accum: int, by_row: bool = True
     return gradients
 
 
-def sharded_block_gradients(objective: Callable, grad_accum: int, shard) -> Callable:
+def sharded_block_gradients(objective: Callable, grad_accum: int, shard, frozen_shards: Optional[dict] = None
+                            ) -> Callable:
     """:func:`autograd_gradients` over this rank's shards (FSDP's per-block gather), the stacked layers gathered one
     block at a time
     (``core.parallel.shard_blocks``): this rank's gradient shards (reduce-scattered once per optimizer step), the loss
-    and aux averaged over ranks."""
+    and aux averaged over ranks. ``frozen_shards`` (``{name: layout}``): those frozen inputs are this rank's shards
+    too (a sharded teacher), their layers gathered one block at a time as the objective runs them, and not
+    differentiated."""
     def gradients(shards, batch, key, frozen, scale):
         blocks = shard.blocks(shards)
         micros = micro_batches(batch, grad_accum)
         total, losses, auxes = None, [], []
         for i, micro in enumerate(micros):
-            with blocks.running(last=i == len(micros) - 1) as params:
-                obj, (loss, aux) = objective(params, micro, rng.fold_in(key, i), frozen, scale, blocks.unstack)
+            with blocks.running(last=i == len(micros) - 1) as params, contextlib.ExitStack() as stack:
+                inputs, others = dict(frozen or {}), []
+                for name, layout in (frozen_shards or {}).items():
+                    others.append(layout.blocks(inputs[name], train=False))
+                    inputs[name] = stack.enter_context(others[-1].running())
+                unstack = blocks.unstack_with(others) if others else blocks.unstack
+                obj, (loss, aux) = objective(params, micro, rng.fold_in(key, i), inputs, scale, unstack)
             inputs = blocks.inputs()
             grads = torch.autograd.grad(obj, inputs, allow_unused=True)[:-1]     # the anchor's is None
             grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, inputs)]

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -158,9 +158,12 @@ class Parallel:
     seeing them as DTensors (``Layout.on_dtensors``): written for whole tensors, they take no collective. A layout
     built with a ``core.parallel.tensor.TensorParallel`` (``Layout(tensor=)``, ``parallel=fsdp,tp``) also runs every
     block of the model tensor parallel on DTensors (``TensorParallel.block``, through the loss's ``layers``), on the
-    autograd path, eager or with ``Compile(scope="block")``."""
+    autograd path, eager or with ``Compile(scope="block")``. ``frozen_shards`` (``{name: layout}``): those frozen
+    inputs of the step are this rank's shards under their layout (a sharded teacher, ``teacher_shard=true``): gathered
+    one block at a time as the loss runs their layers where the params are, else whole before each step."""
     reduce: Optional[Callable] = None
     shard: Any = None
+    frozen_shards: dict = field(default_factory=dict)
 
 
 def _tensor_parallel(shard, compile: Compile, grad_mode: Optional[str]):
@@ -239,7 +242,7 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
     if grad_mode == "func":      # one graph: forward, backward, the update
         engine = func_gradients(objective, accum)
     elif by_layer:               # sharded: each block's params gathered when it runs, its gradients reduce-scattered
-        engine = sharded_block_gradients(objective, accum, shard)
+        engine = sharded_block_gradients(objective, accum, shard, parallel.frozen_shards)
         apply = compiled(apply, compile.enabled)
     else:                        # the loss and the update compiled apart, autograd between them
         one_graph = compile.enabled and not by_block
@@ -261,9 +264,22 @@ def _train_step(loss_fn, optimizer, device_type: str, precision: str, compile: C
         return new, metrics
 
     step = compiled(train_step, compile.enabled) if grad_mode == "func" else train_step
-    if not donate:
-        return step
+    if donate:
+        step = _donating(step)
+    return step if by_layer or not parallel.frozen_shards else _frozen_gathered(step, parallel.frozen_shards)
+
+
+def _donating(step: Callable) -> Callable:
     return lambda state, batch, frozen=None: step(owned(state, frozen), batch, frozen)
+
+
+def _frozen_gathered(step: Callable, frozen_shards: dict) -> Callable:
+    """``step`` taking the frozen inputs ``frozen_shards`` names as this rank's shards: each gathered whole first
+    (``core.parallel.shard.Layout.gather``), for a step that does not gather them block by block."""
+    def gathered(state, batch, frozen=None):
+        whole = {name: layout.gather(frozen[name]) for name, layout in frozen_shards.items()}
+        return step(state, batch, {**frozen, **whole})
+    return gathered
 
 
 def make_eval_step(loss_fn: Callable, *, precision: str = "fp32", compile: bool | Compile = False,

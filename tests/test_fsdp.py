@@ -358,8 +358,8 @@ def _diff(a, b) -> float:
 
 
 def test_sharded_distillation_equals_one_process(corpus, teacher, tmp_path, one_thread):
-    """The student (its learnable temperature too, a 0-d leaf) and the teacher (``teacher_shard=true``) sharded
-    over 2 ranks; the 2 ranks recompute the student's blocks (``remat=true``, each block's layer gathered again for
+    """The student (its learnable temperature too, a 0-d leaf) and the teacher (``teacher_shard=true``, its layers
+    gathered one at a time as it runs) sharded over 2 ranks; the 2 ranks recompute the student's blocks (``remat=true``, each block's layer gathered again for
     its recomputation), the one process does not."""
     common = ["recipe=distill", f"teacher={teacher}", f"data={corpus}", "compile=false", "sample_tokens=0",
               "steps=20", "eval_every=10", "eval_batches=4", "block_size=32", "log_every=5", "clipping=adagc",
@@ -369,6 +369,7 @@ def test_sharded_distillation_equals_one_process(corpus, teacher, tmp_path, one_
     two = torchrun([*common, "batch_size=4", "parallel=fsdp", "teacher_shard=true", "remat=true",
                     f"out={tmp_path / 'two'}"], tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
+    assert "teacher sharded across 2 ranks, gathered one block at a time as it runs" in two.stderr
     one_ck, two_ck = (ckpt.load(tmp_path / n / "final.msgpack") for n in ("one", "two"))
     assert _diff(one_ck["state"]["params"], two_ck["state"]["params"]) < 1e-6
     assert abs(one_ck["val_loss"] - two_ck["val_loss"]) < 1e-6
@@ -578,6 +579,46 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
             assert _diff(plain_metrics, metrics) < within and abs(plain_eval - sharded_eval) < within
         else:     # the model runs on bf16 weights, not fp32 ones cast by autocast: the loss to bf16 rounding
             assert abs(plain_metrics["loss"] - metrics["loss"]) < 1e-3
+
+
+def test_a_sharded_teacher_is_gathered_one_block_at_a_time_as_the_loss_runs_it(one_rank_group, monkeypatch):
+    """``Parallel(frozen_shards={"teacher": layout})`` (``teacher_shard=true``): the eager sharded step gathers the
+    frozen teacher's layers one at a time as the loss runs them, between the student's forward and backward, and
+    backward gathers only the student's again; the step equals the one with the whole teacher handed in. A step that
+    gathers the student whole (one graph, ``torch.func``) gathers the teacher whole before it."""
+    from purestep.core.parallel import shard_blocks
+    from purestep.core.state import init_state
+    from purestep.core.step import make_train_step
+    from purestep.core.tree import clone
+    gathers, gather = [], shard_blocks.Blocks.gather
+    monkeypatch.setattr(shard_blocks.Blocks, "gather",
+                        lambda self, idx, k: gathers.append((self.anchor is None, k)) or gather(self, idx, k))
+    student_cfg = llama.LlamaConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2)
+    teacher_cfg = llama.LlamaConfig(vocab_size=32, d_model=24, n_layers=3, n_heads=2)
+    params, teacher = llama.init(student_cfg, 0), llama.init(teacher_cfg, 1)
+
+    def loss(p, b, frozen, layers=None):
+        with torch.no_grad():
+            target = llama.apply(frozen["teacher"], b["x"], teacher_cfg, layers=layers).softmax(-1)
+        logits = llama.apply(p, b["x"], student_cfg, layers=layers)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1))
+    g = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randint(0, 32, (2, 8), generator=g)}
+    teacher_layout = Layout(teacher, lambda q: (), stacked=stacked_predicate(None), world=1, rank=0,
+                            group=one_rank_group)
+    opt = make_optimizer(OptimizerSpec(lr=1e-2), sharded=True)
+    layout = Layout(params, opt.init, stacked=stacked_predicate(None), world=1, rank=0, group=one_rank_group)
+    runs, shards = [], teacher_layout.shard_params(teacher)
+    for frozen_shards, frozen, mode in (({}, teacher, None), ({"teacher": teacher_layout}, shards, None),
+                                        ({"teacher": teacher_layout}, shards, "func")):
+        gathers.clear()
+        step = make_train_step(loss, opt, gradients=Gradients(mode=mode),
+                               parallel=Parallel(shard=layout, frozen_shards=frozen_shards))
+        runs.append(step(layout.shard(init_state(clone(params), opt)), batch, {"teacher": frozen})[0])
+        if frozen_shards and mode is None:
+            assert gathers == [(True, 0), (True, 1), (True, 2), (False, 0), (False, 1), (False, 0)]
+    assert gathers == []      # the one-graph path (torch.func): both gathered whole before the step
+    assert equal(runs[0], runs[1]) and _diff(runs[0].params, runs[2].params) < 1e-6
 
 
 def _dtensor_update(rank: int, init: str, out: str) -> None:

@@ -203,6 +203,16 @@ class Blocks:
         """The layers of ``tree``: gathered one at a time when it is the stand-ins' tree, else ``unbind``'s."""
         return unstack(tree, self._layers)
 
+    def unstack_with(self, others: list):
+        """:meth:`unstack` for a model that also runs the stand-ins of ``others`` (:class:`Blocks` of frozen inputs:
+        a sharded teacher, ``teacher_shard=true``) in the same pass: each tree's layers gathered by the
+        :class:`Blocks` whose stand-ins it holds, ``unbind``'s for any other tree."""
+        every = [self, *others]
+
+        def layers(leaves: list, spec) -> Optional[_Layers]:
+            return next((found for b in every if (found := b._layers(leaves, spec)) is not None), None)
+        return lambda tree: unstack(tree, layers)
+
     def _layers(self, leaves: list, spec) -> Optional[_Layers]:
         idx = [self.by_id.get(id(t)) for t in leaves]
         if all(j is None for j in idx):
@@ -333,3 +343,4 @@ class Blocks:
         if isinstance(saved, _Saved):
             return saved.layer.tensors()[saved.n].as_strided(*saved.view)
         return saved
+

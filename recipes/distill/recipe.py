@@ -59,7 +59,7 @@ from purestep.core.parallel import distributed
 from purestep.core.parallel.shard import Layout
 from purestep.core.config import ConfigError, UserError, option, same_as, to_dict
 from purestep.core.device import resolve_device
-from purestep.core.step import Compile, make_eval_step
+from purestep.core.step import Compile, make_eval_step, per_block
 from purestep.core.data.documents import DocCorpus
 from purestep.core.io.telemetry import flops_per_token
 from purestep.core.tree import size
@@ -78,7 +78,7 @@ from purestep.recipes.train.config import TrainConfig
 from purestep.recipes.orchestrator.driver import orchestrate
 from purestep.recipes.train import backend, plan, setup
 from purestep.recipes.train.data import check_batch, describe, with_epochs
-from purestep.recipes.train.loop import Loop, Measures, Steps, Validation, build_steps, evaluate, gathering
+from purestep.recipes.train.loop import Loop, Measures, Steps, Validation, build_steps, evaluate
 from purestep.recipes.train.setup import RunSetup, run_folder
 
 DESCRIPTION = "distill a frozen teacher (checkpoint, HF folder, GGUF, smollm2) into a smaller student"
@@ -93,7 +93,8 @@ class Config(TrainConfig):
     teacher: str = teacher_option()
     teacher_dtype: str = teacher_dtype_option()
     teacher_shard: bool = option(False, "parallel=fsdp: shard the frozen teacher across the ranks too (1/N of it "
-                                 "held at rest, gathered for every step's forward); false: each rank holds it whole")
+                                 "held at rest, gathered a block at a time for every step's forward, whole where the "
+                                 "step is one graph); false: each rank holds it whole")
     student: str = option("config", "student: config (model.*), drop_layers (every other teacher layer), "
                                     "shrink (teacher shape, model.* widths)", choices=STUDENTS)
     model: StudentModel = option(StudentModel, "student shape for student=config/shrink")
@@ -273,15 +274,17 @@ def rollout(p: Prepared) -> Optional[OnPolicy]:
 def train_steps(p: Prepared, optimizer) -> Steps:
     """The run's steps (``recipes.train.loop.build_steps``) for ``optimizer``: the run's own (``p.run.optimizer``),
     or a strategy's when the orchestrator switches. The train step rolls out the on-policy rows first
-    (:func:`rollout`) and, with ``teacher_shard``, gathers the teacher from its shards; the eval step is the
+    (:func:`rollout`) and, with ``teacher_shard``, gathers the teacher from its shards (one block at a time where
+    it gathers the student's so, ``core.step.Parallel``); the eval step is the
     student's CE; the batches carry the cursor (and the cached targets) for the objective."""
     cfg, teacher, layout = p.cfg, p.teacher, p.run.layout
     device, params = p.run.state.step.device, standard.full_params(p)
     tcfg = teacher.model.config
     loss_fn = make_loss(cfg, p.student, tcfg, teacher.cache.mode if teacher.cache else "",
                         hidden_targets.pairs(cfg.hidden, p.student, tcfg))
-    steps = build_steps(cfg, loss_fn, optimizer, params, p.data.train, device, p.data.vocab, p.run.dist, layout)
-    train = gathering(on_policy_step(steps.train, rollout(p)), teacher.layout, frozen="teacher")
+    steps = build_steps(cfg, loss_fn, optimizer, params, p.data.train, device, p.data.vocab, p.run.dist, layout,
+                        frozen_shards={"teacher": teacher.layout} if teacher.layout else None)
+    train = on_policy_step(steps.train, rollout(p))
     eval_step = make_eval_step(lambda prm, b, layers=None: llama.loss(prm, b, p.student, layers=layers),
                                precision=cfg.dtype,
                                compile=Compile(backend.eval_compiled(cfg), backend.compile_scope(cfg, params),
@@ -313,8 +316,11 @@ def describe_teacher(p: Prepared) -> str:
     """Where the student's targets come from: the teacher's forward online, or the cache of its outputs."""
     if p.teacher.cache:
         return f"outputs from the {p.teacher.cache.describe()}"
-    return "forward online (frozen, no_grad)" + (f"; teacher sharded across {p.run.dist.world_size} ranks, gathered "
-                                                 f"for every step" if p.teacher.layout else "")
+    if p.teacher.layout is None:
+        return "forward online (frozen, no_grad)"
+    by_block = per_block(p.run.layout, p.cfg.compile, backend.compile_scope(p.cfg, standard.full_params(p)))
+    return (f"forward online (frozen, no_grad); teacher sharded across {p.run.dist.world_size} ranks, gathered "
+            + ("one block at a time as it runs" if by_block else "whole for every step"))
 
 
 def dry_run(cfg: Config) -> str:

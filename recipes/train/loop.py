@@ -111,13 +111,16 @@ def donates(cfg: TrainConfig) -> bool:
 
 
 def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches, device: torch.device,
-                vocab_size: int, dist: Dist = Dist(), layout: Optional[Layout] = None) -> Steps:
+                vocab_size: int, dist: Dist = Dist(), layout: Optional[Layout] = None,
+                frozen_shards: Optional[dict] = None) -> Steps:
     """The train and eval steps every training recipe uses, configured from the common keys.
 
     ``loss_fn(params, batch, key[, frozen])``: precision, accumulation, remat, the spike detector,
     gradient health and fault injection all come from ``cfg``; with several ranks the step averages
     gradients across them (``dist``), or with a ``layout`` (``parallel=fsdp``, ``RunSetup.layout``) takes the
     state as this rank's shards: both steps gather the params, the train step reduce-scatters the gradients.
+    ``frozen_shards`` (``{name: layout}``): the train step's frozen inputs held as shards (a sharded teacher;
+    ``core.step.Parallel``).
     """
     refusal = fused_refusal(cfg, dist.world_size) if cfg.fused else ""   # parallel=auto under torchrun
     if refusal:
@@ -133,24 +136,10 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
                             gradients=Gradients(accum=cfg.grad_accum, remat=cfg.remat),
                             monitors=Monitors(health, cfg.spike if cfg.spike.enabled else None, cfg.skip_nonfinite),
                             parallel=Parallel(dist.all_reduce_mean if dist.enabled and layout is None else None,
-                                              shard=layout))
+                                              shard=layout, frozen_shards=frozen_shards or {}))
     evaluate_step = make_eval_step(loss_fn, precision=cfg.dtype, shard=layout,
                                    compile=Compile(backend.eval_compiled(cfg), scope, mode))
     return Steps(train, evaluate_step, health, batches, layout, per_block(layout, cfg.compile, scope))
-
-
-def gathering(step: Callable, layout: Optional[Layout], frozen: Optional[str] = None) -> Callable:
-    """``step(params, batch, frozen=None)`` (an eval step) taking this rank's shards of ``params`` under ``layout``,
-    or with ``frozen`` a train step ``step(state, batch, inputs)`` taking shards of ``inputs[frozen]`` (a sharded
-    teacher): they are gathered first."""
-    if layout is None:
-        return step
-
-    def sharded(params, batch, inputs=None):
-        if frozen is not None:
-            return step(params, batch, {**inputs, frozen: layout.gather(inputs[frozen])})
-        return step(layout.gather(params), batch, inputs)
-    return sharded
 
 
 @dataclass
