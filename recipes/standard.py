@@ -111,6 +111,8 @@ def prepare_run(cfg: Config, write: bool = True) -> Prepared:
     cfg = with_epochs(cfg, corpus, batches)
     params = cast(start.params, device=device) if start else llama.init(model_cfg, cfg.seed, device=device)
     run_setup = setup.start(cfg, folder if write else None, params, device=device, dist=dist, tokenizer=tok)
+    if start and run_setup.layout is not None:    # parallel=fsdp: only the shards stay alive
+        start = replace(start, params=run_setup.layout.full_shapes())
     return Prepared(cfg, folder, start, model_cfg, Data(corpus, batches, val_batches, vocab), run_setup)
 
 
