@@ -343,4 +343,3 @@ class Blocks:
         if isinstance(saved, _Saved):
             return saved.layer.tensors()[saved.n].as_strided(*saved.view)
         return saved
-
