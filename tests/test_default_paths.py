@@ -381,10 +381,11 @@ def distill_drop(run):
 
 @job
 def distill_fsdp(run):
-    """``distill_drop`` sharded over 2 ranks of half its rows each."""
+    """``distill_drop`` sharded over 2 ranks of half its rows each, the teacher too (``teacher_shard=true``: the one
+    graph's step takes it gathered whole)."""
     run.get("shakes")
     return run(*readme(DISTILL_DROP), "teacher=runs/standard-shakes", "data=shakespeare.txt", *SHORT, *TWENTY,
-               "batch_size=2", "parallel=fsdp", "name=fsdp", ranks=2)
+               "batch_size=2", "parallel=fsdp", "teacher_shard=true", "name=fsdp", ranks=2)
 
 
 @job
@@ -608,6 +609,8 @@ def test_distill_under_torchrun(parallel, run, work):
     out = output(run.get(f"distill_{parallel}"))
     assert "compile=True" in out and f"parallel: {parallel} over 2 ranks" in out
     assert (work / "runs" / f"distill-{parallel}" / "final.msgpack").exists()
+    if parallel == "fsdp":
+        assert "teacher sharded across 2 ranks, gathered whole for every step" in out
     if parallel == "ddp":   # on_policy=0.5: each rank rolled out rows of its own
         rows = [json.loads(line) for line in (work / "runs" / "distill-ddp" / "metrics.jsonl").read_text().splitlines()]
         assert any(r.get("on_policy", 0) > 0 for r in rows)
