@@ -621,6 +621,31 @@ def test_a_sharded_teacher_is_gathered_one_block_at_a_time_as_the_loss_runs_it(o
     assert equal(runs[0], runs[1]) and _diff(runs[0].params, runs[2].params) < 1e-6
 
 
+def test_a_sharded_run_from_init_keeps_only_the_shards_of_the_loaded_params(corpus, tmp_path, monkeypatch):
+    """``recipe=standard init=... parallel=fsdp`` (one rank, as torchrun starts it): once the ranks hold their shards,
+    the loaded model's params are dropped (shapes on the meta device stay for the run's log), not kept whole for the
+    run beside them."""
+    import socket
+    import torch.distributed as dist
+    from purestep.core.config import resolve
+    from purestep.recipes import standard
+    assert main([*TINY, f"data={corpus}", "steps=2", "save_every=0", "eval_every=0", f"out={tmp_path / 'a'}"]) == 0
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for name, value in (("WORLD_SIZE", "1"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    cfg = resolve(standard.Config, overrides={"init": str(tmp_path / "a"), "data": str(corpus), "parallel": "fsdp",
+                                              "compile": "false", "out": str(tmp_path / "b")})
+    try:
+        p = standard.prepare_run(cfg, write=False)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert p.run.layout is not None and p.start is not None
+    assert {t.device.type for t in tree_leaves(p.start.params)} == {"meta"}
+
+
 def _dtensor_update(rank: int, init: str, out: str) -> None:
     """One of 2 spawned gloo ranks of the test below (``on_dtensors``' all-reduces): writes the all-reduce count and the gaps to the plain update (params absolute, metrics relative)."""
     import json
