@@ -206,7 +206,8 @@ def test_each_rank_reads_its_cut_of_a_checkpoint_saved_on_another_mesh(saved, lo
     from purestep.core.state import init_state
     from purestep.core.tree import cast
     cfg = llama.LlamaConfig(vocab_size=61, d_model=24, n_layers=2, n_heads=4)
-    params, opt = llama.init(cfg, 0), make_optimizer(OptimizerSpec(lr=1e-3, clipping="adagc"))
+    params = {**llama.init(cfg, 0), "theta": torch.tensor(2.0)}     # a 0-d leaf: past rank 0, padding only
+    opt = make_optimizer(OptimizerSpec(lr=1e-3, clipping="adagc"))
     state = init_state(params, opt, 0, "fp32")
     state = state._replace(opt_state=tree_map(lambda t: torch.randn_like(t) if t.is_floating_point() else t,
                                               state.opt_state))
