@@ -43,18 +43,15 @@ class LayoutCheckpoints:
         leaf (``state.params.layers.wq``); a piece of padding alone, and another tensor-parallel rank's copy of a leaf
         tensor parallelism leaves whole, are left out."""
         data, boxes = {}, {}
-        for prefix, tree, specs in (("state.params", state.params, self.params),
-                                    ("state.opt_state", state.opt_state, self.opt)):
-            for path, x, spec in _named(tree, specs, prefix):
-                whole_over_tp = self.tensor is not None and spec.tp_dim is None
-                if (spec.dim is None and spec.tp_dim is None) or (whole_over_tp and self.tensor.rank):
-                    continue      # a leaf tensor parallelism leaves whole: its first tp rank's pieces are written
-                box = self._box(spec)
-                if all(box["length"]):
-                    local = x.reshape(spec.local_shape() if spec.dim is not None else box["length"])
-                    data[path] = local.narrow(spec.dim, 0, box["length"][spec.dim]).contiguous() \
-                        if spec.dim is not None else local
-                    boxes[path] = box
+        for path, x, spec in self._sharded_leaves(state):
+            if self.tensor is not None and spec.tp_dim is None and self.tensor.rank:
+                continue      # a leaf tensor parallelism leaves whole: its first tp rank's pieces are written
+            box = self._box(spec)
+            if all(box["length"]):
+                local = x.reshape(spec.local_shape() if spec.dim is not None else box["length"])
+                data[path] = local.narrow(spec.dim, 0, box["length"][spec.dim]).contiguous() \
+                    if spec.dim is not None else local
+                boxes[path] = box
         return data, boxes
 
     def load(self, path, template, device=None) -> dict:
@@ -66,9 +63,16 @@ class LayoutCheckpoints:
 
     def boxes(self, state) -> dict:
         """``{dotted path: box}`` (:meth:`_box`) of every leaf of ``state`` this rank holds a part of."""
-        return {path: self._box(spec) for prefix, tree, specs in (("state.params", state.params, self.params),
-                                                                   ("state.opt_state", state.opt_state, self.opt))
-                for path, _, spec in _named(tree, specs, prefix) if spec.dim is not None or spec.tp_dim is not None}
+        return {path: self._box(spec) for path, _, spec in self._sharded_leaves(state)}
+
+    def _sharded_leaves(self, state):
+        """``(dotted path, leaf, spec)`` of every params and optimizer leaf of ``state`` split across ranks, the path
+        as ``core.io.checkpoint`` names it (``state.params.layers.attn.wq``)."""
+        for prefix, tree, specs in (("state.params", state.params, self.params),
+                                    ("state.opt_state", state.opt_state, self.opt)):
+            for path, x, spec in _named(tree, specs, prefix):
+                if spec.dim is not None or spec.tp_dim is not None:
+                    yield path, x, spec
 
     def boxed(self, state):
         """``state`` (full) with every leaf this rank holds a part of a meta tensor of its box's shape: the template
