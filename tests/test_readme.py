@@ -132,6 +132,12 @@ NOT_RUN = {
     "purestep recipe=export init=runs/smol-mla-4x/surgery": "SmolLM2's MLA student, from a surgery of minutes "
                                                          "(the same export at test size: tests/test_mla.py)",
     "tensorboard --logdir runs": "a server that runs until stopped (the event files it reads: tests/test_board.py)",
+    "torchrun --standalone --nproc_per_node=2 -m purestep recipe=distill teacher=smollm2 data=tinyshakespeare.txt":
+        "SmolLM2 as a sharded teacher, a memory figure (teacher_shard=true at test size: tests/test_fsdp.py)",
+    "torchrun --standalone --nproc_per_node=2 -m purestep recipe=standard init=smollm2":
+        "SmolLM2 under fsdp, a memory figure (init= under fsdp at test size: tests/test_fsdp.py)",
+    "torchrun --standalone --nproc_per_node=4 -m purestep recipe=standard data=tinyshakespeare.txt tokenizer=char":
+        "72M params on 4 ranks, a memory figure (fsdp, fsdp,tp and hsdp at test size: tests/test_fsdp.py)",
     "python - <<'PY'": "writes a 1 GB corpus (the streaming tokenizer at test size: tests/test_jsonl.py)",
     "/usr/bin/time -v python -c": "tokenizes that 1 GB corpus for minutes (tests/test_jsonl.py at test size)",
     "mkdir -p ~/pydoc": "downloads a Debian package",
