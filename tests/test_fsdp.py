@@ -18,7 +18,7 @@ from purestep.models import llama
 from purestep.optim.health import stacked_predicate
 from purestep.recipes import main
 from purestep.recipes.train.optimizer import AdaGCConfig, OptimizerSpec, make_optimizer
-from purestep.core.step import Gradients, Parallel
+from purestep.core.step import Compile, Gradients, Parallel
 from purestep.core.update import Monitors
 from purestep.core.cli.command import merge_args  # noqa: E402 (bin/run refuses a repeated key)
 
@@ -585,8 +585,10 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
 def test_a_sharded_teacher_is_gathered_one_block_at_a_time_as_the_loss_runs_it(one_rank_group, monkeypatch):
     """``Parallel(frozen_shards={"teacher": layout})`` (``teacher_shard=true``): the eager sharded step gathers the
     frozen teacher's layers one at a time as the loss runs them, between the student's forward and backward, and
-    backward gathers only the student's again; the step equals the one with the whole teacher handed in. A step that
-    gathers the student whole (one graph, ``torch.func``) gathers the teacher whole before it."""
+    backward gathers only the student's again; the step equals the one with the whole teacher handed in, and so does
+    the same step with each block compiled (``compile_scope=block``: the same gathers, in the Python loop around the
+    block graphs) its compiled twin with the whole teacher. A step that gathers the student whole (one graph, ``torch.func``) gathers the teacher whole
+    before it."""
     from purestep.core.parallel import shard_blocks
     from purestep.core.state import init_state
     from purestep.core.step import make_train_step
@@ -610,16 +612,21 @@ def test_a_sharded_teacher_is_gathered_one_block_at_a_time_as_the_loss_runs_it(o
     opt = make_optimizer(OptimizerSpec(lr=1e-2), sharded=True)
     layout = Layout(params, opt.init, stacked=stacked_predicate(None), world=1, rank=0, group=one_rank_group)
     runs, shards = [], teacher_layout.shard_params(teacher)
-    for frozen_shards, frozen, mode in (({}, teacher, None), ({"teacher": teacher_layout}, shards, None),
-                                        ({"teacher": teacher_layout}, shards, "func")):
+    sharded = {"teacher": teacher_layout}
+    for frozen_shards, frozen, mode, scope in (({}, teacher, None, None), (sharded, shards, None, None),
+                                               (sharded, shards, "func", None), (sharded, shards, None, "block"),
+                                               ({}, teacher, None, "block")):
         gathers.clear()
         step = make_train_step(loss, opt, gradients=Gradients(mode=mode),
+                               compile=Compile(enabled=scope is not None, scope=scope or "step"),
                                parallel=Parallel(shard=layout, frozen_shards=frozen_shards))
         runs.append(step(layout.shard(init_state(clone(params), opt)), batch, {"teacher": frozen})[0])
-        if frozen_shards and mode is None:
+        if frozen_shards and mode is None:   # eager, and each block compiled (compile_scope=block) alike
             assert gathers == [(True, 0), (True, 1), (True, 2), (False, 0), (False, 1), (False, 0)]
-    assert gathers == []      # the one-graph path (torch.func): both gathered whole before the step
+        if mode == "func":      # the one-graph path: both gathered whole before the step
+            assert gathers == []
     assert equal(runs[0], runs[1]) and _diff(runs[0].params, runs[2].params) < 1e-6
+    assert equal(runs[3], runs[4])     # compiled blocks: the same graphs as with the whole teacher handed in
 
 
 def test_a_sharded_run_from_init_keeps_only_the_shards_of_the_loaded_params(corpus, tmp_path, monkeypatch):
