@@ -585,10 +585,10 @@ def test_the_eager_sharded_step_gathers_one_block_at_a_time_and_keeps_none_for_b
 def test_a_sharded_teacher_is_gathered_one_block_at_a_time_as_the_loss_runs_it(one_rank_group, monkeypatch):
     """``Parallel(frozen_shards={"teacher": layout})`` (``teacher_shard=true``): the eager sharded step gathers the
     frozen teacher's layers one at a time as the loss runs them, between the student's forward and backward, and
-    backward gathers only the student's again; the step equals the one with the whole teacher handed in, and so does
-    the same step with each block compiled (``compile_scope=block``: the same gathers, in the Python loop around the
-    block graphs) its compiled twin with the whole teacher. A step that gathers the student whole (one graph, ``torch.func``) gathers the teacher whole
-    before it."""
+    backward gathers only the student's again; the step equals the one with the whole teacher handed in. With each
+    block compiled (``compile_scope=block``) the gathers are the same, in the Python loop around the block graphs, and
+    the step equals its compiled twin with the whole teacher. A step that gathers the student whole (one graph,
+    ``torch.func``) gathers the teacher whole before it."""
     from purestep.core.parallel import shard_blocks
     from purestep.core.state import init_state
     from purestep.core.step import make_train_step
