@@ -54,3 +54,14 @@ def set_host_memory(mode: str) -> bool:
         return mode == "system"
     _process["mode"] = mode
     return all(libc.mallopt(param, value) == 1 for param, value in _SETTINGS[mode])
+
+
+def release_free_memory() -> bool:
+    """Give the free memory of the heap back to the system (glibc's ``malloc_trim(0)``), so that the resident
+    high-water mark, reset after this, measures what runs next rather than what was freed before (a compile's
+    memory); False where it cannot (not glibc)."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True

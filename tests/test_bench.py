@@ -118,3 +118,21 @@ def test_wall_bench_runs_the_standard_recipes_nanogpt_command():
     args = wall.standard_args(wall.Config(optimizer="muon"), Path("out"))
     assert tuple(a for a in args if a.startswith(("optimizer=", "muon."))) == NANOGPT_MUON
     assert not any(a.startswith("muon.") for a in wall.standard_args(wall.Config(), Path("out")))
+
+
+def test_the_tensors_peak_counts_a_step_s_largest_rise_over_what_lives():
+    """``cpu_allocated_peak_mb``: the live tensors plus the allocator's largest rise during the step (an 8 MiB
+    temporary, freed before a 4 MiB one is made, rises 8 MiB, not 12), against a step that allocates nothing."""
+    import torch
+    from purestep.recipes.bench.common import cpu_allocated_peak_mb
+
+    def temporaries():
+        a = torch.ones(2 * 2**20)          # 8 MiB of float32
+        del a
+        b = torch.ones(2**20)              # 4 MiB
+        return b.sum()
+
+    kept = torch.ones(2**20)               # alive across both calls: counted in each
+    rise = cpu_allocated_peak_mb(temporaries) - cpu_allocated_peak_mb(lambda: None)
+    assert abs(rise - 8.0) < 0.5, rise
+    assert kept.numel() == 2**20

@@ -49,3 +49,9 @@ def test_auto_keeps_host_memory_when_training_on_the_cpu():
     assert backend.host_memory(TrainConfig(), torch.device("cpu")) == "keep"
     assert backend.host_memory(TrainConfig(), torch.device("cuda")) == "system"
     assert backend.host_memory(TrainConfig(host_memory="system"), torch.device("cpu")) == "system"
+
+
+def test_free_heap_memory_goes_back_to_the_system_where_glibc_runs():
+    """``release_free_memory`` (glibc's ``malloc_trim``), before a resident peak is reset (``recipe=bench.step``)."""
+    from purestep.core.host_memory import _glibc, release_free_memory
+    assert release_free_memory() is (_glibc() is not None)

@@ -2,9 +2,9 @@
 and of the timing, and the model and the one random batch every variant steps on."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import gc
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -59,3 +59,28 @@ def warm_up(label: str, cfg: StepBench, params: dict, variants: dict) -> None:
         for _ in range(cfg.warmup):
             step().item()
         progress(f"  warmed up {name:<{width}} in {time.perf_counter() - start:6.1f}s")
+
+
+def cpu_allocated_peak_mb(step) -> float:
+    """The tensors' peak over one call of ``step`` on the CPU, counted as CUDA's ``max_memory_allocated`` counts
+    it: the bytes of every tensor alive at the call's start (the storages of the plain tensors and parameters the
+    garbage collector reaches: params, gradients, optimizer state, the batch) plus the largest rise of torch's CPU
+    allocator during the call (``torch.profiler``'s memory events, compiled graphs' buffers included). Unlike the
+    resident set it leaves out the heap the C library keeps after a free."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
+            try:
+                storage = obj.untyped_storage()
+            except NotImplementedError:    # a torch.func wrapper: the tensor it wraps is counted on its own
+                continue
+            storages[storage.data_ptr()] = storage.nbytes()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = rise = 0
+    for _, nbytes in events:
+        live += nbytes
+        rise = max(rise, live)
+    return (sum(storages.values()) + rise) / 2**20
