@@ -17,7 +17,10 @@ Two gradient engines (``core.gradients``, public pieces of their own) give the s
   and the update is compiled on its own. This is the path for what ``func.grad`` cannot do today,
   activation checkpointing above all (pytorch/pytorch#122729), and the default of an eager step, whose peak
   memory is lower through ``torch.autograd`` than through ``func.grad`` (``recipe=bench.step``; docs/design.md,
-  'The step').
+  'The step'). Compiled, it peaks lower too: AOTAutograd splits the loss's forward from its backward with its
+  min-cut partitioner, which recomputes cheap activations (a norm's output, SwiGLU's product, RoPE'd keys) in the
+  backward, where the one graph of ``func`` keeps every one the backward reads until it is read (inductor plans
+  an inference graph's buffers but recomputes nothing across its matmuls).
 
 ``Compile(scope="step")`` compiles as above; ``"block"`` compiles the model's repeated block once for all
 its layers (``core.compile.BlockCompiler``, handed to the model as ``core.layers.Layers``: regional compilation,
@@ -115,10 +118,14 @@ def _grad_mode(grad_mode: Optional[str], compile: bool, compile_scope: str, rema
     if compile_scope not in COMPILE_SCOPES:
         raise ValueError(f"unknown compile_scope {compile_scope!r}; choose one of {', '.join(COMPILE_SCOPES)}")
     by_block = compile and compile_scope == "block"
-    if remat or by_block or grad_mode is None:
+    if grad_mode is None:
         grad_mode = "func" if compile and not (remat or by_block) else "autograd"
     if grad_mode not in GRAD_MODES:
         raise ValueError(f"unknown grad_mode {grad_mode!r}; choose one of {', '.join(GRAD_MODES)}")
+    if grad_mode == "func" and (remat or by_block):
+        what = "remat" if remat else "Compile(scope='block')"
+        raise ValueError(f"Gradients(mode='func') cannot run with {what}: torch.func.grad takes neither activation "
+                         f"checkpointing nor a compiled region; use mode='autograd' or None")
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
     return grad_mode
@@ -127,8 +134,9 @@ def _grad_mode(grad_mode: Optional[str], compile: bool, compile_scope: str, rema
 @dataclass(frozen=True)
 class Gradients:
     """How a step differentiates its loss. ``mode``: ``"func"`` (``torch.func.grad_and_value`` inside the one
-    graph), ``"autograd"`` (``torch.autograd``; what activation checkpointing needs), None: ``func`` when the step
-    compiles as one graph without ``remat``, else ``autograd``. ``accum`` micro-batches (every batch leaf has a
+    graph), ``"autograd"`` (``torch.autograd``; what activation checkpointing needs; compiled, the loss's forward
+    and backward split by AOTAutograd, a lower peak: module docstring), None: ``func`` when the step compiles as one
+    graph without ``remat``, else ``autograd``. ``accum`` micro-batches (every batch leaf has a
     leading axis of that size) are summed into one update. ``remat``: the loss checkpoints its activations."""
     mode: Optional[str] = None
     accum: int = 1

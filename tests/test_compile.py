@@ -9,7 +9,7 @@ from purestep import optim
 from purestep.core.compile import compile_count
 from purestep.core.state import init_state
 from purestep.core.step import Gradients, make_train_step
-from purestep.core.tree import max_abs_diff
+from purestep.core.tree import max_abs_diff, tree_map
 from purestep.models import llama
 
 CFG = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
@@ -56,3 +56,19 @@ def test_schedule_does_not_recompile_and_matches_eager():
     assert compile_count() - before == 1, "the LR schedule caused a recompile"
     assert len(set(round(lr, 8) for lr in lrs)) == 10  # the LR really changed every step
     assert max_abs_diff(s_eager.params, s_comp.params) < 1e-5
+
+
+def test_the_step_compiled_whole_through_autograd_equals_the_one_graph():
+    """``Gradients(mode="autograd")`` under ``Compile(scope="step")``: the loss a graph of its own, its backward split
+    off by AOTAutograd (recomputing cheap activations: the lower peak, docs/benchmarks.md), the update a graph of
+    its own; the same training as the one ``torch.func`` graph, donated as the recipes run it."""
+    opt = optimizer()
+    params = llama.init(CFG, seed=2)
+    one_graph = make_train_step(loss_fn, opt, compile=True, donate=True, gradients=Gradients(mode="func"))
+    split = make_train_step(loss_fn, opt, compile=True, donate=True, gradients=Gradients(mode="autograd"))
+    s_one, s_split = (init_state(tree_map(torch.clone, params), opt) for _ in range(2))   # each donated
+    for batch in batches(5):
+        s_one, m_one = one_graph(s_one, batch)
+        s_split, m_split = split(s_split, batch)
+        assert abs(m_one["loss"].item() - m_split["loss"].item()) < 1e-5
+    assert max_abs_diff(s_one.params, s_split.params) < 1e-5

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from purestep.core.config import ConfigError
+from purestep.core.config import ConfigError, UserError
 from purestep.core.spike import SpikeConfig
 from purestep.core.state import init_state
 from purestep.core.step import make_train_step
@@ -65,6 +65,29 @@ def test_auto_compile_scope_is_the_one_graph_on_cuda_and_up_to_four_layers():
     assert backend.compile_scope(TrainConfig(compile_scope="step"), params(30)) == "step"
     assert backend.auto_scope(30, "cuda") == "step" and backend.auto_scope(30, "cpu") == "block"
     assert backend.auto_scope(30, "cuda", sharded=True) == "block"
+
+
+def test_grad_mode_picks_the_engine_and_refuses_func_where_it_cannot_run():
+    """``grad_mode=auto``: the one torch.func graph up to 4 layers, the loss's graph and the update's through autograd
+    beyond (a step compiled whole there: CUDA, or compile_scope=step), unless sharded; func is refused by the keys
+    that rule it out, and where ``compile_scope=auto`` chose the block graph for a deep model on the CPU."""
+    def params(layers):
+        return {"embed": torch.zeros(3, 2), "layers": {"wq": torch.zeros(layers, 2, 2)}}
+
+    shallow, deep = params(backend.AUTO_STEP_LAYERS), params(backend.AUTO_STEP_LAYERS + 1)
+    assert backend.grad_mode(TrainConfig(), shallow, "step") is None          # core.step's choice: func
+    assert backend.grad_mode(TrainConfig(), deep, "step") == "autograd"
+    assert backend.grad_mode(TrainConfig(), deep, "block") is None            # autograd, block by block
+    assert backend.grad_mode(TrainConfig(compile=False), deep, "step") is None
+    assert backend.grad_mode(TrainConfig(parallel="fsdp"), deep, "step") is None
+    assert backend.grad_mode(TrainConfig(grad_mode="func", compile_scope="step"), deep, "step") == "func"
+    assert backend.grad_mode(TrainConfig(grad_mode="autograd"), shallow, "step") == "autograd"
+    for keys, why in (({"remat": True}, "remat=true"), ({"compile_scope": "block"}, "compile_scope=block")):
+        with pytest.raises(ConfigError, match=f"grad_mode=func .* which {why}"):
+            TrainConfig(grad_mode="func", **keys)
+    with pytest.raises(UserError, match="grad_mode=func .* compile_scope=auto compiles this model's block"):
+        backend.grad_mode(TrainConfig(grad_mode="func"), deep, "block")
+    assert backend.grad_mode(TrainConfig(grad_mode="func", compile=False), deep, "block") == "func"   # eager
 
 
 def test_step_without_skip_writes_a_non_finite_update():

@@ -9,7 +9,7 @@ from torch import nn
 from purestep import optim
 from purestep.core.module import from_module
 from purestep.core.state import init_state
-from purestep.core.step import Gradients, make_eval_step, make_train_step
+from purestep.core.step import Compile, Gradients, make_eval_step, make_train_step
 from purestep.core.tree import flatten_dict, max_abs_diff, tree_map
 from purestep.models import llama
 
@@ -220,3 +220,12 @@ def test_the_public_pieces_compose_into_make_train_steps_step():
         assert max_abs_diff(by_hand.params, composed.params) == 0 and max_abs_diff(by_hand.opt_state,
                                                                                   composed.opt_state) == 0
         assert {k: v.item() for k, v in mine.items()} == {k: v.item() for k, v in theirs.items()}
+
+
+@pytest.mark.parametrize("gradients,compile", [(Gradients(mode="func", remat=True), False),
+                                               (Gradients(mode="func"), Compile(scope="block"))])
+def test_the_func_engine_refuses_what_it_cannot_run(gradients, compile):
+    """``torch.func.grad`` takes neither activation checkpointing nor a compiled region: asked for either, the step
+    says so rather than differentiating another way."""
+    with pytest.raises(ValueError, match="Gradients\\(mode='func'\\) cannot run with"):
+        make_train_step(loss_fn, optim.sgd(lr=0.1), compile=compile, gradients=gradients)

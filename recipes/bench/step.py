@@ -8,10 +8,12 @@ Four ways to take the same training step on the same Llama and the same batch:
                           ``clip_grad_norm_``, ``torch.optim.AdamW(fused=True)`` (the faster on a CPU)
 - ``plain compiled``     the same with ``torch.compile(module)``: the cross entropy compiled with the model (the
                           optimizer stays eager, the usual way)
-- ``functional eager``   ``core.step.make_train_step`` (``torch.func.grad_and_value``), not compiled
+- ``functional eager``   ``core.step.make_train_step``, not compiled (gradients by ``torch.autograd``)
 - ``functional compiled`` the same step compiled: with ``compile_scope=block`` (the default, as the recipes
-                          run) one block graph shared by every layer plus the update graph; with ``step``
-                          forward, backward, clipping and AdamW in one graph
+                          run on a CPU beyond 4 layers) one block graph shared by every layer plus the update
+                          graph; with ``step`` forward, backward, clipping and AdamW in one graph
+                          (``torch.func``), or with ``grad_mode=autograd`` the loss's graph (its backward split
+                          off by AOTAutograd) and the update's
 
 Both functional variants donate the state (``donate=true``, as the recipes run); ``donate=false`` times the
 pure step. ``fused=true`` (with ``compile=false``) gives the functional eager step torch's fused in-place AdamW, as
@@ -21,7 +23,9 @@ every side.
 
 With ``isolate=true`` (the default) each variant runs alone in a fresh Python process (``python -c`` of
 :func:`measure_variant`), so its peak memory is its own: the child's peak RSS (``getrusage(RUSAGE_SELF)
-.ru_maxrss``, read after its steps; the model, the batch and the imported torch included). The child times
+.ru_maxrss``, read after its steps; the model, the batch and the imported torch included), and its steady
+peak, over the steps after the first: the heap's free memory given back (glibc's ``malloc_trim``, so the first
+step's compile leaves it) and the resident high-water mark reset (Linux; CUDA: the allocator's peak). The child times
 its first step (the compile, for the compiled variants; run even with ``warmup=0``), with torch's compiler
 imported before the timer in every variant, its ``warmup - 1`` further untimed steps, then ``rounds`` rounds of
 ``steps`` steps; the median round is the time per step. The variants run one after the other, so machine noise is
@@ -29,12 +33,15 @@ not shared by them as with ``isolate=false``: there all four are built in this p
 interleaved rounds (A B C D A B C D ...), and the process-wide RSS gives no per-variant memory (its column is then
 empty).
 
-The table gives ms/step, tokens/s, peak MB, and the ratios of time and memory to ``plain eager``. Ratios,
+The table gives ms/step, tokens/s, peak MB, steady MB, on the CPU the tensors' peak over one more step
+(``recipes.bench.common.cpu_allocated_peak_mb``: what CUDA's ``max_memory_allocated`` counts, without the heap the
+C library keeps), and the ratios of time and memory to ``plain eager``. Ratios,
 not bare times, are the result: this machine is shared and noisy. ``preset=100m`` is the ~100M-parameter
 shape (d=768, 12 layers, 12 query / 4 KV heads, 32k vocabulary, batch 2 x 128) with few steps.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -49,10 +56,12 @@ import torch
 
 from purestep import optim
 from purestep.core.config import ConfigError, option
+from purestep.core.host_memory import release_free_memory
 from purestep.core.io.logging import memory_mb, progress, reset_peak_memory
-from purestep.recipes.bench.common import StepBench, model_and_batch, warm_up
+from purestep.recipes.bench.common import StepBench, cpu_allocated_peak_mb, model_and_batch, warm_up
 from purestep.core.state import init_state
-from purestep.core.step import COMPILE_SCOPES, Compile, make_train_step
+from purestep.core.step import COMPILE_SCOPES, Compile, Gradients, make_train_step
+from purestep.recipes.train.backend import GRAD_MODES
 from purestep.models import llama
 from purestep.models.llama_module import LlamaModule, load_params
 from purestep.recipes.bench.plain_run import loss_of
@@ -77,6 +86,10 @@ class Config(StepBench):
                                "as the recipes' fused=true (optim.fused); eager only: needs compile=false")
     compile_scope: str = option("block", "what one graph covers in the functional compiled variant: the whole step, "
                                 "or one block shared by every layer (core.step)", choices=COMPILE_SCOPES)
+    grad_mode: str = option("auto", "the functional variants' gradient engine (core.step.Gradients): func, "
+                            "torch.func in the one graph; autograd, the loss compiled apart with its backward split "
+                            "off by AOTAutograd, the update apart; auto: func compiled with compile_scope=step, else "
+                            "autograd", choices=GRAD_MODES)
     loss_outside: bool = option(False, "also time plain compiled with the cross entropy taken eagerly outside the "
                                        "compiled module (the weaker baseline): 'plain compiled, loss outside'")
 
@@ -84,6 +97,9 @@ class Config(StepBench):
         if self.fused and self.compile:
             raise ConfigError("fused=true is the eager step's (a compiled step's update is fused by inductor "
                               "already): set compile=false")
+        if self.grad_mode == "func" and self.compile and self.compile_scope == "block":
+            raise ConfigError("grad_mode=func runs the whole step as one torch.func graph: with compile=true it needs "
+                              "compile_scope=step (or grad_mode=autograd or auto)")
         if self.loss_outside and not self.compile:
             raise ConfigError("loss_outside=true times plain compiled with the loss outside the compiled module: it "
                               "needs compile=true (eager, inside and outside are the same operations)")
@@ -107,11 +123,11 @@ def _plain(cfg: llama.LlamaConfig, params, batch, compiled: bool, loss_inside: b
     forward = torch.compile(module) if compiled else module
 
     def step():
-        opt.zero_grad(set_to_none=True)
         loss = loss_of(forward, batch["x"], batch["y"], loss_inside)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0, foreach=True)
         opt.step()
+        opt.zero_grad(set_to_none=True)   # nanoGPT's train.py frees the gradients here, right after the step
         return loss.detach()
 
     return step
@@ -123,8 +139,8 @@ def _functional(cfg: llama.LlamaConfig, params, batch, compiled: bool, bench: Co
     else:
         opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3, weight_decay=0.1, mask=None))
     train_step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt,
-                                 compile=Compile(compiled, scope=bench.compile_scope),
-                                 donate=bench.donate)
+                                 compile=Compile(compiled, scope=bench.compile_scope), donate=bench.donate,
+                                 gradients=Gradients(None if bench.grad_mode == "auto" else bench.grad_mode))
     holder = {"state": init_state(params, opt)}
 
     def step():
@@ -177,12 +193,17 @@ def measure_variant(cfg: Config, name: str) -> dict:
     start = time.perf_counter()
     step().item()
     first = time.perf_counter() - start
-    steady = reset_peak_memory(device)   # after the first step: a compile's own memory stays out
+    gc.collect()
+    release_free_memory()                # what the first step freed (its compile) leaves the resident set,
+    steady = reset_peak_memory(device)   # so the peak after it is the steps' own
     for _ in range(cfg.warmup - 1):
         step().item()
     per_step = statistics.median(_time(step, cfg.steps) for _ in range(cfg.rounds))
-    return {"seconds_per_step": per_step, "first_step_s": first, "peak_mb": _peak_mb(device),
-            "steady_mb": memory_mb(device) if steady else None}
+    result = {"seconds_per_step": per_step, "first_step_s": first, "peak_mb": _peak_mb(device),
+              "steady_mb": memory_mb(device) if steady else None}
+    if device.type == "cpu":   # after the timing: one more step, profiled
+        result["allocated_mb"] = cpu_allocated_peak_mb(lambda: step().item())
+    return result
 
 
 def _child_main() -> None:
@@ -213,11 +234,13 @@ def _isolated(cfg: Config) -> dict[str, dict]:
             runs[name].append(r)
             progress(f"  {name} ({repeat + 1}/{cfg.repeats}): first step {r['first_step_s']:.1f}s, "
                      f"{r['seconds_per_step'] * 1e3:.1f} ms/step, peak {r['peak_mb']:,.0f} MB"
-                     + (f", after the first step {r['steady_mb']:,.0f} MB" if r["steady_mb"] else ""))
+                     + (f", after the first step {r['steady_mb']:,.0f} MB" if r["steady_mb"] else "")
+                     + (f", tensors {r['allocated_mb']:,.0f} MB" if r.get("allocated_mb") else ""))
     return {name: {"seconds_per_step": statistics.median(r["seconds_per_step"] for r in rs),
                    "first_step_s": statistics.median(r["first_step_s"] for r in rs),
                    "peak_mb": max(r["peak_mb"] for r in rs),
-                   "steady_mb": None if None in (steady := [r["steady_mb"] for r in rs]) else max(steady)}
+                   "steady_mb": None if None in (steady := [r["steady_mb"] for r in rs]) else max(steady),
+                   "allocated_mb": max((r["allocated_mb"] for r in rs if "allocated_mb" in r), default=None)}
             for name, rs in runs.items()}
 
 
@@ -232,29 +255,34 @@ def _interleaved(cfg: Config) -> dict[str, dict]:
     return {name: {"seconds_per_step": statistics.median(ts)} for name, ts in times.items()}
 
 
+MEMORY = (("peak_mb", "memory_vs_plain_eager", "peak MB"), ("steady_mb", "steady_vs_plain_eager", "steady MB"),
+          ("allocated_mb", "allocated_vs_plain_eager", "tensors MB"))   # key, its ratio's key, its column
+
+
 def _table(cfg: Config, results: dict[str, dict]) -> dict:
     tokens = cfg.batch_size * cfg.block_size
     base = results["plain eager"]
     print()
-    print("| variant | ms/step | tokens/s | peak MB | steady MB | vs plain eager (time) | vs plain eager (peak) "
-          "| vs plain eager (steady) | first step s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| variant | ms/step | tokens/s | " + " | ".join(c for _, _, c in MEMORY) + " | vs plain eager (time) | "
+          + " | ".join(f"vs plain eager ({c.removesuffix(' MB')})" for _, _, c in MEMORY) + " | first step s |")
+    print("|---|" + "---:|" * (4 + 2 * len(MEMORY)))
     rows = {}
     for name, r in results.items():
         t = r["seconds_per_step"]
         rows[name] = {"ms_per_step": t * 1e3, "tokens_per_sec": tokens / t,
                       "ratio_vs_plain_eager": t / base["seconds_per_step"]}
-        cells = {k: ["-", "-"] for k in ("peak_mb", "steady_mb")}
-        for key, ratio in (("peak_mb", "memory_vs_plain_eager"), ("steady_mb", "steady_vs_plain_eager")):
-            if r.get(key) is not None:
+        cells = {key: ["-", "-"] for key, _, _ in MEMORY}
+        for key, ratio, _ in MEMORY:
+            if r.get(key) is not None and base.get(key):
                 rows[name].update({key: r[key], ratio: r[key] / base[key]})
                 cells[key] = [f"{r[key]:,.0f}", f"{r[key] / base[key]:.2f}"]
         first = "-"
         if "first_step_s" in r:
             rows[name]["first_step_s"] = r["first_step_s"]
             first = f"{r['first_step_s']:.1f}"
-        print(f"| {name} | {t * 1e3:.1f} | {tokens / t:,.0f} | {cells['peak_mb'][0]} | {cells['steady_mb'][0]} "
-              f"| {t / base['seconds_per_step']:.2f} | {cells['peak_mb'][1]} | {cells['steady_mb'][1]} | {first} |")
+        print(f"| {name} | {t * 1e3:.1f} | {tokens / t:,.0f} | " + " | ".join(cells[k][0] for k, _, _ in MEMORY)
+              + f" | {t / base['seconds_per_step']:.2f} | " + " | ".join(cells[k][1] for k, _, _ in MEMORY)
+              + f" | {first} |")
     return rows
 
 

@@ -29,27 +29,32 @@ from purestep.core.compile import NO_MIX_ORDER_REDUCTION, cpp_wrapper, describe_
 from purestep.core.host_memory import set_host_memory
 from purestep.core.io.logging import progress
 from purestep.core.parallel.distributed import SHARDED
-from purestep.core.step import COMPILE_SCOPES
+from purestep.core.config import UserError
+from purestep.core.step import COMPILE_SCOPES, GRAD_MODES as STEP_GRAD_MODES
 from purestep.core.tree import named_leaves
 
 SCOPES = ("auto", *COMPILE_SCOPES)
+GRAD_MODES = ("auto", *STEP_GRAD_MODES)
 AUTO_STEP_LAYERS = 4
 EVAL_COMPILES = ("auto", "true", "false")
 EVAL_COMPILE_BATCHES = 1000   # eval_compile=auto compiles the eval step when a run evaluates at least this many
 
 
+def depth(params) -> int:
+    """The number of layers of ``params``: the leading axis of its ``layers.*`` leaves (0 without them)."""
+    return max((leaf.shape[0] for name, leaf in named_leaves(params) if name.split(".")[0] == "layers"
+                and leaf.ndim >= 1), default=0)
+
+
 def compile_scope(cfg, params) -> str:
-    """The ``compile_scope`` of ``core.step`` for ``cfg.compile_scope`` (``auto``: :func:`auto_scope` by the depth
-    of ``params``, the leading axis of its ``layers.*`` leaves, and the device they live on)."""
+    """The ``compile_scope`` of ``core.step`` for ``cfg.compile_scope`` (``auto``: :func:`auto_scope` by the
+    :func:`depth` of ``params`` and the device they live on)."""
     if cfg.compile_scope != "auto":
         return cfg.compile_scope
     if getattr(cfg, "parallel", None) == "fsdp,tp":
         return "block"    # tensor parallel runs on the autograd path (core.step)
-    leaves = named_leaves(params)
-    depth = max((leaf.shape[0] for name, leaf in leaves if name.split(".")[0] == "layers" and leaf.ndim >= 1),
-                default=0)
-    return auto_scope(depth, next((leaf.device.type for _, leaf in leaves), "cpu"),
-                      sharded=getattr(cfg, "parallel", None) in SHARDED)
+    device_type = next((leaf.device.type for _, leaf in named_leaves(params)), "cpu")
+    return auto_scope(depth(params), device_type, sharded=getattr(cfg, "parallel", None) in SHARDED)
 
 
 def auto_scope(depth: int, device_type: str, sharded: bool = False) -> str:
@@ -61,6 +66,31 @@ def auto_scope(depth: int, device_type: str, sharded: bool = False) -> str:
     run apart (``core.step.per_block``)."""
     one_graph = depth <= AUTO_STEP_LAYERS or (device_type == "cuda" and not sharded)
     return "step" if one_graph else "block"
+
+
+def auto_grad_mode(depth: int, scope: str, sharded: bool = False) -> Optional[str]:
+    """``grad_mode=auto``: ``autograd`` for a step compiled whole (``scope``) beyond ``AUTO_STEP_LAYERS`` layers
+    unless the params are sharded, else None (``core.step``'s choice: ``func``, the one graph, when it compiles
+    whole). The one ``torch.func`` graph keeps every activation its backward reads, where AOTAutograd's split of
+    the loss graph recomputes the cheap ones (``core.step``): at GPT-2 small's shape that is the functional step's
+    extra peak over nanoGPT's loop (docs/gpu.md, "Where the one graph's memory goes"). Up to 4 layers, nanoGPT's
+    shakespeare-char shape, the one graph stays."""
+    return "autograd" if scope == "step" and depth > AUTO_STEP_LAYERS and not sharded else None
+
+
+def grad_mode(cfg, params, scope: str) -> Optional[str]:
+    """``core.step.Gradients``' mode for ``cfg.grad_mode`` (``auto``: :func:`auto_grad_mode`). The config refuses
+    ``func`` with the keys that rule it out (``recipes.train.config``); this refuses it where ``compile_scope=auto``
+    chose the block graph (``scope``)."""
+    if not cfg.compile and cfg.grad_mode == "auto":
+        return None
+    if cfg.grad_mode == "auto":
+        return auto_grad_mode(depth(params), scope, sharded=getattr(cfg, "parallel", None) in SHARDED)
+    if cfg.grad_mode == "func" and cfg.compile and scope == "block":
+        raise UserError("grad_mode=func differentiates the whole step in one torch.func graph, and compile_scope=auto "
+                        "compiles this model's block instead (beyond 4 layers on the CPU, sharded params): set "
+                        "compile_scope=step, or grad_mode=autograd or auto")
+    return cfg.grad_mode
 
 
 def eval_compiled(cfg) -> bool:

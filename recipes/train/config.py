@@ -19,7 +19,7 @@ from purestep.core.host_memory import MODES as HOST_MEMORY
 from purestep.core.spike import SpikeConfig
 from purestep.core.gradients import PRECISIONS
 from purestep.optim.schedules import KINDS
-from purestep.recipes.train.backend import EVAL_COMPILES, SCOPES
+from purestep.recipes.train.backend import EVAL_COMPILES, GRAD_MODES, SCOPES
 from purestep.recipes.train.faults import FaultConfig
 from purestep.recipes.train.optimizer import OPTIMIZERS, AdaGCConfig, MuonConfig   # declared with the optimizer factory
 
@@ -59,6 +59,11 @@ class TrainConfig:
     agc_clip: float = option(0.01, "AGC threshold on |grad| / |weight| per unit (clipping=agc; NFNets)", above=0)
     health: bool = option(True, "gradient health statistics per tensor and layer, logged every log_every")
     remat: bool = option(False, "activation checkpointing: recompute block activations in backward")
+    grad_mode: str = option("auto", "how the step differentiates: func (torch.func in the one compiled graph: "
+                            "forward, backward and update fused) or autograd (the loss a graph of its own, whose "
+                            "backward AOTAutograd splits off, recomputing cheap activations instead of keeping them: "
+                            "a lower peak; the update a graph of its own); auto: func where the whole step compiles "
+                            "up to 4 layers, else autograd", choices=GRAD_MODES)
     spike: SpikeConfig = option(SpikeConfig, "loss-spike detection and rollback (PaLM/OPT practice)")
     skip_nonfinite: bool = option(True, "a step whose gradients are not finite leaves the params and optimizer "
                                   "state as they were (false: it writes its NaNs, one select per leaf less)")
@@ -134,6 +139,7 @@ class TrainConfig:
             raise ConfigError(f"optimizer=muon with parallel={self.parallel}: Newton-Schulz orthogonalises whole "
                               f"matrices and fsdp shards them; use parallel=ddp or optimizer=adamw")
         _check_tensor_parallel(self)
+        _check_grad_mode(self)
         if self.checkpoint_shards and self.parallel not in SHARDED:
             raise ConfigError(f"checkpoint_shards=true with parallel={self.parallel}: only a sharded run's ranks hold "
                               f"pieces to write (parallel={', '.join(SHARDED)})")
@@ -150,6 +156,20 @@ class TrainConfig:
         the shared trainer never names one."""
         sections = (getattr(self, f.name) for f in dataclasses.fields(self))
         return tuple(section.run_hook(self) for section in sections if hasattr(section, "run_hook"))
+
+
+def _check_grad_mode(cfg: TrainConfig) -> None:
+    """ConfigErrors for ``grad_mode=func`` where the keys alone rule it out (``remat``, the block graph, tensor
+    parallel); ``compile_scope=auto`` choosing the block graph is told when the step is built
+    (``backend.grad_mode``)."""
+    if cfg.grad_mode != "func":
+        return
+    for bad, why in ((cfg.remat, "remat=true (activation checkpointing needs torch.autograd)"),
+                     (cfg.compile and cfg.compile_scope == "block", "compile_scope=block"),
+                     (cfg.parallel == "fsdp,tp", "parallel=fsdp,tp (torch.func.grad cannot take DTensors)")):
+        if bad:
+            raise ConfigError(f"grad_mode=func differentiates the whole step in one torch.func graph, which {why} "
+                              f"rules out: use grad_mode=autograd or auto")
 
 
 def _check_tensor_parallel(cfg: TrainConfig) -> None:

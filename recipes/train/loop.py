@@ -133,7 +133,7 @@ def build_steps(cfg: TrainConfig, loss_fn: Callable, optimizer, params, batches,
         batches = FaultyBatches(batches, cfg.fault, vocab_size, cfg.seed)
     train = make_train_step(train_loss, optimizer, precision=cfg.dtype,
                             compile=Compile(cfg.compile, scope, mode, backend.cuda_options(cfg)), donate=donates(cfg),
-                            gradients=Gradients(accum=cfg.grad_accum, remat=cfg.remat),
+                            gradients=Gradients(backend.grad_mode(cfg, params, scope), cfg.grad_accum, cfg.remat),
                             monitors=Monitors(health, cfg.spike if cfg.spike.enabled else None, cfg.skip_nonfinite),
                             parallel=Parallel(dist.all_reduce_mean if dist.enabled and layout is None else None,
                                               shard=layout, frozen_shards=frozen_shards or {}))

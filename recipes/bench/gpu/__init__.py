@@ -58,11 +58,11 @@ class Config:
     compile: bool = option(True, "compile (the users' default); false: eager, for a quick look")
     speed_shapes: tuple[str, ...] = option(("124m", "1b"), f"speed shapes, among {', '.join(SHAPES)}")
     speed_variants: tuple[str, ...] = option(("functional", "plain"), "what the speed section times: functional (the "
-                                             "recipes' compile scope), plain (the cross entropy compiled with the "
-                                             "module, as nanoGPT's forward returns the loss), functional_step (one "
-                                             "graph at any depth), functional_block (one block graph for every "
-                                             "layer), plain_loss_outside (plain with the cross entropy taken eagerly "
-                                             "on the compiled module's logits)")
+                                             "recipes' compile scope and grad_mode), plain (the cross entropy "
+                                             "compiled with the module, as nanoGPT's forward returns the loss), "
+                                             "functional_step (one torch.func graph at any depth), functional_block "
+                                             "(one block graph for every layer), plain_loss_outside (plain with the "
+                                             "cross entropy taken eagerly on the compiled module's logits)")
     speed_steps: int = option(10, "timed steps per speed variant", min=1)
     speed_warmup: int = option(3, "untimed steps per speed variant (the first compiles)", min=1)
     speed_profile: bool = option(False, "profile two more steps per speed variant: device busy time against wall "

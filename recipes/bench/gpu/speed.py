@@ -3,7 +3,8 @@ the same batch, in one process, and the card's bf16 matmul peak measured in the 
 
 - ``functional``: ``core.step.make_train_step`` over ``llama.loss`` with ``optim.chain(clip_by_global_norm(1.0),
   adamw(weight_decay=0.1))``, bf16 autocast over fp32 master weights, compiled with the recipes' ``compile_scope``
-  rule (``recipes.train.backend.auto_scope``: one graph on CUDA; on a CPU one block graph beyond 4 layers), the
+  rule (``recipes.train.backend.auto_scope``: the whole step on CUDA; on a CPU one block graph beyond 4 layers) and
+  ``grad_mode`` rule (``auto_grad_mode``: beyond 4 layers the loss's graph and the update's, through autograd), the
   state donated, as ``purestep`` runs it.
 - ``plain``: ``models.llama_module.LlamaModule`` (the same weights) under ``torch.compile(module)`` called as
   nanoGPT's ``model(X, Y)``, so the cross entropy is compiled with the module, bf16 autocast, ``loss.backward()``,
@@ -28,13 +29,13 @@ import torch.nn.functional as F
 
 from purestep import optim
 from purestep.core.state import init_state
-from purestep.core.step import Compile, make_train_step
+from purestep.core.step import Compile, Gradients, make_train_step
 from purestep.core.io.telemetry import GPU_PEAK_FLOPS, flops_per_token
 from purestep.core.tree import size
 from purestep.models import llama
 from purestep.models.llama_module import LlamaModule, load_params
 from purestep.recipes.bench.gpu.report import Report
-from purestep.recipes.train.backend import auto_scope
+from purestep.recipes.train.backend import auto_grad_mode, auto_scope
 
 
 @dataclass(frozen=True)
@@ -79,18 +80,19 @@ def _batch(cfg: llama.LlamaConfig, shape: Shape, device: torch.device) -> dict:
     return {"x": tok[:, :-1].contiguous(), "y": tok[:, 1:].contiguous()}
 
 
-def _functional(cfg, params, batch, device, compile, scope=None):
+def _functional(cfg, params, batch, device, compile, scope=None, grad_mode=None):
     opt = optim.chain(optim.clip_by_global_norm(CLIP), optim.adamw(lr=LR, weight_decay=WEIGHT_DECAY))
+    grad_mode = grad_mode or (None if scope else auto_grad_mode(cfg.n_layers, auto_scope(cfg.n_layers, device.type)))
     scope = scope or auto_scope(cfg.n_layers, device.type)
     precision = "bf16" if device.type == "cuda" else "fp32"
     step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt, precision=precision,
-                           compile=Compile(compile, scope=scope), donate=True)
+                           compile=Compile(compile, scope=scope), donate=True, gradients=Gradients(grad_mode))
     holder = {"state": init_state(params, opt, precision=precision)}
 
     def run():
         holder["state"], metrics = step(holder["state"], batch)
         return metrics["loss"]
-    return run, f"make_train_step, compile_scope={scope}, donated"
+    return run, f"make_train_step, compile_scope={scope}{', grad_mode=' + grad_mode if grad_mode else ''}, donated"
 
 
 def _plain(cfg, params, batch, device, compile, loss_inside: bool = True):
@@ -119,7 +121,7 @@ def _plain(cfg, params, batch, device, compile, loss_inside: bool = True):
 
 
 VARIANTS = {"functional": _functional, "plain": _plain,     # functional: the recipes' compile_scope=auto
-            "functional_step": lambda *args: _functional(*args, scope="step"),     # one graph at any depth
+            "functional_step": lambda *args: _functional(*args, scope="step", grad_mode="func"),  # one graph, any depth
             "functional_block": lambda *args: _functional(*args, scope="block"),   # one block graph for every layer
             "plain_loss_outside": lambda *args: _plain(*args, loss_inside=False)}  # the loss eager, on the logits
 
