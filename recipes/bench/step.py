@@ -61,7 +61,7 @@ from purestep.core.io.logging import memory_mb, progress, reset_peak_memory
 from purestep.recipes.bench.common import StepBench, cpu_allocated_peak_mb, model_and_batch, warm_up
 from purestep.core.state import init_state
 from purestep.core.step import COMPILE_SCOPES, Compile, Gradients, make_train_step
-from purestep.recipes.train.backend import GRAD_MODES
+from purestep.recipes.train.backend import GRAD_MODES, auto_grad_mode
 from purestep.models import llama
 from purestep.models.llama_module import LlamaModule, load_params
 from purestep.recipes.bench.plain_run import loss_of
@@ -88,8 +88,8 @@ class Config(StepBench):
                                 "or one block shared by every layer (core.step)", choices=COMPILE_SCOPES)
     grad_mode: str = option("auto", "the functional variants' gradient engine (core.step.Gradients): func, "
                             "torch.func in the one graph; autograd, the loss compiled apart with its backward split "
-                            "off by AOTAutograd, the update apart; auto: func compiled with compile_scope=step, else "
-                            "autograd", choices=GRAD_MODES)
+                            "off by AOTAutograd, the update apart; auto: as the recipes choose (func for the whole "
+                            "step up to 4 layers, else autograd)", choices=GRAD_MODES)
     loss_outside: bool = option(False, "also time plain compiled with the cross entropy taken eagerly outside the "
                                        "compiled module (the weaker baseline): 'plain compiled, loss outside'")
 
@@ -140,7 +140,7 @@ def _functional(cfg: llama.LlamaConfig, params, batch, compiled: bool, bench: Co
         opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr=1e-3, weight_decay=0.1, mask=None))
     train_step = make_train_step(lambda p, b, layers=None: llama.loss(p, b, cfg, layers=layers), opt,
                                  compile=Compile(compiled, scope=bench.compile_scope), donate=bench.donate,
-                                 gradients=Gradients(None if bench.grad_mode == "auto" else bench.grad_mode))
+                                 gradients=Gradients(_grad_mode(bench, cfg, compiled)))
     holder = {"state": init_state(params, opt)}
 
     def step():
@@ -148,6 +148,13 @@ def _functional(cfg: llama.LlamaConfig, params, batch, compiled: bool, bench: Co
         return metrics["loss"]
 
     return step
+
+
+def _grad_mode(bench: Config, cfg: llama.LlamaConfig, compiled: bool):
+    """The functional variant's ``core.step.Gradients`` mode: ``bench.grad_mode``, or as the recipes choose."""
+    if bench.grad_mode != "auto":
+        return bench.grad_mode
+    return auto_grad_mode(cfg.n_layers, bench.compile_scope) if compiled else None
 
 
 def _time(step, n: int) -> float:
