@@ -190,15 +190,22 @@ def corpus(tmp_path):
 @pytest.mark.usefixtures("token_cache")   # tests/conftest.py
 def test_standard_run_with_fused_equals_the_run_without(corpus, tmp_path):
     """``recipe=standard preset=tiny steps=3 compile=false fused=true`` trains, and its final state is the unfused
-    run's to float32 rounding."""
+    run's to float32 rounding: params and optimizer state to 1e-6; the spike monitor's z-scores, a loss's distance
+    from its running mean over a standard deviation of three steps, amplify that rounding (4.4e-6 on an AMD EPYC box,
+    where torch's fused AdamW kernel rounds otherwise than on the Intel ones), so they are compared relatively."""
     from purestep.core.io import checkpoint as ckpt
-    from purestep.core.tree import tree_leaves
+    from purestep.core.tree import named_leaves
     from purestep.recipes import main
     finals = []
     for fused in ("true", "false"):
         out = tmp_path / f"fused-{fused}"
         assert main(["recipe=standard", "preset=tiny", "steps=3", "compile=false", f"fused={fused}",
                      f"data={corpus}", f"out={out}", "eval_every=0", "eval_batches=1", "sample_tokens=0"]) == 0
-        finals.append(tree_leaves(ckpt.load(out / "final.msgpack")["state"]))
-    assert len(finals[0]) == len(finals[1])
-    assert max(float((a.double() - b.double()).abs().max()) for a, b in zip(*finals) if a.is_floating_point()) < 1e-6
+        finals.append(dict(named_leaves(ckpt.load(out / "final.msgpack")["state"])))
+    assert finals[0].keys() == finals[1].keys()
+    for name, a in finals[0].items():
+        if a.is_floating_point():
+            a, b = a.double(), finals[1][name].double()
+            trained = name.split(".")[0] in ("params", "opt_state")
+            bound = 1e-6 if trained else 1e-5 * max(1.0, float(a.abs().max()))
+            assert float((a - b).abs().max()) < bound, name
